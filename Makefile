@@ -1,0 +1,41 @@
+# kdamesh: two commands on a fresh machine.
+#   make serve   — the whole mesh on localhost with the embedded defaults
+#   make test    — the test suite
+# Both install into .venv first (torch pinned to the CPU wheel 2.13.0, installed before the project).
+
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+LLMC_VERSION ?= 0.14.0.1
+
+.PHONY: install test test-fast serve bench clean protos
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The official Kimi K3 reference code (test-only). It pins an older transformers: no deps.
+	$(BIN)/python -m pip install -q --no-deps llmcompressor==$(LLMC_VERSION)
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest tests
+
+test-fast: install
+	$(BIN)/python -m pytest tests/unit -x
+
+serve: install
+	$(BIN)/kdamesh up
+
+bench: install
+	$(BIN)/python -m bench.run_all
+
+protos: install
+	$(BIN)/python -m protos.build
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""engine.model: config parsing, the one DecoderLayer, the model, the loader and generated checkpoints."""

@@ -1,0 +1,103 @@
+"""What one model step reads and writes: the packed token batch and the cache tensors.
+
+Contract:
+- `ForwardBatch` packs N sequences' new tokens back to back (no padding). Sequence n has `query_lens[n]` new tokens,
+  which are its last positions: `seq_lens[n] - query_lens[n] … seq_lens[n] - 1`. Before the step, the MLA cache
+  already holds that sequence's earlier tokens in the blocks of `block_tables[n]`, and state slot `state_indices[n]`
+  holds its KDA conv window and recurrent state after `seq_lens[n] - query_lens[n]` tokens (zeros for a fresh one).
+- After `KimiModel.forward`, the MLA latents of the new tokens are written at `slot_mapping` and the state slot holds
+  the state after all `seq_lens[n]` tokens. Nothing else in the cache is touched.
+- `CacheTensors` holds per-layer tensors only; which blocks and slots belong to whom is the engine's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.config import ModelConfig
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64, the new tokens of all sequences, packed
+    cu_seqlens: torch.Tensor  # [N+1] int64, offsets of each sequence's new tokens in input_ids
+    seq_lens: torch.Tensor  # [N] int64, tokens in the context after this step (cached + new)
+    block_tables: torch.Tensor  # [N, max_blocks] int32, MLA cache blocks per sequence
+    slot_mapping: torch.Tensor  # [T] int64, block * block_size + offset of each new token
+    state_indices: torch.Tensor  # [N] int64, KDA state slot per sequence
+    logits_indices: torch.Tensor | None = None  # [L] int64 rows of input_ids to score; None: last of each sequence
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]  # [N]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every sequence adds exactly one token: the single-step kernels apply."""
+        return self.num_tokens == self.num_seqs
+
+    def last_token_indices(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - 1  # [N]
+
+    def to(self, device: torch.device) -> "ForwardBatch":
+        moved = {name: (None if t is None else t.to(device)) for name, t in vars(self).items()}
+        return ForwardBatch(**moved)
+
+
+@dataclass
+class CacheTensors:
+    """Per-layer cache storage, indexed by the model's layer index."""
+
+    block_size: int
+    kv: dict[int, torch.Tensor]  # MLA layer -> [num_blocks, block_size, kv_lora + rope]
+    conv: dict[int, torch.Tensor]  # KDA layer -> [num_slots, 3*H*D, conv_kernel - 1]
+    recurrent: dict[int, torch.Tensor]  # KDA layer -> [num_slots, H, D, D] fp32
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> "CacheTensors":
+        kv = {i: torch.zeros(num_blocks, block_size, config.mla.cache_dim, dtype=dtype, device=device)
+              for i in config.mla_layer_ids}
+        conv, recurrent = {}, {}
+        if config.kda is not None:
+            k = config.kda
+            width = 3 * k.num_heads * k.head_dim
+            for i in config.kda_layer_ids:
+                conv[i] = torch.zeros(num_slots, width, k.conv_kernel_size - 1, dtype=dtype, device=device)
+                recurrent[i] = torch.zeros(num_slots, k.num_heads, k.head_dim, k.head_dim,
+                                           dtype=torch.float32, device=device)
+        return cls(block_size=block_size, kv=kv, conv=conv, recurrent=recurrent)
+
+    def zero_slots(self, slots: torch.Tensor) -> None:
+        """Resets KDA state slots for fresh sequences."""
+        for t in list(self.conv.values()) + list(self.recurrent.values()):
+            t[slots] = 0
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        for t in list(self.conv.values()) + list(self.recurrent.values()):
+            t[dst].copy_(t[src])
+
+
+def bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    """MLA cache bytes one token of context costs across all layers."""
+    return len(config.mla_layer_ids) * config.mla.cache_dim * dtype_bytes
+
+
+def bytes_per_state(config: ModelConfig, dtype_bytes: int) -> int:
+    """KDA bytes one request's state slot costs across all layers (conv window in model dtype, state in fp32)."""
+    if config.kda is None:
+        return 0
+    k = config.kda
+    conv = 3 * k.num_heads * k.head_dim * (k.conv_kernel_size - 1) * dtype_bytes
+    rec = k.num_heads * k.head_dim * k.head_dim * 4
+    return len(config.kda_layer_ids) * (conv + rec)

@@ -1,0 +1,84 @@
+"""`kdamesh make-checkpoint`: random, seeded checkpoints in the official folder layouts.
+
+Contract: `make_checkpoint(preset, out_dir)` writes `config.json` (released layout), `generation_config.json`
+(stopping on the end-of-message token), `*.safetensors` under the official names (sharded with an index above
+`max_shard_bytes`), and the tokenizer (`tiktoken.model` + `tokenizer_config.json`). The same preset and seed give
+the same bytes. K3 presets can write routed experts as MXFP4 (`experts_format="mxfp4"`), as released.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.model.config import ModelConfig
+from engine.model.init import init_random_weights
+from engine.model.loader import DTYPES, build_empty_model, save_weights
+from engine.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from engine.model.presets import EOS_ID, preset_config
+
+logger = logging.getLogger(__name__)
+
+EXPERT_FORMATS = ("dense", "mxfp4")
+
+
+def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str = "float32",
+                    max_shard_bytes: int = 2 << 30, experts_format: str = "dense") -> Path:
+    if experts_format not in EXPERT_FORMATS:
+        raise ValueError(f"experts_format {experts_format!r}: expected one of {EXPERT_FORMATS}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = preset_config(preset)
+    if experts_format == "mxfp4":
+        _declare_mxfp4(raw)
+    config = ModelConfig.from_dict(raw)
+    model = build_empty_model(config, torch.float32, "cpu")
+    init_random_weights(model, seed=seed)
+    if experts_format == "mxfp4":
+        _round_experts_to_mxfp4(model)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(_generation_config(raw), indent=2) + "\n")
+    save_weights(model, out, dtype=DTYPES[dtype], max_shard_bytes=max_shard_bytes,
+                 experts_mxfp4=experts_format == "mxfp4")
+    _write_tokenizer(out, config.family)
+    logger.info("wrote %s checkpoint (%s parameters) to %s", preset, f"{count_parameters(model):,}", out)
+    return out
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _generation_config(raw: dict) -> dict:
+    return {"bos_token_id": raw.get("bos_token_id"), "eos_token_id": [EOS_ID], "pad_token_id": raw.get("pad_token_id"),
+            "do_sample": False, "_from_model_config": True}
+
+
+def _declare_mxfp4(raw: dict) -> None:
+    text = raw.get("text_config", raw)
+    text["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "targets": [r"re:.*experts\.\d+\.w[123]$"],
+                                      "weights": {"num_bits": 4, "type": "float", "group_size": 32,
+                                                  "strategy": "group", "scale_dtype": "uint8"}}},
+        "ignore": ["lm_head"],
+    }
+
+
+def _round_experts_to_mxfp4(model: torch.nn.Module) -> None:
+    """Replaces expert weights by their MXFP4 values so the written checkpoint is exactly what the model holds."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts.w" in name:
+                for e in range(param.shape[0]):
+                    param.data[e] = dequantize_mxfp4(*quantize_mxfp4(param.data[e]))
+
+
+def _write_tokenizer(out: Path, family: str) -> None:
+    from engine.tokenizer_build import write_tokenizer
+
+    write_tokenizer(out, family)

@@ -1,0 +1,65 @@
+"""`KimiForCausalLM`: the whole text model of both families, driven by `ForwardBatch` steps.
+
+Contract:
+- `forward(batch, cache)` runs one step for a packed batch (prefill chunks, decodes, or a mix), writes the new
+  tokens' MLA latents and the KDA states in place (see engine/model/batch.py) and returns fp32 logits `[L, vocab]`
+  for the rows `batch.logits_indices` (default: the last new token of each sequence).
+- Parameter names equal the official checkpoint names minus the family's `weight_prefix`, except stacked experts
+  (see engine/model/layers.py); `engine.model.loader` maps between the two.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.batch import CacheTensors, ForwardBatch
+from engine.model.config import ModelConfig
+from engine.model.layers import DecoderLayer, RMSNorm, ResidualStream, _linear, attn_res_mix
+
+
+class KimiTextModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.layers = nn.ModuleList([DecoderLayer(config, spec) for spec in config.layers])
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        if config.attn_res_block_size:
+            self.output_attn_res_norm = RMSNorm(d, config.rms_norm_eps)
+            self.output_attn_res_proj = _linear(d, 1)
+
+    def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        stream = ResidualStream(self.embed_tokens(batch.input_ids))  # [T, D]
+        for layer in self.layers:
+            layer(stream, batch, cache)
+        hidden = stream.hidden
+        if self.config.attn_res_block_size:
+            hidden = attn_res_mix(stream.blocks, hidden, self.output_attn_res_norm.weight,
+                                  self.output_attn_res_proj.weight, self.config.rms_norm_eps)
+        return self.norm(hidden)  # [T, D]
+
+
+class KimiForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = KimiTextModel(config)
+        self.lm_head = _linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        hidden = self.model(batch, cache)  # [T, D]
+        rows = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
+        return self.lm_head(hidden[rows]).float()  # [L, V]

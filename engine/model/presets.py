@@ -1,0 +1,166 @@
+"""Preset configs for generated checkpoints, written exactly in the released `config.json` layouts.
+
+Contract: `preset_config(name)` returns the dict that goes to `config.json` (a `kimi_linear` config, or a `kimi_k3`
+wrapper with `text_config` and `vision_config`). Token ids follow the released offsets from the tokenizer's base
+vocabulary: bos = base+0, eos/end-of-message = base+2, media placeholder = base+21, pad = base+255.
+"""
+
+from __future__ import annotations
+
+import copy
+
+NUM_BASE_TOKENS = 7936  # generated tokenizer ranks; + 256 specials = vocab 8192
+VOCAB_SIZE = NUM_BASE_TOKENS + 256
+BOS_ID, EOS_ID = NUM_BASE_TOKENS, NUM_BASE_TOKENS + 2
+MEDIA_ID, PAD_ID = NUM_BASE_TOKENS + 21, NUM_BASE_TOKENS + 255
+
+
+def _kimi_linear(hidden: int, layers: int, mla_layers: list[int], kda_heads: int, kda_head_dim: int,
+                 mla_heads: int, kv_lora: int, nope: int, rope: int, v_dim: int, experts: int, top_k: int,
+                 shared: int, moe_inter: int, inter: int, groups: int = 1, topk_group: int = 1) -> dict:
+    """A `kimi_linear` config.json with the released field names; `mla_layers` are 1-based."""
+    kda_layers = [i for i in range(1, layers + 1) if i not in mla_layers]
+    return {
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "dtype": "float32",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": mla_heads,
+        "num_key_value_heads": mla_heads,
+        "head_dim": kv_lora + rope,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "initializer_range": 0.02,
+        "model_max_length": 1048576,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "q_lora_rank": None,
+        "kv_lora_rank": kv_lora,
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": v_dim,
+        "mla_use_nope": True,
+        "num_experts": experts,
+        "num_experts_per_token": top_k,
+        "num_shared_experts": shared,
+        "moe_intermediate_size": moe_inter,
+        "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid",
+        "routed_scaling_factor": 2.446,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "use_grouped_topk": True,
+        "num_expert_group": groups,
+        "topk_group": topk_group,
+        "num_nextn_predict_layers": 0,
+        "linear_attn_config": {
+            "full_attn_layers": mla_layers,
+            "kda_layers": kda_layers,
+            "num_heads": kda_heads,
+            "head_dim": kda_head_dim,
+            "short_conv_kernel_size": 4,
+        },
+    }
+
+
+def _kimi_k3(text: dict, q_lora: int, latent: int, block_size: int) -> dict:
+    """Wraps a text config in the released `kimi_k3` layout with the K3 forms switched on."""
+    text = copy.deepcopy(text)
+    text.update({
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "q_lora_rank": q_lora,
+        "mla_use_output_gate": True,
+        "attn_res_block_size": block_size,
+        "routed_expert_hidden_size": latent,
+        "latent_moe_use_norm": True,
+        "topk_method": "noaux_tc",
+    })
+    text.pop("architectures", None)
+    text["linear_attn_config"].update({"gate_lower_bound": -5.0, "use_full_rank_gate": True})
+    return {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "dtype": "float32",
+        "media_placeholder_token_id": MEDIA_ID,
+        "pad_token_id": PAD_ID,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "text_config": text,
+        "vision_config": {
+            "patch_size": 14, "vt_hidden_size": 64, "vt_num_hidden_layers": 1, "vt_num_attention_heads": 2,
+            "vt_intermediate_size": 128, "merge_kernel_size": [2, 2], "mm_projector_type": "patchmergerv2",
+            "text_hidden_size": text["hidden_size"], "media_placeholder_token_id": MEDIA_ID,
+        },
+    }
+
+
+def _tiny_linear() -> dict:
+    return _kimi_linear(hidden=64, layers=4, mla_layers=[4], kda_heads=2, kda_head_dim=32, mla_heads=2,
+                        kv_lora=32, nope=16, rope=8, v_dim=16, experts=8, top_k=2, shared=1, moe_inter=32,
+                        inter=128, groups=4, topk_group=2)
+
+
+def _small_linear() -> dict:
+    return _kimi_linear(hidden=768, layers=8, mla_layers=[4, 8], kda_heads=6, kda_head_dim=128, mla_heads=12,
+                        kv_lora=256, nope=64, rope=32, v_dim=64, experts=32, top_k=4, shared=1, moe_inter=256,
+                        inter=2048)
+
+
+def _linear_48b_pattern() -> dict:
+    """The released Kimi-Linear-48B layer pattern (27 layers, MLA at 4, 8, …, 24, 27) at test width."""
+    return _kimi_linear(hidden=32, layers=27, mla_layers=[4, 8, 12, 16, 20, 24, 27], kda_heads=2, kda_head_dim=16,
+                        mla_heads=2, kv_lora=16, nope=8, rope=8, v_dim=8, experts=4, top_k=2, shared=1,
+                        moe_inter=16, inter=64)
+
+
+def _tiny_k3() -> dict:
+    return _kimi_k3(_kimi_linear(hidden=64, layers=4, mla_layers=[4], kda_heads=2, kda_head_dim=32, mla_heads=2,
+                                 kv_lora=32, nope=16, rope=8, v_dim=16, experts=8, top_k=2, shared=1, moe_inter=32,
+                                 inter=128, groups=4, topk_group=2),
+                    q_lora=32, latent=32, block_size=2)
+
+
+def _small_k3() -> dict:
+    return _kimi_k3(_kimi_linear(hidden=768, layers=8, mla_layers=[4, 8], kda_heads=6, kda_head_dim=128,
+                                 mla_heads=12, kv_lora=256, nope=64, rope=32, v_dim=64, experts=32, top_k=4,
+                                 shared=2, moe_inter=256, inter=2048),
+                    q_lora=384, latent=384, block_size=4)
+
+
+def _k3_93_pattern() -> dict:
+    """The released K3 layer pattern (93 layers, MLA at 0-based 3, 7, …, 91 and 92; blocks of 12) at test width."""
+    mla_one_based = [i + 1 for i in range(3, 92, 4)] + [93]
+    return _kimi_k3(_kimi_linear(hidden=32, layers=93, mla_layers=mla_one_based, kda_heads=2, kda_head_dim=16,
+                                 mla_heads=2, kv_lora=16, nope=8, rope=8, v_dim=8, experts=4, top_k=2, shared=2,
+                                 moe_inter=32, inter=64),
+                    q_lora=16, latent=32, block_size=12)
+
+
+PRESETS = {
+    "tiny-linear": _tiny_linear,
+    "small-linear": _small_linear,
+    "linear-48b-pattern": _linear_48b_pattern,
+    "tiny-k3": _tiny_k3,
+    "small-k3": _small_k3,
+    "k3-93-pattern": _k3_93_pattern,
+}
+
+
+def preset_config(name: str) -> dict:
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+def preset_family(name: str) -> str:
+    return preset_config(name)["model_type"]

@@ -1,0 +1,145 @@
+"""Kernel backend registry: one place that decides which implementation of an op runs.
+
+Contract:
+- Every op has a `torch` implementation (runs anywhere). Faster backends (`triton`, `flashinfer`) register the ops
+  they have; an op a backend lacks falls back to the next backend in the preference list with one warning.
+- Preference by device: CUDA → flashinfer, triton, torch; ROCm → triton, torch; CPU → torch (Triton runs on CPU
+  only in interpreter mode, `TRITON_INTERPRET=1`, which is for tests, so it is never picked implicitly).
+- `KDAMESH_KERNEL_BACKEND=torch|triton|flashinfer` forces a backend first in the list (falling back per op when the
+  forced backend lacks that op or cannot run here, with a warning).
+- The choice is logged once per (op, device type).
+- Implementations are registered as import paths and imported lazily, so importing the registry never imports
+  triton or flashinfer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from functools import cache
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("torch", "triton", "flashinfer")
+ENV_FORCE = "KDAMESH_KERNEL_BACKEND"
+
+# op name -> backend -> "module:function"
+_IMPLS: dict[str, dict[str, str]] = {
+    "kda_prefill": {
+        "torch": "kernels.kda.chunked:kda_prefill_pooled",
+        "triton": "kernels.kda.triton_chunked:kda_prefill_pooled",
+    },
+    "kda_decode": {
+        "torch": "kernels.kda.recurrent:kda_decode_pooled",
+        "triton": "kernels.kda.triton_recurrent:kda_decode_pooled",
+    },
+    "conv_prefill": {
+        "torch": "kernels.conv.torch_ops:causal_conv1d_prefill",
+        "triton": "kernels.conv.triton_ops:causal_conv1d_prefill",
+    },
+    "conv_decode": {
+        "torch": "kernels.conv.torch_ops:causal_conv1d_decode",
+        "triton": "kernels.conv.triton_ops:causal_conv1d_decode",
+    },
+    "mla_attention": {
+        "torch": "kernels.attention.torch_paged:mla_paged_attention",
+        "triton": "kernels.attention.triton_paged:mla_paged_attention",
+        "flashinfer": "kernels.attention.flashinfer_mla:mla_paged_attention",
+    },
+    "moe_experts": {
+        "torch": "kernels.moe.grouped:moe_experts_grouped",
+    },
+}
+
+
+def register(op: str, backend: str, target: str) -> None:
+    """Registers `target` ("module:function") as `backend`'s implementation of `op`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
+    _IMPLS.setdefault(op, {})[backend] = target
+
+
+def backend_available(backend: str, device_type: str) -> bool:
+    """Whether `backend` can run on a device of `device_type` here (import and device checks only)."""
+    if backend == "torch":
+        return True
+    if backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            return False
+        return device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "flashinfer":
+        return device_type == "cuda" and torch.version.cuda is not None and _flashinfer_importable()
+    return False
+
+
+@cache
+def _flashinfer_importable() -> bool:
+    try:
+        importlib.import_module("flashinfer")
+    except Exception:  # noqa: BLE001 - any import failure means "not here"
+        return False
+    return True
+
+
+def preference(device_type: str) -> list[str]:
+    """Backends to try, best first, for a device type (after the environment override)."""
+    if device_type == "cuda" and torch.version.hip is None:
+        order = ["flashinfer", "triton", "torch"]
+    elif device_type == "cuda":
+        order = ["triton", "torch"]
+    else:
+        order = ["torch"]
+    forced = os.environ.get(ENV_FORCE, "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"{ENV_FORCE}={forced!r} is not one of {BACKENDS}")
+        order = [forced] + [b for b in order if b != forced]
+        if "torch" not in order:
+            order.append("torch")
+    return order
+
+
+def get_kernel(op: str, device: torch.device | str = "cpu") -> Callable:
+    """Returns the implementation of `op` for `device`, choosing the backend per the module contract."""
+    device_type = torch.device(device).type
+    return _resolve(op, device_type, os.environ.get(ENV_FORCE, ""), os.environ.get("TRITON_INTERPRET", ""))
+
+
+def chosen_backend(op: str, device: torch.device | str = "cpu") -> str:
+    """Name of the backend `get_kernel` picks for `op` on `device`."""
+    device_type = torch.device(device).type
+    return _choose(op, device_type)[0]
+
+
+def _choose(op: str, device_type: str) -> tuple[str, list[str]]:
+    if op not in _IMPLS:
+        raise KeyError(f"no kernel op named {op!r}; known ops: {sorted(_IMPLS)}")
+    impls = _IMPLS[op]
+    skipped = []
+    for backend in preference(device_type):
+        if backend in impls and backend_available(backend, device_type):
+            return backend, skipped
+        skipped.append(backend)
+    raise RuntimeError(f"no backend can run {op!r} on {device_type}")  # unreachable: torch always registered
+
+
+@cache
+def _resolve(op: str, device_type: str, _forced: str, _interp: str) -> Callable:
+    backend, skipped = _choose(op, device_type)
+    wanted = preference(device_type)[0]
+    if skipped and wanted != "torch" and skipped[0] == wanted:
+        logger.warning("kernel %s: backend %s unavailable or lacks this op on %s; falling back to %s",
+                       op, wanted, device_type, backend)
+    logger.info("kernel %s on %s: using %s backend", op, device_type, backend)
+    module_name, func_name = _IMPLS[op][backend].split(":")
+    return getattr(importlib.import_module(module_name), func_name)
+
+
+def clear_cache() -> None:
+    """Forgets resolved choices (tests flip the environment between calls)."""
+    _resolve.cache_clear()
