@@ -1,0 +1,60 @@
+"""Test helper: drives `KimiForCausalLM` for whole sequences without the engine's scheduler.
+
+`SequenceDriver` owns a `CacheTensors` with one contiguous block table per sequence slot and turns
+"prefill these tokens" / "decode this token" into `ForwardBatch` steps. Tests use it to compare our logits
+with reference implementations; it is not part of the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.batch import CacheTensors, ForwardBatch
+from engine.model.model import KimiForCausalLM
+
+
+class SequenceDriver:
+    def __init__(self, model: KimiForCausalLM, max_seqs: int = 4, max_len: int = 512, block_size: int = 16):
+        self.model = model
+        self.block_size = block_size
+        self.blocks_per_seq = -(-max_len // block_size)
+        self.cache = CacheTensors.allocate(model.config, num_blocks=max_seqs * self.blocks_per_seq,
+                                           block_size=block_size, num_slots=max_seqs, dtype=model.dtype,
+                                           device=model.device)
+        self.lengths = [0] * max_seqs
+
+    def block_table(self, seq: int) -> torch.Tensor:
+        start = seq * self.blocks_per_seq
+        return torch.arange(start, start + self.blocks_per_seq, dtype=torch.int32)
+
+    def step(self, chunks: dict[int, list[int]], all_logits: bool = False) -> torch.Tensor:
+        """Feeds `chunks[seq]` new tokens to each listed sequence in one packed batch; returns logits."""
+        seqs = sorted(chunks)
+        ids, cu, seq_lens, slots = [], [0], [], []
+        for s in seqs:
+            start = self.lengths[s]
+            if start == 0:
+                self.cache.zero_slots(torch.tensor([s]))
+            table = self.block_table(s)
+            for p in range(start, start + len(chunks[s])):
+                slots.append(int(table[p // self.block_size]) * self.block_size + p % self.block_size)
+            ids.extend(chunks[s])
+            cu.append(cu[-1] + len(chunks[s]))
+            self.lengths[s] = start + len(chunks[s])
+            seq_lens.append(self.lengths[s])
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            cu_seqlens=torch.tensor(cu, dtype=torch.long),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+            block_tables=torch.stack([self.block_table(s) for s in seqs]),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            state_indices=torch.tensor(seqs, dtype=torch.long),
+            logits_indices=torch.arange(len(ids)) if all_logits else None,
+        )
+        return self.model(batch.to(self.model.device), self.cache)
+
+    def prefill(self, seq: int, tokens: list[int], all_logits: bool = True) -> torch.Tensor:
+        return self.step({seq: tokens}, all_logits=all_logits)
+
+    def decode(self, seq: int, token: int) -> torch.Tensor:
+        return self.step({seq: [token]})[0]
