@@ -18,7 +18,7 @@ from engine.model.config import ModelConfig
 from engine.model.init import init_random_weights
 from engine.model.loader import DTYPES, build_empty_model, save_weights
 from engine.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from engine.model.presets import EOS_ID, preset_config
+from engine.model.presets import EOS_ID, NUM_BASE_TOKENS, preset_config
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,12 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 def _generation_config(raw: dict) -> dict:
-    return {"bos_token_id": raw.get("bos_token_id"), "eos_token_id": [EOS_ID], "pad_token_id": raw.get("pad_token_id"),
-            "do_sample": False, "_from_model_config": True}
+    from engine.tokenizer_build import stop_token_ids
+
+    stops = stop_token_ids(raw["model_type"], NUM_BASE_TOKENS)  # end-of-message / im_end first, then [EOS]
+    assert stops[0] == EOS_ID, "config eos and the tokenizer's end-of-message token must agree"
+    return {"bos_token_id": raw.get("bos_token_id"), "eos_token_id": list(stops),
+            "pad_token_id": raw.get("pad_token_id"), "do_sample": False, "_from_model_config": True}
 
 
 def _declare_mxfp4(raw: dict) -> None:
