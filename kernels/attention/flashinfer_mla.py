@@ -1,0 +1,70 @@
+"""FlashInfer MLA backend: `flashinfer.mla.BatchMLAPagedAttentionWrapper` over our paged latent cache (CUDA only).
+
+Contract: same signature and result as `kernels.attention.torch_paged.mla_paged_attention`. The cache entry
+`[c, k_rope]` is split into `ckv = kv_cache[..., :v_dim]` and `kpe = kv_cache[..., v_dim:]` (strided views, no copy),
+the query into `q_nope = q[..., :v_dim]` and `q_pe = q[..., v_dim:]`. Pages come from `block_tables` (the first
+`ceil(seq_lens[n] / block_size)` entries of row n); FlashInfer's causal mask is aligned to the end of each sequence,
+which is our "queries are the last q_len positions" rule.
+
+flashinfer is imported inside the call (the registry only picks this backend on CUDA when flashinfer imports). The
+128 MiB workspace FlashInfer needs is allocated once per device by `_workspace` (an explicit per-device cache).
+Planning happens on every call; an engine that wants CUDA graphs should keep its own wrapper and plan once per step.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+@cache
+def _workspace(device: torch.device) -> torch.Tensor:
+    return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
+def paged_kv_indices(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's CSR page layout: (kv_indptr [N+1] int32, kv_indices [sum pages] int32) from block tables."""
+    pages = (seq_lens.to(torch.int64) + block_size - 1) // block_size  # [N]
+    kv_indptr = torch.cat([pages.new_zeros(1), torch.cumsum(pages, 0)]).to(torch.int32)
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < pages[:, None]  # [N, MB]
+    kv_indices = block_tables[used].to(torch.int32)  # row-major: each sequence's pages contiguous, in order
+    return kv_indptr, kv_indices
+
+
+def mla_paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    import flashinfer  # noqa: PLC0415 - CUDA-only dependency, imported on use
+
+    T, H, Dk = q.shape
+    block_size = kv_cache.shape[1]
+    kv_indptr, kv_indices = paged_kv_indices(block_tables, seq_lens, block_size)
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(_workspace(q.device))
+    wrapper.plan(
+        cu_seqlens_q.to(torch.int32),
+        kv_indptr,
+        kv_indices,
+        seq_lens.to(torch.int32),
+        H,
+        v_dim,
+        Dk - v_dim,
+        block_size,
+        True,  # causal
+        scale,
+        q.dtype,
+        kv_cache.dtype,
+    )
+    q_nope, q_pe = q[..., :v_dim], q[..., v_dim:]
+    ckv, kpe = kv_cache[..., :v_dim], kv_cache[..., v_dim:]
+    return wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=False)

@@ -1,0 +1,105 @@
+"""Torch MLA attention over a paged latent cache (the CPU path), and the cache write.
+
+Contract: `mla_paged_attention(q, kv_cache, block_tables, cu_seqlens_q, seq_lens, scale, v_dim) -> o [T, H, v_dim]`
+computes exactly what `kernels.attention.naive.mla_paged_attention_naive` documents (absorbed MLA = MQA with one
+shared key/value "head"; queries are each sequence's last q_len positions; causal; fp32 softmax; `o` in `q.dtype`).
+Mixed batches of prefill, continued prefill and decode are fine.
+
+Memory and work: per sequence, queries go in chunks and keys in block-aligned chunks of about `KEY_CHUNK` positions
+with an online (running max / running sum) softmax, so the fp32 working set is one score tile of at most
+`SCORE_TILE_ELEMS` values plus one key chunk — never a whole sequence's keys or a [L, H, S] score tensor. A query
+chunk reads only keys up to its last position, and only the chunk that holds its own positions is masked. Cache
+entries past `seq_lens[n]` are never read.
+
+`write_kv_cache(kv_cache, slot_mapping [T] int64, latent [T, Dk])` writes token t's latent to flat slot
+`slot_mapping[t] = block * block_size + offset` in place; negative slots (padding) are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCORE_TILE_ELEMS = 1 << 24  # fp32 scores per (query chunk x key chunk) tile: 64 MiB
+KEY_CHUNK = 4096  # key positions per inner step (rounded down to whole blocks)
+
+
+def _gather_keys(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Cache entries of positions [start, end) of one sequence as fp32 [end - start, Dk]; `start` is block-aligned."""
+    block_size = kv_cache.shape[1]
+    blocks = block_table[start // block_size : -(-end // block_size)].to(torch.int64)
+    return kv_cache[blocks].reshape(-1, kv_cache.shape[2])[: end - start].to(torch.float32)
+
+
+def _attend_chunk(
+    qc: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, q_pos0: int, key_chunk: int,
+    scale: float, v_dim: int,
+) -> torch.Tensor:
+    """Causal attention of `rows` consecutive query positions q_pos0.. over keys 0..q_pos0+rows-1.
+
+    qc [rows, H, Dk] -> [rows, H, v_dim] fp32, online softmax over block-aligned key chunks.
+    """
+    rows, H, Dk = qc.shape
+    k_end = q_pos0 + rows
+    q2 = qc.to(torch.float32).reshape(rows * H, Dk)
+    run_max = torch.full((rows * H, 1), float("-inf"), device=qc.device)
+    run_sum = torch.zeros(rows * H, 1, device=qc.device)
+    acc = torch.zeros(rows * H, v_dim, device=qc.device)
+    for k0 in range(0, k_end, key_chunk):
+        k1 = min(k_end, k0 + key_chunk)
+        kv = _gather_keys(kv_cache, block_table, k0, k1)  # [n, Dk] fp32
+        scores = torch.matmul(q2, kv.t()).mul_(scale)  # [rows*H, n]
+        if k1 > q_pos0 + 1:  # some key in this chunk lies after some query: mask key > query position
+            q_pos = torch.arange(q_pos0, k_end, device=qc.device)  # [rows]
+            k_pos = torch.arange(k0, k1, device=qc.device)  # [n]
+            future = (k_pos[None, :] > q_pos[:, None])[:, None, :]  # [rows, 1, n]
+            scores.view(rows, H, k1 - k0).masked_fill_(future, float("-inf"))
+        new_max = torch.maximum(run_max, scores.amax(-1, keepdim=True))  # finite: every query sees key 0
+        probs = scores.sub_(new_max).exp_()  # in place: one score tile alive at a time
+        rescale = torch.exp(run_max - new_max)
+        run_sum = run_sum * rescale + probs.sum(-1, keepdim=True)
+        acc = acc.mul_(rescale).addmm_(probs, kv[:, :v_dim])
+        run_max = new_max
+    return acc.div_(run_sum).view(rows, H, v_dim)
+
+
+def _attend_sequence(
+    q_seq: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float, v_dim: int
+) -> torch.Tensor:
+    """One sequence's last L positions. q_seq [L, H, Dk] -> [L, H, v_dim] fp32."""
+    L, H, _ = q_seq.shape
+    block_size = kv_cache.shape[1]
+    key_chunk = max(block_size, KEY_CHUNK // block_size * block_size)
+    rows = max(1, SCORE_TILE_ELEMS // (H * min(key_chunk, seq_len)))
+    first = seq_len - L  # position of the first query
+    out = torch.empty(L, H, v_dim, dtype=torch.float32, device=q_seq.device)
+    for a in range(0, L, rows):
+        b = min(L, a + rows)
+        out[a:b] = _attend_chunk(q_seq[a:b], kv_cache, block_table, first + a, key_chunk, scale, v_dim)
+    return out
+
+
+def mla_paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    T, H, _ = q.shape
+    out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)
+    bounds = cu_seqlens_q.tolist()
+    for n, seq_len in enumerate(seq_lens.tolist()):
+        start, end = bounds[n], bounds[n + 1]
+        if end > start:
+            out[start:end] = _attend_sequence(q[start:end], kv_cache, block_tables[n], seq_len, scale, v_dim)
+    return out
+
+
+def write_kv_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor) -> None:
+    """Writes latent [T, Dk] into kv_cache [num_blocks, block_size, Dk] at flat slots slot_mapping [T] (in place)."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])  # [num_blocks * block_size, Dk]; needs a contiguous cache
+    slots = slot_mapping.to(torch.int64)
+    valid = slots >= 0
+    flat.index_copy_(0, slots[valid], latent[valid].to(flat.dtype))

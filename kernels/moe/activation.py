@@ -1,0 +1,37 @@
+"""Gated activations of the expert / dense MLPs: SwiGLU (Kimi Linear) and SiTU (Kimi K3).
+
+Contract: `GatedActivation(kind, beta=1.0, linear_beta=None)(gate, up) -> tensor` in the input dtype.
+- `silu`: `silu(gate) * up` computed in the input dtype (as transformers' `act(gate) * up`).
+- `situ`: in fp32, `beta·tanh(g/beta)·sigmoid(g) · u'` with `u' = linear_beta·tanh(u/linear_beta)` when
+  `linear_beta` is set, else `u' = u`; cast back to the input dtype (as the official `SituAndMul`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+KINDS = ("silu", "situ")
+
+
+@dataclass(frozen=True)
+class GatedActivation:
+    kind: str
+    beta: float = 1.0
+    linear_beta: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown gated activation {self.kind!r}; expected one of {KINDS}")
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        g = gate.to(torch.float32)
+        u = up.to(torch.float32)
+        act = self.beta * torch.tanh(g / self.beta) * torch.sigmoid(g)
+        if self.linear_beta is not None:
+            u = self.linear_beta * torch.tanh(u / self.linear_beta)
+        return (act * u).to(gate.dtype)

@@ -1,0 +1,175 @@
+"""MoE: router against a direct per-token formula and transformers' KimiLinearTopkRouter; grouped experts against
+the naive loop (and transformers' KimiLinearExperts); gated activation formulas."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.moe.activation import GatedActivation
+from kernels.moe.grouped import moe_experts_grouped
+from kernels.moe.naive import moe_experts_naive
+from kernels.moe.router import route
+
+SCALING = 2.446
+
+
+def _route_formula(logits, bias, top_k, num_group, topk_group, renormalize, scaling):
+    """One token at a time, spelled out with Python sorting."""
+    weights, ids = [], []
+    for row in logits:
+        scores = torch.sigmoid(row).tolist()
+        choice = [s + b for s, b in zip(scores, bias.tolist())]
+        allowed = list(range(len(choice)))
+        if num_group > 1 and num_group > topk_group:
+            size = len(choice) // num_group
+            group_score = [sum(sorted(choice[g * size : (g + 1) * size], reverse=True)[:2]) for g in range(num_group)]
+            kept = sorted(range(num_group), key=lambda g: -group_score[g])[:topk_group]
+            allowed = [e for e in allowed if e // size in kept]
+        chosen = sorted(allowed, key=lambda e: -choice[e])[:top_k]
+        w = [scores[e] for e in chosen]
+        if renormalize and top_k > 1:
+            total = sum(w) + 1e-20
+            w = [x / total for x in w]
+        weights.append([x * scaling for x in w])
+        ids.append(chosen)
+    return torch.tensor(weights), torch.tensor(ids)
+
+
+def _by_id(weights, ids):
+    """Sorts each token's (id, weight) pairs by id so different orders compare equal."""
+    order = ids.argsort(dim=-1)
+    return weights.gather(1, order), ids.gather(1, order)
+
+
+@pytest.mark.parametrize("num_group,topk_group", [(1, 1), (4, 2), (8, 3), (4, 4)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_matches_formula(num_group, topk_group, renormalize):
+    T, E, k = 37, 32, 4
+    logits, bias = torch.randn(T, E), torch.randn(E) * 0.3
+    w, ids = route(logits, bias, k, num_group, topk_group, renormalize, SCALING)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (T, k)
+    w_ref, ids_ref = _route_formula(logits, bias, k, num_group, topk_group, renormalize, SCALING)
+    w, ids = _by_id(w, ids)
+    w_ref, ids_ref = _by_id(w_ref, ids_ref)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-6)
+
+
+def test_router_weights_are_unbiased_scores():
+    logits = torch.randn(5, 8)
+    bias = torch.zeros(8)
+    bias[3] = 10.0  # forces expert 3 into every choice without changing its weight
+    w, ids = route(logits, bias, 2, 1, 1, False, 1.0)
+    assert (ids == 3).any(-1).all()
+    torch.testing.assert_close(w, torch.sigmoid(logits).gather(1, ids))
+
+
+def test_router_top1_is_not_renormalized():
+    logits = torch.randn(6, 8)
+    w, ids = route(logits, torch.zeros(8), 1, 1, 1, True, 2.0)
+    torch.testing.assert_close(w, 2.0 * torch.sigmoid(logits).gather(1, ids))
+
+
+@pytest.mark.parametrize("num_group,topk_group", [(1, 1), (4, 2)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_matches_transformers_kimi_linear(num_group, topk_group, norm):
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+
+    config = KimiLinearConfig(hidden_size=24, num_local_experts=16, num_experts_per_tok=4, n_group=num_group,
+                              topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=SCALING)
+    router = kimi.KimiLinearTopkRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 24))
+        router.e_score_correction_bias.copy_(torch.randn(16) * 0.2)
+        hidden = torch.randn(2, 9, 24)
+        logits, w_ref, ids_ref = router(hidden)
+    w, ids = route(logits, router.e_score_correction_bias, 4, num_group, topk_group, norm, SCALING)
+    w, ids = _by_id(w, ids)
+    w_ref, ids_ref = _by_id(w_ref, ids_ref)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-6)
+
+
+def _experts(T, D, I, E, k, dtype=torch.float32):
+    x = torch.randn(T, D).to(dtype)
+    w1, w3 = (torch.randn(E, I, D) / D**0.5).to(dtype), (torch.randn(E, I, D) / D**0.5).to(dtype)
+    w2 = (torch.randn(E, D, I) / I**0.5).to(dtype)
+    weights, ids = route(torch.randn(T, E), torch.zeros(E), k, 1, 1, True, SCALING)
+    return x, w1, w3, w2, weights, ids
+
+
+SWIGLU = GatedActivation("silu")
+SITU = GatedActivation("situ", beta=4.0, linear_beta=25.0)
+
+
+@pytest.mark.parametrize("act", [SWIGLU, SITU], ids=["silu", "situ"])
+@pytest.mark.parametrize("T,E", [(53, 8), (3, 16)])  # the second leaves most experts without tokens
+def test_grouped_equals_naive(act, T, E):
+    args = _experts(T, 32, 24, E, 3)
+    torch.testing.assert_close(moe_experts_grouped(*args, act), moe_experts_naive(*args, act), atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_equals_naive_bf16():
+    args = _experts(40, 32, 16, 8, 2, dtype=torch.bfloat16)
+    out = moe_experts_grouped(*args, SWIGLU)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, moe_experts_naive(*args, SWIGLU), atol=1e-2, rtol=1e-2)
+
+
+def test_naive_matches_per_token_formula():
+    x, w1, w3, w2, weights, ids = _experts(6, 16, 8, 4, 2)
+    out = moe_experts_naive(x, w1, w3, w2, weights, ids, SWIGLU)
+    for t in range(6):
+        expected = sum(weights[t, j] * (w2[e] @ (F.silu(w1[e] @ x[t]) * (w3[e] @ x[t])))
+                       for j, e in enumerate(ids[t].tolist()))
+        torch.testing.assert_close(out[t], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_naive_matches_transformers_kimi_linear_experts():
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+
+    config = KimiLinearConfig(hidden_size=16, moe_intermediate_size=8, num_local_experts=4)
+    experts = kimi.KimiLinearExperts(config)
+    x, w1, w3, w2, weights, ids = _experts(10, 16, 8, 4, 2)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.cat([w1, w3], dim=1))
+        experts.down_proj.copy_(w2)
+        expected = experts(x, ids, weights)
+    torch.testing.assert_close(moe_experts_naive(x, w1, w3, w2, weights, ids, SWIGLU), expected, atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_silu_activation_in_input_dtype():
+    g, u = torch.randn(64).to(torch.bfloat16), torch.randn(64).to(torch.bfloat16)
+    out = SWIGLU(g, u)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.silu(g) * u, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("linear_beta", [None, 25.0])
+def test_situ_activation_formula(linear_beta):
+    act = GatedActivation("situ", beta=4.0, linear_beta=linear_beta)
+    g, u = (torch.randn(200) * 10).to(torch.bfloat16), (torch.randn(200) * 40).to(torch.bfloat16)
+    out = act(g, u)
+    assert out.dtype == torch.bfloat16
+    expected = []
+    for gv, uv in zip(g.float().tolist(), u.float().tolist()):
+        a = 4.0 * math.tanh(gv / 4.0) / (1.0 + math.exp(-gv))
+        b = uv if linear_beta is None else linear_beta * math.tanh(uv / linear_beta)
+        expected.append(a * b)
+    torch.testing.assert_close(out.float(), torch.tensor(expected).to(torch.bfloat16).float(), atol=0.0, rtol=1e-2)
+
+
+def test_situ_saturates():
+    act = GatedActivation("situ", beta=4.0, linear_beta=25.0)
+    out = act(torch.tensor([100.0]), torch.tensor([1000.0]))
+    torch.testing.assert_close(out, torch.tensor([100.0]))  # 4 * 1 * 1 * 25
+
+
+def test_unknown_activation_rejected():
+    with pytest.raises(ValueError):
+        GatedActivation("gelu")
