@@ -1,0 +1,77 @@
+"""Recurrent (one token at a time) Kimi Delta Attention in torch, vectorised over sequences and heads.
+
+Contract: the math and layouts of `kernels.kda.naive` (S <- S*exp(g); S <- S + beta*k (v - k^T S)^T; o = S^T (scale*q)),
+computed in fp32 (fp64 for fp64 inputs), o returned in v's dtype.
+
+- `fused_recurrent_kda(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None) -> (o, final_state)`: packed
+  variable-length batch, a Python loop over time steps (the longest sequence's length), everything else batched.
+  Meant for short inputs (decode, speculative verification); long prompts go to `kernels.kda.chunked`.
+- `kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices) -> o`: one token per sequence
+  (q, k, g [N, H, K]; v [N, H, V]; beta [N, H]); sequence n reads its state from `state_pool[state_indices[n]]`
+  ([S, H, K, V] fp32) and the updated state is written back to the same slot in place. Other slots are untouched.
+  `state_indices` must not repeat.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.kda.naive import compute_dtype, default_cu_seqlens
+
+
+def kda_step(state, q, k, v, g, beta, scale):
+    """One delta-rule step for a batch of states; returns (o [B, H, V], new state [B, H, K, V]).
+
+    state [B, H, K, V]; q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; all in the compute dtype.
+    """
+    state = state * torch.exp(g).unsqueeze(-1)
+    kS = (k.unsqueeze(-2) @ state).squeeze(-2)  # [B, H, V]
+    u = beta.unsqueeze(-1) * (v - kS)  # [B, H, V]
+    state = state + k.unsqueeze(-1) * u.unsqueeze(-2)
+    o = ((scale * q).unsqueeze(-2) @ state).squeeze(-2)  # [B, H, V]
+    return o, state
+
+
+def fused_recurrent_kda(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None):
+    """KDA over a packed variable-length batch, stepping through time (see the module docstring)."""
+    dtype = compute_dtype(q, k, v, g, beta)
+    T, H, K = k.shape
+    V = v.shape[-1]
+    device = q.device
+    cu = default_cu_seqlens(cu_seqlens, T, device)
+    lens = cu[1:] - cu[:-1]  # [N]
+    num_seqs = lens.numel()
+    # Longest first, so the sequences still running at step t are a prefix of the order.
+    lens_sorted, order = torch.sort(lens, descending=True, stable=True)
+    starts = cu[:-1][order]  # [N]
+    state = torch.zeros(num_seqs, H, K, V, dtype=dtype, device=device)
+    if initial_state is not None:
+        state = initial_state[order].to(dtype).clone()
+    qc, kc, vc, gc, bc = (x.to(dtype) for x in (q, k, v, g, beta))
+    o = torch.zeros(T, H, V, dtype=dtype, device=device)
+    num_active = _active_counts(lens_sorted)
+    for t, active in enumerate(num_active):
+        tok = starts[:active] + t  # [a]
+        o_t, state[:active] = kda_step(state[:active], qc[tok], kc[tok], vc[tok], gc[tok], bc[tok], scale)
+        o[tok] = o_t
+    final = torch.empty_like(state)
+    final[order] = state
+    return o.to(v.dtype), final
+
+
+def _active_counts(lens_sorted: torch.Tensor) -> list[int]:
+    """For sorted-descending lengths, how many sequences are still running at each time step."""
+    if lens_sorted.numel() == 0 or int(lens_sorted[0]) == 0:
+        return []
+    steps = torch.arange(int(lens_sorted[0]), device=lens_sorted.device)
+    return (lens_sorted.unsqueeze(0) > steps.unsqueeze(1)).sum(1).tolist()
+
+
+def kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices):
+    """One decode token per sequence against a state pool, updated in place; returns o [N, H, V] in v's dtype."""
+    dtype = compute_dtype(q, k, v, g, beta, state_pool)
+    idx = state_indices.to(device=state_pool.device, dtype=torch.int64)
+    state = state_pool.index_select(0, idx).to(dtype)  # [N, H, K, V]
+    o, state = kda_step(state, *(x.to(dtype) for x in (q, k, v, g, beta)), scale)
+    state_pool.index_copy_(0, idx, state.to(state_pool.dtype))
+    return o.to(v.dtype)
