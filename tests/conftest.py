@@ -12,3 +12,24 @@ torch.set_num_threads(1)  # tiny shapes: thread start-up costs more than it save
 def _seed_everything():
     torch.manual_seed(0)
     yield
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "triton_interpreter: runs only in a TRITON_INTERPRET=1 child process")
+    config.addinivalue_line("markers", "triton_parent: starts the TRITON_INTERPRET=1 child process")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Triton must be imported with TRITON_INTERPRET=1 already set, so its tests run in a child pytest.
+
+    In the parent those tests are deselected (not skipped); in the child the parent-side launcher is deselected.
+    """
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    keep, drop = [], []
+    for item in items:
+        child_only = item.get_closest_marker("triton_interpreter") is not None
+        parent_only = item.get_closest_marker("triton_parent") is not None
+        (drop if (child_only and not interpreted) or (parent_only and interpreted) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
