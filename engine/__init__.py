@@ -9,6 +9,19 @@ _LAZY = {
     "load_model_config": "engine.model.config",
     "load_model": "engine.model.loader",
     "LoadConfig": "engine.model.loader",
+    "LLM": "engine.llm",
+    "SamplingParams": "engine.sampling",
+    "AsyncEngine": "engine.async_engine",
+    "EngineArgs": "engine.config",
+    "EngineCore": "engine.core",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "Logprob": "engine.outputs",
+    "InvalidRequestError": "engine.errors",
+    "EngineDeadError": "engine.errors",
+    "RequestTimeoutError": "engine.errors",
+    "RequestState": "engine.transfer",
+    "TransferError": "engine.transfer",
 }
 
 

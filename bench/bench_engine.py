@@ -1,0 +1,239 @@
+"""Engine benchmarks: offline throughput vs transformers, prefix-cache TTFT, and memory per token of context.
+
+Usage: `python -m bench.bench_engine [--presets small-linear,small-k3] [--threads 1] [--out FILE]`
+
+1. Throughput: output tokens/s of `LLM.generate` on `--num-prompts` concurrent prompts (`--input-len` random ids in,
+   `--output-len` greedy tokens out, EOS ignored) against transformers' `KimiLinearForCausalLM.generate` in the same
+   process, one prompt at a time and batched. All prompts have the same length, so the batched baseline needs no
+   padding. One prompt at a time is slow, so it runs on the first `--hf-single-prompts` prompts (tokens/s does
+   not depend on how many); batched runs all `--hf-batch-prompts` (default: all 32) in one `generate` call. The
+   first prompt's greedy tokens are compared with ours. `kimi_k3` presets have no transformers class: ours only.
+2. Prefix cache: time to first token (`max_tokens=1`) of a `--ttft-len` prompt whose first `--ttft-cached` tokens
+   were the whole prompt of an earlier request (their blocks and prompt-end KDA snapshot are cached), vs the same
+   prompt on an empty cache.
+3. Memory: bytes per token of context from the pools' own sizing (`bytes_per_token`, `bytes_per_state`) for a
+   preset and the released Kimi K3 and Kimi-Linear-48B configs (bf16), against an all-MLA model of the same shape.
+
+Torch runs with `--threads` threads for both sides (default 1: on a busy two-core box two threads make small ops
+many times slower). Prints markdown tables; `--out` writes the numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model.batch import bytes_per_state, bytes_per_token
+from engine.model.checkpoint import make_checkpoint
+from engine.model.config import ModelConfig
+from engine.model.presets import _kimi_k3, _kimi_linear, preset_config
+
+VOCAB_FOR_PROMPTS = 7900
+
+
+def random_ids(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(VOCAB_FOR_PROMPTS) for _ in range(n)]
+
+
+# -- 1. throughput ---------------------------------------------------------------------------------------------
+
+
+def bench_ours(model_dir: Path, prompts: list[list[int]], output_len: int) -> dict:
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=2 << 30, max_num_seqs=len(prompts),
+              max_num_batched_tokens=4096, enable_prefix_caching=False)
+    llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(max_tokens=2, temperature=0))  # warm up
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"prompts": len(prompts), "seconds": seconds, "tok_s": tokens / seconds,
+            "first_output": outs[0].outputs[0].token_ids}
+
+
+def _transformers_model(model_dir: Path):
+    saved = sys.modules.get("fla", "absent")
+    sys.modules["fla"] = None  # transformers' pure-torch KDA
+    try:
+        from transformers import KimiLinearForCausalLM
+
+        return KimiLinearForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    finally:
+        if saved == "absent":
+            sys.modules.pop("fla", None)
+        else:
+            sys.modules["fla"] = saved
+
+
+def bench_transformers(model, prompts: list[list[int]], output_len: int, batched: bool) -> dict:
+    groups = [prompts] if batched else [[p] for p in prompts]
+    tokens, first = 0, None
+    start = time.perf_counter()
+    with torch.no_grad():
+        for group in groups:
+            ids = torch.tensor(group)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=output_len, min_new_tokens=output_len, eos_token_id=None,
+                                 pad_token_id=0)
+            tokens += (out.shape[1] - ids.shape[1]) * out.shape[0]
+            if first is None:
+                first = out[0, ids.shape[1]:].tolist()
+    seconds = time.perf_counter() - start
+    return {"prompts": len(prompts), "seconds": seconds, "tok_s": tokens / seconds, "first_output": first}
+
+
+# -- 2. prefix-cache TTFT ----------------------------------------------------------------------------------------
+
+
+def bench_ttft(model_dir: Path, total: int, cached: int, rng: random.Random) -> dict:
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 30, max_num_seqs=4,
+              max_num_batched_tokens=4096)
+    prefix = random_ids(cached, rng)
+    prompt = {"prompt_token_ids": prefix + random_ids(total - cached, rng)}
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prefix[:32]}, first)  # warm up
+    llm.engine.reset_prefix_cache()
+    start = time.perf_counter()
+    [cold] = llm.generate(prompt, first)
+    cold_s = time.perf_counter() - start
+    llm.engine.reset_prefix_cache()
+    llm.generate({"prompt_token_ids": prefix}, first)  # a request whose prompt was the prefix
+    start = time.perf_counter()
+    [warm] = llm.generate(prompt, first)
+    warm_s = time.perf_counter() - start
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids, "a prefix hit changed the output"
+    return {"prompt": total, "cached_tokens": warm.num_cached_tokens, "cold_s": cold_s, "warm_s": warm_s,
+            "speedup": cold_s / warm_s, "snapshot_interval": llm.engine.plan.snapshot_interval}
+
+
+# -- 3. memory -------------------------------------------------------------------------------------------------
+
+
+def released_configs() -> dict[str, dict]:
+    """config.json dicts with the released shapes of DESIGN.md (bf16)."""
+    linear = _kimi_linear(hidden=2304, layers=27, mla_layers=[4, 8, 12, 16, 20, 24, 27], kda_heads=32,
+                          kda_head_dim=128, mla_heads=32, kv_lora=512, nope=128, rope=64, v_dim=128, experts=256,
+                          top_k=8, shared=1, moe_inter=1024, inter=9216)
+    linear.update(vocab_size=163840, dtype="bfloat16")
+    k3_mla_one_based = [i + 1 for i in range(3, 92, 4)] + [93]
+    k3_text = _kimi_linear(hidden=7168, layers=93, mla_layers=k3_mla_one_based, kda_heads=96, kda_head_dim=128,
+                           mla_heads=96, kv_lora=512, nope=128, rope=64, v_dim=128, experts=896, top_k=16, shared=2,
+                           moe_inter=3072, inter=18432)
+    k3_text.update(vocab_size=163840)
+    k3 = _kimi_k3(k3_text, q_lora=1536, latent=3584, block_size=12)
+    k3["dtype"] = "bfloat16"
+    return {"Kimi-Linear-48B (released)": linear, "Kimi K3 (released)": k3}
+
+
+def memory_rows(preset: str) -> list[dict]:
+    configs = {f"{preset} (fp32)": (preset_config(preset), 4)}
+    configs.update({name: (raw, 2) for name, raw in released_configs().items()})
+    rows = []
+    for name, (raw, dtype_bytes) in configs.items():
+        config = ModelConfig.from_dict(raw)
+        kv, state = bytes_per_token(config, dtype_bytes), bytes_per_state(config, dtype_bytes)
+        all_mla = config.num_hidden_layers * config.mla.cache_dim * dtype_bytes
+        per_token = {ctx: (kv * ctx + state) / ctx for ctx in (4096, 32768, 131072, 1048576)}
+        rows.append({"model": name, "layers": f"{len(config.mla_layer_ids)} MLA / {config.num_hidden_layers}",
+                     "kv_b_per_token": kv, "state_b": state, "all_mla_b_per_token": all_mla,
+                     "per_token": per_token, "ratio_long": kv / all_mla})
+    return rows
+
+
+# -- report ----------------------------------------------------------------------------------------------------
+
+
+def _markdown(result: dict) -> str:
+    lines = []
+    for preset, r in result["throughput"].items():
+        lines += [f"### Throughput, {preset}: {r['ours']['prompts']} prompts x {result['input_len']} in, "
+                  f"{result['output_len']} out, {result['threads']} thread(s)", "",
+                  "| impl | prompts | seconds | output tok/s | ours / this |", "|---|---|---|---|---|"]
+        ours = r["ours"]["tok_s"]
+        for name, label in (("ours", "kdamesh LLM.generate (continuous batching)"),
+                            ("hf_single", "transformers generate, one prompt at a time"),
+                            ("hf_batched", "transformers generate, batched")):
+            if name in r:
+                v = r[name]
+                lines.append(f"| {label} | {v['prompts']} | {v['seconds']:.1f} | {v['tok_s']:.1f} | "
+                             f"{ours / v['tok_s']:.1f}x |")
+        if "outputs_match" in r:
+            lines.append(f"\nfirst prompt's {result['output_len']} greedy tokens equal transformers': "
+                         f"{r['outputs_match']}")
+        lines.append("")
+    lines += ["### Prefix cache: time to first token", "",
+              "| preset | prompt | cached tokens | cold s | warm s | speedup | snapshot interval |",
+              "|---|---|---|---|---|---|---|"]
+    for preset, v in result["ttft"].items():
+        lines.append(f"| {preset} | {v['prompt']} | {v['cached_tokens']} | {v['cold_s']:.2f} | {v['warm_s']:.2f} | "
+                     f"{v['speedup']:.1f}x | {v['snapshot_interval']} |")
+    lines += ["", "### Memory per token of context (MLA KV per token + one KDA state per request)", "",
+              "| model | layers | KV B/token | KDA state B/request | B/token @4K | @32K | @128K | @1M | "
+              "all-MLA B/token | hybrid/all-MLA (long context) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for v in result["memory"]:
+        pt = v["per_token"]
+        lines.append(f"| {v['model']} | {v['layers']} | {v['kv_b_per_token']:,} | {v['state_b']:,} | "
+                     f"{pt[4096]:,.0f} | {pt[32768]:,.0f} | {pt[131072]:,.0f} | {pt[1048576]:,.0f} | "
+                     f"{v['all_mla_b_per_token']:,} | {100 * v['ratio_long']:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default="small-linear,small-k3")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--hf-single-prompts", type=int, default=4)
+    parser.add_argument("--hf-batch-prompts", type=int, default=32)
+    parser.add_argument("--ttft-len", type=int, default=4096)
+    parser.add_argument("--ttft-cached", type=int, default=3584)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--memory-preset", default="small-k3")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rng = random.Random(0)
+    prompts = [random_ids(args.input_len, rng) for _ in range(args.num_prompts)]
+    result = {"input_len": args.input_len, "output_len": args.output_len, "threads": args.threads,
+              "throughput": {}, "ttft": {}, "memory": memory_rows(args.memory_preset)}
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in [p for p in args.presets.split(",") if p]:
+            model_dir = make_checkpoint(preset, Path(tmp) / preset, seed=0)
+            r = {"ours": bench_ours(model_dir, prompts, args.output_len)}
+            if preset_config(preset)["model_type"] == "kimi_linear":
+                ref = _transformers_model(model_dir)
+                if args.hf_single_prompts:
+                    r["hf_single"] = bench_transformers(ref, prompts[: args.hf_single_prompts], args.output_len,
+                                                        batched=False)
+                if args.hf_batch_prompts:
+                    r["hf_batched"] = bench_transformers(ref, prompts[: args.hf_batch_prompts], args.output_len,
+                                                         batched=True)
+                hf_first = (r.get("hf_single") or r.get("hf_batched") or {}).get("first_output")
+                if hf_first is not None:
+                    r["outputs_match"] = hf_first == r["ours"]["first_output"]
+                del ref
+            result["throughput"][preset] = r
+            if args.ttft_len:
+                result["ttft"][preset] = bench_ttft(model_dir, args.ttft_len, args.ttft_cached, rng)
+            print(f"[{preset} done]", file=sys.stderr, flush=True)
+    for r in result["throughput"].values():
+        for v in r.values():
+            if isinstance(v, dict):
+                v.pop("first_output", None)
+    print(_markdown(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()

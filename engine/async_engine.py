@@ -1,0 +1,211 @@
+"""`AsyncEngine`: the engine for asyncio servers — the step loop runs in its own thread, never on the event loop.
+
+Contract:
+- `await AsyncEngine.create(args)` loads the model off the event loop and starts the step thread; `await
+  engine.shutdown()` (or `async with`) stops it. Everything that touches `EngineCore` runs on the step thread: the
+  event loop only queues commands (`run_in_engine`) and receives outputs through per-request asyncio queues.
+- `generate(request_id, prompt, params, ...)` is an async iterator of delta `RequestOutput`s (token ids, text delta,
+  logprobs, finish reason, `num_cached_tokens`), ending after the one with `finished=True`. Invalid input raises
+  `InvalidRequestError` from the first `__anext__` and does not disturb other requests. Leaving the iteration early
+  — `break`, an exception, task cancellation — aborts the request. Every wait has a deadline: `wait_timeout_s`
+  per output (and an optional absolute `deadline`, `time.monotonic()` seconds); passing it aborts the request and
+  raises `RequestTimeoutError`.
+- `abort(request_id)` ends a request from anywhere; its stream finishes with `finish_reason == "abort"`.
+- If the step loop fails, every stream and later call raises `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engine.config import EngineArgs
+from engine.core import EngineCore, PromptInput
+from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
+from engine.outputs import RequestOutput
+from engine.sampling import SamplingParams
+from engine.transfer import RequestState
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WAIT_TIMEOUT_S = 300.0
+IDLE_POLL_S = 0.05
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S):
+        self.core = core
+        self.wait_timeout_s = wait_timeout_s
+        self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kdamesh-engine-step", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    async def create(cls, args: EngineArgs, wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> "AsyncEngine":
+        core = await asyncio.to_thread(EngineCore, args)
+        return cls(core, wait_timeout_s)
+
+    async def __aenter__(self) -> "AsyncEngine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        await asyncio.to_thread(self._thread.join)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    # -- the step thread -------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._run_commands()
+                if self.core.has_unfinished_requests():
+                    for out in self.core.step():
+                        stream = self._streams.get(out.request_id)
+                        if stream is not None:
+                            stream.put(out)
+                else:
+                    self._wakeup.wait(IDLE_POLL_S)
+                    self._wakeup.clear()
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting streams
+            logger.exception("engine step loop failed")
+            self._dead = exc
+            dead = EngineDeadError(f"engine step loop failed: {exc!r}")
+            for stream in list(self._streams.values()):
+                stream.put(dead)
+            self._fail_commands(dead)
+
+    def _run_commands(self) -> None:
+        with self._lock:
+            commands, self._commands = self._commands, []
+        for fn, future in commands:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+
+    def _fail_commands(self, exc: BaseException) -> None:
+        with self._lock:
+            commands, self._commands = self._commands, []
+        for _, future in commands:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(exc)
+
+    # -- commands --------------------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine step loop failed: {self._dead!r}")
+        if self._stopping:
+            raise EngineDeadError("engine is shut down")
+
+    async def run_in_engine(self, fn: Callable[[], Any], timeout_s: float | None = None) -> Any:
+        """Runs `fn()` on the step thread between steps; returns its result or raises its exception."""
+        self._check_alive()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._commands.append((fn, future))
+        self._wakeup.set()
+        try:
+            async with asyncio.timeout(timeout_s or self.wait_timeout_s):
+                return await asyncio.wrap_future(future)
+        except TimeoutError as exc:
+            raise RequestTimeoutError("the engine did not run the command in time") from exc
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.run_in_engine(lambda: self.core.abort(request_id))
+
+    async def stats(self):
+        return await self.run_in_engine(self.core.stats)
+
+    async def check_integrity(self) -> None:
+        await self.run_in_engine(self.core.check_integrity)
+
+    # -- streams ---------------------------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
+                       cache_salt: str | None = None, export_on_finish: bool = False,
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        add = lambda: self.core.add_request(request_id, prompt, params, priority=priority,  # noqa: E731
+                                            cache_salt=cache_salt, export_on_finish=export_on_finish)
+        async for out in self._stream(request_id, add, deadline):
+            yield out
+
+    async def import_request(self, request_id: str, state: RequestState, params: SamplingParams,
+                             priority: int = 0, deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Continues a request exported by another engine (see `EngineCore.import_request`), streaming deltas."""
+        add = lambda: self.core.import_request(request_id, state, params, priority=priority)  # noqa: E731
+        async for out in self._stream(request_id, add, deadline):
+            yield out
+
+    async def _stream(self, request_id: str, add: Callable[[], None],
+                      deadline: float | None) -> AsyncIterator[RequestOutput]:
+        self._check_alive()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already streaming", param="request_id")
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        added = finished = False
+        try:
+            await self.run_in_engine(add)  # raises InvalidRequestError for bad input
+            added = True
+            while True:
+                item = await self._next(stream, deadline)
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if added and not finished and self._dead is None and not self._stopping:
+                self._abort_soon(request_id)
+
+    async def _next(self, stream: _Stream, deadline: float | None):
+        timeout = self.wait_timeout_s
+        if deadline is not None:
+            timeout = min(timeout, deadline - time.monotonic())
+        try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that races a result
+            async with asyncio.timeout(max(timeout, 0.0)):
+                return await stream.queue.get()
+        except TimeoutError as exc:
+            raise RequestTimeoutError("no output before the deadline; the request was aborted") from exc
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Queues an abort without awaiting (safe from a cancelled task or a closing generator)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._commands.append((lambda: self.core.abort(request_id), future))
+        self._wakeup.set()

@@ -1,0 +1,160 @@
+"""Engine arguments and the cache plan derived from them.
+
+Contract:
+- `EngineArgs` is the one frozen dataclass of engine options (flags follow `vllm serve` where one exists).
+  `__post_init__` checks each field alone and raises `EngineConfigError` naming it.
+- `plan_cache(args, model_config, dtype_bytes)` turns the memory budget into pool sizes, `CachePlan`:
+  the KDA state pool holds `max_num_seqs * (1 + num_speculative_tokens)` running slots, then (with prefix caching)
+  `snapshot_memory_fraction` of the remaining bytes as snapshot slots; the MLA block pool takes the rest. The two
+  pools are sized independently (a block is `block_size` tokens of MLA latents, never inflated to a state's size).
+  `num_kv_blocks` / `num_snapshot_slots` override the computed sizes (tests pin exact pools with them).
+- `snapshot_interval="auto"` is the state's bytes expressed in tokens of KV, rounded to whole blocks (so periodic
+  snapshots at most double the memory of the prefix they cover), clamped to [1, MAX_AUTO_INTERVAL_BLOCKS] blocks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from engine.errors import EngineConfigError
+from engine.model.batch import bytes_per_state, bytes_per_token
+from engine.model.config import ModelConfig
+
+MAX_AUTO_INTERVAL_BLOCKS = 4096
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000 ** 4,
+          "tib": 1 << 40}
+
+
+def parse_bytes(value: int | str) -> int:
+    """`4096`, `"512MiB"`, `"2GB"`, `"1.5g"` -> bytes."""
+    if isinstance(value, bool):
+        raise EngineConfigError(f"kv_cache_memory {value!r} is not a byte count")
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match[2].lower() not in _UNITS:
+        raise EngineConfigError(f"kv_cache_memory {value!r} is not a byte count (e.g. 4096, 512MiB, 2GB)")
+    return int(float(match[1]) * _UNITS[match[2].lower()])
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str
+    tokenizer: str | None = None  # default: the model folder
+    dtype: str = "auto"
+    load_format: str = "safetensors"
+    device: str = "cpu"
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory: int | str = DEFAULT_KV_CACHE_MEMORY  # bytes for both pools together
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's limit, capped by what the block pool holds
+    enable_prefix_caching: bool = True
+    snapshot_interval: int | str = "auto"  # tokens, a multiple of block_size
+    snapshot_memory_fraction: float = 1 / 3  # of the memory left after the running slots
+    num_kv_blocks: int | None = None  # override the computed block pool size
+    num_snapshot_slots: int | None = None  # override the computed snapshot slot count
+    num_speculative_tokens: int = 0
+    model_fingerprint: str | None = None  # default: derived from config and weight headers
+
+    def __post_init__(self):
+        positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
+                    "max_num_batched_tokens": self.max_num_batched_tokens}
+        for name, value in positive.items():
+            if not isinstance(value, int) or value <= 0:
+                raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
+        if parse_bytes(self.kv_cache_memory) <= 0:
+            raise EngineConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise EngineConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.snapshot_interval != "auto":
+            si = self.snapshot_interval
+            if not isinstance(si, int) or si <= 0 or si % self.block_size:
+                raise EngineConfigError(f"snapshot_interval must be 'auto' or a positive multiple of block_size "
+                                        f"{self.block_size}, got {si!r}")
+        if not 0.0 <= self.snapshot_memory_fraction < 1.0:
+            raise EngineConfigError(f"snapshot_memory_fraction must be in [0, 1), got {self.snapshot_memory_fraction}")
+        for name in ("num_kv_blocks", "num_snapshot_slots"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise EngineConfigError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.num_kv_blocks == 0:
+            raise EngineConfigError("num_kv_blocks must be positive")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise EngineConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """Pool sizes and cache policy, fixed for the engine's lifetime."""
+
+    block_size: int
+    num_blocks: int
+    slots_per_request: int  # 1 running slot + one per speculative position
+    num_running_slots: int  # max_num_seqs * slots_per_request, slot ids [0, num_running_slots)
+    num_snapshot_slots: int  # slot ids [num_running_slots, num_running_slots + num_snapshot_slots)
+    snapshot_interval: int  # tokens; 0 when prefix caching is off
+    max_model_len: int
+    bytes_per_token: int
+    bytes_per_state: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_running_slots + self.num_snapshot_slots
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.bytes_per_token
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_slots * self.bytes_per_state
+
+
+def auto_snapshot_interval(block_size: int, token_bytes: int, state_bytes: int) -> int:
+    """The state's bytes in tokens of KV, rounded to whole blocks."""
+    if token_bytes == 0:
+        return block_size
+    blocks = round(state_bytes / (token_bytes * block_size))
+    return block_size * min(MAX_AUTO_INTERVAL_BLOCKS, max(1, blocks))
+
+
+def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> CachePlan:
+    bs = args.block_size
+    token_b, state_b = bytes_per_token(config, dtype_bytes), bytes_per_state(config, dtype_bytes)
+    budget = parse_bytes(args.kv_cache_memory)
+    slots_per_request = 1 + args.num_speculative_tokens
+    running = args.max_num_seqs * slots_per_request
+    rest = budget - running * state_b
+    if rest <= 0 and args.num_kv_blocks is None:
+        raise EngineConfigError(
+            f"kv_cache_memory {budget} B does not hold {running} running KDA states of {state_b} B "
+            f"(max_num_seqs {args.max_num_seqs}); raise kv_cache_memory or lower max_num_seqs")
+    caching = args.enable_prefix_caching
+    snapshots = 0
+    if caching and state_b:
+        snapshots = args.num_snapshot_slots
+        if snapshots is None:
+            snapshots = int(max(rest, 0) * args.snapshot_memory_fraction) // state_b
+    num_blocks = args.num_kv_blocks
+    if num_blocks is None:
+        num_blocks = (rest - snapshots * state_b) // max(1, bs * token_b)
+        if num_blocks <= 0:
+            raise EngineConfigError(f"kv_cache_memory {budget} B leaves no room for KV blocks after the state pool")
+    interval = 0
+    if caching:
+        interval = (auto_snapshot_interval(bs, token_b, state_b) if args.snapshot_interval == "auto"
+                    else int(args.snapshot_interval))
+    max_len = min(config.max_position_embeddings, num_blocks * bs)
+    if args.max_model_len is not None:
+        if args.max_model_len > config.max_position_embeddings:
+            raise EngineConfigError(f"max_model_len {args.max_model_len} exceeds the model's limit "
+                                    f"{config.max_position_embeddings}")
+        max_len = args.max_model_len
+    return CachePlan(block_size=bs, num_blocks=int(num_blocks), slots_per_request=slots_per_request,
+                     num_running_slots=running, num_snapshot_slots=int(snapshots), snapshot_interval=interval,
+                     max_model_len=int(max_len), bytes_per_token=token_b, bytes_per_state=state_b)

@@ -1,0 +1,404 @@
+"""`EngineCore`: the synchronous engine — requests in, one step at a time, `RequestOutput` deltas out.
+
+Contract:
+- Not thread-safe: one thread calls everything (`LLM` directly, `AsyncEngine` from its step thread).
+- `add_request(request_id, prompt, params, ...)` validates everything first (`InvalidRequestError`, nothing
+  changes) and queues `params.n` sequences. A prompt is a str (tokenised without special tokens), a list of ids,
+  or `{"prompt_token_ids": [...]}` / `{"prompt": str}`. Admission rejects requests that can never run: an empty
+  prompt, ids outside the vocabulary, `len(prompt) + max_tokens > max_model_len`, or more KV blocks than the pool.
+- `step()` schedules, runs the model once, commits full blocks and snapshots, samples, detokenises, checks stops,
+  frees finished requests, and returns one delta `RequestOutput` per request that changed (see engine/outputs.py).
+- `abort(request_id)` ends a request at once (its output finishes with "abort" on the next `step`).
+- Export/import (see engine/transfer.py): `add_request(..., export_on_finish=True)` attaches a `RequestState` to
+  the final output (the KV and KDA state after every token but the last sampled one, so importing it and
+  continuing feeds that token next); `import_request` queues such a state in this engine; `export_cached_blocks` /
+  `import_cached_blocks` and `export_snapshot` / `import_snapshot` move prefix-cache entries by hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import CachePlan, EngineArgs, plan_cache
+from engine.errors import InvalidRequestError
+from engine.memory.hashing import BlockHasher, MediaSpan, root_hash
+from engine.memory.manager import CacheManager
+from engine.model.loader import LoadConfig, load_model
+from engine.outputs import RequestOutput
+from engine.request import OutputState, Request, RequestStatus
+from engine.runner import ModelRunner
+from engine.sampling import SampleRow, Sampler, SamplingParams
+from engine.scheduler import Scheduler
+from engine.transfer import (CorruptObjectError, RequestState, TransferError, decode_block, decode_state,
+                             encode_block, encode_state)
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int] | dict
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_snapshots: int
+    prefix_lookup_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+
+
+def model_fingerprint(model_dir: str | Path, dtype: torch.dtype, load_format: str, seed: int) -> bytes:
+    """Names the weights and numerics: config.json, weight file headers and the first MiB of each file, dtype."""
+    folder = Path(model_dir)
+    h = hashlib.sha256(b"kdamesh-model-v1")
+    h.update(json.dumps(json.loads((folder / "config.json").read_text()), sort_keys=True).encode())
+    h.update(str(dtype).encode())
+    if load_format == "dummy":
+        h.update(f"dummy:{seed}".encode())
+    else:
+        for path in sorted(folder.glob("*.safetensors")):
+            h.update(path.name.encode())
+            with open(path, "rb") as f:
+                h.update(f.read(1 << 20))
+    return h.digest()
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs):
+        from engine.tokenizer import KimiTokenizer
+
+        self.args = args
+        self.model = load_model(args.model, LoadConfig(load_format=args.load_format, dtype=args.dtype,
+                                                       device=args.device, seed=args.seed))
+        self.config = self.model.config
+        tokenizer_dir = Path(args.tokenizer or args.model)
+        self.tokenizer = KimiTokenizer.from_pretrained(tokenizer_dir) if (
+            (tokenizer_dir / "tiktoken.model").is_file() or (tokenizer_dir / "tokenizer.json").is_file()) else None
+        if self.tokenizer is not None:
+            self.eos_token_ids = tuple(self.tokenizer.stop_token_ids)
+        else:
+            self.eos_token_ids = () if self.config.eos_token_id is None else (self.config.eos_token_id,)
+        dtype_bytes = self.model.dtype.itemsize
+        self.plan: CachePlan = plan_cache(args, self.config, dtype_bytes)
+        self.fingerprint = (hashlib.sha256(args.model_fingerprint.encode()).digest() if args.model_fingerprint else
+                            model_fingerprint(args.model, self.model.dtype, args.load_format, args.seed))
+        self.manager = CacheManager(self.plan, has_kda=self.config.kda is not None)
+        self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.plan)
+        self.sampler = Sampler()
+        self._seed_rng = random.Random(args.seed)
+        self._parents: dict[str, _Parent] = {}
+        self._requests: dict[str, Request] = {}  # child id -> request, unfinished
+        self._touched: list[Request] = []  # requests with output not yet returned
+        self._arrivals = 0
+        self.num_steps = 0
+        logger.info("engine: %d KV blocks x %d tokens (%.1f MiB), %d running + %d snapshot KDA slots (%.1f MiB), "
+                    "snapshot interval %d, max_model_len %d", self.plan.num_blocks, self.plan.block_size,
+                    self.plan.kv_bytes / 2 ** 20, self.plan.num_running_slots, self.plan.num_snapshot_slots,
+                    self.plan.state_bytes / 2 ** 20, self.plan.snapshot_interval, self.plan.max_model_len)
+
+    # -- requests --------------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """-> (prompt text or None, token ids); raises InvalidRequestError for a malformed prompt."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs `prompt_token_ids` or `prompt`", param="prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass prompt_token_ids", param="prompt")
+            return prompt, self._check_ids(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise InvalidRequestError(f"a prompt is a str, a list of ids or a dict, got {type(prompt).__name__}",
+                                  param="prompt")
+
+    def _check_ids(self, ids) -> list[int]:
+        ids = list(ids)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        return ids
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        limit = self.plan.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > limit:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {limit} tokens; the request has {num_prompt_tokens} "
+                f"prompt tokens and asks for {max_tokens} more", param="max_tokens" if
+                num_prompt_tokens < limit else "prompt")
+        need = self.manager.blocks_for(num_prompt_tokens + max_tokens - 1)
+        if need > self.plan.num_blocks:
+            raise InvalidRequestError(f"the request needs {need} KV blocks, the pool has {self.plan.num_blocks}",
+                                      param="max_tokens")
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
+                    cache_salt: str | None = None, media: tuple[MediaSpan, ...] = (),
+                    export_on_finish: bool = False) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be SamplingParams", param="params")
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
+        if export_on_finish and params.n != 1:
+            raise InvalidRequestError("export_on_finish needs n == 1", param="n")
+        params.check_vocab(self.config.vocab_size)
+        text, ids = self.tokenize(prompt)
+        max_tokens = self.resolve_max_tokens(len(ids), params)
+        hasher = BlockHasher(self.plan.block_size, root_hash(self.fingerprint, cache_salt), tuple(media))
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            req = Request(request_id=child_id, parent_id=request_id, index=i, prompt_token_ids=ids, params=params,
+                          max_tokens=max_tokens, arrival=self._arrivals, hasher=hasher, priority=priority,
+                          generator=self._make_generator(params, i), export_on_finish=export_on_finish,
+                          cache_salt=cache_salt)
+            req.output = OutputState(params, self.tokenizer, self.eos_token_ids)
+            self._arrivals += 1
+            children.append(req)
+        self._register(_Parent(request_id, text, ids, children))
+
+    def _register(self, parent: _Parent) -> None:
+        self._parents[parent.request_id] = parent
+        for req in parent.children:
+            self._requests[req.request_id] = req
+            self.scheduler.add(req)
+
+    def _make_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(63)
+        gen = torch.Generator(device=self.runner.device)
+        gen.manual_seed(seed)
+        return gen
+
+    def abort(self, request_id: str) -> bool:
+        """Ends a request (parent id) now; False when it is unknown or already finished."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return False
+        for req in parent.children:
+            if not req.status.finished:
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    # -- the step --------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.is_empty:
+            self.num_steps += 1
+            slots = [self.manager.running_slot(c.req) for c in out.chunks]
+            logits = self.runner.execute(out, slots)  # [L, V]
+            copies = []
+            for chunk in out.chunks:
+                chunk.req.num_computed_tokens = chunk.start + chunk.num_tokens
+                copies.extend(self.manager.commit(chunk.req))
+            self.runner.copy_slots(copies)
+            sampled = [c.req for c in out.chunks if c.needs_logits]
+            rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids if r.params.has_penalties else (),
+                              r.generator, self._suppressed(r)) for r in sampled]
+            for req, result in zip(sampled, self.sampler.sample(logits, rows)):
+                req.append_token(result.token_id)
+                reason = req.output.add_token(result, req.num_output_tokens, req.max_tokens,
+                                              req.num_tokens >= self.plan.max_model_len)
+                self._touched.append(req)
+                if reason is not None:
+                    status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+                    self._finish(req, status)
+        return self._collect_outputs()
+
+    def _suppressed(self, req: Request) -> tuple[int, ...]:
+        if req.num_output_tokens >= req.params.min_tokens:
+            return ()
+        return tuple(req.output.stop_ids)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if status is RequestStatus.FINISHED_ABORTED:
+            req.output.abort()
+        elif req.export_on_finish:
+            req.exported = self._export_request(req)
+        self.scheduler.finish(req, status)
+        self._requests.pop(req.request_id, None)
+        self._touched.append(req)
+
+    def _collect_outputs(self) -> list[RequestOutput]:
+        changed: dict[str, list[Request]] = {}
+        for req in self._touched:
+            if req.output.has_delta and req not in changed.setdefault(req.parent_id, []):
+                changed[req.parent_id].append(req)
+        self._touched = []
+        outputs = []
+        for parent_id, reqs in changed.items():
+            parent = self._parents[parent_id]
+            if not reqs:
+                continue
+            finished = all(r.status.finished for r in parent.children)
+            first = parent.children[0]
+            outputs.append(RequestOutput(
+                request_id=parent_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
+                outputs=[r.output.take_delta(r.index) for r in sorted(reqs, key=lambda r: r.index)],
+                finished=finished, num_cached_tokens=first.num_cached_tokens or 0,
+                exported=first.exported if finished else None))
+            if finished:
+                del self._parents[parent_id]
+        return outputs
+
+    # -- observability and checks ----------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        pool = self.manager.block_pool
+        return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                           kv_usage=pool.usage, num_free_blocks=pool.num_free_blocks,
+                           num_cached_blocks=pool.num_cached_blocks,
+                           num_snapshots=self.manager.state_pool.num_snapshots,
+                           prefix_lookup_tokens=self.manager.lookup_tokens,
+                           prefix_hit_tokens=self.manager.hit_tokens,
+                           num_preemptions=self.scheduler.num_preemptions)
+
+    def check_integrity(self) -> None:
+        self.manager.check_integrity(self.scheduler.holding())
+        for req in self.scheduler.waiting:
+            assert not req.block_ids and req.state_group is None, f"waiting {req.request_id} holds cache"
+
+    def reset_prefix_cache(self) -> None:
+        self.manager.reset_prefix_cache()
+
+    # -- export / import -------------------------------------------------------------------------------------
+
+    def _export_request(self, req: Request) -> RequestState:
+        computed = req.num_computed_tokens
+        blocks = req.block_ids[: self.manager.blocks_for(computed)]
+        state = self.runner.read_state(self.manager.running_slot(req))
+        gen_state = req.generator.get_state() if req.generator is not None else None
+        return RequestState(prompt_token_ids=list(req.prompt_token_ids), output_token_ids=list(req.output_token_ids),
+                            num_computed_tokens=computed, block_size=self.plan.block_size,
+                            fingerprint=self.fingerprint, kv=self.runner.read_blocks(blocks), state=state,
+                            block_hashes=list(req.block_hashes[: computed // self.plan.block_size]),
+                            generator_state=gen_state, cache_salt=req.cache_salt,
+                            num_cached_tokens=req.num_cached_tokens or 0)
+
+    def import_request(self, request_id: str, state: RequestState, params: SamplingParams,
+                       priority: int = 0, export_on_finish: bool = False) -> None:
+        """Queues a request exported by another engine; it continues from `state.num_computed_tokens`.
+
+        `params.max_tokens` counts the carried output tokens too (the same params as the original request give
+        the same total); carried tokens are in the cumulative outputs but never in a delta."""
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
+        if params.n != 1:
+            raise InvalidRequestError("an imported request has n == 1", param="n")
+        self._check_import(state)
+        params.check_vocab(self.config.vocab_size)
+        prompt = self._check_ids(state.prompt_token_ids)
+        max_tokens = self.resolve_max_tokens(len(prompt), params)
+        hasher = BlockHasher(self.plan.block_size, root_hash(self.fingerprint, state.cache_salt))
+        req = Request(request_id=request_id, parent_id=request_id, index=0, prompt_token_ids=prompt, params=params,
+                      max_tokens=max_tokens, arrival=self._arrivals, hasher=hasher, priority=priority,
+                      generator=self._make_generator(params, 0), export_on_finish=export_on_finish,
+                      token_ids=prompt + list(state.output_token_ids), imported=state, cache_salt=state.cache_salt)
+        if req.generator is not None and state.generator_state is not None:
+            req.generator.set_state(state.generator_state)
+        req.num_cached_tokens = state.num_cached_tokens
+        req.output = OutputState(params, self.tokenizer, self.eos_token_ids)
+        req.output.prime(state.output_token_ids)
+        self._arrivals += 1
+        self._register(_Parent(request_id, None, prompt, [req]))
+
+    def _check_import(self, state: RequestState) -> None:
+        if state.fingerprint != self.fingerprint:
+            raise TransferError("the request state comes from a different model (fingerprint mismatch)")
+        if state.block_size != self.plan.block_size:
+            raise TransferError(f"block size {state.block_size}, this engine uses {self.plan.block_size}")
+        n = state.num_computed_tokens
+        if not 0 < n < len(state.prompt_token_ids) + len(state.output_token_ids):
+            raise CorruptObjectError(f"num_computed_tokens {n} leaves no token to compute")
+        (layers, bs, dim), _ = self.runner.block_shape()
+        if tuple(state.kv.shape) != (layers, self.manager.blocks_for(n), bs, dim):
+            raise CorruptObjectError(f"kv shape {tuple(state.kv.shape)} does not fit {n} tokens of this model")
+        self._check_state_shapes(state.state)
+
+    def _check_state_shapes(self, state: dict[str, torch.Tensor]) -> None:
+        expected = self.runner.state_shapes()
+        if set(state) != set(expected):
+            raise CorruptObjectError(f"state tensors {sorted(state)}, expected {sorted(expected)}")
+        for name, (shape, _) in expected.items():
+            if tuple(state[name].shape) != shape:
+                raise CorruptObjectError(f"state {name} shape {tuple(state[name].shape)}, expected {shape}")
+
+    def export_cached_blocks(self, hashes: list[bytes]) -> dict[bytes, bytes]:
+        """Serialised cached blocks by hash (hashes not cached here are left out)."""
+        found = [(h, self.manager.block_pool.get_cached(h)) for h in hashes]
+        found = [(h, b) for h, b in found if b is not None]
+        if not found:
+            return {}
+        data = self.runner.read_blocks([b for _, b in found])  # [L, n, bs, dim]
+        return {h: encode_block(data[:, i], h, self.fingerprint) for i, (h, _) in enumerate(found)}
+
+    def import_cached_blocks(self, objects: list[bytes]) -> int:
+        """Adds serialised blocks to the prefix cache (as free, cached blocks); returns how many were added.
+        Objects that fail verification or belong to another model raise `TransferError`."""
+        blocks = {}
+        shape, _ = self.runner.block_shape()
+        for data in objects:
+            h, fingerprint, kv = decode_block(data)
+            if fingerprint != self.fingerprint:
+                raise TransferError("block from a different model (fingerprint mismatch)")
+            if tuple(kv.shape) != shape:
+                raise CorruptObjectError(f"block shape {tuple(kv.shape)}, expected {shape}")
+            blocks[h] = kv
+        reserved = self.manager.reserve_blocks(list(blocks))
+        if reserved:
+            ids = [b for _, b in reserved]
+            self.runner.write_blocks(ids, torch.stack([blocks[h] for h, _ in reserved], dim=1))
+            self.manager.release_blocks(ids)
+        return len(reserved)
+
+    def export_snapshot(self, block_hash: bytes) -> bytes | None:
+        slot = self.manager.state_pool.get_snapshot(block_hash)
+        if slot is None:
+            return None
+        return encode_state(self.runner.read_state(slot), block_hash, self.fingerprint)
+
+    def import_snapshot(self, data: bytes) -> bool:
+        """Adds a serialised snapshot; False when its prefix's last block is not cached here (import blocks first)."""
+        h, fingerprint, state = decode_state(data)
+        if fingerprint != self.fingerprint:
+            raise TransferError("snapshot from a different model (fingerprint mismatch)")
+        self._check_state_shapes(state)
+        slot = self.manager.reserve_snapshot(h)
+        if slot is None:
+            return False
+        self.runner.write_state(slot, state)
+        return True
+
+    def snapshot_hashes(self) -> list[bytes]:
+        return self.manager.state_pool.snapshot_order()

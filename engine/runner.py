@@ -1,0 +1,118 @@
+"""The model runner: owns the cache tensors and turns a `SchedulerOutput` into one model step.
+
+Contract:
+- `execute(out)` first applies `out.state_inits` (zero a fresh request's running slot, or copy a snapshot into it),
+  then builds one packed `ForwardBatch` (chunks in `out.chunks` order; block tables, slot mapping from each
+  request's `block_ids`, its running slot) and runs `KimiForCausalLM.forward`. It returns fp32 logits
+  `[L, vocab]`, one row per chunk that `needs_logits`, in chunk order. It does not change any request.
+- `copy_slots(pairs)` copies KDA state slots (snapshots after a step).
+- `read_blocks` / `write_blocks` / `read_state` / `write_state` move cache contents in and out as tensors
+  (`engine.transfer` serialises them): blocks as `[num_mla_layers, n, block_size, cache_dim]` in MLA layer order,
+  a state as `conv [num_kda_layers, 3*H*D, W-1]` (cache dtype) and `recurrent [num_kda_layers, H, D, D]` (fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import CachePlan
+from engine.model.batch import CacheTensors, ForwardBatch
+from engine.model.model import KimiForCausalLM
+from engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: KimiForCausalLM, plan: CachePlan):
+        self.model = model
+        self.config = model.config
+        self.device = model.device
+        self.block_size = plan.block_size
+        self.cache = CacheTensors.allocate(model.config, num_blocks=plan.num_blocks, block_size=plan.block_size,
+                                           num_slots=plan.num_slots, dtype=model.dtype, device=self.device)
+        self.mla_layers = sorted(self.cache.kv)
+        self.kda_layers = sorted(self.cache.recurrent)
+
+    def execute(self, out: SchedulerOutput, running_slots: list[int]) -> torch.Tensor:
+        """Runs the step; `running_slots[i]` is the KDA slot of `out.chunks[i].req`."""
+        self._apply_state_inits(out)
+        batch = self.build_batch(out, running_slots)
+        return self.model(batch.to(self.device), self.cache)
+
+    def _apply_state_inits(self, out: SchedulerOutput) -> None:
+        zero = [init.dst for init in out.state_inits if init.src is None and init.load is None]
+        if zero and self.kda_layers:
+            self.cache.zero_slots(torch.tensor(zero, dtype=torch.long, device=self.device))
+        for init in out.state_inits:
+            if init.src is not None:
+                self.cache.copy_slot(init.src, init.dst)
+            elif init.load is not None:
+                self.write_blocks(list(init.load_blocks), init.load.kv)
+                self.write_state(init.dst, init.load.state)
+
+    def build_batch(self, out: SchedulerOutput, running_slots: list[int]) -> ForwardBatch:
+        bs = self.block_size
+        ids: list[int] = []
+        cu, seq_lens, slot_mapping, logits_rows = [0], [], [], []
+        max_blocks = max(-(-(c.start + c.num_tokens) // bs) for c in out.chunks)
+        tables = torch.zeros(len(out.chunks), max_blocks, dtype=torch.int32)
+        for n, chunk in enumerate(out.chunks):
+            req, start, end = chunk.req, chunk.start, chunk.start + chunk.num_tokens
+            ids.extend(req.token_ids[start:end])
+            cu.append(cu[-1] + chunk.num_tokens)
+            seq_lens.append(end)
+            blocks = req.block_ids[: -(-end // bs)]
+            tables[n, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            if chunk.needs_logits:
+                logits_rows.append(cu[-1] - 1)
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            cu_seqlens=torch.tensor(cu, dtype=torch.long),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+            block_tables=tables,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
+            state_indices=torch.tensor(running_slots, dtype=torch.long),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+        )
+
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        for src, dst in pairs:
+            self.cache.copy_slot(src, dst)
+
+    # -- moving cache contents -------------------------------------------------------------------------------
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[num_mla_layers, n, block_size, cache_dim] copies of the given blocks."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([self.cache.kv[i].index_select(0, index) for i in self.mla_layers]).cpu()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, i in enumerate(self.mla_layers):
+            kv = self.cache.kv[i]
+            kv.index_copy_(0, index, data[layer].to(kv.device, kv.dtype))
+
+    def read_state(self, slot: int) -> dict[str, torch.Tensor]:
+        if not self.kda_layers:
+            return {}
+        return {"conv": torch.stack([self.cache.conv[i][slot] for i in self.kda_layers]).cpu(),
+                "recurrent": torch.stack([self.cache.recurrent[i][slot] for i in self.kda_layers]).cpu()}
+
+    def write_state(self, slot: int, state: dict[str, torch.Tensor]) -> None:
+        for layer, i in enumerate(self.kda_layers):
+            self.cache.conv[i][slot].copy_(state["conv"][layer])
+            self.cache.recurrent[i][slot].copy_(state["recurrent"][layer])
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Expected shapes and dtypes of `read_state`'s tensors."""
+        if not self.kda_layers:
+            return {}
+        first = self.kda_layers[0]
+        n = len(self.kda_layers)
+        return {"conv": ((n, *self.cache.conv[first].shape[1:]), self.cache.conv[first].dtype),
+                "recurrent": ((n, *self.cache.recurrent[first].shape[1:]), torch.float32)}
+
+    def block_shape(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of one block's data across MLA layers: [num_mla_layers, block_size, cache_dim]."""
+        first = self.cache.kv[self.mla_layers[0]]
+        return (len(self.mla_layers), self.block_size, first.shape[-1]), first.dtype

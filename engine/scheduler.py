@@ -1,0 +1,153 @@
+"""The scheduler: one rule for prefill, decode and chunked prefill alike.
+
+Contract:
+- Every request's `num_computed_tokens` catches up with `len(token_ids)`. A step is a token budget
+  (`max_num_batched_tokens`) split across requests: running requests first — decodes (one token left) before
+  prefill chunks, each in admission order — then waiting requests in `(priority, arrival)` order (lower priority
+  value first, FCFS within a priority), while fewer than `max_num_seqs` run. A waiting request that does not fit
+  blocks those behind it (no overtaking).
+- A chunk never crosses the request's next pending snapshot boundary (`CacheManager.next_chunk_end`), so the state
+  after a boundary can be snapshotted; a chunk that reaches the end of the known tokens needs logits.
+- When a running request needs a block and none is free, the lowest-priority, latest-arriving running request is
+  preempted by recompute: its blocks and slot are freed, `num_computed_tokens` resets to 0 (its outputs are kept)
+  and it goes back to the waiting queue at its `(priority, arrival)` position — the front, under FCFS. A step that
+  preempted admits no waiting request.
+- `schedule()` changes pool holdings (admission, growth, preemption) but not `num_computed_tokens` of scheduled
+  chunks; the engine applies the step's results (`EngineCore._update`). `abort` and `finish` release everything.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field, replace
+
+from engine.memory.manager import CacheManager, StateInit
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    req: Request
+    start: int  # num_computed_tokens before the step
+    num_tokens: int
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.start + self.num_tokens == self.req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    state_inits: list[StateInit] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, manager: CacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self.running: list[Request] = []  # admission order
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        keys = [r.sort_key for r in self.waiting]
+        self.waiting.insert(bisect.bisect_left(keys, req.sort_key), req)
+
+    # -- one step --------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            budget -= self._schedule_running(req, budget, out)
+        if not out.preempted:
+            self._admit_waiting(budget, out)
+        return out
+
+    def _schedule_running(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        start = req.num_computed_tokens
+        n = min(req.num_tokens - start, budget, self.manager.next_chunk_end(req, start) - start)
+        while not self.manager.allocate(req, n):
+            victim = max(self.running, key=lambda r: r.sort_key)
+            self._preempt(victim, out)
+            if victim is req:
+                return 0
+        out.chunks.append(ScheduledChunk(req, start, n))
+        return n
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        for i, chunk in enumerate(out.chunks):
+            if chunk.req is victim:  # scheduled earlier in this step: take it back
+                del out.chunks[i]
+                break
+        self.running.remove(victim)
+        self.manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(victim)
+        self._enqueue(victim)
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hit = self.manager.lookup(req)
+            start = hit.num_tokens
+            n = min(req.num_tokens - start, budget, self.manager.next_chunk_end(req, start) - start)
+            if not self.manager.can_admit(hit, n):
+                break
+            self.waiting.pop(0)
+            init = self.manager.admit(req, hit)
+            assert self.manager.allocate(req, n)
+            if hit.imported:  # write the carried KV and state; a later preemption recomputes from tokens
+                num_blocks = self.manager.blocks_for(hit.num_tokens)
+                init = replace(init, load=req.imported, load_blocks=tuple(req.block_ids[:num_blocks]))
+                req.imported = None
+            out.state_inits.append(init)
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = start
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, start, n))
+            budget -= n
+
+    # -- leaving ---------------------------------------------------------------------------------------------
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Removes a request from the queues and frees what it holds."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.manager.free(req)
+        req.status = status
+
+    def holding(self) -> list[Request]:
+        """Requests that hold blocks or a slot (for integrity checks)."""
+        return list(self.running)

@@ -1,0 +1,160 @@
+"""Export/import of request state and prefix-cache entries, and the checksummed wire format.
+
+The exactly-once handoff invariant of DESIGN.md: a request exported after its first sampled token and imported
+into a fresh engine continues with the same tokens as the colocated run; importing a zeroed KDA state must change
+the output (a zeroed recurrent state still produces fluent text, so only an exact comparison catches it).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.transfer import (FORMAT_VERSION, LAYOUT_KV_BLOCK, CorruptObjectError, LayoutMismatchError, RequestState,
+                             TransferError, VersionMismatchError, pack, unpack)
+from tests.unit.engine.conftest import random_prompts
+
+MAX_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=50, seed=99, ignore_eos=True)
+
+
+def test_pack_round_trip():
+    tensors = {"a": torch.randn(3, 4), "b": torch.randn(2, 5).to(torch.bfloat16),
+               "c": torch.arange(7, dtype=torch.uint8), "empty": torch.zeros(0, 3)}
+    data = pack(tensors, "test/v1", {"k": [1, 2]})
+    assert data[:4] == b"KDAM" and struct.unpack_from("<H", data, 4)[0] == FORMAT_VERSION
+    out, layout, meta = unpack(data, "test/v1")
+    assert layout == "test/v1" and meta == {"k": [1, 2]}
+    for name, t in tensors.items():
+        assert out[name].dtype == t.dtype and torch.equal(out[name], t)
+
+
+@pytest.mark.parametrize("damage", ["payload", "header", "truncate", "extend", "magic"])
+def test_corruption_fails_closed(damage):
+    data = bytearray(pack({"kv": torch.randn(2, 4, 8)}, LAYOUT_KV_BLOCK, {"hash": "00"}))
+    if damage == "payload":
+        data[-5] ^= 0x01
+    elif damage == "header":
+        data[12] ^= 0x01
+    elif damage == "truncate":
+        data = data[:-1]
+    elif damage == "extend":
+        data += b"\x00"
+    else:
+        data[0:4] = b"XXXX"
+    with pytest.raises(CorruptObjectError):
+        unpack(bytes(data))
+
+
+def test_version_and_layout_mismatch():
+    data = bytearray(pack({"x": torch.ones(2)}, LAYOUT_KV_BLOCK))
+    with pytest.raises(LayoutMismatchError):
+        unpack(bytes(data), "kda_state/v1")
+    struct.pack_into("<H", data, 4, FORMAT_VERSION + 1)
+    with pytest.raises(VersionMismatchError):
+        unpack(bytes(data))
+    assert issubclass(VersionMismatchError, TransferError) and issubclass(TransferError, ValueError)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_linear_dir):
+    args = dict(kv_cache_memory=4 << 20, max_num_seqs=4, snapshot_interval=32, num_snapshot_slots=8)
+    return LLM(tiny_linear_dir, **args), LLM(tiny_linear_dir, **args)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return random_prompts(1, 45, 46, seed=30)[0]
+
+
+def handoff(llm, prompt, params) -> RequestState:
+    first = SamplingParams(**{**vars(params), "max_tokens": 1})
+    [out] = llm.generate({"prompt_token_ids": prompt}, first, export=True)
+    state = out.exported
+    assert state.num_computed_tokens == len(prompt) and state.output_token_ids == out.outputs[0].token_ids
+    return RequestState.from_bytes(state.to_bytes())  # through the wire format
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_export_import_continues_exactly(engines, prompt, params):
+    a, b = engines
+    colocated = a.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+    state = handoff(a, prompt, params)
+    assert state.kv.shape[1] == 3 and set(state.state) == {"conv", "recurrent"}
+    for llm in (b, a):  # a fresh engine, and the first one
+        [out] = llm.resume(state, params, check_integrity=True)
+        c = out.outputs[0]
+        assert c.token_ids == colocated.token_ids
+        assert c.text == colocated.text and c.finish_reason == "length"
+
+
+def test_zeroed_state_changes_the_output(engines, prompt):
+    a, b = engines
+    state = handoff(a, prompt, GREEDY)
+    expected = b.resume(state, GREEDY)[0].outputs[0].token_ids
+    zeroed = RequestState.from_bytes(state.to_bytes())
+    zeroed.state = {k: torch.zeros_like(v) for k, v in zeroed.state.items()}
+    assert b.resume(zeroed, GREEDY)[0].outputs[0].token_ids != expected
+
+
+def test_streamed_deltas_of_an_import_hold_only_new_tokens(engines, prompt):
+    a, b = engines
+    state = handoff(a, prompt, GREEDY)
+    engine = b.engine
+    engine.import_request("imp", state, GREEDY)
+    deltas = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.extend(out.outputs[0].delta_token_ids)
+            final = out
+    assert deltas == final.outputs[0].token_ids[1:]  # the carried first token is not streamed again
+    assert len(final.outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_bad_imports_are_refused(engines, prompt, tiny_k3_dir):
+    a, b = engines
+    state = handoff(a, prompt, GREEDY)
+    other = LLM(tiny_k3_dir, kv_cache_memory=4 << 20, max_num_seqs=2)
+    with pytest.raises(TransferError, match="fingerprint"):
+        other.resume(state, GREEDY)
+    broken = RequestState.from_bytes(state.to_bytes())
+    broken.kv = broken.kv[:, :1]
+    with pytest.raises(CorruptObjectError):
+        b.resume(broken, GREEDY)
+    done = RequestState.from_bytes(state.to_bytes())
+    done.num_computed_tokens = len(done.token_ids)
+    with pytest.raises(CorruptObjectError):
+        b.resume(done, GREEDY)
+    with pytest.raises(InvalidRequestError):
+        b.resume(state, SamplingParams(n=2, max_tokens=4))
+    assert not b.engine.has_unfinished_requests()
+
+
+def test_cached_blocks_and_snapshots_move_between_engines(tiny_linear_dir, prompt):
+    args = dict(kv_cache_memory=4 << 20, max_num_seqs=4, snapshot_interval=32, num_snapshot_slots=8)
+    source, target = LLM(tiny_linear_dir, **args), LLM(tiny_linear_dir, **args)
+    [cold] = target.generate({"prompt_token_ids": prompt}, GREEDY)
+    target.engine.reset_prefix_cache()
+    source.generate({"prompt_token_ids": prompt}, GREEDY)
+    src = source.engine
+    hashes = list(src.manager.block_pool._cached)
+    blocks = src.export_cached_blocks(hashes)
+    snapshots = [src.export_snapshot(h) for h in src.snapshot_hashes()]
+    assert len(blocks) == len(hashes) >= 2 and snapshots
+    dst = target.engine
+    assert not dst.import_snapshot(snapshots[0])  # its blocks are not there yet
+    assert dst.import_cached_blocks(list(blocks.values())) == len(blocks)
+    assert all(dst.import_snapshot(s) for s in snapshots)
+    dst.check_integrity()
+    [warm] = target.generate({"prompt_token_ids": prompt}, GREEDY, check_integrity=True)
+    assert warm.num_cached_tokens == 32
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    corrupt = bytearray(next(iter(blocks.values())))
+    corrupt[-1] ^= 0xFF
+    with pytest.raises(CorruptObjectError):
+        dst.import_cached_blocks([bytes(corrupt)])
