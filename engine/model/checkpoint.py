@@ -2,7 +2,7 @@
 
 Contract: `make_checkpoint(preset, out_dir)` writes `config.json` (released layout), `generation_config.json`
 (stopping on the end-of-message token), `*.safetensors` under the official names (sharded with an index above
-`max_shard_bytes`), and the tokenizer (`tiktoken.model` + `tokenizer_config.json`). The same preset and seed give
+`max_shard_bytes`), and the tokenizer (`tiktoken.model` + `tokenizer_config.json`; `kimi_linear` also gets `chat_template.jinja`). The same preset and seed give
 the same bytes. K3 presets can write routed experts as MXFP4 (`experts_format="mxfp4"`), as released.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from engine.model.presets import EOS_ID, NUM_BASE_TOKENS, preset_config
 logger = logging.getLogger(__name__)
 
 EXPERT_FORMATS = ("dense", "mxfp4")
+K2_CHAT_TEMPLATE = Path(__file__).resolve().parents[1] / "assets" / "kimi_k2_chat_template.jinja"
 
 
 def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str = "float32",
@@ -86,3 +88,5 @@ def _write_tokenizer(out: Path, family: str) -> None:
     from engine.tokenizer_build import write_tokenizer
 
     write_tokenizer(out, family)
+    if family == "kimi_linear":  # K2-style checkpoints ship their Jinja chat template; K3 renders in Python
+        shutil.copyfile(K2_CHAT_TEMPLATE, out / "chat_template.jinja")

@@ -1,0 +1,249 @@
+"""The gateway's client of the mesh: the P/D decision, prefill -> decode orchestration, and token events.
+
+Contract:
+- `MeshClient.generate(request)` is an async iterator of `TokenEvent`s for one prompt: every completion token of
+  every choice in order, a choice's last event with its `finish_reason`, and `usage` on the very last event. Leaving
+  the iteration early cancels the gRPC calls in flight (decode aborts the request and frees its memory).
+- Disaggregated path (prefill workers configured, `n == 1`, and the `PDDecider` says so): `Prefill` on a prefill
+  worker, then `Decode` from its handoff on a decode worker. When the first token already ends the output, decode is
+  skipped. When prefill fails with UNAVAILABLE / ABORTED / INTERNAL / UNKNOWN (cache service down, worker gone), the
+  request falls back to the colocated path on the decode worker (counted in `stats.prefill_fallbacks`).
+- Colocated path: `Decode` with a local prompt; the decode worker prefills with its own prefix cache.
+- `PDDecider`: remote prefill only when at least `min_uncached_tokens` prompt tokens are not in the chosen decode
+  worker's prefix cache (asked with `Probe`, skipped when the prompt itself is shorter than the threshold) and fewer
+  than `max_prefill_inflight` prefills are in flight (0: no limit).
+- Errors: `MeshError` with the gRPC status code and message of the failing call (INVALID_ARGUMENT, NOT_FOUND,
+  DEADLINE_EXCEEDED, UNAVAILABLE, ...); the REST layer maps it to an HTTP status.
+- Workers are picked by the fewest requests in flight from this gateway (ties: list order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+                common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
+                common_pb2.FINISH_REASON_ERROR: "error"}
+FALLBACK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
+                  grpc.StatusCode.UNKNOWN}
+PROBE_TIMEOUT_S = 1.0
+MAX_MESSAGE_BYTES = 16 << 20
+
+
+class MeshError(Exception):
+    """A mesh call failed; `code` is the gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class MeshRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: common_pb2.SamplingParams
+    model: str = ""
+    tenant_salt: bytes = b""
+    priority: int = 0
+    timeout_s: float | None = None  # the whole request, prefill and decode together
+
+
+@dataclass
+class TokenEvent:
+    index: int  # choice
+    token_ids: list[int]
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_token_id: int | None = None  # with finish "stop": the stop token that ended the output (EOS or stop id)
+    usage: common_pb2.Usage | None = None  # on the last event of the request
+    route: str = ""  # on the last event: "remote" | "local" | "fallback"
+
+
+@dataclass(frozen=True)
+class PDDecider:
+    """Chooses remote prefill ("remote") or prefill on the decode worker ("local")."""
+
+    min_uncached_tokens: int = 256
+    max_prefill_inflight: int = 0  # 0: no limit
+
+    def needs_probe(self, num_prompt_tokens: int) -> bool:
+        """Whether the decode worker's prefix hit can change the decision (the prompt reaches the threshold)."""
+        return self.min_uncached_tokens > 0 and num_prompt_tokens >= self.min_uncached_tokens
+
+    def decide(self, num_prompt_tokens: int, n: int, cached_tokens: int, prefill_inflight: int,
+               have_prefill: bool) -> str:
+        if not have_prefill or n != 1:
+            return "local"
+        if self.max_prefill_inflight and prefill_inflight >= self.max_prefill_inflight:
+            return "local"
+        uncached = num_prompt_tokens - cached_tokens
+        return "remote" if uncached >= self.min_uncached_tokens else "local"
+
+
+@dataclass
+class MeshStats:
+    remote: int = 0
+    local: int = 0
+    prefill_fallbacks: int = 0
+    prefill_finished: int = 0  # outputs that ended at prefill's first token
+
+
+class _Worker:
+    def __init__(self, address: str, stub_type):
+        self.address = address
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.stub = stub_type(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.inflight = 0
+
+
+def _pick(workers: list[_Worker]) -> _Worker:
+    return min(workers, key=lambda w: w.inflight)
+
+
+class MeshClient:
+    def __init__(self, decode_addresses: Sequence[str], prefill_addresses: Sequence[str] = (),
+                 decider: PDDecider | None = None, handoff_ttl_ms: int = 0):
+        if not decode_addresses:
+            raise ValueError("the mesh needs at least one decode worker")
+        self.decoders = [_Worker(a, decode_pb2_grpc.DecodeServiceStub) for a in decode_addresses]
+        self.prefillers = [_Worker(a, prefill_pb2_grpc.PrefillServiceStub) for a in prefill_addresses]
+        self.decider = decider or PDDecider()
+        self.handoff_ttl_ms = handoff_ttl_ms
+        self.stats = MeshStats()
+
+    async def close(self) -> None:
+        for w in self.decoders + self.prefillers:
+            await w.channel.close()
+
+    async def health(self, timeout_s: float = 1.0) -> dict[str, bool]:
+        """address -> whether the worker reports SERVING."""
+        async def check(w: _Worker) -> bool:
+            try:
+                r = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            except grpc.aio.AioRpcError:
+                return False
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+
+        workers = self.decoders + self.prefillers
+        results = await asyncio.gather(*(check(w) for w in workers))
+        return {w.address: ok for w, ok in zip(workers, results)}
+
+    # -- one request --------------------------------------------------------------------------------------------
+
+    async def generate(self, req: MeshRequest) -> AsyncIterator[TokenEvent]:
+        deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s
+        decoder = _pick(self.decoders)
+        decoder.inflight += 1
+        try:
+            route = await self._route(req, decoder, deadline)
+            source: dict = {"local": decode_pb2.LocalPrefill(prompt=common_pb2.TokenIds(ids=req.prompt_token_ids))}
+            if route == "remote":
+                response = await self._prefill(req, deadline)
+                if response is None:
+                    route = "fallback"
+                elif response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    self.stats.prefill_finished += 1
+                    yield _first_token_only(response)
+                    return
+                else:
+                    source = {"handoff": decode_pb2.HandoffSource(
+                        handoff_key=response.handoff_key, first_token_id=response.first_token_id,
+                        first_token_logprob=response.first_token_logprob if response.HasField(
+                            "first_token_logprob") else None,
+                        prompt=common_pb2.TokenIds(ids=req.prompt_token_ids), cached_tokens=response.cached_tokens)}
+            if route != "remote":
+                self.stats.local += 1
+            request = decode_pb2.DecodeRequest(request_id=req.request_id, model=req.model, sampling=req.sampling,
+                                               tenant_salt=req.tenant_salt, priority=req.priority, **source)
+            async for event in self._decode(decoder, request, deadline, route):
+                yield event
+        finally:
+            decoder.inflight -= 1
+
+    async def _route(self, req: MeshRequest, decoder: _Worker, deadline: float | None) -> str:
+        n = len(req.prompt_token_ids)
+        if not self.prefillers or (req.sampling.n or 1) != 1:
+            return "local"
+        cached = 0
+        if self.decider.needs_probe(n):
+            try:
+                probe = await decoder.stub.Probe(
+                    decode_pb2.ProbeRequest(model=req.model, prompt=common_pb2.TokenIds(ids=req.prompt_token_ids),
+                                            tenant_salt=req.tenant_salt), timeout=_remaining(deadline, PROBE_TIMEOUT_S))
+                cached = probe.cached_tokens
+            except grpc.aio.AioRpcError as exc:
+                log.debug("probe of %s failed: %s", decoder.address, exc.code().name)
+        inflight = sum(w.inflight for w in self.prefillers)
+        return self.decider.decide(n, 1, cached, inflight, have_prefill=True)
+
+    async def _prefill(self, req: MeshRequest, deadline: float | None) -> prefill_pb2.PrefillResponse | None:
+        """The prefill response, or None when the request should fall back to the colocated path."""
+        worker = _pick(self.prefillers)
+        worker.inflight += 1
+        request = prefill_pb2.PrefillRequest(request_id=req.request_id, model=req.model,
+                                             prompt=common_pb2.TokenIds(ids=req.prompt_token_ids),
+                                             sampling=req.sampling, tenant_salt=req.tenant_salt,
+                                             priority=req.priority, handoff_ttl_ms=self.handoff_ttl_ms)
+        try:
+            response = await worker.stub.Prefill(request, timeout=_remaining(deadline))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in FALLBACK_CODES:
+                log.warning("prefill on %s failed (%s: %s); prefilling on the decode worker", worker.address,
+                            exc.code().name, exc.details())
+                self.stats.prefill_fallbacks += 1
+                return None
+            raise MeshError(exc.code(), exc.details() or exc.code().name) from None
+        finally:
+            worker.inflight -= 1
+        self.stats.remote += 1
+        return response
+
+    async def _decode(self, decoder: _Worker, request: decode_pb2.DecodeRequest, deadline: float | None,
+                      route: str) -> AsyncIterator[TokenEvent]:
+        call = decoder.stub.Decode(request, timeout=_remaining(deadline))
+        try:
+            async for chunk in call:
+                event = TokenEvent(index=chunk.index, token_ids=list(chunk.token_ids), logprobs=list(chunk.logprobs),
+                                   finish_reason=FINISH_NAMES.get(chunk.finish_reason),
+                                   stop_token_id=chunk.stop_token_id if chunk.HasField("stop_token_id") else None)
+                if chunk.HasField("usage"):
+                    event.usage = chunk.usage
+                    event.route = route
+                yield event
+        except grpc.aio.AioRpcError as exc:
+            raise MeshError(exc.code(), exc.details() or exc.code().name) from None
+        finally:
+            call.cancel()
+
+
+def _remaining(deadline: float | None, cap: float | None = None) -> float | None:
+    if deadline is None:
+        return cap
+    left = max(0.001, deadline - time.monotonic())
+    return left if cap is None else min(left, cap)
+
+
+def _first_token_only(response: prefill_pb2.PrefillResponse) -> TokenEvent:
+    finish = FINISH_NAMES.get(response.finish_reason)
+    return TokenEvent(index=0, token_ids=[response.first_token_id],
+                      logprobs=[response.first_token_logprob] if response.HasField("first_token_logprob") else [],
+                      finish_reason=finish,
+                      usage=common_pb2.Usage(prompt_tokens=response.prompt_tokens, completion_tokens=1,
+                                             cached_tokens=response.cached_tokens),
+                      route="remote")

@@ -1,0 +1,83 @@
+"""Gateway test fixtures: tokenizer folders for both families, the official K3 renderer and tokenizer (loaded by file
+path from the installed `llmcompressor` package, never imported as a package and never modified), and a
+`transformers` tokenizer carrying kdamesh's K2 chat template."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import tokenizer_build as tb
+from engine.tokenizer import KimiTokenizer
+from gateway.chat import write_k2_chat_template
+
+OFFICIAL_MODULES = ("encoding_k3", "tokenization_kimi")  # tokenization_kimi falls back to `import encoding_k3`
+
+
+@pytest.fixture(scope="session")
+def k3_dir(tmp_path_factory) -> Path:
+    return tb.write_tokenizer(tmp_path_factory.mktemp("k3-tokenizer"), "kimi_k3")
+
+
+@pytest.fixture(scope="session")
+def k2_dir(tmp_path_factory) -> Path:
+    folder = tb.write_tokenizer(tmp_path_factory.mktemp("k2-tokenizer"), "kimi_linear")
+    write_k2_chat_template(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def k3_tok(k3_dir) -> KimiTokenizer:
+    return KimiTokenizer.from_pretrained(k3_dir)
+
+
+@pytest.fixture(scope="session")
+def k2_tok(k2_dir) -> KimiTokenizer:
+    return KimiTokenizer.from_pretrained(k2_dir)
+
+
+def _official_dir() -> Path:
+    spec = importlib.util.find_spec("llmcompressor")  # locates the package without importing it
+    assert spec is not None and spec.submodule_search_locations, "llmcompressor (official K3 code) is not installed"
+    folder = Path(list(spec.submodule_search_locations)[0]) / "modeling" / "kimi_k3"
+    assert (folder / "encoding_k3.py").is_file(), f"{folder} has no encoding_k3.py"
+    return folder
+
+
+@pytest.fixture(scope="session")
+def official_k3():
+    """(encoding_k3 module, TikTokenTokenizer class), loaded by path; sys.modules restored afterwards."""
+    folder = _official_dir()
+    saved = {name: sys.modules.get(name) for name in OFFICIAL_MODULES}
+    try:
+        for name in OFFICIAL_MODULES:
+            spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        yield sys.modules["encoding_k3"], sys.modules["tokenization_kimi"].TikTokenTokenizer
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+@pytest.fixture(scope="session")
+def official_k3_tokenizer(official_k3, k3_dir):
+    _, tokenizer_cls = official_k3
+    return tokenizer_cls.from_pretrained(str(k3_dir))
+
+
+@pytest.fixture(scope="session")
+def hf_k2_tokenizer(tmp_path_factory):
+    """A transformers tokenizer (tokenizer.json + chat_template.jinja), as `AutoTokenizer` loads a checkpoint."""
+    from transformers import AutoTokenizer
+
+    folder = tb.write_tokenizer_json(tmp_path_factory.mktemp("k2-hf"), "kimi_linear")
+    write_k2_chat_template(folder)
+    return AutoTokenizer.from_pretrained(str(folder))
