@@ -1,0 +1,199 @@
+"""Cache service throughput: put and get of 1 MiB objects through the gRPC service vs raw redis-py, same run.
+
+Usage: `python -m bench.bench_cache [--objects 64] [--object-bytes 1MiB] [--rounds 3] [--redis redis://127.0.0.1:6379/0]
+[--in-process] [--out FILE]`
+
+Rows:
+- `service (memory)`: `CacheClient.put_objects` / `get_objects` against a cache service with the memory backend.
+- `service (redis)`: the same against a cache service with the Redis backend.
+- `raw redis-py`: one pipelined SET of every object, then one pipelined GET, on the same Redis with the same bytes.
+The service runs in its own process (`python -m cache_service`, as deployed) unless `--in-process`. Each round moves
+all objects in one call; MB/s (10^6 bytes per second of payload) is the best of `--rounds` rounds after one warm-up
+round. The service path checksums every object (CRC-32) on the client and the server, both ways, and verifies reads
+end to end; the raw path does not. Keys live under the prefix `kdamesh-bench:` and are deleted at the end. Prints a
+markdown table with the ratio of each service row to raw Redis (target: >= 0.7x); `--out` writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import redis
+
+from cache_service.client import CacheClient, PutObject
+from cache_service.objects import Status, object_key
+from cache_service.server import CacheServer, CacheServiceConfig, parse_bytes, serve
+from protos import common_pb2
+
+PREFIX = "kdamesh-bench:"
+FINGERPRINT = b"bench-fingerprint"
+
+
+def make_objects(count: int, size: int) -> list[bytes]:
+    return [os.urandom(size) for _ in range(count)]
+
+
+async def timed(fn: Callable[[], Awaitable[None]]) -> float:
+    start = time.perf_counter()
+    await fn()
+    return time.perf_counter() - start
+
+
+# -- the paths: each is a (put, get) pair of coroutine functions moving every object once --------------------------
+
+
+class ServiceProcess:
+    """`python -m cache_service` in a child process, on a free port."""
+
+    def __init__(self, backend: str):
+        cmd = [sys.executable, "-m", "cache_service", "--address", "127.0.0.1:0", "--cache-backend", backend,
+               "--byte-budget", "4GiB", "--redis-key-prefix", PREFIX + "svc:", "--log-level", "WARNING"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+        line = self.proc.stdout.readline()
+        match = re.search(r"listening on (\S+):(\d+)", line)
+        if not match:
+            self.proc.kill()
+            raise RuntimeError(f"cache service did not start: {line!r}")
+        self.address = f"127.0.0.1:{match.group(2)}"
+
+    async def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+class InProcessService:
+    """The service on this process's event loop."""
+
+    def __init__(self, server: CacheServer, port: int):
+        self.server = server
+        self.address = f"127.0.0.1:{port}"
+
+    @classmethod
+    async def start(cls, backend: str) -> InProcessService:
+        config = CacheServiceConfig(address="127.0.0.1:0", backend=backend, byte_budget=4 << 30,
+                                    redis_key_prefix=PREFIX + "svc:")
+        return cls(*await serve(config))
+
+    async def stop(self) -> None:
+        await self.server.stop(1)
+
+
+class ServicePath:
+    def __init__(self, service, objects: list[bytes]):
+        self.service = service
+        self.client = CacheClient(service.address, timeout_s=120)
+        self.objects = objects
+        self.keys = [object_key(FINGERPRINT, b"", common_pb2.OBJECT_KIND_KV_BLOCK, i.to_bytes(8, "big"))
+                     for i in range(len(objects))]
+
+    async def put(self) -> None:
+        results = await self.client.put_objects([PutObject(k, d) for k, d in zip(self.keys, self.objects)])
+        assert all(r.status == Status.STORED for r in results), results[0]
+
+    async def get(self) -> None:
+        results = await self.client.get_objects(self.keys)
+        assert all(r.status == Status.FOUND for r in results), results[0]
+
+    async def close(self) -> None:
+        assert [r.data for r in await self.client.get_objects(self.keys)] == self.objects, "bytes differ"
+        await self.client.remove(self.keys, force=True)
+        await self.client.close()
+        await self.service.stop()
+
+
+class RawRedisPath:
+    """Pipelined SET / GET with redis-py, with the service's connection settings (1 MiB socket reads)."""
+
+    def __init__(self, url: str, objects: list[bytes]):
+        self.redis = redis.Redis.from_url(url, socket_read_size=1 << 20)
+        self.names = [f"{PREFIX}raw:{i}" for i in range(len(objects))]
+        self.objects = objects
+
+    async def put(self) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for name, data in zip(self.names, self.objects):
+            pipe.set(name, data)
+        pipe.execute()
+
+    async def get(self) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for name in self.names:
+            pipe.get(name)
+        assert all(v is not None for v in pipe.execute())
+
+    async def close(self) -> None:
+        self.redis.delete(*self.names)
+        self.redis.close()
+
+
+async def start_service(backend: str, in_process: bool):
+    return await InProcessService.start(backend) if in_process else ServiceProcess(backend)
+
+
+async def measure(paths: dict, nbytes: int, rounds: int) -> dict[str, dict[str, float]]:
+    """One warm-up round, then `rounds` rounds; in each, every path puts then gets (interleaved, so background
+    load hits all paths alike). -> per path, MB/s of its fastest put and fastest get."""
+    best = {name: {"put": float("inf"), "get": float("inf")} for name in paths}
+    for r in range(rounds + 1):
+        for name, path in paths.items():
+            put_s, get_s = await timed(path.put), await timed(path.get)
+            if r > 0:
+                best[name]["put"] = min(best[name]["put"], put_s)
+                best[name]["get"] = min(best[name]["get"], get_s)
+    return {name: {"put_mb_s": nbytes / b["put"] / 1e6, "get_mb_s": nbytes / b["get"] / 1e6}
+            for name, b in best.items()}
+
+
+# -- report ------------------------------------------------------------------------------------------------------
+
+
+def table(rows: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
+    raw = rows["raw redis-py"]
+    lines = [f"Cache throughput: {args.objects} objects x {args.object_bytes} bytes, best of {args.rounds} rounds "
+             f"({'in-process' if args.in_process else 'separate-process'} service)", "",
+             "| path | put MB/s | get MB/s | put vs raw | get vs raw |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['put_mb_s']:.0f} | {r['get_mb_s']:.0f} | "
+                     f"{r['put_mb_s'] / raw['put_mb_s']:.2f}x | {r['get_mb_s'] / raw['get_mb_s']:.2f}x |")
+    return "\n".join(lines)
+
+
+async def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    objects = make_objects(args.objects, args.object_bytes)
+    paths = {"service (memory)": ServicePath(await start_service("memory", args.in_process), objects),
+             "service (redis)": ServicePath(await start_service(args.redis, args.in_process), objects),
+             "raw redis-py": RawRedisPath(args.redis, objects)}
+    try:
+        return await measure(paths, sum(map(len, objects)), args.rounds)
+    finally:
+        for path in paths.values():
+            await path.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_cache", description=__doc__.splitlines()[0])
+    parser.add_argument("--objects", type=int, default=64)
+    parser.add_argument("--object-bytes", type=parse_bytes, default=1 << 20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--in-process", action="store_true", help="run the service in this process")
+    parser.add_argument("--out", type=Path, help="write the numbers as JSON")
+    args = parser.parse_args(argv)
+    rows = asyncio.run(run(args))
+    print(table(rows, args))
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""An asyncio client of the cache service (what prefill and decode workers use).
+
+Contract:
+- Every call has a deadline (`timeout_s`, default 10 s, overridable per call).
+- Batch calls never raise for a failed RPC: when the service is unreachable, the deadline passes or the call fails,
+  every key the answer did not cover gets an ERROR status whose message names the gRPC code. The caller treats
+  ERROR, MISSING and CORRUPT alike: a miss, recompute. `lookup` answers a prefix of 0 with `error` set, `release`
+  answers False. Only `stats` raises (`grpc.aio.AioRpcError`).
+- `put_objects` streams each object in `chunk_bytes` pieces with its checksum (CRC-32 by default); `get_objects`
+  reassembles the chunks and verifies the checksum again end to end (a mismatch is CORRUPT).
+- Create the client inside the event loop that uses it (a `grpc.aio` channel belongs to one loop).
+- Results come back in the order of the request. A large batch is spread over `streams` concurrent calls (default 2;
+  each object stays whole within one call), which roughly doubles throughput over one stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from cache_service.objects import Checksum, ChecksumAlgorithm, Status
+from protos import cache_pb2, cache_pb2_grpc, common_pb2
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 10.0
+MAX_TTL_MS = 2**32 - 1  # ttl fields are uint32 milliseconds (~49 days)
+
+
+@dataclass(frozen=True)
+class PutObject:
+    key: common_pb2.ObjectKey
+    data: bytes
+    # Time to live (seconds). None: the service default for the kind (HANDOFF: 30 s; others: none). 0: no expiry.
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True)
+class KeyResult:
+    key: common_pb2.ObjectKey
+    status: Status
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class GetResult:
+    key: common_pb2.ObjectKey
+    status: Status
+    data: bytes | None = None  # the payload, when FOUND
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    prefix_hit_length: int
+    present: list[bool] = field(default_factory=list)
+    error: str = ""  # set when the service could not answer (the prefix is then 0)
+
+
+@dataclass(frozen=True)
+class LeaseResult:
+    lease_id: str  # "" when nothing was pinned
+    results: list[KeyResult]
+    ttl_s: float
+
+
+@dataclass
+class _Reassembly:
+    status: Status
+    size: int = 0
+    checksum: Checksum | None = None
+    parts: list[bytes] = field(default_factory=list)
+    message: str = ""
+
+
+def _describe(exc: grpc.aio.AioRpcError) -> str:
+    return f"cache service call failed: {exc.code().name}: {exc.details()}"
+
+
+class CacheClient:
+    def __init__(self, address: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = 1 << 20,
+                 max_message_bytes: int = 4 << 20, checksum_algorithm: ChecksumAlgorithm = ChecksumAlgorithm.CRC32,
+                 streams: int = 2):
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.streams = streams
+        self.checksum_algorithm = checksum_algorithm
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        self._channel = grpc.aio.insecure_channel(address, options=options)
+        self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
+
+    async def __aenter__(self) -> CacheClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+    # -- put / get ------------------------------------------------------------------------------------------------
+
+    async def put_objects(self, objects: Sequence[PutObject], timeout_s: float | None = None) -> list[KeyResult]:
+        """Stores objects -> one result per object: STORED, CORRUPT, TOO_LARGE, INVALID or ERROR."""
+        groups = _split_by_bytes([len(o.data) for o in objects], self.streams, self.chunk_bytes)
+        answers = await asyncio.gather(*[self._put_stream(objects[a:b], timeout_s) for a, b in groups])
+        return [result for answer in answers for result in answer]
+
+    async def _put_stream(self, objects: Sequence[PutObject], timeout_s: float | None) -> list[KeyResult]:
+        if not objects:
+            return []
+        try:
+            response = await self._stub.BatchPut(self._put_chunks(objects), timeout=self._timeout(timeout_s))
+        except grpc.aio.AioRpcError as exc:
+            log.warning("BatchPut of %d objects failed: %s", len(objects), _describe(exc))
+            return [KeyResult(o.key, Status.ERROR, _describe(exc)) for o in objects]
+        return [KeyResult(r.key, Status(r.status), r.message) for r in response.results]
+
+    async def _put_chunks(self, objects: Sequence[PutObject]) -> AsyncIterator[cache_pb2.PutChunk]:
+        step = self.chunk_bytes
+        for obj in objects:
+            header = cache_pb2.ObjectHeader(key=obj.key, size_bytes=len(obj.data),
+                                            checksum=Checksum.of(obj.data, self.checksum_algorithm).to_proto())
+            if obj.ttl_s is not None:
+                header.ttl_ms = min(int(obj.ttl_s * 1000), MAX_TTL_MS)
+            yield cache_pb2.PutChunk(header=header, data=obj.data[:step])
+            for offset in range(step, len(obj.data), step):
+                yield cache_pb2.PutChunk(data=obj.data[offset:offset + step])
+
+    async def get_objects(self, keys: Sequence[common_pb2.ObjectKey],
+                          timeout_s: float | None = None) -> list[GetResult]:
+        """Reads objects -> one result per key: FOUND (with data), MISSING, CORRUPT or ERROR."""
+        groups = _split_by_bytes([1] * len(keys), self.streams, 1)
+        answers = await asyncio.gather(*[self._get_stream(keys[a:b], timeout_s) for a, b in groups])
+        return [result for answer in answers for result in answer]
+
+    async def _get_stream(self, keys: Sequence[common_pb2.ObjectKey], timeout_s: float | None) -> list[GetResult]:
+        if not keys:
+            return []
+        got: dict[int, _Reassembly] = {}
+        failure = ""
+        try:
+            call = self._stub.BatchGet(cache_pb2.BatchGetRequest(keys=keys), timeout=self._timeout(timeout_s))
+            async for chunk in call:
+                _absorb(got, chunk)
+        except grpc.aio.AioRpcError as exc:
+            failure = _describe(exc)
+            log.warning("BatchGet of %d keys failed: %s", len(keys), failure)
+        return [_finish(key, got.get(i), failure) for i, key in enumerate(keys)]
+
+    # -- lookup / lease / remove / stats -------------------------------------------------------------------------
+
+    async def lookup(self, model_fingerprint: bytes, tenant_salt: bytes, kind: int, content_hashes: Sequence[bytes],
+                     include_presence: bool = False, timeout_s: float | None = None) -> LookupResult:
+        """How many leading hashes of a chain are cached (and, with include_presence, which ones)."""
+        request = cache_pb2.LookupRequest(model_fingerprint=model_fingerprint, tenant_salt=tenant_salt, kind=kind,
+                                          content_hashes=content_hashes, include_presence=include_presence)
+        try:
+            response = await self._stub.Lookup(request, timeout=self._timeout(timeout_s))
+        except grpc.aio.AioRpcError as exc:
+            return LookupResult(0, [], _describe(exc))
+        return LookupResult(response.prefix_hit_length, list(response.present))
+
+    async def lease(self, keys: Sequence[common_pb2.ObjectKey], ttl_s: float | None = None,
+                    timeout_s: float | None = None) -> LeaseResult:
+        """Pins present objects for ttl_s seconds (None: the service default, 30 s)."""
+        ttl_ms = 0 if ttl_s is None else min(max(1, int(ttl_s * 1000)), MAX_TTL_MS)
+        request = cache_pb2.LeaseRequest(keys=keys, ttl_ms=ttl_ms)
+        try:
+            response = await self._stub.Lease(request, timeout=self._timeout(timeout_s))
+        except grpc.aio.AioRpcError as exc:
+            return LeaseResult("", [KeyResult(k, Status.ERROR, _describe(exc)) for k in keys], ttl_s or 0.0)
+        results = [KeyResult(r.key, Status(r.status), r.message) for r in response.results]
+        return LeaseResult(response.lease_id, results, response.ttl_ms / 1000)
+
+    async def release(self, lease_id: str, timeout_s: float | None = None) -> bool:
+        """Ends a lease -> whether it was active (False also when the service cannot be reached)."""
+        try:
+            response = await self._stub.Release(cache_pb2.ReleaseRequest(lease_id=lease_id),
+                                                timeout=self._timeout(timeout_s))
+        except grpc.aio.AioRpcError as exc:
+            log.warning("Release of lease %s failed: %s", lease_id, _describe(exc))
+            return False
+        return response.found
+
+    async def remove(self, keys: Sequence[common_pb2.ObjectKey], force: bool = False,
+                     timeout_s: float | None = None) -> list[KeyResult]:
+        """Deletes objects -> per key: REMOVED, MISSING, LEASED (kept unless force) or ERROR."""
+        try:
+            response = await self._stub.Remove(cache_pb2.RemoveRequest(keys=keys, force=force),
+                                               timeout=self._timeout(timeout_s))
+        except grpc.aio.AioRpcError as exc:
+            return [KeyResult(k, Status.ERROR, _describe(exc)) for k in keys]
+        return [KeyResult(r.key, Status(r.status), r.message) for r in response.results]
+
+    async def stats(self, timeout_s: float | None = None) -> cache_pb2.StatsResponse:
+        """The store's occupancy and counters. Raises grpc.aio.AioRpcError."""
+        return await self._stub.Stats(cache_pb2.StatsRequest(), timeout=self._timeout(timeout_s))
+
+
+def _split_by_bytes(sizes: Sequence[int], streams: int, min_bytes: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) groups of about equal total size, at most `streams` of them and each of at least
+    `min_bytes` (one stream for small batches)."""
+    total = sum(sizes)
+    n = max(1, min(streams, len(sizes), total // max(min_bytes, 1)))
+    groups, start, acc = [], 0, 0
+    for i, size in enumerate(sizes):
+        acc += size
+        if acc * n >= total * (len(groups) + 1) and len(groups) < n - 1:
+            groups.append((start, i + 1))
+            start = i + 1
+    groups.append((start, len(sizes)))
+    return groups
+
+
+def _absorb(got: dict[int, _Reassembly], chunk: cache_pb2.GetChunk) -> None:
+    if chunk.status != cache_pb2.KEY_STATUS_UNSPECIFIED:  # first chunk of a key
+        got[chunk.index] = _first(chunk)
+    current, data = got.get(chunk.index), chunk.data  # each read of chunk.data copies: read it once
+    if data and current is not None:
+        current.parts.append(data)
+
+
+def _first(chunk: cache_pb2.GetChunk) -> _Reassembly:
+    if chunk.status != cache_pb2.KEY_STATUS_FOUND:
+        return _Reassembly(Status(chunk.status), message=chunk.message)
+    try:
+        return _Reassembly(Status.FOUND, chunk.size_bytes, Checksum.from_proto(chunk.checksum))
+    except ValueError as exc:
+        return _Reassembly(Status.ERROR, message=f"unusable checksum from the service: {exc}")
+
+
+def _finish(key: common_pb2.ObjectKey, got: _Reassembly | None, failure: str) -> GetResult:
+    if got is None:
+        return GetResult(key, Status.ERROR, message=failure or "no answer for this key")
+    if got.status != Status.FOUND:
+        return GetResult(key, got.status, message=got.message)
+    got.parts, parts = [], got.parts  # release the chunks as they are joined
+    data = parts[0] if len(parts) == 1 else b"".join(parts)
+    if len(data) != got.size:
+        return GetResult(key, Status.ERROR, message=failure or f"received {len(data)} of {got.size} bytes")
+    if not got.checksum.matches(data):
+        return GetResult(key, Status.CORRUPT, message="checksum mismatch after transfer")
+    return GetResult(key, Status.FOUND, data)

@@ -1,0 +1,407 @@
+"""The Redis store: objects in a real Redis server (`redis://host:port/db`), pipelined, chunked, checksummed.
+
+Layout under `key_prefix` (default `kdamesh:`), for an object with store key K:
+- manifest `{prefix}o:{K}` = header (`_HEADER`: magic `KDC1`, format version, checksum algorithm, checksum length,
+  payload size, number of chunks) + checksum + the payload itself when it fits in one chunk (`num_chunks == 0`).
+- chunks `{prefix}c:{algorithm}{checksum}{i:u32}{K}` for payloads larger than `chunk_bytes`. Chunk keys are named by
+  the checksum, so two writers of the same content write the same keys and a writer of other content never
+  overwrites chunks a reader is using.
+- leases: `{prefix}p:{K}` is a sorted set of lease ids scored by deadline (Unix ms; pinned while any score is in the
+  future); `{prefix}l:{lease_id}` is the set of keys a lease pins (expires with the lease).
+
+Contract (in addition to `store.Store`'s):
+- Atomic visibility: one pipeline writes the chunks first and the manifest last on one connection; Redis applies
+  them in order, so a reader that sees a manifest sees its chunks. A manifest whose chunk is gone (evicted, expired,
+  flushed) is a miss and is deleted.
+- TTLs are Redis expiries (SET PX) on the manifest and the chunks; a lease extends them to at least its own end.
+  Redis, not this store, evicts under `maxmemory` (leases cannot stop that: use `volatile-*` policies or no limit).
+- A restarted or flushed Redis loses objects: they are misses. A Redis that is down answers ERROR for every key
+  within the socket timeouts (connect 0.5 s, read 2 s by default; one immediate retry for a stale connection).
+- Checksums are verified on every read; a mismatch is CORRUPT, counted, and the object is deleted.
+- `stats` scans the prefix (O(objects)); counters are this process's. Leases' deadlines use this host's wall clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from cache_service.objects import CHECKSUM_BYTES, Checksum, ChecksumAlgorithm, Status
+from cache_service.store import (GetOutcome, KeyOutcome, LeaseGrant, LookupOutcome, PutItem, Store, StoreCounters,
+                                 StoreStats, StoreUnavailableError, prefix_length)
+
+_MAGIC = b"KDC1"
+_VERSION = 1
+_HEADER = struct.Struct(">4sBBBxQI")  # magic, version, checksum algorithm, checksum length, pad, size, num_chunks
+_MAX_HEADER_BYTES = _HEADER.size + max(CHECKSUM_BYTES.values())
+_REDIS_ERRORS = (redis.RedisError, OSError)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Manifest:
+    size: int
+    num_chunks: int  # 0: the payload is inline
+    checksum: Checksum
+    inline: bytes  # the payload when num_chunks == 0
+
+
+class _CorruptManifest(ValueError):
+    pass
+
+
+def _encode_manifest(checksum: Checksum, size: int, num_chunks: int, inline: bytes) -> bytes:
+    header = _HEADER.pack(_MAGIC, _VERSION, int(checksum.algorithm), len(checksum.value), size, num_chunks)
+    return b"".join([header, checksum.value, inline])
+
+
+def _decode_manifest(raw: bytes, header_only: bool = False) -> _Manifest:
+    if len(raw) < _HEADER.size:
+        raise _CorruptManifest("manifest shorter than its header")
+    magic, version, algorithm, checksum_len, size, num_chunks = _HEADER.unpack_from(raw)
+    if magic != _MAGIC or version != _VERSION:
+        raise _CorruptManifest(f"bad manifest magic/version {magic!r}/{version}")
+    if algorithm not in CHECKSUM_BYTES or CHECKSUM_BYTES[ChecksumAlgorithm(algorithm)] != checksum_len:
+        raise _CorruptManifest(f"bad checksum algorithm {algorithm} / length {checksum_len}")
+    start = _HEADER.size + checksum_len
+    if len(raw) < start:
+        raise _CorruptManifest("manifest truncated in its checksum")
+    checksum = Checksum(ChecksumAlgorithm(algorithm), bytes(raw[_HEADER.size:start]))
+    inline = b"" if header_only or num_chunks else raw[start:]
+    return _Manifest(size, num_chunks, checksum, inline)
+
+
+class RedisStore(Store):
+    backend = "redis"
+
+    def __init__(self, url: str, chunk_bytes: int = 1 << 20, key_prefix: bytes = b"kdamesh:",
+                 socket_timeout_s: float = 2.0, connect_timeout_s: float = 0.5, max_connections: int = 64,
+                 socket_read_bytes: int = 1 << 20):
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        self.url = url
+        self.chunk_bytes = chunk_bytes
+        self._prefix = key_prefix
+        self._redis = redis.Redis.from_url(
+            url, socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
+            retry=Retry(NoBackoff(), 1), retry_on_error=[redis.ConnectionError], max_connections=max_connections,
+            socket_read_size=socket_read_bytes)  # large reads: payloads are MiBs, redis-py's default is 32 KiB
+        self._lock = threading.Lock()
+        self._counters = StoreCounters()
+
+    # -- key names ----------------------------------------------------------------------------------------------
+
+    def _manifest_key(self, key: bytes) -> bytes:
+        return self._prefix + b"o:" + key
+
+    def _chunk_key(self, key: bytes, checksum: Checksum, index: int) -> bytes:
+        return b"".join([self._prefix, b"c:", bytes([checksum.algorithm]), checksum.value, struct.pack(">I", index),
+                         key])
+
+    def _chunk_keys(self, key: bytes, manifest: _Manifest) -> list[bytes]:
+        return [self._chunk_key(key, manifest.checksum, i) for i in range(manifest.num_chunks)]
+
+    def _pins_key(self, key: bytes) -> bytes:
+        return self._prefix + b"p:" + key
+
+    def _lease_key(self, lease_id: str) -> bytes:
+        return self._prefix + b"l:" + lease_id.encode()
+
+    # -- Store API ----------------------------------------------------------------------------------------------
+
+    def put_many(self, items: Sequence[PutItem]) -> list[KeyOutcome]:
+        outcomes: list[KeyOutcome] = [KeyOutcome(Status.CORRUPT, "checksum mismatch on arrival")] * len(items)
+        pipe = self._redis.pipeline(transaction=False)
+        spans: list[tuple[int, int]] = []  # (item index, number of commands queued for it)
+        for i, item in enumerate(items):
+            if item.checksum.matches(item.data):
+                spans.append((i, self._queue_put(pipe, item)))
+        replies, failure = self._execute(pipe) if spans else ([], "")
+        pos = 0
+        for i, n in spans:
+            outcomes[i] = KeyOutcome(Status.ERROR, failure) if failure else _put_outcome(replies[pos:pos + n])
+            pos += n
+        statuses = [o.status for o in outcomes]
+        self._count(puts=statuses.count(Status.STORED), errors=statuses.count(Status.ERROR))
+        return outcomes
+
+    def get_many(self, keys: Sequence[bytes]) -> list[GetOutcome]:
+        try:
+            outcomes = self._get_many(keys)
+        except _REDIS_ERRORS as exc:
+            outcomes = [GetOutcome(Status.ERROR, message=_describe(exc))] * len(keys)
+        statuses = [o.status for o in outcomes]
+        self._count(hits=statuses.count(Status.FOUND), misses=len(keys) - statuses.count(Status.FOUND),
+                    corrupt_reads=statuses.count(Status.CORRUPT), errors=statuses.count(Status.ERROR))
+        return outcomes
+
+    def lookup(self, keys: Sequence[bytes], include_presence: bool = False) -> LookupOutcome:
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._manifest_key(key))
+            present = [bool(n) for n in pipe.execute()]
+        except _REDIS_ERRORS as exc:
+            self._count(errors=len(keys))
+            raise StoreUnavailableError(_describe(exc)) from exc
+        return LookupOutcome(prefix_length(present), present if include_presence else [])
+
+    def lease(self, keys: Sequence[bytes], ttl_s: float) -> LeaseGrant:
+        try:
+            return self._lease(keys, ttl_s)
+        except _REDIS_ERRORS as exc:
+            self._count(errors=len(keys))
+            return LeaseGrant("", [KeyOutcome(Status.ERROR, _describe(exc))] * len(keys), ttl_s)
+
+    def release(self, lease_id: str) -> tuple[bool, int]:
+        try:
+            members = self._redis.smembers(self._lease_key(lease_id))
+            if not members:
+                return False, 0
+            pipe = self._redis.pipeline(transaction=False)
+            for key in members:
+                pipe.zrem(self._pins_key(key), lease_id)
+            pipe.delete(self._lease_key(lease_id))
+            pipe.execute()
+            return True, len(members)
+        except _REDIS_ERRORS as exc:
+            self._count(errors=1)
+            raise StoreUnavailableError(_describe(exc)) from exc
+
+    def remove(self, keys: Sequence[bytes], force: bool = False) -> list[KeyOutcome]:
+        try:
+            outcomes = self._remove(keys, force)
+        except _REDIS_ERRORS as exc:
+            outcomes = [KeyOutcome(Status.ERROR, _describe(exc))] * len(keys)
+        statuses = [o.status for o in outcomes]
+        self._count(removes=statuses.count(Status.REMOVED), errors=statuses.count(Status.ERROR))
+        return outcomes
+
+    def stats(self) -> StoreStats:
+        try:
+            objects, stored = self._scan_objects()
+            leases = sum(1 for _ in self._redis.scan_iter(match=_glob(self._prefix + b"l:") + b"*", count=1000))
+            leased = self._count_leased()
+            evicted = int(self._redis.info("stats").get("evicted_keys", 0))
+        except _REDIS_ERRORS as exc:
+            raise StoreUnavailableError(f"redis at {self.url}: {_describe(exc)}") from exc
+        with self._lock:
+            counters = StoreCounters(**vars(self._counters))
+        counters.evictions = evicted
+        return StoreStats(self.backend, objects, stored, 0, leased, leases, counters)
+
+    def expire(self) -> int:
+        return 0  # Redis expires keys itself
+
+    def close(self) -> None:
+        self._redis.close()
+        self._redis.connection_pool.disconnect()
+
+    # -- put ----------------------------------------------------------------------------------------------------
+
+    def _queue_put(self, pipe: redis.client.Pipeline, item: PutItem) -> int:
+        """Queues the chunks, then the manifest; returns the number of commands queued."""
+        px = None if item.ttl_s is None else max(1, int(item.ttl_s * 1000))
+        size, step = len(item.data), self.chunk_bytes
+        if size <= step:
+            pipe.set(self._manifest_key(item.key), _encode_manifest(item.checksum, size, 0, item.data), px=px)
+            return 1
+        view = memoryview(item.data)
+        num_chunks = -(-size // step)
+        for i in range(num_chunks):
+            pipe.set(self._chunk_key(item.key, item.checksum, i), view[i * step:(i + 1) * step], px=px)
+        pipe.set(self._manifest_key(item.key), _encode_manifest(item.checksum, size, num_chunks, b""), px=px)
+        return num_chunks + 1
+
+    @staticmethod
+    def _execute(pipe: redis.client.Pipeline) -> tuple[list, str]:
+        """Runs a pipeline -> (its replies, errors as values; "") or ([], why) when Redis cannot be reached."""
+        try:
+            return pipe.execute(raise_on_error=False), ""
+        except _REDIS_ERRORS as exc:
+            return [], _describe(exc)
+
+    # -- get ----------------------------------------------------------------------------------------------------
+
+    def _get_many(self, keys: Sequence[bytes]) -> list[GetOutcome]:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(self._manifest_key(key))
+        raws = pipe.execute()
+        manifests: list[_Manifest | None | str] = [self._parse(raw) for raw in raws]
+        chunks = self._fetch_chunks(keys, manifests)
+        outcomes = [self._assemble(key, m, chunks.get(i)) for i, (key, m) in enumerate(zip(keys, manifests))]
+        try:
+            self._delete_bad(keys, manifests, outcomes)
+        except _REDIS_ERRORS as exc:  # the reads stand; a later read deletes them
+            log.warning("could not delete corrupt or incomplete objects: %s", _describe(exc))
+        return outcomes
+
+    @staticmethod
+    def _parse(raw: bytes | None) -> _Manifest | None | str:
+        """The manifest, None when absent, or the reason it is corrupt."""
+        if raw is None:
+            return None
+        try:
+            return _decode_manifest(raw)
+        except _CorruptManifest as exc:
+            return str(exc)
+
+    def _fetch_chunks(self, keys: Sequence[bytes], manifests: list) -> dict[int, list[bytes | None]]:
+        wanted = [(i, self._chunk_keys(keys[i], m)) for i, m in enumerate(manifests)
+                  if isinstance(m, _Manifest) and m.num_chunks]
+        if not wanted:
+            return {}
+        pipe = self._redis.pipeline(transaction=False)
+        for _, chunk_keys in wanted:
+            for chunk_key in chunk_keys:
+                pipe.get(chunk_key)
+        replies = iter(pipe.execute())
+        return {i: [next(replies) for _ in chunk_keys] for i, chunk_keys in wanted}
+
+    @staticmethod
+    def _assemble(key: bytes, manifest, parts: list[bytes | None] | None) -> GetOutcome:
+        if manifest is None:
+            return GetOutcome(Status.MISSING)
+        if isinstance(manifest, str):
+            return GetOutcome(Status.CORRUPT, message=f"corrupt manifest: {manifest}; removed")
+        if parts is not None and any(p is None for p in parts):
+            return GetOutcome(Status.MISSING, message="a chunk was lost (evicted, expired or flushed)")
+        data = manifest.inline if parts is None else b"".join(parts)
+        if len(data) != manifest.size or not manifest.checksum.matches(data):
+            return GetOutcome(Status.CORRUPT, message="stored object failed its checksum; removed")
+        return GetOutcome(Status.FOUND, data, manifest.checksum)
+
+    def _delete_bad(self, keys: Sequence[bytes], manifests: list, outcomes: list[GetOutcome]) -> None:
+        """Deletes corrupt objects and manifests whose chunks are gone, so they stop answering lookups."""
+        doomed = [i for i, (m, o) in enumerate(zip(manifests, outcomes))
+                  if o.status == Status.CORRUPT or (o.status == Status.MISSING and m is not None)]
+        if not doomed:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for i in doomed:
+            m = manifests[i]
+            chunk_keys = self._chunk_keys(keys[i], m) if isinstance(m, _Manifest) else []
+            pipe.delete(self._manifest_key(keys[i]), *chunk_keys)
+        pipe.execute()
+
+    # -- lease / remove -----------------------------------------------------------------------------------------
+
+    def _headers(self, keys: Sequence[bytes], with_pttl: bool) -> list[tuple[_Manifest | None, int]]:
+        """Per key: (manifest header or None when absent/corrupt, manifest PTTL in ms or -1)."""
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.getrange(self._manifest_key(key), 0, _MAX_HEADER_BYTES - 1)
+            if with_pttl:
+                pipe.pttl(self._manifest_key(key))
+        replies = pipe.execute()
+        step = 2 if with_pttl else 1
+        out = []
+        for j in range(len(keys)):
+            raw, pttl = replies[j * step], (replies[j * step + 1] if with_pttl else -1)
+            try:
+                out.append((_decode_manifest(raw, header_only=True) if raw else None, pttl))
+            except _CorruptManifest:
+                out.append((None, pttl))
+        return out
+
+    def _lease(self, keys: Sequence[bytes], ttl_s: float) -> LeaseGrant:
+        headers = self._headers(keys, with_pttl=True)
+        found = [h is not None for h, _ in headers]
+        if not any(found):
+            return LeaseGrant("", [KeyOutcome(Status.MISSING)] * len(keys), ttl_s)
+        lease_id, ttl_ms = uuid.uuid4().hex, max(1, int(ttl_s * 1000))
+        deadline_ms = int(time.time() * 1000) + ttl_ms
+        pipe = self._redis.pipeline(transaction=False)
+        for key, (manifest, pttl) in zip(keys, headers):
+            if manifest is None:
+                continue
+            pipe.zadd(self._pins_key(key), {lease_id: deadline_ms})
+            pipe.pexpire(self._pins_key(key), ttl_ms, gt=True)  # extends a volatile pin set ...
+            pipe.pexpire(self._pins_key(key), ttl_ms, nx=True)  # ... or bounds a new one
+            if 0 <= pttl < ttl_ms:  # a TTL'd object must outlive the lease
+                for name in [self._manifest_key(key), *self._chunk_keys(key, manifest)]:
+                    pipe.pexpire(name, ttl_ms)
+        pipe.sadd(self._lease_key(lease_id), *[k for k, ok in zip(keys, found) if ok])
+        pipe.pexpire(self._lease_key(lease_id), ttl_ms)
+        pipe.execute()
+        return LeaseGrant(lease_id, [KeyOutcome(Status.FOUND if ok else Status.MISSING) for ok in found], ttl_s)
+
+    def _remove(self, keys: Sequence[bytes], force: bool) -> list[KeyOutcome]:
+        headers = self._headers(keys, with_pttl=False)
+        pinned = self._pinned(keys) if not force else [False] * len(keys)
+        pipe = self._redis.pipeline(transaction=False)
+        queued = []
+        for i, (key, (manifest, _)) in enumerate(zip(keys, headers)):
+            if pinned[i]:
+                continue
+            chunk_keys = self._chunk_keys(key, manifest) if manifest is not None else []
+            pipe.delete(self._manifest_key(key), *chunk_keys)
+            queued.append(i)
+        deleted = dict(zip(queued, pipe.execute() if queued else []))
+        return [KeyOutcome(Status.LEASED, "object is leased; pass force to remove it") if pinned[i]
+                else KeyOutcome(Status.REMOVED) if deleted.get(i) else KeyOutcome(Status.MISSING)
+                for i in range(len(keys))]
+
+    def _pinned(self, keys: Sequence[bytes]) -> list[bool]:
+        now_ms = int(time.time() * 1000)
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.zcount(self._pins_key(key), f"({now_ms}", "+inf")
+        return [n > 0 for n in pipe.execute()]
+
+    # -- stats --------------------------------------------------------------------------------------------------
+
+    def _scan_objects(self) -> tuple[int, int]:
+        objects = stored = 0
+        names = list(self._redis.scan_iter(match=_glob(self._prefix + b"o:") + b"*", count=1000))
+        for start in range(0, len(names), 1000):
+            pipe = self._redis.pipeline(transaction=False)
+            for name in names[start:start + 1000]:
+                pipe.getrange(name, 0, _HEADER.size - 1)
+            for raw in pipe.execute():
+                if len(raw) == _HEADER.size:
+                    objects += 1
+                    stored += _HEADER.unpack(raw)[4]
+        return objects, stored
+
+    def _count_leased(self) -> int:
+        names = list(self._redis.scan_iter(match=_glob(self._prefix + b"p:") + b"*", count=1000))
+        if not names:
+            return 0
+        keys = [name[len(self._prefix) + 2:] for name in names]
+        return sum(self._pinned(keys))
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self._counters, name, getattr(self._counters, name) + delta)
+
+
+def _put_outcome(replies: list) -> KeyOutcome:
+    failed = [r for r in replies if r is not True]
+    return KeyOutcome(Status.STORED) if not failed else KeyOutcome(Status.ERROR, f"redis replied {failed[0]!r}")
+
+
+def _describe(exc: BaseException) -> str:
+    return f"redis unavailable: {type(exc).__name__}: {exc}"
+
+
+def _glob(literal: bytes) -> bytes:
+    """Escapes Redis glob metacharacters in a literal prefix."""
+    out = bytearray()
+    for b in literal:
+        if b in b"*?[]\\":
+            out.append(ord("\\"))
+        out.append(b)
+    return bytes(out)

@@ -1,0 +1,91 @@
+"""Integration fixtures: a real Redis server, and free ports.
+
+`redis_url` points at `KDAMESH_TEST_REDIS_URL` (default `redis://127.0.0.1:6379/15`, a database kept for tests) and
+flushes that database before and after the test. Nothing is skipped: when Redis cannot be reached the test fails
+and says how to start one.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+import redis
+
+REDIS_URL = os.environ.get("KDAMESH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+START_REDIS = "redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save '' --appendonly no"
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def redis_client() -> redis.Redis:
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1, socket_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"integration tests need a Redis server at {REDIS_URL} ({exc}). Start one with: {START_REDIS} "
+                    f"(or set KDAMESH_TEST_REDIS_URL)", pytrace=False)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def redis_url(redis_client) -> str:
+    return REDIS_URL
+
+
+@pytest.fixture
+def closed_port() -> int:
+    return free_port()
+
+
+class PrivateRedis:
+    """A redis-server of our own on a free port, which a test may stop and restart."""
+
+    def __init__(self):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("this test starts its own Redis and needs `redis-server` on PATH "
+                        "(apt-get install redis-server)", pytrace=False)
+        self.binary = binary
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"private redis-server on port {self.port} did not start", pytrace=False)
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+@pytest.fixture
+def private_redis() -> PrivateRedis:
+    server = PrivateRedis()
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,42 @@
+"""Service configuration, byte-size parsing, and how the client spreads a batch over streams."""
+
+import argparse
+
+import pytest
+
+from cache_service.client import _split_by_bytes
+from cache_service.server import CacheServiceConfig, build_parser, config_from_args, parse_bytes
+
+
+@pytest.mark.parametrize("text, value", [("1024", 1024), ("1KiB", 1024), ("512MiB", 512 << 20), ("1GiB", 1 << 30),
+                                         ("2GB", 2 * 10**9), ("1.5 KiB", 1536)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+def test_parse_bytes_rejects_junk():
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes("lots")
+
+
+@pytest.mark.parametrize("kwargs", [{"backend": "memcached://x"}, {"chunk_bytes": 4 << 20},
+                                    {"low_watermark": 0.95}, {"handoff_ttl_s": 0}])
+def test_bad_configs_raise(kwargs):
+    with pytest.raises(ValueError):
+        CacheServiceConfig(**kwargs)
+
+
+def test_command_line_to_config():
+    args = build_parser().parse_args(["--address", "0.0.0.0:7000", "--cache-backend", "redis://h:1/2",
+                                      "--byte-budget", "2GiB", "--handoff-ttl-s", "10", "--metrics-port", "0"])
+    config = config_from_args(args)
+    assert (config.address, config.backend, config.byte_budget) == ("0.0.0.0:7000", "redis://h:1/2", 2 << 30)
+    assert (config.handoff_ttl_s, config.metrics_port) == (10.0, 0)
+
+
+def test_batches_split_into_contiguous_groups_of_similar_size():
+    mib = 1 << 20
+    assert _split_by_bytes([mib] * 64, 2, mib) == [(0, 32), (32, 64)]
+    assert _split_by_bytes([10 * mib, mib, mib, mib], 2, mib) == [(0, 1), (1, 4)]
+    assert _split_by_bytes([100, 100], 2, mib) == [(0, 2)]  # small batches stay on one stream
+    assert _split_by_bytes([], 2, mib) == [(0, 0)]
