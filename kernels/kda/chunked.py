@@ -2,7 +2,8 @@
 
 Contract: the math and layouts of `kernels.kda.naive`, computed in fp32 (fp64 for fp64 inputs), o in v's dtype.
 
-- `chunk_kda(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, chunk_size=64) -> (o, final_state)`
+- `chunk_kda(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, chunk_size=32) -> (o, final_state)`;
+  32 measured fastest on CPU (vs 64, with batches of ~1 MB per tensor; bench/bench_kda.py).
 - `kda_prefill_pooled(q, k, v, g, beta, scale, cu_seqlens, state_pool, state_indices) -> o`: sequence n starts from
   `state_pool[state_indices[n]]` ([S, H, K, V] fp32) and its final state is written back to that slot in place; no
   other slot is read or written. `state_indices` must not repeat.
@@ -11,24 +12,31 @@ Algorithm, per sequence and head, for a chunk of C tokens starting from state S0
 G_i = cumsum of g up to and including i, relative to the chunk start, so G is non-increasing and <= 0):
 
     A[i, j]   = sum_k k_i k_j exp(G_i - G_j)             (j < i)      k-k scores with relative decay
-    Aqk[i, j] = scale * sum_k q_i k_j exp(G_i - G_j)     (j <= i)
-    (I + diag(beta) A) [W | U0] = [beta * k * exp(G) | beta * v]     (blocked unit lower triangular inverse)
-    U   = U0 - W S0                                      the delta-rule "new values" of the chunk
-    o   = scale * (q * exp(G)) S0 + Aqk U
-    S1  = exp(G_last) * S0 + (k * exp(G_last - G))^T U
+    Aqk[i, j] = sum_k q_i k_j exp(G_i - G_j)             (j <= i)
+    X = (I + diag(beta) A)^-1 diag(beta)                 (blocked unit lower triangular inverse)
+    W = X (k * exp(G)),  U0 = X v
+    U = U0 - W S0                                        the delta-rule "new values" of the chunk
+    S1 = exp(G_last) * S0 + (k * exp(G_last - G))^T U    (the sequential part: two matmuls per chunk)
+    o = scale * ((q * exp(G)) S0 + Aqk U)                (batched over chunks once all S0 and U are known)
 
-Numerics: every exponent is a difference G_i - G_j with i >= j (or G itself), so each exp() factor is <= 1 and nothing
-overflows however negative the gate is. The exponent arguments are formed in fp64 from an fp64 cumsum, so a strongly
-decayed channel does not lose the small relative decays that follow it. A chunk's score matrix is built from
-sub-blocks of `_SUB` tokens: blocks below the diagonal factor exp(G_i - G_j) = exp(G_i - R) exp(R - G_j) around R, the
-decay at the end of the column block (both factors <= 1), so they are plain matmuls; diagonal blocks use the same
-factorisation around the block start when the block's total decay is small enough for exp(+x) to be finite (the usual
-case), and otherwise an exact masked [sub, sub, K] tensor.
+Numerics (fp32 without loss): every exponent is a sum of gates over a contiguous token range, formed *as such a sum*
+(a prefix or suffix sum restarted at a block boundary, or the sum of two of them), never as the difference of two
+cumulative sums. All terms have the same sign, so the exponent carries a relative error of a few ulps, each exp()
+factor is <= 1 with a relative error of a few ulps whatever the gates (strong decays followed by weak ones included),
+and a product of two such factors keeps that. The score matrices are built by recursive halving: at level L (1, 2, 4,
+.. C/2) every 2L-block's lower-left [L, L] quadrant (rows in the right half Y, columns in the left half X) factors
+around the boundary R between X and Y, exp(G_i - G_j) = exp(G_i - G_R) exp(G_R - G_j), where G_i - G_R is the prefix
+sum of Y restarted at L and G_R - G_j the suffix sum of X after j: one batched matmul per level. Moving to level 2L
+adds the left half's total to the right half's prefix and the right half's total to the left half's suffix; after
+the last level these are G (prefix from the chunk start) and G_last - G. Chunk sizes that are not a power of two are
+padded (g = 0, q = k = 0) to one inside the score computation. Exponents that underflow give 0 (or subnormals, which
+are slow on CPU unless `torch.set_flush_denormal(True)`, as the model forward sets).
 
-Batching: sequences are cut into chunks; a sequence's last chunk is padded with beta = 0 (its new value is zero, so it
-writes nothing) and g = 0 (it decays nothing). All state-independent work (scores, the triangular inverse, and
-U0, W) runs batched over many chunks, heads and sequences; only the state pass (three small matmuls per chunk) loops,
-once per chunk index, over all sequences that still have that chunk (longest first, so they are a prefix).
+Layout and batching: chunk-major [B, H, C, *] (B chunks), so a step's chunks are contiguous rows for the state
+matmul. Sequences are cut into chunks; a sequence's last chunk is padded with beta = 0 (its new value is zero, so it
+writes nothing) and g = 0 (it decays nothing). All state-independent work runs batched over many chunks, heads and
+sequences; only U and S1 loop, once per chunk index, over all sequences that still have that chunk (longest
+first, so they are a prefix) and records S0 and U for the batched output.
 """
 
 from __future__ import annotations
@@ -36,14 +44,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels.kda.naive import compute_dtype, default_cu_seqlens
 
-_SUB = 16  # sub-block size of the intra-chunk score matrix
-_GROUP_ELEMENTS = 1 << 26  # rough element budget of one batch of chunks in the state-independent phase
-# Max decay inside a diagonal sub-block for the factored form: exp(+limit) * K must stay finite and exp(-limit) normal.
-_FACTORED_LIMIT = {torch.float32: 80.0, torch.float64: 600.0}
-_EXP_FLOOR = {torch.float32: -80.0, torch.float64: -700.0}  # exp(floor) is still a normal number
+_SUB = 16  # diagonal block size of the blocked triangular inverse
+_GROUP_ELEMENTS = 1 << 22  # element budget of one batch of chunks (per-batch tensors of ~1 MB stay in cache)
+# Exponents are clamped here before exp(): the result is still a normal number (an absolute error below 1e-34), and
+# CPU exp of arguments whose result is subnormal or zero is an order of magnitude slower.
+_EXP_FLOOR = {torch.float32: -80.0, torch.float64: -700.0}
 
 
 @dataclass(frozen=True)
@@ -80,37 +89,45 @@ def plan_chunks(cu_seqlens: torch.Tensor, total: int, chunk_size: int) -> ChunkP
     return ChunkPlan(order=order, tokens=tokens, active=active, offsets=offsets)
 
 
-def chunk_kda(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, chunk_size=64):
+def chunk_kda(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, chunk_size=32):
     """KDA over a packed variable-length batch in the chunkwise WY form (see the module docstring)."""
     dtype = compute_dtype(q, k, v, g, beta)
     T, H, K = k.shape
     V = v.shape[-1]
     device = q.device
-    if chunk_size % _SUB and chunk_size > _SUB:
-        raise ValueError(f"chunk_size must be <= {_SUB} or a multiple of it, got {chunk_size}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     cu = default_cu_seqlens(cu_seqlens, T, device)
     plan = plan_chunks(cu, T, chunk_size)
     num_seqs = cu.numel() - 1
-    # Heads lead everywhere below ([H, ...]): a batch's gather lands directly in matmul-ready layout.
-    state = torch.zeros(H, num_seqs, K, V, dtype=dtype, device=device)  # [H, N, K, V], sorted sequence order
-    if initial_state is not None:
-        state = initial_state[plan.order].to(dtype).transpose(0, 1).contiguous()
-    heads_first = [x.transpose(0, 1) for x in (q, k, v, g, beta)]  # views [H, T, *]; no copy of the whole input
-    o = torch.zeros(H, T + 1, V, dtype=dtype, device=device)  # [H, T+1, V]; column T collects padding
+    if initial_state is None:
+        state = torch.zeros(num_seqs, H, K, V, dtype=dtype, device=device)  # [N, H, K, V], sorted sequence order
+    else:
+        state = initial_state[plan.order].to(dtype)  # indexing copies: the caller's tensor is never written
+    o = torch.empty(T + 1, H, V, dtype=dtype, device=device)  # row T collects padding
     group = max(1, _GROUP_ELEMENTS // (H * chunk_size * (K + V) * 8))
     for batch in _batches(_units(plan, group), group):
         first = batch[0][0]
         rows = plan.tokens[first : batch[-1][1]]  # [B, C]
-        prep = _prepare(*_gather_chunks(rows, T, *heads_first, dtype), scale=scale)
-        o_rows = torch.empty(H, rows.shape[0], chunk_size, V, dtype=dtype, device=device)  # [H, B, C, V]
+        prep = _prepare(*_gather_chunks(rows, T, q, k, v, g, beta, dtype))
+        s_in = torch.empty(rows.shape[0], H, K, V, dtype=dtype, device=device)  # state at each chunk's start
+        u = torch.empty_like(prep.u0)  # [B, H, C, V] U
         for lo, hi, seq_lo in batch:
             chunks = slice(lo - first, hi - first)
-            seqs = slice(seq_lo, seq_lo + hi - lo)
-            o_rows[:, chunks], state[:, seqs] = _state_pass(prep, chunks, state[:, seqs])
-        o[:, rows] = o_rows
-    final = torch.empty(num_seqs, H, K, V, dtype=dtype, device=device)
-    final[plan.order] = state.transpose(0, 1)
-    return o[:, :T].transpose(0, 1).to(v.dtype).contiguous(), final
+            seqs = state[seq_lo : seq_lo + hi - lo]  # contiguous [n, H, K, V]
+            s_in[chunks] = seqs
+            flat = seqs.view(-1, K, V)
+            torch.baddbmm(prep.u0[chunks].flatten(0, 1), prep.w[chunks].flatten(0, 1), flat, alpha=-1,
+                          out=u[chunks].view(-1, chunk_size, V))  # U = U0 - W S0
+            seqs.mul_(prep.decay_end[chunks])
+            flat.baddbmm_(prep.k_to_end[chunks].flatten(0, 1), u[chunks].view(-1, chunk_size, V))
+        s = s_in.flatten(0, 1)
+        qs = prep.q_decayed.flatten(0, 1) @ s
+        o_rows = torch.baddbmm(qs, prep.scores_qk.flatten(0, 1), u.flatten(0, 1), beta=scale, alpha=scale)
+        o[rows] = o_rows.view(u.shape).transpose(1, 2)  # [B, C, H, V]
+    final = torch.empty_like(state)
+    final[plan.order] = state
+    return o[:T].to(v.dtype), final
 
 
 def kda_prefill_pooled(q, k, v, g, beta, scale, cu_seqlens, state_pool, state_indices):
@@ -122,16 +139,24 @@ def kda_prefill_pooled(q, k, v, g, beta, scale, cu_seqlens, state_pool, state_in
 
 
 def _gather_chunks(rows, total, q, k, v, g, beta, dtype):
-    """Token rows [B, C] (padding marked `total`) of [H, T, *] inputs -> q, k, v, g, beta as [H, B, C, *].
+    """Token rows [B, C] (padding marked `total`) of [T, H, *] inputs -> q, k, v, g, beta as [B, H, C, *] in `dtype`.
 
-    g comes back in fp64 (exponents are formed from its cumsum). Padding gets beta = 0 (its new value is zero, so it
-    writes nothing) and g = 0 (it decays nothing); its q, k, v are copies of a real token, and its outputs are dropped.
+    Padding gets beta = 0 (its new value is zero, so it writes nothing) and g = 0 (it decays nothing); its q, k, v
+    are copies of a real token, and its outputs are dropped.
     """
-    valid = rows < total  # [B, C]
-    idx = rows.clamp(max=total - 1)
-    beta_c = beta[:, idx].to(dtype) * valid  # [H, B, C]
-    g_c = (g[:, idx] * valid.unsqueeze(-1)).to(torch.float64)  # [H, B, C, K]
-    return q[:, idx].to(dtype), k[:, idx].to(dtype), v[:, idx].to(dtype), g_c, beta_c
+    B, C = rows.shape
+    flat = rows.reshape(-1).clamp(max=total - 1)
+
+    def take(x):
+        picked = x.index_select(0, flat).view(B, C, *x.shape[1:]).transpose(1, 2)  # [B, H, C, *]
+        return torch.empty(picked.shape, dtype=dtype, device=x.device).copy_(picked)
+
+    q_c, k_c, v_c, g_c, beta_c = (take(x) for x in (q, k, v, g, beta))
+    pad = rows >= total  # [B, C]
+    if bool(pad.any()):
+        g_c.masked_fill_(pad[:, None, :, None], 0.0)
+        beta_c.masked_fill_(pad[:, None, :], 0.0)
+    return q_c, k_c, v_c, g_c, beta_c
 
 
 def _units(plan: ChunkPlan, group: int) -> list[tuple[int, int, int]]:
@@ -156,44 +181,31 @@ def _batches(units: list[tuple[int, int, int]], group: int) -> list[list[tuple[i
 
 @dataclass(frozen=True)
 class _Prepared:
-    """State-independent per-chunk tensors, [H, B, *, *] (see the module docstring for the formulas)."""
+    """State-independent per-chunk tensors, [B, H, *, *] (see the module docstring for the formulas)."""
 
-    lhs: torch.Tensor  # [H, B, 2C, K] rows: W; Q = scale * q * exp(G) (one matmul with S for both)
-    u0: torch.Tensor  # [H, B, C, V] U0
-    scores_qk: torch.Tensor  # [H, B, C, C] scale * Aqk
-    k_to_end: torch.Tensor  # [H, B, K, C] (k * exp(G_last - G))^T
-    decay_end: torch.Tensor  # [H, B, K, 1] exp(G_last)
+    q_decayed: torch.Tensor  # [B, H, C, K] q * exp(G)
+    w: torch.Tensor  # [B, H, C, K] W
+    u0: torch.Tensor  # [B, H, C, V] U0
+    scores_qk: torch.Tensor  # [B, H, C, C] Aqk (unscaled)
+    k_to_end: torch.Tensor  # [B, H, K, C] (k * exp(G_last - G))^T
+    decay_end: torch.Tensor  # [B, H, K, 1] exp(G_last)
 
 
-def _prepare(q, k, v, g, beta, scale) -> _Prepared:
-    """The state-independent part of a batch of chunks. q, k: [H, B, C, K]; v: [H, B, C, V]; g: [H, B, C, K] fp64;
-    beta: [H, B, C]."""
-    dtype = q.dtype
-    beta = beta.unsqueeze(-1)  # [H, B, C, 1]
-    gc = g.cumsum(-2)  # [H, B, C, K] fp64
-    g_last = gc[..., -1:, :]  # [H, B, 1, K]
-    decay = _exp(gc, dtype)  # [H, B, C, K] exp(G) <= 1
-    scores_kk, scores_qk = intra_chunk_scores(q, k, gc, _SUB)
-    scores_qk = scale * scores_qk
-    inverse = unit_lower_inverse(scores_kk * beta, _SUB)  # (I + diag(beta) A)^-1
-    w = inverse @ (beta * k * decay)  # [H, B, C, K]
-    u0 = inverse @ (beta * v)  # [H, B, C, V]
+def _prepare(q, k, v, g, beta) -> _Prepared:
+    """The state-independent part of a batch of chunks. q, k, g: [B, H, C, K]; v: [B, H, C, V]; beta: [B, H, C]."""
+    floor = _EXP_FLOOR[q.dtype]
+    scores_kk, scores_qk, decay, to_end = _scores_and_exponents(q, k, g)
+    decay = decay.clamp_(min=floor).exp_()  # [B, H, C, K] exp(G)
+    inverse = unit_lower_inverse(scores_kk.mul_(beta.unsqueeze(-1)), _SUB)  # (I + diag(beta) A)^-1
+    inverse.mul_(beta.unsqueeze(-2))  # X = (I + diag(beta) A)^-1 diag(beta)
     return _Prepared(
-        lhs=torch.cat([w, scale * q * decay], dim=-2),
-        u0=u0,
+        q_decayed=q * decay,
+        w=inverse @ (k * decay),
+        u0=inverse @ v,
         scores_qk=scores_qk,
-        k_to_end=(k * _exp(g_last - gc, dtype)).transpose(-1, -2),
-        decay_end=_exp(g_last, dtype).transpose(-1, -2),
+        k_to_end=(k * to_end.clamp_(min=floor).exp_()).transpose(-1, -2),
+        decay_end=decay[..., -1, :].unsqueeze(-1),
     )
-
-
-def _state_pass(prep: _Prepared, chunks: slice, state: torch.Tensor):
-    """Applies one chunk per sequence to `state` [H, n, K, V]; returns (o [H, n, C, V], new state)."""
-    ws, qs = (prep.lhs[:, chunks] @ state).chunk(2, dim=-2)  # [H, n, C, V] each
-    u = prep.u0[:, chunks] - ws
-    o = qs + prep.scores_qk[:, chunks] @ u
-    state = prep.decay_end[:, chunks] * state + prep.k_to_end[:, chunks] @ u
-    return o, state
 
 
 def unit_lower_inverse(lower: torch.Tensor, sub: int) -> torch.Tensor:
@@ -219,67 +231,48 @@ def unit_lower_inverse(lower: torch.Tensor, sub: int) -> torch.Tensor:
     return inverse
 
 
-def _exp(x64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """exp of an fp64 exponent x <= 0, in the compute dtype.
-
-    Rounding x first costs a relative error eps*|x| in the result, i.e. an absolute error <= eps/e, and the product of
-    two such factors keeps that bound; so this is only for factors <= 1 (see `_diagonal_block_scores` for the others).
-    x is floored at `_EXP_FLOOR` (an absolute error below 1e-34): results in the subnormal range make CPU exp and the
-    products that follow an order of magnitude slower.
-    """
-    return x64.to(dtype).clamp(min=_EXP_FLOOR[dtype]).exp_()  # clamp makes a new tensor: x64 stays intact
-
-
-def intra_chunk_scores(q, k, gc, sub):
+def intra_chunk_scores(q, k, g):
     """Decayed score matrices of a batch of chunks.
 
-    q, k: [..., C, K] (compute dtype); gc: [..., C, K] fp64 in-chunk cumulative log-decay.
-    Returns (A [..., C, C] strictly lower: sum_k k_i k_j exp(gc_i - gc_j),
-             Aqk [..., C, C] lower incl. diagonal: sum_k q_i k_j exp(gc_i - gc_j)), unscaled.
+    q, k: [..., C, K]; g: [..., C, K] per-token log-decay (<= 0), all in the compute dtype.
+    Returns (A [..., C, C] strictly lower: sum_k k_i k_j exp(G_i - G_j),
+             Aqk [..., C, C] lower incl. diagonal: sum_k q_i k_j exp(G_i - G_j)), unscaled, G = cumsum(g).
     """
+    scores_kk, scores_qk, _, _ = _scores_and_exponents(q, k, g)
+    return scores_kk, scores_qk
+
+
+def _scores_and_exponents(q, k, g):
+    """`intra_chunk_scores` plus the exponents G (prefix sums from the chunk start) and G_last - G (suffix sums after
+    each token), [..., C, K] each; see the module docstring for the recursive halving."""
     *lead, C, K = k.shape
-    sub = min(sub, C)
-    nb = C // sub
-    dtype = k.dtype
-    a_kk = k.new_zeros(*lead, C, C)
-    a_qk = k.new_zeros(*lead, C, C)
-    # Diagonal blocks, relative to the decay at the end of the previous block.
-    ends = gc[..., sub - 1 :: sub, :]  # [..., nb, K]
-    prev = torch.cat([torch.zeros_like(ends[..., :1, :]), ends[..., :-1, :]], dim=-2)
-    local = gc.unflatten(-2, (nb, sub)) - prev.unsqueeze(-2)  # [..., nb, sub, K] fp64, <= 0
-    d_kk, d_qk = _diagonal_block_scores(q.unflatten(-2, (nb, sub)), k.unflatten(-2, (nb, sub)), local, dtype)
-    for b in range(nb):
-        blk = slice(b * sub, (b + 1) * sub)
-        a_kk[..., blk, blk] = d_kk[..., b, :, :]
-        a_qk[..., blk, blk] = d_qk[..., b, :, :]
-    # Blocks below the diagonal, column block by column block, factored around the column block's last decay.
-    for s in range(nb - 1):
-        cols = slice(s * sub, (s + 1) * sub)
-        rows = slice((s + 1) * sub, C)
-        ref = gc[..., (s + 1) * sub - 1 : (s + 1) * sub, :]  # [..., 1, K]
-        right = (k[..., cols, :] * _exp(ref - gc[..., cols, :], dtype)).transpose(-1, -2)  # [..., K, sub]
-        to_row = _exp(gc[..., rows, :] - ref, dtype)  # [..., rows, K]
-        a_kk[..., rows, cols] = (k[..., rows, :] * to_row) @ right
-        a_qk[..., rows, cols] = (q[..., rows, :] * to_row) @ right
-    return a_kk.tril(-1), a_qk.tril(0)
-
-
-def _diagonal_block_scores(qb, kb, local, dtype):
-    """Scores inside each sub-block. qb, kb: [..., sub, K]; local: [..., sub, K] fp64 decay (<= 0) from the block start.
-
-    Returns ([..., sub, sub] k-k, [..., sub, sub] q-k) with entries above the diagonal undefined (finite).
-    """
-    span = float(-local.min()) if local.numel() else 0.0  # largest decay inside any block
-    if span <= _FACTORED_LIMIT[dtype]:
-        # exp in fp64: the two factors are large and small, and only exact-ish factors give an exact product.
-        decay = torch.exp(local)  # fp64
-        to_row = decay.to(dtype)  # <= 1
-        from_col = (kb * decay.reciprocal().to(dtype)).transpose(-1, -2)  # <= exp(limit)
-        return (kb * to_row) @ from_col, (qb * to_row) @ from_col
-    sub = local.shape[-2]
-    tril = torch.ones(sub, sub, dtype=torch.bool, device=local.device).tril().unsqueeze(-1)  # [sub, sub, 1]
-    diff = (local.unsqueeze(-2) - local.unsqueeze(-3)).masked_fill(~tril, float("-inf"))  # [..., i, j, K] fp64
-    decayed_k = _exp(diff, dtype) * kb.unsqueeze(-3)  # [..., i, j, K]; above the diagonal: tiny, masked later
-    both = torch.stack([kb, qb], dim=-2)  # [..., i, 2, K]
-    scores = both @ decayed_k.transpose(-1, -2)  # [..., i, 2, j]
-    return scores[..., 0, :], scores[..., 1, :]
+    floor = _EXP_FLOOR[k.dtype]
+    size = 1 << max(C - 1, 0).bit_length()  # C rounded up to a power of two
+    q, k, prefix = (x.contiguous() if size == C else F.pad(x, (0, 0, 0, size - C)) for x in (q, k, g))
+    if prefix is g:
+        prefix = g.clone()
+    suffix = torch.zeros_like(prefix)
+    scores_kk = k.new_zeros(*lead, size, size)
+    scores_qk = k.new_zeros(*lead, size, size)
+    half = 1
+    while half < size:
+        n = size // (2 * half)
+        shape = (*lead, n, 2, half, K)  # [..., pair, left X / right Y, token, K]
+        pre, suf, kb, qb = (x.view(shape) for x in (prefix, suffix, k, q))
+        # pre (Y) = G_i - G_R for rows i in Y; suf (X) = G_R - G_j for columns j in X; both sums, both <= 0.
+        # Clamping them in place at the floor keeps every later sum built from them within exp(floor) of exact.
+        cols = kb[..., 0, :, :] if half == 1 else kb[..., 0, :, :] * suf[..., 0, :, :].clamp_(min=floor).exp()
+        cols = cols.transpose(-1, -2)  # [..., n, K, half]
+        to_row = pre[..., 1, :, :].clamp_(min=floor).exp()
+        block_kk = (kb[..., 1, :, :] * to_row) @ cols  # [..., n, half, half]
+        block_qk = to_row.mul_(qb[..., 1, :, :]) @ cols
+        for scores, block in ((scores_kk, block_kk), (scores_qk, block_qk)):
+            quads = scores.view(*lead, n, 2 * half, n, 2 * half).diagonal(dim1=-4, dim2=-2)  # [..., 2h, 2h, n]
+            quads[..., half:, :half, :].copy_(block.movedim(-3, -1))
+        suf[..., 0, :, :] += pre[..., 1, -1:, :]  # left half's suffix now runs to the end of the 2h-block
+        pre[..., 1, :, :] += pre[..., 0, -1:, :]  # right half's prefix now starts at the 2h-block start
+        half *= 2
+    scores_qk.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))
+    if size != C:
+        return scores_kk[..., :C, :C], scores_qk[..., :C, :C], prefix[..., :C, :], suffix[..., :C, :]
+    return scores_kk, scores_qk, prefix, suffix

@@ -140,7 +140,7 @@ def test_bf16_inputs_return_bf16_and_fp32_state():
         assert (s - s_ref).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("gate", ["lower_bound", "softplus_large"])  # factored and exact diagonal blocks
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus_large"])
 def test_intra_chunk_scores_match_brute_force(gate):
     B, H, C, K = 3, 2, 64, 16
     q, k, _, g, _ = make_inputs(B * C, H, K, 1, torch.float64, gate)
@@ -151,9 +151,47 @@ def test_intra_chunk_scores_match_brute_force(gate):
     decay = torch.where(lower[..., None], diff, float("-inf")).exp()
     a_kk_ref = torch.einsum("bhik,bhjk,bhijk->bhij", k, k, decay).tril(-1)
     a_qk_ref = torch.einsum("bhik,bhjk,bhijk->bhij", q, k, decay)
-    a_kk, a_qk = intra_chunk_scores(q, k, gc, 16)
+    a_kk, a_qk = intra_chunk_scores(q, k, g)
     assert_close(a_kk, a_kk_ref, torch.float64)
     assert_close(a_qk, a_qk_ref, torch.float64)
+
+
+def _strong_then_weak_gate(T, H, K):
+    """Bursts of strong decay (up to -60 per token) followed by runs of very weak decay (~-1e-3), per channel: the
+    case where exponents formed as differences of cumulative sums lose precision in fp32."""
+    strong = torch.rand(T, H, K) < 0.15
+    return torch.where(strong, -60.0 * torch.rand(T, H, K), -1e-3 * torch.rand(T, H, K)).double()
+
+
+@pytest.mark.parametrize("C", [64, 32, 48])
+def test_intra_chunk_scores_fp32_strong_then_weak(C):
+    B, H, K = 4, 2, 64
+    q = l2norm(torch.randn(B * C, H, K, dtype=torch.float64))
+    k = l2norm(torch.randn(B * C, H, K, dtype=torch.float64))
+    g = _strong_then_weak_gate(B * C, H, K)
+    q, k, g = (x.view(B, C, H, K).transpose(1, 2) for x in (q, k, g))  # [B, H, C, K] fp64
+    gc = g.cumsum(-2)
+    diff = gc.unsqueeze(-2) - gc.unsqueeze(-3)
+    lower = torch.ones(C, C, dtype=torch.bool).tril()
+    decay = torch.where(lower[..., None], diff, float("-inf")).exp()
+    a_kk_ref = torch.einsum("bhik,bhjk,bhijk->bhij", k, k, decay).tril(-1)
+    a_qk_ref = torch.einsum("bhik,bhjk,bhijk->bhij", q, k, decay)
+    a_kk, a_qk = intra_chunk_scores(q.float(), k.float(), g.float())
+    assert (a_kk.double() - a_kk_ref).abs().max() <= 1e-6
+    assert (a_qk.double() - a_qk_ref).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_fp32_strong_then_weak_gates_against_fp64_oracle(chunk_size):
+    """fp32 chunked output within 1e-5 of the fp64 naive oracle when strong decays are followed by weak ones."""
+    T, H, K, V = 200, 2, 64, 32
+    q, k, v, _, beta = make_inputs(T, H, K, V, torch.float64)
+    g = _strong_then_weak_gate(T, H, K)
+    s0 = torch.randn(1, H, K, V, dtype=torch.float64)
+    o_ref, s_ref = kda_naive(q, k, v, g, beta, K**-0.5, s0)
+    o, s = chunk_kda(*(x.float() for x in (q, k, v, g, beta)), K**-0.5, s0.float(), chunk_size=chunk_size)
+    assert (o.double() - o_ref).abs().max() <= TOL[torch.float32]
+    assert (s.double() - s_ref).abs().max() <= TOL[torch.float32]
 
 
 @pytest.mark.parametrize("C,sub", [(64, 16), (48, 16), (16, 16), (8, 16)])
