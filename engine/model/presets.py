@@ -112,7 +112,7 @@ def _tiny_linear() -> dict:
 
 def _small_linear() -> dict:
     return _kimi_linear(hidden=768, layers=8, mla_layers=[4, 8], kda_heads=6, kda_head_dim=128, mla_heads=12,
-                        kv_lora=256, nope=64, rope=32, v_dim=64, experts=32, top_k=4, shared=1, moe_inter=256,
+                        kv_lora=256, nope=64, rope=32, v_dim=64, experts=32, top_k=4, shared=1, moe_inter=128,
                         inter=2048)
 
 
