@@ -1,7 +1,8 @@
 """The `kdamesh` command line.
 
-Subcommands: `make-checkpoint` (a generated checkpoint in the official layout). Later issues add `up`, `serve` and
-`bench`. Each subcommand parses its own flags and calls one function; no logic lives here.
+Subcommands: `make-checkpoint` (a generated checkpoint in the official layout), `up` (the whole mesh on localhost,
+deploy/launcher.py) and `serve --role cache|prefill|decode|gateway` (one service, deploy/serve.py: each role parses
+its own flags, `kdamesh serve --role R --help` lists them). Each subcommand calls one function; no logic lives here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,25 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    from deploy.launcher import LaunchConfig, up
+
+    return up(LaunchConfig(
+        model=args.model, mode=args.mode, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        cache_backend=args.cache_backend, cache_byte_budget=args.cache_byte_budget,
+        pd_min_uncached_tokens=args.pd_min_uncached_tokens, kv_load_failure_policy=args.kv_load_failure_policy,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
+        enable_prefix_caching=args.enable_prefix_caching, torch_threads=args.torch_threads,
+        served_model_name=args.served_model_name, log_level=args.log_level.upper()))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from deploy.serve import run_role
+
+    return run_role(args.role, args.role_args, log_level=args.log_level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine.model.presets import PRESETS
 
@@ -34,12 +54,44 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--max-shard-mb", type=float, default=2048.0, help="shard the weights above this size")
     mk.add_argument("--experts-format", default="dense", choices=["dense", "mxfp4"])
     mk.set_defaults(func=_make_checkpoint)
+
+    u = sub.add_parser("up", help="start cache, prefill, decode and gateway on localhost; Ctrl-C stops them")
+    u.add_argument("--model", default=None, help="checkpoint folder (default: small-k3, generated on first run)")
+    u.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--http-port", type=int, default=8000, help="the gateway's REST port")
+    u.add_argument("--grpc-port", type=int, default=None,
+                   help="first of three consecutive ports for the cache, prefill and decode services (default: free)")
+    u.add_argument("--cache-backend", default="memory", help="'memory' or redis://host:port/db")
+    u.add_argument("--cache-byte-budget", default=None, help="memory backend budget, e.g. 4GiB")
+    u.add_argument("--pd-min-uncached-tokens", type=int, default=256,
+                   help="prefill remotely only when at least this many prompt tokens are uncached")
+    u.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
+    u.add_argument("--max-num-seqs", type=int, default=None)
+    u.add_argument("--max-num-batched-tokens", type=int, default=None)
+    u.add_argument("--kv-cache-memory", default=None, help="per worker, e.g. 1GiB")
+    u.add_argument("--max-model-len", type=int, default=None)
+    u.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    u.add_argument("--device", default=None)
+    u.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    u.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
+    u.add_argument("--served-model-name", default=None)
+    u.set_defaults(func=_up)
+
+    sv = sub.add_parser("serve", help="run one service: --role cache|prefill|decode|gateway [its flags]",
+                        add_help=False)
+    sv.add_argument("--role", required=True, choices=["cache", "prefill", "decode", "gateway"])
+    sv.set_defaults(func=_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "serve":
+        args.role_args = rest  # the role's own flags, parsed by deploy/serve.py
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

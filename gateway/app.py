@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -427,10 +427,11 @@ class _CompletionRun:
                                   sampling=self.job.sampling, model=self.config.model_name,
                                   timeout_s=self.config.request_timeout_s)
             try:
-                async for event in self.mesh.generate(request):
-                    await queue.put((p, event))
-                    if all(self.choices[p * self.job.n + i].finished for i in range(self.job.n)):
-                        break  # e.g. a stop string matched here: cancel the rest
+                async with aclosing(self.mesh.generate(request)) as events:
+                    async for event in events:
+                        await queue.put((p, event))
+                        if all(self.choices[p * self.job.n + i].finished for i in range(self.job.n)):
+                            break  # e.g. a stop string matched here: cancel the rest
             except MeshError as exc:
                 await queue.put(exc)
             finally:
@@ -468,8 +469,9 @@ class _CompletionRun:
         return _usage(prompt, completion, cached)
 
     async def collect(self) -> dict:
-        async for p, event in self._events():
-            self._apply(p, event)
+        async with aclosing(self._events()) as events:
+            async for p, event in events:
+                self._apply(p, event)
         choices = []
         for index, c in sorted(self.choices.items()):
             p = index // self.job.n
@@ -489,27 +491,29 @@ class _CompletionRun:
 
     async def sse(self) -> AsyncIterator[str]:
         echoed: set[int] = set()
+        finish_sent: set[int] = set()
         sent_logprobs = {i: 0 for i in self.choices}
         sent_offset = {i: 0 for i in self.choices}
         try:
-            async for p, event in self._events():
-                index, delta, choice = self._apply(p, event)
-                if self.job.echo and index not in echoed:
-                    echoed.add(index)
-                    delta = self._prompt_echo(p) + delta
-                finishing = choice.finished and sent_logprobs.get(index) is not None
-                if not delta and not finishing:
-                    continue
-                logprobs = None
-                if self.job.logprobs is not None:
-                    logprobs = choice.openai_logprobs(sent_logprobs[index], sent_offset[index])
-                    sent_logprobs[index] = len(choice.logprobs)
+            async with aclosing(self._events()) as events:
+                async for p, event in events:
+                    index, delta, choice = self._apply(p, event)
+                    if index in finish_sent:
+                        continue
+                    if self.job.echo and index not in echoed:
+                        echoed.add(index)
+                        delta = self._prompt_echo(p) + delta
+                    if not delta and not choice.finished:
+                        continue
+                    logprobs = None
+                    if self.job.logprobs is not None:
+                        logprobs = choice.openai_logprobs(sent_logprobs[index], sent_offset[index])
+                        sent_logprobs[index] = len(choice.logprobs)
                     sent_offset[index] += len(delta)
-                item = {"index": index, "text": delta, "logprobs": logprobs,
-                        "finish_reason": choice.finish_reason if choice.finished else None, "stop_reason": None}
-                if choice.finished:
-                    sent_logprobs[index] = None  # the finishing chunk is sent once
-                yield self._chunk([item])
+                    if choice.finished:
+                        finish_sent.add(index)
+                    yield self._chunk([{"index": index, "text": delta, "logprobs": logprobs,
+                                        "finish_reason": choice.finish_reason, "stop_reason": None}])
             if self.job.include_usage:
                 yield self._chunk([], self._usage())
         except MeshError as exc:

@@ -99,6 +99,9 @@ class MeshStats:
     local: int = 0
     prefill_fallbacks: int = 0
     prefill_finished: int = 0  # outputs that ended at prefill's first token
+    handoff_bytes: int = 0  # handoff objects published by prefill workers (bytes)
+    prefill_ms: float = 0.0  # prefill workers' own time (load + compute + publish), summed (milliseconds)
+    publish_ms: float = 0.0  # of which publishing blocks and handoffs
 
 
 class _Worker:
@@ -212,6 +215,9 @@ class MeshClient:
         finally:
             worker.inflight -= 1
         self.stats.remote += 1
+        self.stats.handoff_bytes += response.handoff_bytes
+        self.stats.prefill_ms += response.timings.total_ms
+        self.stats.publish_ms += response.timings.publish_ms
         return response
 
     async def _decode(self, decoder: _Worker, request: decode_pb2.DecodeRequest, deadline: float | None,

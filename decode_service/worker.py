@@ -1,0 +1,290 @@
+"""The decode worker: continues a request from a prefill handoff, or prefills it locally, and streams its tokens.
+
+Contract (DESIGN.md "One chat request, end to end", step 4):
+- `DecodeWorker.decode(job)` is an async iterator of `TokenBatch`es carrying every completion token of the request,
+  the first one included, ending with one batch per choice whose `finish_reason` is set; the last batch of the stream
+  carries `usage`.
+- Handoff path (`job.handoff` set): one `BatchGet` fetches the handoff object (an `engine.transfer.RequestState` after
+  all N prompt tokens, sampled token N+1 carried as its output) together with the prompt's full KV blocks, which the
+  lean handoff names by hash (the worker computes the hashes from the prompt, its model fingerprint and the tenant
+  salt, and checks them against the handoff's). The state is verified (prompt, first token, token count, block
+  hashes, fingerprint, shapes) before anything is streamed; then the first token is streamed at once, the handoff is
+  removed from the cache service (claimed), and the engine continues with continuous batching from token N+1.
+- When the handoff cannot be used (cache service down, handoff expired, missing block, corrupt or mismatched object)
+  the worker counts the failure and, with `kv_load_failure_policy="recompute"` (default), prefills the prompt itself
+  (greedy and seeded outputs are unchanged); with `"fail"` it raises `HandoffUnavailableError`.
+- Local path (`job.handoff` None, the colocated mode): the engine prefills (using its own prefix cache) and decodes;
+  `n > 1` is served here.
+- Leaving the iteration early (client cancel, deadline) aborts the engine request, which frees its blocks and slot.
+- `probe(prompt, salt)` answers how many leading prompt tokens this worker's prefix cache would serve, without waiting
+  for the step loop (a hint for the gateway's P/D decider).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+
+from cache_service.client import CacheClient
+from cache_service.objects import Status, object_key
+from engine.async_engine import AsyncEngine
+from engine.memory.hashing import BlockHasher, root_hash
+from engine.outputs import PositionLogprobs, RequestOutput
+from engine.sampling import SamplingParams
+from engine.transfer import RequestState, TransferError, decode_block
+from protos import common_pb2
+
+log = logging.getLogger(__name__)
+
+KV_BLOCK = common_pb2.OBJECT_KIND_KV_BLOCK
+
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+class HandoffUnavailableError(RuntimeError):
+    """The handoff could not be loaded and the policy is `fail`."""
+
+
+def engine_cache_salt(tenant_salt: bytes) -> str | None:
+    """The engine's cache salt for a tenant salt (hex); prefill derives it the same way, so block hashes agree."""
+    return tenant_salt.hex() if tenant_salt else None
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """Where prefill left the request."""
+
+    key: common_pb2.ObjectKey
+    first_token_id: int
+    first_token_logprob: common_pb2.TokenLogprob | None = None  # passed through to the first batch
+    cached_tokens: int = 0  # prompt tokens prefill served from the cache
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    handoff: Handoff | None = None  # None: prefill locally (colocated)
+    tenant_salt: bytes = b""
+    priority: int = 0
+    deadline: float | None = None  # time.monotonic() seconds
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class TokenBatch:
+    index: int  # choice
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None = None  # engine form, one per token (None: not asked for)
+    first_token_logprob: common_pb2.TokenLogprob | None = None  # the handoff's first token, already in proto form
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    usage: Usage | None = None
+    used_handoff: bool = False
+
+
+@dataclass
+class DecodeCounters:
+    """Counts since the worker started (read by tests and metrics)."""
+
+    handoff_requests: int = 0
+    handoff_loaded: int = 0
+    handoff_failures: int = 0  # handoffs that could not be used
+    recomputed: int = 0  # of those, prompts computed here instead
+    local_requests: int = 0
+    failure_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class _LoadFailure(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class DecodeWorker:
+    def __init__(self, engine: AsyncEngine, cache: CacheClient | None, *, kv_load_failure_policy: str = "recompute"):
+        if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}")
+        self.engine = engine
+        self.cache = cache
+        self.policy = kv_load_failure_policy
+        core = engine.core
+        self.fingerprint: bytes = core.fingerprint
+        self.block_size: int = core.plan.block_size
+        self.has_kda = core.config.kda is not None
+        self.counters = DecodeCounters()
+        self._claims: set[asyncio.Task] = set()
+
+    # -- probe ---------------------------------------------------------------------------------------------------
+
+    def block_hashes(self, ids: list[int] | tuple[int, ...], tenant_salt: bytes) -> list[bytes]:
+        hashes: list[bytes] = []
+        BlockHasher(self.block_size, root_hash(self.fingerprint, engine_cache_salt(tenant_salt))).extend(
+            hashes, list(ids))
+        return hashes
+
+    def probe(self, ids: list[int] | tuple[int, ...], tenant_salt: bytes) -> int:
+        """Leading prompt tokens the local prefix cache holds (the engine's hit rule), read without locking."""
+        manager = self.engine.core.manager
+        best = 0
+        for i, h in enumerate(self.block_hashes(ids, tenant_salt)):
+            end = (i + 1) * self.block_size
+            if end >= len(ids) or manager.block_pool.get_cached(h) is None:
+                break
+            if not self.has_kda or manager.state_pool.has_snapshot(h):
+                best = end
+        return best
+
+    def load(self) -> tuple[int, int, float]:
+        """(running, waiting, kv usage), read without locking."""
+        scheduler = self.engine.core.scheduler
+        return len(scheduler.running), len(scheduler.waiting), self.engine.core.manager.block_pool.usage
+
+    # -- decode --------------------------------------------------------------------------------------------------
+
+    async def decode(self, job: DecodeJob) -> AsyncIterator[TokenBatch]:
+        if job.handoff is None:
+            self.counters.local_requests += 1
+            async for batch in self._generate(job, job.params.n, cached_tokens=None):
+                yield batch
+            return
+        self.counters.handoff_requests += 1
+        try:
+            state = await self._load_handoff(job)
+        except _LoadFailure as exc:
+            self.counters.handoff_failures += 1
+            reasons = self.counters.failure_reasons
+            reasons[exc.reason] = reasons.get(exc.reason, 0) + 1
+            if self.policy == "fail":
+                raise HandoffUnavailableError(f"handoff of {job.request_id!r} unavailable ({exc})") from None
+            log.info("request %s: handoff unusable (%s); computing the prompt here", job.request_id, exc)
+            self.counters.recomputed += 1
+            async for batch in self._generate(job, 1, cached_tokens=None):
+                yield batch
+            return
+        self.counters.handoff_loaded += 1
+        async for batch in self._continue(job, state):
+            yield batch
+
+    async def _generate(self, job: DecodeJob, n: int, cached_tokens: int | None) -> AsyncIterator[TokenBatch]:
+        stream = self.engine.generate(job.request_id, {"prompt_token_ids": list(job.prompt_token_ids)}, job.params,
+                                      priority=job.priority, cache_salt=engine_cache_salt(job.tenant_salt),
+                                      deadline=job.deadline)
+        async for batch in self._batches(stream, job, n, cached_tokens, used_handoff=False, carried=0):
+            yield batch
+
+    async def _continue(self, job: DecodeJob, state: RequestState) -> AsyncIterator[TokenBatch]:
+        handoff = job.handoff
+        yield TokenBatch(0, [handoff.first_token_id], first_token_logprob=handoff.first_token_logprob)
+        stream = self.engine.import_request(job.request_id, state, job.params, priority=job.priority,
+                                            deadline=job.deadline)
+        async for batch in self._batches(stream, job, 1, handoff.cached_tokens, used_handoff=True, carried=1):
+            yield batch
+
+    async def _batches(self, stream: AsyncIterator[RequestOutput], job: DecodeJob, n: int, cached_tokens: int | None,
+                       used_handoff: bool, carried: int) -> AsyncIterator[TokenBatch]:
+        """Engine deltas -> token batches; the last batch gets the usage."""
+        pending: TokenBatch | None = None
+        totals = [carried] + [0] * (n - 1)
+        async for out in stream:
+            for c in out.outputs:
+                if pending is not None:
+                    yield pending
+                totals[c.index] = len(c.token_ids)
+                pending = TokenBatch(c.index, list(c.delta_token_ids), logprobs=c.delta_logprobs,
+                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                     used_handoff=used_handoff)
+            if out.finished:
+                cached = out.num_cached_tokens if cached_tokens is None else cached_tokens
+                if pending is None:
+                    pending = TokenBatch(0, [], used_handoff=used_handoff)
+                pending.usage = Usage(len(job.prompt_token_ids), sum(totals), cached)
+        if pending is not None:
+            yield pending
+
+    # -- the handoff ---------------------------------------------------------------------------------------------
+
+    async def _load_handoff(self, job: DecodeJob) -> RequestState:
+        if self.cache is None:
+            raise _LoadFailure("no_cache_service", "this worker has no cache service")
+        if job.params.n != 1:
+            raise _LoadFailure("n", "a handoff carries one sequence")
+        ids = list(job.prompt_token_ids)
+        hashes = self.block_hashes(ids, job.tenant_salt)
+        key = job.handoff.key
+        keys = [key] + [object_key(key.model_fingerprint, key.tenant_salt, KV_BLOCK, h) for h in hashes]
+        got = await self.cache.get_objects(keys)
+        if got[0].status != Status.FOUND:
+            raise _LoadFailure(got[0].status.name.lower(), got[0].message or "handoff not found")
+        self._claim(key)
+        blocks = [r.data if r.status == Status.FOUND else None for r in got[1:]]
+        return await asyncio.to_thread(self._assemble, job, got[0].data, hashes, blocks)
+
+    def _claim(self, key: common_pb2.ObjectKey) -> None:
+        """Removes the handoff from the cache service (in the background: nobody else may use it)."""
+        task = asyncio.create_task(self.cache.remove([key]))
+        self._claims.add(task)
+        task.add_done_callback(self._claims.discard)
+
+    def _assemble(self, job: DecodeJob, data: bytes, hashes: list[bytes],
+                  blocks: list[bytes | None]) -> RequestState:
+        """Parses and checks the handoff, filling the full blocks a lean handoff leaves out. Runs in a thread."""
+        try:
+            state = RequestState.from_bytes(data)
+        except TransferError as exc:
+            raise _LoadFailure("corrupt", str(exc)) from None
+        n = len(job.prompt_token_ids)
+        if (state.prompt_token_ids != list(job.prompt_token_ids) or state.num_computed_tokens != n
+                or state.output_token_ids != [job.handoff.first_token_id]):
+            raise _LoadFailure("mismatch", "the handoff belongs to another prompt or first token")
+        if state.fingerprint != self.fingerprint or state.block_size != self.block_size:
+            raise _LoadFailure("mismatch", "the handoff comes from another model or block size")
+        if state.block_hashes != hashes[: n // self.block_size]:
+            raise _LoadFailure("mismatch", "the handoff's block hashes differ from this prompt's")
+        core = self.engine.core
+        (layers, bs, dim), dtype = core.runner.block_shape()
+        total, full = -(-n // bs), n // bs
+        have = state.kv.shape[1] if state.kv.dim() == 4 else -1
+        if have == total - full and full:
+            state = dataclasses.replace(state, kv=torch.cat([self._blocks(hashes[:full], blocks[:full]), state.kv],
+                                                            dim=1))
+        elif have != total:
+            raise _LoadFailure("corrupt", f"the handoff holds {have} KV blocks for {n} tokens")
+        if tuple(state.kv.shape) != (layers, total, bs, dim):
+            raise _LoadFailure("mismatch", f"kv shape {tuple(state.kv.shape)} does not fit this model")
+        for name, (shape, _) in core.runner.state_shapes().items():
+            if name not in state.state or tuple(state.state[name].shape) != shape:
+                raise _LoadFailure("mismatch", f"KDA state {name!r} does not fit this model")
+        return state
+
+    def _blocks(self, hashes: list[bytes], blocks: list[bytes | None]) -> torch.Tensor:
+        """[num_mla_layers, len(hashes), block_size, dim] from the fetched block objects."""
+        tensors = []
+        for i, (h, data) in enumerate(zip(hashes, blocks)):
+            if data is None:
+                raise _LoadFailure("missing_block", f"KV block {i} of the prompt is not in the cache service")
+            try:
+                got_hash, fingerprint, kv = decode_block(data)
+            except TransferError as exc:
+                raise _LoadFailure("corrupt", f"KV block {i}: {exc}") from None
+            if got_hash != h or fingerprint != self.fingerprint:
+                raise _LoadFailure("mismatch", f"KV block {i} is another block")
+            tensors.append(kv)
+        return torch.stack(tensors, dim=1)
+
+    async def drain(self) -> None:
+        """Waits for background handoff removals."""
+        while self._claims:
+            await asyncio.gather(*list(self._claims), return_exceptions=True)

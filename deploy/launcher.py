@@ -1,0 +1,257 @@
+"""`kdamesh up`: the whole mesh on localhost — cache, prefill, decode and gateway as separate processes.
+
+Contract:
+- `up(config)` starts the cache service, then the prefill (disaggregated mode only) and decode workers, then the
+  gateway, each as its own process (`python -m deploy.cli serve --role …`) on the given ports or free ones; waits
+  until each reports ready (gRPC health SERVING; the gateway's `GET /health` 200); prints the endpoints; and serves
+  until SIGINT (Ctrl-C) or SIGTERM, or until a child exits, then stops everything — gateway first, cache last — with
+  SIGTERM, and SIGKILL after `stop_timeout_s`. Returns 0 after a requested stop, 1 when a service failed.
+- No orphans: every child gets `PR_SET_PDEATHSIG` (SIGTERM) on Linux, so it also ends if the launcher is killed.
+- Without `--model`, the `small-k3` generated checkpoint is created on first run under
+  `$KDAMESH_HOME/checkpoints/small-k3` (default `~/.cache/kdamesh`) and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PRESET = "small-k3"
+MODES = ("disaggregated", "colocated")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    model: str | None = None  # None: the generated DEFAULT_PRESET checkpoint (created on first run)
+    mode: str = "disaggregated"
+    host: str = "127.0.0.1"
+    http_port: int = 8000  # the gateway's REST API
+    grpc_port: int | None = None  # first port of the mesh's gRPC services (cache, prefill, decode); None: free ports
+    cache_backend: str = "memory"  # or redis://host:port/db
+    cache_byte_budget: str | None = None  # memory backend budget, e.g. 4GiB (None: the service default)
+    pd_min_uncached_tokens: int = 256
+    kv_load_failure_policy: str = "recompute"
+    # Engine options of both workers (None: the engine's defaults).
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory: str | None = None
+    max_model_len: int | None = None
+    dtype: str | None = None
+    device: str | None = None
+    enable_prefix_caching: bool = True
+    torch_threads: int | None = None
+    served_model_name: str | None = None
+    log_level: str = "INFO"
+    startup_timeout_s: float = 600.0
+    stop_timeout_s: float = 15.0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------------
+
+
+def kdamesh_home() -> Path:
+    return Path(os.environ.get("KDAMESH_HOME") or Path.home() / ".cache" / "kdamesh")
+
+
+def default_model_dir() -> Path:
+    """The generated default checkpoint, created on first use."""
+    folder = kdamesh_home() / "checkpoints" / DEFAULT_PRESET
+    if not (folder / "config.json").is_file():
+        from engine.model.checkpoint import make_checkpoint
+
+        print(f"kdamesh: generating the {DEFAULT_PRESET} checkpoint in {folder} (first run only)…", flush=True)
+        tmp = folder.with_name(folder.name + ".tmp")
+        make_checkpoint(DEFAULT_PRESET, tmp)
+        tmp.rename(folder)  # a half-written checkpoint is never mistaken for a whole one
+    return folder
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Service:
+    role: str
+    address: str  # host:port (the gateway: its REST base URL)
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+
+    def start(self, log_level: str) -> None:
+        cmd = [sys.executable, "-m", "deploy.cli", "--log-level", log_level, "serve", "--role", self.role, *self.argv]
+        self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                                     process_group=0)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float) -> None:
+        if not self.alive:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _grpc_ready(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _http_ready(base_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=2.0) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class _Stop(Exception):
+    pass
+
+
+# -- the mesh --------------------------------------------------------------------------------------------------------
+
+
+def plan_services(config: LaunchConfig, model: str) -> list[Service]:
+    """The processes to start, in start order, with their flags."""
+    host = config.host
+    if config.grpc_port is not None:
+        ports = [config.grpc_port, config.grpc_port + 1, config.grpc_port + 2]
+    else:
+        ports = [free_port(host) for _ in range(3)]
+    cache, prefill, decode = (f"{host}:{p}" for p in ports)
+    engine = ["--model", model]
+    for flag, value in (("--max-num-seqs", config.max_num_seqs),
+                        ("--max-num-batched-tokens", config.max_num_batched_tokens),
+                        ("--kv-cache-memory", config.kv_cache_memory), ("--max-model-len", config.max_model_len),
+                        ("--dtype", config.dtype), ("--device", config.device),
+                        ("--torch-threads", config.torch_threads),
+                        ("--served-model-name", config.served_model_name)):
+        if value is not None:
+            engine += [flag, str(value)]
+    if not config.enable_prefix_caching:
+        engine.append("--no-enable-prefix-caching")
+    cache_argv = ["--address", cache, "--cache-backend", config.cache_backend]
+    if config.cache_byte_budget:
+        cache_argv += ["--byte-budget", config.cache_byte_budget]
+    services = [Service("cache", cache, cache_argv)]
+    if config.mode == "disaggregated":
+        services.append(Service("prefill", prefill, ["--address", prefill, "--cache-address", cache, *engine]))
+    services.append(Service("decode", decode, ["--address", decode, "--cache-address", cache,
+                                               "--kv-load-failure-policy", config.kv_load_failure_policy, *engine]))
+    gateway = ["--model", model, "--host", host, "--http-port", str(config.http_port), "--mode", config.mode,
+               "--decode-addresses", decode, "--pd-min-uncached-tokens", str(config.pd_min_uncached_tokens)]
+    if config.mode == "disaggregated":
+        gateway += ["--prefill-addresses", prefill]
+    if config.served_model_name:
+        gateway += ["--served-model-name", config.served_model_name]
+    services.append(Service("gateway", f"http://{host}:{config.http_port}", gateway))
+    return services
+
+
+def up(config: LaunchConfig) -> int:
+    model = config.model or str(default_model_dir())
+    if not (Path(model) / "config.json").is_file():
+        print(f"kdamesh up: {model} is not a checkpoint folder (no config.json)", file=sys.stderr)
+        return 2
+    services = plan_services(config, model)
+    stopping = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stopping["signal"] = signum
+        raise _Stop()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    status = 1
+    try:
+        for group in (["cache"], ["prefill", "decode"], ["gateway"]):
+            started = [s for s in services if s.role in group]
+            for s in started:
+                s.start(config.log_level)
+            wait_ready(started, config.startup_timeout_s)
+        _print_endpoints(config, model, services)
+        while all(s.alive for s in services):
+            time.sleep(0.5)
+        dead = [s for s in services if not s.alive]
+        print(f"kdamesh up: the {dead[0].role} service exited (code {dead[0].proc.returncode}); stopping the mesh",
+              file=sys.stderr, flush=True)
+    except _Stop:
+        status = 0
+        print(f"\nkdamesh up: {signal.Signals(stopping['signal']).name}, stopping the mesh…", flush=True)
+    except RuntimeError as exc:
+        print(f"kdamesh up: {exc}; stopping the mesh", file=sys.stderr, flush=True)
+    finally:
+        for s in (signal.SIGINT, signal.SIGTERM):  # a second signal must not interrupt the shutdown
+            signal.signal(s, signal.SIG_IGN)
+        for s in reversed(services):
+            s.stop(config.stop_timeout_s)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return status
+
+
+def wait_ready(services: list[Service], timeout_s: float) -> None:
+    """Polls until every service is ready; RuntimeError when one exits or the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(services)
+    while pending:
+        for s in list(pending):
+            if not s.alive:
+                raise RuntimeError(f"the {s.role} service exited during start-up (code {s.proc.returncode})")
+            ready = _http_ready(s.address) if s.role == "gateway" else _grpc_ready(s.address)
+            if ready:
+                pending.remove(s)
+        if pending:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{', '.join(s.role for s in pending)} not ready after {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+
+def _print_endpoints(config: LaunchConfig, model: str, services: list[Service]) -> None:
+    by_role = {s.role: s for s in services}
+    lines = [f"kdamesh is up: {config.mode} mesh serving {config.served_model_name or Path(model).name} ({model})",
+             f"  REST     {by_role['gateway'].address}/v1   (OpenAI-compatible: /v1/completions, /v1/models, /health)",
+             f"  cache    {by_role['cache'].address}   (backend {config.cache_backend})"]
+    if "prefill" in by_role:
+        lines.append(f"  prefill  {by_role['prefill'].address}")
+    lines.append(f"  decode   {by_role['decode'].address}")
+    lines.append("Ctrl-C or SIGTERM stops everything.")
+    endpoints = {s.role: s.address for s in services}
+    lines.append("endpoints " + json.dumps(endpoints))
+    print("\n".join(lines), flush=True)

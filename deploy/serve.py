@@ -1,0 +1,175 @@
+"""`kdamesh serve --role cache|prefill|decode|gateway [flags]`: runs one service until SIGINT/SIGTERM.
+
+Contract:
+- Each role parses its own flags (`role_parser(role)`); engine flags follow `vllm serve` (`--model`,
+  `--max-num-seqs`, `--kv-cache-memory`, `--enable-prefix-caching`, ...). The cache role is the cache service's own
+  command line (`cache_service.server.build_parser`).
+- `run_role(role, argv)` prints one line `kdamesh <role> service listening on HOST:PORT` once the service is ready
+  (for prefill and decode: once the model is loaded; a model that fails to load exits 1), then serves until SIGINT
+  or SIGTERM, when it stops gracefully (`--grace-s` seconds for calls in flight) and returns 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from engine.config import EngineArgs
+
+log = logging.getLogger(__name__)
+
+ROLES = ("cache", "prefill", "decode", "gateway")
+
+
+# -- flags ---------------------------------------------------------------------------------------------------------
+
+
+def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    d = EngineArgs(model="")
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", required=model_required, help="checkpoint folder (config.json, *.safetensors, tokenizer)")
+    g.add_argument("--served-model-name", default=None, help="name clients use (default: the folder's name)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--load-format", default=d.load_format, choices=["safetensors", "fastsafetensors", "dummy"])
+    g.add_argument("--device", default=d.device)
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", default=str(d.kv_cache_memory),
+                   help="bytes for the KV block and KDA state pools together, e.g. 1GiB")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--snapshot-interval", default="auto", help="tokens between KDA state snapshots, or 'auto'")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, choices=[1], help="accepted (1 only for now)")
+    g.add_argument("--trust-remote-code", action="store_true", help="accepted, no effect")
+    g.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    memory = ns.kv_cache_memory
+    interval = ns.snapshot_interval if ns.snapshot_interval == "auto" else int(ns.snapshot_interval)
+    return EngineArgs(model=ns.model, tokenizer=ns.tokenizer, dtype=ns.dtype, load_format=ns.load_format,
+                      device=ns.device, seed=ns.seed, block_size=ns.block_size,
+                      kv_cache_memory=int(memory) if memory.isdigit() else memory, max_num_seqs=ns.max_num_seqs,
+                      max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.max_model_len,
+                      enable_prefix_caching=ns.enable_prefix_caching, snapshot_interval=interval)
+
+
+def _common(p: argparse.ArgumentParser, default_address: str) -> None:
+    p.add_argument("--address", default=default_address, help="host:port to listen on (port 0: a free port)")
+    p.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace period for calls in flight (seconds)")
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+def role_parser(role: str) -> argparse.ArgumentParser:
+    if role == "cache":
+        from cache_service.server import build_parser
+
+        return build_parser()
+    p = argparse.ArgumentParser(prog=f"kdamesh serve --role {role}")
+    if role == "prefill":
+        _common(p, "127.0.0.1:50052")
+        add_engine_flags(p)
+        p.add_argument("--cache-address", required=True, help="host:port of the cache service")
+        p.add_argument("--handoff-full-kv", action="store_true",
+                       help="put every KV block in the handoff (default: the tail block; full blocks are shared)")
+        p.add_argument("--load-remote-prefix", action=argparse.BooleanOptionalAction, default=True,
+                       help="load cached prefixes from the cache service")
+    elif role == "decode":
+        _common(p, "127.0.0.1:50054")
+        add_engine_flags(p)
+        p.add_argument("--cache-address", default=None, help="host:port of the cache service (handoffs)")
+        p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
+                       help="when a handoff cannot be loaded: compute the prompt here, or fail the request")
+    elif role == "gateway":
+        p.add_argument("--model", required=True, help="checkpoint folder (the tokenizer is read from it)")
+        p.add_argument("--served-model-name", default=None)
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--http-port", "--port", dest="http_port", type=int, default=8000)
+        p.add_argument("--decode-addresses", type=_addresses, required=True, help="comma-separated host:port list")
+        p.add_argument("--prefill-addresses", type=_addresses, default=(), help="comma-separated host:port list")
+        p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+        p.add_argument("--pd-min-uncached-tokens", type=int, default=256,
+                       help="prefill remotely only when at least this many prompt tokens are uncached on the decode "
+                            "worker (0: always, when prefill workers exist)")
+        p.add_argument("--pd-max-prefill-inflight", type=int, default=0,
+                       help="colocate when this many remote prefills are in flight (0: no limit)")
+        p.add_argument("--request-timeout-s", type=float, default=600.0)
+        p.add_argument("--handoff-ttl-ms", type=int, default=0, help="0: the cache service's default (30 s)")
+    else:
+        raise ValueError(f"unknown role {role!r}; choose one of {ROLES}")
+    return p
+
+
+# -- running one role ----------------------------------------------------------------------------------------------
+
+
+async def _serve_worker(role: str, ns: argparse.Namespace) -> int:
+    if role == "prefill":
+        from prefill_service.server import PrefillServiceConfig, serve
+
+        config = PrefillServiceConfig(engine=engine_args_from(ns), cache_address=ns.cache_address,
+                                      address=ns.address, served_model_name=ns.served_model_name,
+                                      handoff_full_kv=ns.handoff_full_kv, load_remote_prefix=ns.load_remote_prefix,
+                                      torch_threads=ns.torch_threads)
+    else:
+        from decode_service.server import DecodeServiceConfig, serve
+
+        config = DecodeServiceConfig(engine=engine_args_from(ns), cache_address=ns.cache_address,
+                                     address=ns.address, served_model_name=ns.served_model_name,
+                                     kv_load_failure_policy=ns.kv_load_failure_policy,
+                                     torch_threads=ns.torch_threads)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server, port = await serve(config)
+    ready = asyncio.ensure_future(server.ready())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if ready.done() and ready.exception() is not None:
+        log.error("%s worker could not load %s: %s", role, ns.model, ready.exception())
+        await server.stop(0)
+        return 1
+    if ready.done():
+        host = ns.address.rsplit(":", 1)[0]
+        print(f"kdamesh {role} service listening on {host}:{port} (model {config.model_name})", flush=True)
+        await stopped
+    else:
+        ready.cancel()
+    log.info("%s service stopping (grace %.1f s)", role, ns.grace_s)
+    await server.stop(ns.grace_s)
+    return 0
+
+
+def run_role(role: str, argv: list[str], log_level: str = "INFO") -> int:
+    if role not in ROLES:
+        raise SystemExit(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
+    if role == "cache":
+        from cache_service.server import main
+
+        return main(argv)
+    ns = role_parser(role).parse_args(argv)
+    if role == "gateway":
+        from gateway.app import GatewayConfig, serve
+
+        config = GatewayConfig(model=ns.model, decode_addresses=ns.decode_addresses,
+                               prefill_addresses=ns.prefill_addresses, served_model_name=ns.served_model_name,
+                               mode=ns.mode, pd_min_uncached_tokens=ns.pd_min_uncached_tokens,
+                               pd_max_prefill_inflight=ns.pd_max_prefill_inflight, host=ns.host,
+                               http_port=ns.http_port, request_timeout_s=ns.request_timeout_s,
+                               handoff_ttl_ms=ns.handoff_ttl_ms)
+        asyncio.run(serve(config, log_level=log_level))
+        return 0
+    if ns.torch_threads:
+        import torch
+
+        torch.set_num_threads(ns.torch_threads)
+    return asyncio.run(_serve_worker(role, ns))

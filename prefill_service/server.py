@@ -1,0 +1,234 @@
+"""The prefill service's gRPC server (`grpc.aio`): a thin `PrefillService` servicer over `PrefillWorker`.
+
+Contract:
+- `serve(config)` binds `config.address` (port 0: a free port), starts the server with standard health
+  (`grpc.health.v1.Health`: NOT_SERVING for "" and `kdamesh.v1.PrefillService` until the model is loaded, then
+  SERVING) and reflection, then loads the model in the background; it returns `(PrefillServer, port)` at once.
+  `await server.ready()` waits for the model (and raises what loading raised).
+- Calls before the model is loaded, or while stopping, fail UNAVAILABLE. The call deadline becomes the engine
+  request's deadline; a cancelled call aborts the request and publishes no handoff.
+- Errors are statuses with messages: INVALID_ARGUMENT (bad prompt or sampling parameters, n > 1, a prompt plus
+  max_tokens beyond the context), NOT_FOUND (another model), UNIMPLEMENTED (media), UNAVAILABLE (loading, stopping,
+  the handoff could not be stored, the engine died), DEADLINE_EXCEEDED, ABORTED.
+- `PrefillServer.stop(grace)` reports NOT_SERVING, stops accepting calls, gives calls in flight `grace` seconds, waits
+  for background snapshot publications, then stops the engine and closes the cache client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cache_service.client import CacheClient
+from engine.async_engine import AsyncEngine
+from engine.config import EngineArgs
+from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
+from engine.outputs import PositionLogprobs
+from engine.sampling import SamplingParams
+from prefill_service.worker import (HandoffPublishError, PrefillAbortedError, PrefillJob, PrefillResult,
+                                    PrefillWorker)
+from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
+                  "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
+
+
+@dataclass(frozen=True)
+class PrefillServiceConfig:
+    engine: EngineArgs
+    # host:port of the cache service the handoffs go through.
+    cache_address: str
+    # host:port to listen on; port 0 picks a free port.
+    address: str = "127.0.0.1:50052"
+    # Name clients use for the model (requests naming another are NOT_FOUND); None: the model folder's name.
+    served_model_name: str | None = None
+    # Put every KV block in the handoff instead of only the tail partial block (more bytes, one fewer dependency).
+    handoff_full_kv: bool = False
+    # Load cached prefixes (blocks + snapshots) from the cache service when it holds more than the local cache.
+    load_remote_prefix: bool = True
+    # Deadline of each cache service call (seconds); gRPC message limit both ways (bytes).
+    cache_timeout_s: float = 10.0
+    max_message_bytes: int = 16 << 20
+    # torch intra-op threads for this process; None: torch's default.
+    torch_threads: int | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.engine.model).name
+
+
+# -- proto <-> engine ------------------------------------------------------------------------------------------
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises InvalidRequestError for values out of range (proto3 defaults mean vLLM's defaults)."""
+    return SamplingParams(
+        n=msg.n or 1, max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None, min_tokens=msg.min_tokens,
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0, top_k=msg.top_k if msg.HasField("top_k") else 0,
+        min_p=msg.min_p if msg.HasField("min_p") else 0.0, seed=msg.seed if msg.HasField("seed") else None,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        logprobs=msg.top_logprobs if msg.logprobs else None, skip_special_tokens=msg.skip_special_tokens)
+
+
+def logprob_to_proto(entries: PositionLogprobs, token_id: int, top: int) -> common_pb2.TokenLogprob:
+    ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entries.items() if lp.rank <= top)
+    return common_pb2.TokenLogprob(token_id=token_id, logprob=entries[token_id].logprob,
+                                   top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for _, t, v in ranked])
+
+
+def response_to_proto(result: PrefillResult, params: SamplingParams) -> prefill_pb2.PrefillResponse:
+    t = result.timings
+    response = prefill_pb2.PrefillResponse(
+        request_id=result.request_id, first_token_id=result.first_token_id,
+        finish_reason=FINISH_REASONS[result.finish_reason], prompt_tokens=result.prompt_tokens,
+        cached_tokens=result.cached_tokens, handoff_bytes=result.handoff_bytes,
+        published_blocks=result.published_blocks,
+        timings=prefill_pb2.PrefillTimings(load_ms=t.load_ms, compute_ms=t.compute_ms, publish_ms=t.publish_ms,
+                                           total_ms=t.total_ms))
+    if result.handoff_key is not None:
+        response.handoff_key.CopyFrom(result.handoff_key)
+    if result.first_token_logprobs is not None:
+        response.first_token_logprob.CopyFrom(
+            logprob_to_proto(result.first_token_logprobs, result.first_token_id, params.logprobs or 0))
+    return response
+
+
+def _deadline(context) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+# -- the servicer ----------------------------------------------------------------------------------------------
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, config: PrefillServiceConfig):
+        self.config = config
+        self.worker: PrefillWorker | None = None  # set once the model is loaded
+        self.stopping = False
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
+        worker = self.worker
+        if worker is None or self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is loading its model or stopping")
+        if request.model and request.model != self.config.model_name:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"model {request.model!r} is not served here (this worker serves "
+                                f"{self.config.model_name!r})")
+        if request.media:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "media in prompts is not supported yet")
+        try:
+            params = sampling_from_proto(request.sampling)
+            job = PrefillJob(request_id=request.request_id, prompt_token_ids=tuple(request.prompt.ids),
+                             params=params, tenant_salt=request.tenant_salt, priority=request.priority,
+                             handoff_ttl_s=request.handoff_ttl_ms / 1000 if request.handoff_ttl_ms else None,
+                             deadline=_deadline(context))
+            result = await worker.prefill(job)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RequestTimeoutError as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        except (HandoffPublishError, EngineDeadError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except PrefillAbortedError as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        return response_to_proto(result, params)
+
+
+# -- lifecycle ---------------------------------------------------------------------------------------------------
+
+
+class PrefillServer:
+    """A running prefill service: the gRPC server, its health servicer and (once loaded) the engine and worker."""
+
+    def __init__(self, config: PrefillServiceConfig, grpc_server: grpc.aio.Server, port: int,
+                 health_servicer: health.aio.HealthServicer, servicer: PrefillServicer):
+        self.config = config
+        self.grpc_server = grpc_server
+        self.port = port
+        self.health = health_servicer
+        self.servicer = servicer
+        self.engine: AsyncEngine | None = None
+        self.cache: CacheClient | None = None
+        self._loading: asyncio.Task | None = None
+
+    @property
+    def worker(self) -> PrefillWorker | None:
+        return self.servicer.worker
+
+    async def _load(self) -> None:
+        if self.config.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.config.torch_threads)
+        t0 = time.perf_counter()
+        self.engine = await AsyncEngine.create(self.config.engine)
+        self.cache = CacheClient(self.config.cache_address, timeout_s=self.config.cache_timeout_s,
+                                 max_message_bytes=self.config.max_message_bytes)
+        self.servicer.worker = PrefillWorker(self.engine, self.cache, handoff_full_kv=self.config.handoff_full_kv,
+                                             load_remote_prefix=self.config.load_remote_prefix)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("prefill worker ready: model %s loaded in %.1f s", self.config.model_name, time.perf_counter() - t0)
+
+    async def ready(self) -> None:
+        """Waits until the model is loaded; raises what loading raised."""
+        await asyncio.shield(self._loading)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        self.servicer.stopping = True
+        await self.health.enter_graceful_shutdown()
+        await self.grpc_server.stop(grace)
+        if self._loading is not None and not self._loading.done():
+            self._loading.cancel()
+        if self.worker is not None:
+            await self.worker.drain()
+        if self.engine is not None:
+            await self.engine.shutdown()
+        if self.cache is not None:
+            await self.cache.close()
+
+    async def wait_for_termination(self) -> None:
+        await self.grpc_server.wait_for_termination()
+
+
+async def serve(config: PrefillServiceConfig) -> tuple[PrefillServer, int]:
+    """Starts the server and begins loading the model -> (server, bound port)."""
+    options = [("grpc.max_receive_message_length", config.max_message_bytes),
+               ("grpc.max_send_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0)]
+    grpc_server = grpc.aio.server(options=options)
+    servicer = PrefillServicer(config)
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, grpc_server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server)
+    port = grpc_server.add_insecure_port(config.address)
+    if port == 0:
+        raise OSError(f"cannot bind the prefill service to {config.address}")
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await grpc_server.start()
+    server = PrefillServer(config, grpc_server, port, health_servicer, servicer)
+    server._loading = asyncio.create_task(server._load())
+    server._loading.add_done_callback(_log_load_failure)
+    log.info("prefill service on port %d (loading %s)", port, config.engine.model)
+    return server, port
+
+
+def _log_load_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("prefill worker failed to load its model: %r", task.exception())

@@ -1,0 +1,349 @@
+"""The prefill worker: a prompt in, its first output token and a handoff object for decode out.
+
+Contract (DESIGN.md "One chat request, end to end", step 3, and "Exactly-once handoff"):
+- `PrefillWorker.prefill(job)` consumes all N prompt tokens and samples token N+1, then publishes to the cache service
+  one `BatchPut` holding the prompt's full KV blocks the service lacks and the handoff object, and returns a
+  `PrefillResult` (first token, handoff key, cached tokens, timings). Decode continues from the state after N tokens
+  with token N+1 as its first input, so every prompt token is applied to the KDA state exactly once.
+- Before computing, the worker loads the longest prefix the cache service can serve (every block up to a boundary
+  present **and** a KDA snapshot at that boundary, leaving at least one token to compute) when it is longer than what
+  its own prefix cache holds: the blocks and the snapshot are imported into the engine's prefix cache, and the engine's
+  ordinary prefix hit then uses them. A load that fails (missing, corrupt, service down) is counted and the prompt is
+  computed instead; it never fails the request.
+- The handoff object is an `engine.transfer.RequestState` (layout `request_state/v1`): the sampler state, the KDA
+  state after the whole prompt and, by default, only the KV of the tail partial block (`kv` holds the last
+  `ceil(N/bs) - N//bs` blocks); the full blocks travel as ordinary content-addressed `KV_BLOCK` objects named by
+  `block_hashes`, which decode fetches with the handoff. `handoff_full_kv=True` puts every block in the handoff.
+- When the first token already ends the output (EOS / stop token / stop string, or `max_tokens == 1`) no handoff is
+  published and `finish_reason` is set.
+- KDA state snapshots the engine took at this prompt's block boundaries are published after the response, in the
+  background (reading them waits for the engine's next step); `drain()` waits for those publications.
+- Errors: `InvalidRequestError` for a bad request (n > 1, prompt too long, bad parameters) before anything runs;
+  `HandoffPublishError` when the handoff could not be stored (the caller should prefill elsewhere or colocate);
+  `RequestTimeoutError` past the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from cache_service.client import CacheClient, PutObject
+from cache_service.objects import Status, object_key
+from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError
+from engine.memory.hashing import BlockHasher, root_hash
+from engine.outputs import PositionLogprobs, RequestOutput
+from engine.sampling import SamplingParams
+from engine.transfer import RequestState, TransferError, encode_block
+from protos import common_pb2
+
+log = logging.getLogger(__name__)
+
+KV_BLOCK = common_pb2.OBJECT_KIND_KV_BLOCK
+SNAPSHOT = common_pb2.OBJECT_KIND_STATE_SNAPSHOT
+HANDOFF = common_pb2.OBJECT_KIND_HANDOFF
+
+
+class HandoffPublishError(RuntimeError):
+    """The handoff object could not be stored in the cache service (the request cannot be handed to decode)."""
+
+
+class PrefillAbortedError(RuntimeError):
+    """The engine ended the request without a first token (aborted, e.g. while shutting down)."""
+
+
+def engine_cache_salt(tenant_salt: bytes) -> str | None:
+    """The engine's cache salt for a tenant salt (hex). Decode derives it the same way, so block hashes agree."""
+    return tenant_salt.hex() if tenant_salt else None
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams  # the request's own parameters (max_tokens as asked; prefill samples one token)
+    tenant_salt: bytes = b""
+    priority: int = 0
+    handoff_ttl_s: float | None = None  # None: the cache service's handoff default (30 s)
+    deadline: float | None = None  # time.monotonic() seconds
+
+
+@dataclass(frozen=True)
+class PrefillTimings:
+    """Milliseconds, wall clock."""
+
+    load_ms: float = 0.0  # remote prefix lookup and load
+    compute_ms: float = 0.0  # engine queue + compute of the uncached tokens + first sample
+    publish_ms: float = 0.0  # serialising and storing blocks and the handoff
+    total_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token_id: int
+    first_token_logprobs: PositionLogprobs | None  # engine form: token id -> Logprob (sampled + top k)
+    finish_reason: str | None  # "stop" | "length" when the first token ends the output; None: decode continues
+    stop_reason: int | str | None
+    handoff_key: common_pb2.ObjectKey | None  # None when finish_reason is set
+    prompt_tokens: int
+    cached_tokens: int
+    handoff_bytes: int = 0
+    published_blocks: int = 0
+    timings: PrefillTimings = field(default_factory=PrefillTimings)
+
+
+@dataclass
+class PrefillCounters:
+    """Counts since the worker started (read by tests and metrics)."""
+
+    requests: int = 0
+    remote_loads: int = 0  # prefixes loaded from the cache service
+    remote_load_tokens: int = 0
+    remote_load_failures: int = 0  # lookups or loads that failed (the prompt was computed instead)
+    published_blocks: int = 0
+    published_snapshots: int = 0
+    publish_failures: int = 0  # objects the cache service did not store
+
+
+def best_prefix_blocks(num_tokens: int, block_size: int, blocks: list[bool], snapshots: list[bool] | None) -> int:
+    """Blocks of the longest resumable prefix: all blocks up to it present, a snapshot at its last block (when the
+    model has KDA layers, `snapshots` not None), and at least one prompt token left to compute."""
+    best = 0
+    for i, present in enumerate(blocks):
+        if not present or (i + 1) * block_size >= num_tokens:
+            break
+        if snapshots is None or snapshots[i]:
+            best = i + 1
+    return best
+
+
+class PrefillWorker:
+    """Runs prefills on an `AsyncEngine` and hands them off through a `CacheClient` (see the module docstring)."""
+
+    def __init__(self, engine: AsyncEngine, cache: CacheClient, *, handoff_full_kv: bool = False,
+                 load_remote_prefix: bool = True):
+        self.engine = engine
+        self.cache = cache
+        self.handoff_full_kv = handoff_full_kv
+        self.load_remote_prefix = load_remote_prefix
+        core = engine.core
+        self.fingerprint: bytes = core.fingerprint
+        self.block_size: int = core.plan.block_size
+        self.has_kda = core.config.kda is not None
+        self.counters = PrefillCounters()
+        self._background: set[asyncio.Task] = set()
+
+    # -- the request -------------------------------------------------------------------------------------------
+
+    async def prefill(self, job: PrefillJob) -> PrefillResult:
+        t0 = time.perf_counter()
+        self.counters.requests += 1
+        ids = list(job.prompt_token_ids)
+        params = job.params
+        if params.n != 1:
+            raise InvalidRequestError("prefill hands off one sequence (n == 1); serve n > 1 colocated", param="n")
+        max_tokens = self._validate(ids, params)
+        salt = job.tenant_salt
+        hashes: list[bytes] = []
+        BlockHasher(self.block_size, root_hash(self.fingerprint, engine_cache_salt(salt))).extend(hashes, ids)
+
+        remote_blocks, remote_snaps = await self._lookup(hashes, salt)
+        await self._load_prefix(len(ids), hashes, salt, remote_blocks, remote_snaps)
+        t_loaded = time.perf_counter()
+
+        final = await self._compute(job, ids)
+        t_computed = time.perf_counter()
+        completion = final.outputs[0]
+        state: RequestState = final.exported
+        first = completion.token_ids[0]
+        finish = completion.finish_reason
+        if finish == "length" and max_tokens > 1:
+            finish = None  # only prefill's own one-token limit: decode continues
+
+        handoff_key, handoff_bytes, published = await self._publish(job, state, hashes, remote_blocks,
+                                                                    with_handoff=finish is None)
+        self._publish_snapshots_later(hashes, remote_snaps, salt)
+        t_done = time.perf_counter()
+        return PrefillResult(
+            request_id=job.request_id, first_token_id=first,
+            first_token_logprobs=completion.logprobs[0] if completion.logprobs else None,
+            finish_reason=finish, stop_reason=completion.stop_reason if finish else None,
+            handoff_key=handoff_key, prompt_tokens=len(ids), cached_tokens=final.num_cached_tokens,
+            handoff_bytes=handoff_bytes, published_blocks=published,
+            timings=PrefillTimings(load_ms=(t_loaded - t0) * 1e3, compute_ms=(t_computed - t_loaded) * 1e3,
+                                   publish_ms=(t_done - t_computed) * 1e3, total_ms=(t_done - t0) * 1e3))
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> int:
+        """The checks `add_request` makes, against the request's real max_tokens -> that max_tokens resolved. They
+        read only the model config and the cache plan (fixed at start-up), so they run without the step loop."""
+        core = self.engine.core
+        params.check_vocab(core.config.vocab_size)
+        _, checked = core.tokenize(ids)
+        return core.resolve_max_tokens(len(checked), params)
+
+    async def _compute(self, job: PrefillJob, ids: list[int]) -> RequestOutput:
+        """Runs the prompt and samples one token with the request's parameters; returns the final output."""
+        one = dataclasses.replace(job.params, max_tokens=1, min_tokens=min(job.params.min_tokens, 1))
+        final = None
+        async for out in self.engine.generate(job.request_id, {"prompt_token_ids": ids}, one,
+                                              priority=job.priority, cache_salt=engine_cache_salt(job.tenant_salt),
+                                              export_on_finish=True, deadline=job.deadline):
+            final = out
+        if final is None or final.exported is None:
+            raise PrefillAbortedError(f"request {job.request_id!r} was aborted before its first token")
+        return final
+
+    # -- remote prefix -----------------------------------------------------------------------------------------
+
+    async def _lookup(self, hashes: list[bytes], salt: bytes) -> tuple[list[bool], list[bool]]:
+        """Presence of each full block and snapshot in the cache service (all False when it cannot answer)."""
+        absent = [False] * len(hashes)
+        if not hashes:
+            return absent, absent
+        blocks, snaps = await asyncio.gather(
+            self.cache.lookup(self.fingerprint, salt, KV_BLOCK, hashes, include_presence=True),
+            self.cache.lookup(self.fingerprint, salt, SNAPSHOT, hashes, include_presence=True) if self.has_kda
+            else _no_lookup())
+        if blocks.error or snaps.error:
+            log.warning("cache lookup failed: %s", blocks.error or snaps.error)
+            self.counters.remote_load_failures += 1
+            return absent, absent
+        return blocks.present or absent, (snaps.present or absent) if self.has_kda else list(absent)
+
+    def _local_presence(self, hashes: list[bytes]) -> tuple[list[bool], list[bool]]:
+        """This engine's prefix cache, read without waiting for the step loop (a hint; admission decides)."""
+        manager = self.engine.core.manager
+        blocks = [manager.block_pool.get_cached(h) is not None for h in hashes]
+        snaps = [manager.state_pool.has_snapshot(h) for h in hashes]
+        return blocks, snaps
+
+    async def _load_prefix(self, num_tokens: int, hashes: list[bytes], salt: bytes, remote_blocks: list[bool],
+                           remote_snaps: list[bool]) -> None:
+        """Imports the cache service's longest usable prefix when it beats the local one. On failure the objects it
+        tried are marked absent in `remote_blocks` / `remote_snaps`, so they are published again."""
+        if not self.load_remote_prefix or not hashes:
+            return
+        bs = self.block_size
+        local_blocks, local_snaps = self._local_presence(hashes)
+        local = best_prefix_blocks(num_tokens, bs, local_blocks, local_snaps if self.has_kda else None)
+        remote = best_prefix_blocks(num_tokens, bs, remote_blocks, remote_snaps if self.has_kda else None)
+        if remote <= local:
+            return
+        wanted = [i for i in range(remote) if not local_blocks[i]]
+        keys = [object_key(self.fingerprint, salt, KV_BLOCK, hashes[i]) for i in wanted]
+        if self.has_kda:
+            keys.append(object_key(self.fingerprint, salt, SNAPSHOT, hashes[remote - 1]))
+
+        def failed(why: str) -> None:
+            log.info("remote prefix of %d blocks not loaded (%s); computing it", remote, why)
+            self.counters.remote_load_failures += 1
+            for i in wanted:
+                remote_blocks[i] = False
+            if self.has_kda:
+                remote_snaps[remote - 1] = False
+
+        got = await self.cache.get_objects(keys)
+        bad = [r for r in got if r.status != Status.FOUND]
+        if bad:
+            return failed(f"{bad[0].status.name} {bad[0].message}".strip())
+        block_data = [r.data for r in got[:len(wanted)]]
+        snapshot = got[-1].data if self.has_kda else None
+
+        def load() -> bool:
+            core = self.engine.core
+            core.import_cached_blocks(block_data)
+            return snapshot is None or core.import_snapshot(snapshot)
+
+        try:
+            loaded = await self.engine.run_in_engine(load)
+        except TransferError as exc:
+            return failed(f"rejected: {exc}")
+        if loaded:
+            self.counters.remote_loads += 1
+            self.counters.remote_load_tokens += remote * bs
+
+    # -- publishing ---------------------------------------------------------------------------------------------
+
+    async def _publish(self, job: PrefillJob, state: RequestState, hashes: list[bytes], remote_blocks: list[bool],
+                       with_handoff: bool) -> tuple[common_pb2.ObjectKey | None, int, int]:
+        """Stores the prompt's full blocks the service lacks and (`with_handoff`) the handoff, in one BatchPut.
+        -> (handoff key or None, handoff bytes, blocks stored). Raises HandoffPublishError."""
+        salt, fp = job.tenant_salt, self.fingerprint
+        missing = [i for i, present in enumerate(remote_blocks) if not present]
+        handoff_key = None
+        if with_handoff:
+            nonce = hashlib.sha256(f"{job.request_id}\0{uuid.uuid4().hex}".encode()).digest()
+            handoff_key = object_key(fp, salt, HANDOFF, nonce)
+
+        def serialise() -> tuple[list[PutObject], bytes]:
+            objects = [PutObject(object_key(fp, salt, KV_BLOCK, hashes[i]), encode_block(state.kv[:, i], hashes[i], fp))
+                       for i in missing]
+            handoff = b""
+            if with_handoff:
+                handoff = self._handoff_state(state).to_bytes()
+                objects.append(PutObject(handoff_key, handoff, job.handoff_ttl_s))
+            return objects, handoff
+
+        objects, handoff = await asyncio.to_thread(serialise)
+        results = await self.cache.put_objects(objects)
+        stored = sum(1 for r in results[:len(missing)] if r.status == Status.STORED)
+        self.counters.published_blocks += stored
+        self.counters.publish_failures += len(missing) - stored
+        if with_handoff:
+            last = results[-1] if results else None
+            if last is None or last.status != Status.STORED:
+                self.counters.publish_failures += 1
+                why = f"{last.status.name}: {last.message}" if last else "no answer"
+                raise HandoffPublishError(f"the cache service did not store the handoff ({why})")
+        return handoff_key, len(handoff), stored
+
+    def _handoff_state(self, state: RequestState) -> RequestState:
+        if self.handoff_full_kv:
+            return state
+        full = state.num_computed_tokens // self.block_size
+        return dataclasses.replace(state, kv=state.kv[:, full:].contiguous())
+
+    def _publish_snapshots_later(self, hashes: list[bytes], remote_snaps: list[bool], salt: bytes) -> None:
+        todo = [h for h, present in zip(hashes, remote_snaps) if not present] if self.has_kda else []
+        if not todo:
+            return
+        task = asyncio.create_task(self._publish_snapshots(todo, salt))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _publish_snapshots(self, hashes: list[bytes], salt: bytes) -> None:
+        def export() -> list[tuple[bytes, bytes]]:
+            core = self.engine.core
+            found = [(h, core.export_snapshot(h)) for h in hashes if core.manager.state_pool.has_snapshot(h)]
+            return [(h, data) for h, data in found if data is not None]
+
+        try:
+            snapshots = await self.engine.run_in_engine(export)
+        except Exception as exc:  # noqa: BLE001 - a background best effort; the engine may be shutting down
+            log.debug("snapshot export skipped: %r", exc)
+            return
+        if not snapshots:
+            return
+        objects = [PutObject(object_key(self.fingerprint, salt, SNAPSHOT, h), data) for h, data in snapshots]
+        results = await self.cache.put_objects(objects)
+        stored = sum(1 for r in results if r.status == Status.STORED)
+        self.counters.published_snapshots += stored
+        self.counters.publish_failures += len(results) - stored
+
+    async def drain(self) -> None:
+        """Waits for the background snapshot publications started so far."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+async def _no_lookup():
+    from cache_service.client import LookupResult
+
+    return LookupResult(0, [])

@@ -1,0 +1,163 @@
+"""An in-process mesh for integration tests: cache, prefill and decode `grpc.aio` servers on free ports in the test's
+event loop (engines in their own threads), plus the gateway's `MeshClient` and direct stubs.
+
+`async with Mesh(model_dir, ...) as mesh:` starts everything and waits for the models; leaving stops everything.
+`mesh.run(prompt, sampling, route)` sends one request through the gateway's client: route "remote" forces prefill ->
+decode (P/D threshold 0), "local" the colocated path; it returns a `Run` with the tokens, events and usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import grpc
+
+from cache_service.client import CacheClient
+from cache_service.server import CacheServiceConfig
+from cache_service.server import serve as serve_cache
+from decode_service.server import DecodeServiceConfig
+from decode_service.server import serve as serve_decode
+from engine.config import EngineArgs
+from gateway.mesh_client import MeshClient, MeshRequest, PDDecider, TokenEvent
+from prefill_service.server import PrefillServiceConfig
+from prefill_service.server import serve as serve_prefill
+from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+VOCAB = 7936  # the generated tokenizer's base tokens
+
+
+def engine_args(model_dir, **overrides) -> EngineArgs:
+    base = dict(model=str(model_dir), kv_cache_memory=8 << 20, max_num_seqs=8, max_num_batched_tokens=256,
+                snapshot_interval=32)
+    base.update(overrides)
+    return EngineArgs(**base)
+
+
+def greedy(max_tokens: int, **extra) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                     skip_special_tokens=True, **extra)
+
+
+def prompt_suite(seed: int = 0) -> list[list[int]]:
+    """Lengths from 1 to several 16-token blocks; later prompts share prefixes with earlier ones (whole blocks,
+    snapshot boundaries and mid-block), so prefill reuses cached blocks and snapshots."""
+    rng = random.Random(seed)
+    base = [rng.randrange(VOCAB) for _ in range(100)]
+    other = [rng.randrange(VOCAB) for _ in range(70)]
+    prompts = [base[:1], base[:2], base[:15], base[:16], base[:17], other[:31], base[:32], base[:33], base[:40],
+               base[:64], base[:65], base[:100], other[:70]]
+    prompts += [base[:32] + [rng.randrange(VOCAB) for _ in range(9)],  # shares 2 blocks + the 32-token snapshot
+                base[:48] + [rng.randrange(VOCAB) for _ in range(20)],
+                other[:64] + base[:5]]
+    return prompts
+
+
+@dataclass
+class Run:
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # choice -> token ids
+    events: list[TokenEvent] = field(default_factory=list)
+    usage: common_pb2.Usage | None = None
+    finish: dict[int, str] = field(default_factory=dict)
+    route: str = ""
+
+    @property
+    def ids(self) -> list[int]:
+        return self.tokens.get(0, [])
+
+
+class Mesh:
+    def __init__(self, model_dir, *, backend: str = "memory", engine: dict | None = None,
+                 decode_engine: dict | None = None, kv_load_failure_policy: str = "recompute",
+                 handoff_ttl_s: float = 30.0, handoff_full_kv: bool = False, with_prefill: bool = True,
+                 cache_address: str | None = None, redis_key_prefix: str = "kdamesh:"):
+        self.model_dir = model_dir
+        self.backend = backend
+        self.engine_overrides = engine or {}
+        self.decode_engine_overrides = decode_engine if decode_engine is not None else self.engine_overrides
+        self.policy = kv_load_failure_policy
+        self.handoff_ttl_s = handoff_ttl_s
+        self.handoff_full_kv = handoff_full_kv
+        self.with_prefill = with_prefill
+        self.cache_address = cache_address  # an external (or dead) cache service instead of our own
+        self.redis_key_prefix = redis_key_prefix
+        self.cache_server = self.prefill_server = self.decode_server = None
+        self._channels: list[grpc.aio.Channel] = []
+
+    async def __aenter__(self) -> "Mesh":
+        if self.cache_address is None:
+            self.cache_server, port = await serve_cache(CacheServiceConfig(
+                address="127.0.0.1:0", backend=self.backend, handoff_ttl_s=self.handoff_ttl_s,
+                redis_key_prefix=self.redis_key_prefix))
+            self.cache_address = f"127.0.0.1:{port}"
+        starts = []
+        if self.with_prefill:
+            self.prefill_server, pport = await serve_prefill(PrefillServiceConfig(
+                engine=engine_args(self.model_dir, **self.engine_overrides), cache_address=self.cache_address,
+                address="127.0.0.1:0", handoff_full_kv=self.handoff_full_kv, cache_timeout_s=5.0))
+            self.prefill_address = f"127.0.0.1:{pport}"
+            starts.append(self.prefill_server.ready())
+        self.decode_server, dport = await serve_decode(DecodeServiceConfig(
+            engine=engine_args(self.model_dir, **self.decode_engine_overrides), cache_address=self.cache_address,
+            address="127.0.0.1:0", kv_load_failure_policy=self.policy, cache_timeout_s=5.0))
+        self.decode_address = f"127.0.0.1:{dport}"
+        starts.append(self.decode_server.ready())
+        await asyncio.gather(*starts)
+        self.client = MeshClient([self.decode_address], [self.prefill_address] if self.with_prefill else (),
+                                 PDDecider(min_uncached_tokens=0))
+        self.cache = CacheClient(self.cache_address, timeout_s=5.0)
+        self.prefill_stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(self.prefill_address)) \
+            if self.with_prefill else None
+        self.decode_stub = decode_pb2_grpc.DecodeServiceStub(self._channel(self.decode_address))
+        return self
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = grpc.aio.insecure_channel(address)
+        self._channels.append(channel)
+        return channel
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.close()
+        await self.cache.close()
+        for channel in self._channels:
+            await channel.close()
+        for server in (self.decode_server, self.prefill_server, self.cache_server):
+            if server is not None:
+                await server.stop(1.0)
+
+    @property
+    def prefill_worker(self):
+        return self.prefill_server.worker
+
+    @property
+    def decode_worker(self):
+        return self.decode_server.worker
+
+    async def run(self, prompt: list[int], sampling: common_pb2.SamplingParams, route: str = "remote",
+                  request_id: str | None = None, timeout_s: float = 60.0) -> Run:
+        """One request through the gateway's mesh client; route "remote" (prefill -> decode) or "local"."""
+        client = self.client if route == "remote" else MeshClient([self.decode_address])
+        request = MeshRequest(request_id=request_id or f"req-{random.getrandbits(48):x}",
+                              prompt_token_ids=tuple(prompt), sampling=sampling, timeout_s=timeout_s)
+        run = Run()
+        try:
+            async with aclosing(client.generate(request)) as events:
+                async for event in events:
+                    run.events.append(event)
+                    run.tokens.setdefault(event.index, []).extend(event.token_ids)
+                    if event.finish_reason:
+                        run.finish[event.index] = event.finish_reason
+                    if event.usage is not None:
+                        run.usage, run.route = event.usage, event.route
+        finally:
+            if client is not self.client:
+                await client.close()
+        return run
+
+    async def drain(self) -> None:
+        """Waits for background publications (snapshots) and claims (handoff removals)."""
+        if self.prefill_server is not None:
+            await self.prefill_worker.drain()
+        await self.decode_worker.drain()
