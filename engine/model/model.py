@@ -4,7 +4,7 @@ Contract:
 - `forward(batch, cache)` runs one step for a packed batch (prefill chunks, decodes, or a mix), writes the new
   tokens' MLA latents and the KDA states in place (see engine/model/batch.py) and returns fp32 logits `[L, vocab]`
   for the rows `batch.logits_indices` (default: the last new token of each sequence).
-- On CPU the calling thread runs with denormals flushed to zero (see `forward`).
+- On CPU the forward step runs with denormals flushed to zero (see `forward`); the thread's mode is restored after.
 - Parameter names equal the official checkpoint names minus the family's `weight_prefix`, except stacked experts
   (see engine/model/layers.py); `engine.model.loader` maps between the two.
 """
@@ -62,8 +62,12 @@ class KimiForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         # KDA states decay towards zero; on CPU, subnormal values make every following matmul ~10-100x slower.
-        # Flushing them (per calling thread, so the engine's step thread gets it too) changes results by < 1e-38.
+        # Flushing them changes results by < 1e-38. The flag is the calling thread's CPU mode, so it is restored
+        # afterwards: other code on this thread (hypothesis, numpy users) may rely on subnormals.
         torch.set_flush_denormal(True)
-        hidden = self.model(batch, cache)  # [T, D]
-        rows = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
-        return self.lm_head(hidden[rows]).float()  # [L, V]
+        try:
+            hidden = self.model(batch, cache)  # [T, D]
+            rows = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
+            return self.lm_head(hidden[rows]).float()  # [L, V]
+        finally:
+            torch.set_flush_denormal(False)
