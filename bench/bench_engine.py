@@ -46,8 +46,8 @@ def random_ids(n: int, rng: random.Random) -> list[int]:
 # -- 1. throughput ---------------------------------------------------------------------------------------------
 
 
-def bench_ours(model_dir: Path, prompts: list[list[int]], output_len: int) -> dict:
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=2 << 30, max_num_seqs=len(prompts),
+def bench_ours(model_dir: Path, prompts: list[list[int]], output_len: int, dtype: str) -> dict:
+    llm = LLM(str(model_dir), dtype=dtype, kv_cache_memory=2 << 30, max_num_seqs=len(prompts),
               max_num_batched_tokens=4096, enable_prefix_caching=False)
     llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(max_tokens=2, temperature=0))  # warm up
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
@@ -59,13 +59,13 @@ def bench_ours(model_dir: Path, prompts: list[list[int]], output_len: int) -> di
             "first_output": outs[0].outputs[0].token_ids}
 
 
-def _transformers_model(model_dir: Path):
+def _transformers_model(model_dir: Path, dtype: str):
     saved = sys.modules.get("fla", "absent")
     sys.modules["fla"] = None  # transformers' pure-torch KDA
     try:
         from transformers import KimiLinearForCausalLM
 
-        return KimiLinearForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        return KimiLinearForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     finally:
         if saved == "absent":
             sys.modules.pop("fla", None)
@@ -93,8 +93,8 @@ def bench_transformers(model, prompts: list[list[int]], output_len: int, batched
 # -- 2. prefix-cache TTFT ----------------------------------------------------------------------------------------
 
 
-def bench_ttft(model_dir: Path, total: int, cached: int, rng: random.Random) -> dict:
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=1 << 30, max_num_seqs=4,
+def bench_ttft(model_dir: Path, total: int, cached: int, rng: random.Random, dtype: str) -> dict:
+    llm = LLM(str(model_dir), dtype=dtype, kv_cache_memory=1 << 30, max_num_seqs=4,
               max_num_batched_tokens=4096)
     prefix = random_ids(cached, rng)
     prompt = {"prompt_token_ids": prefix + random_ids(total - cached, rng)}
@@ -197,20 +197,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ttft-len", type=int, default=4096)
     parser.add_argument("--ttft-cached", type=int, default=3584)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="compute dtype of both sides (bf16 matmuls are ~4x faster on CPUs with AVX512-BF16)")
     parser.add_argument("--memory-preset", default="small-k3")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     prompts = [random_ids(args.input_len, rng) for _ in range(args.num_prompts)]
-    result = {"input_len": args.input_len, "output_len": args.output_len, "threads": args.threads,
+    result = {"input_len": args.input_len, "output_len": args.output_len, "threads": args.threads, "dtype": args.dtype,
               "throughput": {}, "ttft": {}, "memory": memory_rows(args.memory_preset)}
     with tempfile.TemporaryDirectory() as tmp:
         for preset in [p for p in args.presets.split(",") if p]:
             model_dir = make_checkpoint(preset, Path(tmp) / preset, seed=0)
-            r = {"ours": bench_ours(model_dir, prompts, args.output_len)}
+            r = {"ours": bench_ours(model_dir, prompts, args.output_len, args.dtype)}
             if preset_config(preset)["model_type"] == "kimi_linear":
-                ref = _transformers_model(model_dir)
+                ref = _transformers_model(model_dir, args.dtype)
                 if args.hf_single_prompts:
                     r["hf_single"] = bench_transformers(ref, prompts[: args.hf_single_prompts], args.output_len,
                                                         batched=False)
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
                 del ref
             result["throughput"][preset] = r
             if args.ttft_len:
-                result["ttft"][preset] = bench_ttft(model_dir, args.ttft_len, args.ttft_cached, rng)
+                result["ttft"][preset] = bench_ttft(model_dir, args.ttft_len, args.ttft_cached, rng, args.dtype)
             print(f"[{preset} done]", file=sys.stderr, flush=True)
     for r in result["throughput"].values():
         for v in r.values():
