@@ -9,6 +9,11 @@ Contract:
 - `step()` schedules, runs the model once, commits full blocks and snapshots, samples, detokenises, checks stops,
   frees finished requests, and returns one delta `RequestOutput` per request that changed (see engine/outputs.py).
 - `abort(request_id)` ends a request at once (its output finishes with "abort" on the next `step`).
+- Structured output (`params.structured`, engine/structured.py): `add_request` compiles the grammar (cached) and
+  gives each sequence a matcher; `step` fills the bitmasks of the constrained rows before the forward, masks their
+  logits rows (others untouched) before sampling, and advances each matcher with its sampled token. When no
+  unfinished request has a grammar the step does no grammar work at all. An imported request replays its carried
+  output through a fresh matcher. A finished or aborted request drops its matcher.
 - Export/import (see engine/transfer.py): `add_request(..., export_on_finish=True)` attaches a `RequestState` to
   the final output (the KV and KDA state after every token but the last sampled one, so importing it and
   continuing feeds that token next); `import_request` queues such a state in this engine; `export_cached_blocks` /
@@ -36,6 +41,7 @@ from engine.request import OutputState, Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import SampleRow, Sampler, SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured import GrammarBackend
 from engine.transfer import (CorruptObjectError, RequestState, TransferError, decode_block, decode_state,
                              encode_block, encode_state)
 
@@ -110,6 +116,8 @@ class EngineCore:
         self._touched: list[Request] = []  # requests with output not yet returned
         self._arrivals = 0
         self.num_steps = 0
+        self._grammar_backend: GrammarBackend | None = None  # structured output: built on first use
+        self._num_constrained = 0  # unfinished requests with a grammar (0: the step skips all grammar work)
         logger.info("engine: %d KV blocks x %d tokens (%.1f MiB), %d running + %d snapshot KDA slots (%.1f MiB), "
                     "snapshot interval %d, max_model_len %d", self.plan.num_blocks, self.plan.block_size,
                     self.plan.kv_bytes / 2 ** 20, self.plan.num_running_slots, self.plan.num_snapshot_slots,
@@ -170,6 +178,8 @@ class EngineCore:
         params.check_vocab(self.config.vocab_size)
         text, ids = self.tokenize(prompt)
         max_tokens = self.resolve_max_tokens(len(ids), params)
+        if params.structured is not None:  # structured output: compile now so a bad grammar queues nothing
+            self.grammar_backend().compile(params.structured)
         hasher = BlockHasher(self.plan.block_size, root_hash(self.fingerprint, cache_salt), tuple(media))
         children = []
         for i in range(params.n):
@@ -179,6 +189,7 @@ class EngineCore:
                           generator=self._make_generator(params, i), export_on_finish=export_on_finish,
                           cache_salt=cache_salt)
             req.output = OutputState(params, self.tokenizer, self.eos_token_ids)
+            self._attach_grammar(req)
             self._arrivals += 1
             children.append(req)
         self._register(_Parent(request_id, text, ids, children))
@@ -188,6 +199,43 @@ class EngineCore:
         for req in parent.children:
             self._requests[req.request_id] = req
             self.scheduler.add(req)
+
+    # -- structured output (grammar-constrained decoding, engine/structured.py) ---------------------------------
+
+    def grammar_backend(self) -> GrammarBackend:
+        if self._grammar_backend is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs the model's tokenizer", param="response_format")
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.config.vocab_size)
+        return self._grammar_backend
+
+    def _attach_grammar(self, req: Request, carried: list[int] = ()) -> None:
+        """Gives a structured request its matcher (advanced past `carried` output tokens); after the grammar ends
+        only its stop tokens may follow, and they always finish the sequence (even with `ignore_eos`)."""
+        if req.params.structured is None:
+            return
+        state = self.grammar_backend().new_state(req.params.structured, sorted(req.output.stop_ids))
+        for token in carried:
+            if not state.accept(token):
+                raise InvalidRequestError("the carried output does not follow the request's grammar",
+                                          param="response_format")
+        req.output.stop_ids |= set(state.stop_token_ids)
+        req.grammar = state
+        self._num_constrained += 1
+
+    def _fill_grammar_masks(self, sampled: list[Request]) -> torch.Tensor | None:
+        """Bitmask rows for the requests about to be sampled (None when none has a grammar)."""
+        if not self._num_constrained or all(r.grammar is None for r in sampled):
+            return None
+        left = [min(r.max_tokens - r.num_output_tokens, self.plan.max_model_len - r.num_tokens) for r in sampled]
+        return self.grammar_backend().fill([r.grammar for r in sampled], left)
+
+    def _advance_grammar(self, req: Request, token: int) -> bool:
+        """Moves the request's matcher past its sampled token; False when the grammar rejects it."""
+        if req.grammar is None or req.grammar.accept(token):
+            return True
+        logger.error("request %s: sampled token %d is outside its grammar; aborting it", req.request_id, token)
+        return False
 
     def _make_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.greedy:
@@ -217,16 +265,22 @@ class EngineCore:
         if not out.is_empty:
             self.num_steps += 1
             slots = [self.manager.running_slot(c.req) for c in out.chunks]
+            sampled = [c.req for c in out.chunks if c.needs_logits]
+            masks = self._fill_grammar_masks(sampled)  # structured output: CPU work before the forward
             logits = self.runner.execute(out, slots)  # [L, V]
+            if masks is not None:
+                self.grammar_backend().apply(logits, masks, [i for i, r in enumerate(sampled) if r.grammar])
             copies = []
             for chunk in out.chunks:
                 chunk.req.num_computed_tokens = chunk.start + chunk.num_tokens
                 copies.extend(self.manager.commit(chunk.req))
             self.runner.copy_slots(copies)
-            sampled = [c.req for c in out.chunks if c.needs_logits]
             rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids if r.params.has_penalties else (),
                               r.generator, self._suppressed(r)) for r in sampled]
             for req, result in zip(sampled, self.sampler.sample(logits, rows)):
+                if not self._advance_grammar(req, result.token_id):
+                    self._finish(req, RequestStatus.FINISHED_ABORTED)
+                    continue
                 req.append_token(result.token_id)
                 reason = req.output.add_token(result, req.num_output_tokens, req.max_tokens,
                                               req.num_tokens >= self.plan.max_model_len)
@@ -237,11 +291,14 @@ class EngineCore:
         return self._collect_outputs()
 
     def _suppressed(self, req: Request) -> tuple[int, ...]:
-        if req.num_output_tokens >= req.params.min_tokens:
+        if req.num_output_tokens >= req.params.min_tokens or req.grammar is not None:
             return ()
         return tuple(req.output.stop_ids)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.grammar is not None:  # structured output: release the matcher
+            req.grammar = None
+            self._num_constrained -= 1
         if status is RequestStatus.FINISHED_ABORTED:
             req.output.abort()
         elif req.export_on_finish:
@@ -330,6 +387,7 @@ class EngineCore:
         req.num_cached_tokens = state.num_cached_tokens
         req.output = OutputState(params, self.tokenizer, self.eos_token_ids)
         req.output.prime(state.output_token_ids)
+        self._attach_grammar(req, list(state.output_token_ids))
         self._arrivals += 1
         self._register(_Parent(request_id, None, prompt, [req]))
 

@@ -10,12 +10,15 @@ Contract:
 - Output state (`OutputState`) turns sampled ids into text deltas with `IncrementalDetokenizer`, matches stop
   strings on the text (holding back the last `max(len(stop)) - 1` characters of a stream so a stop string is never
   emitted) and stop token ids, and decides the finish reason.
+- `grammar` (structured output only) is the sequence's `engine.structured.GrammarState`: set by `EngineCore` when
+  the request is added, advanced with every sampled token, dropped when the request finishes.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +26,9 @@ from engine.memory.hashing import BlockHasher
 from engine.outputs import CompletionOutput, Logprob, PositionLogprobs
 from engine.sampling import SampleResult, SamplingParams
 from engine.transfer import RequestState
+
+if TYPE_CHECKING:
+    from engine.structured import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +70,7 @@ class Request:
     state_group: int | None = None
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    grammar: "GrammarState | None" = None  # structured output: the matcher (engine.structured), dropped at finish
 
     def __post_init__(self):
         if not self.token_ids:

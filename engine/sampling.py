@@ -10,6 +10,9 @@ Contract:
 - Processing order, per row: repetition penalty (prompt and output tokens), frequency and presence penalties
   (output tokens), temperature, min_p, top_k, top_p, then sampling. Logprobs are the model's raw log-softmax
   (before any processing), as vLLM v1 reports them by default.
+- `structured` (a validated `engine.structured.StructuredOutputParams`) makes the engine mask each row's logits with
+  its grammar before this sampler runs (so logprobs are then over the allowed tokens, as in vLLM); for such
+  requests `min_tokens` does not suppress stop tokens (the grammar decides where the output ends).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.structured import StructuredOutputParams
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
 MAX_LOGPROBS = 20
@@ -45,6 +49,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
+    # structured output (grammar-constrained decoding, see engine/structured.py); None: unconstrained
+    structured: StructuredOutputParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -87,6 +93,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputParams):
+            raise bad("structured", "must be StructuredOutputParams or None")
 
     @property
     def greedy(self) -> bool:
