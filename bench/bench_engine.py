@@ -109,9 +109,13 @@ def bench_ttft(model_dir: Path, total: int, cached: int, rng: random.Random, dty
     start = time.perf_counter()
     [warm] = llm.generate(prompt, first)
     warm_s = time.perf_counter() - start
-    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids, "a prefix hit changed the output"
+    same = warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    # fp32 is exact (the tests prove hit == miss); in bf16 a different chunking rounds differently and a near-tie
+    # among random-weight logits can flip, so there it is only reported.
+    assert same or dtype != "float32", "a prefix hit changed the output"
     return {"prompt": total, "cached_tokens": warm.num_cached_tokens, "cold_s": cold_s, "warm_s": warm_s,
-            "speedup": cold_s / warm_s, "snapshot_interval": llm.engine.plan.snapshot_interval}
+            "speedup": cold_s / warm_s, "snapshot_interval": llm.engine.plan.snapshot_interval,
+            "same_first_token": same}
 
 
 # -- 3. memory -------------------------------------------------------------------------------------------------
