@@ -20,15 +20,19 @@ from kernels.kda.naive import compute_dtype, default_cu_seqlens
 
 
 def kda_step(state, q, k, v, g, beta, scale):
-    """One delta-rule step for a batch of states; returns (o [B, H, V], new state [B, H, K, V]).
+    """One delta-rule step for a batch of states, updating `state` IN PLACE; returns (o [B, H, V], state).
 
-    state [B, H, K, V]; q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; all in the compute dtype.
+    state [B, H, K, V] (contiguous); q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; all in the compute dtype.
+    Decode is bound by passes over the states, so the decay and the rank-1 update run in place (`mul_`,
+    `baddbmm_`) instead of materialising new [B, H, K, V] tensors.
     """
-    state = state * torch.exp(g).unsqueeze(-1)
-    kS = (k.unsqueeze(-2) @ state).squeeze(-2)  # [B, H, V]
+    B, H, K, V = state.shape
+    state.mul_(torch.exp(g).unsqueeze(-1))
+    flat = state.view(B * H, K, V)
+    kS = torch.bmm(k.reshape(B * H, 1, K), flat).view(B, H, V)
     u = beta.unsqueeze(-1) * (v - kS)  # [B, H, V]
-    state = state + k.unsqueeze(-1) * u.unsqueeze(-2)
-    o = ((scale * q).unsqueeze(-2) @ state).squeeze(-2)  # [B, H, V]
+    flat.baddbmm_(k.reshape(B * H, K, 1), u.reshape(B * H, 1, V))  # S += k u^T
+    o = torch.bmm((scale * q).reshape(B * H, 1, K), flat).view(B, H, V)
     return o, state
 
 
@@ -52,8 +56,7 @@ def fused_recurrent_kda(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=
     num_active = _active_counts(lens_sorted)
     for t, active in enumerate(num_active):
         tok = starts[:active] + t  # [a]
-        o_t, state[:active] = kda_step(state[:active], qc[tok], kc[tok], vc[tok], gc[tok], bc[tok], scale)
-        o[tok] = o_t
+        o[tok], _ = kda_step(state[:active], qc[tok], kc[tok], vc[tok], gc[tok], bc[tok], scale)  # prefix: contiguous
     final = torch.empty_like(state)
     final[order] = state
     return o.to(v.dtype), final
@@ -71,7 +74,7 @@ def kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices):
     """One decode token per sequence against a state pool, updated in place; returns o [N, H, V] in v's dtype."""
     dtype = compute_dtype(q, k, v, g, beta, state_pool)
     idx = state_indices.to(device=state_pool.device, dtype=torch.int64)
-    state = state_pool.index_select(0, idx).to(dtype)  # [N, H, K, V]
+    state = state_pool.index_select(0, idx).to(dtype).contiguous()  # [N, H, K, V], a private copy
     o, state = kda_step(state, *(x.to(dtype) for x in (q, k, v, g, beta)), scale)
     state_pool.index_copy_(0, idx, state.to(state_pool.dtype))
     return o.to(v.dtype)
