@@ -11,6 +11,8 @@ Contract:
 - Create the client inside the event loop that uses it (a `grpc.aio` channel belongs to one loop).
 - Results come back in the order of the request. A large batch is spread over `streams` concurrent calls (default 2;
   each object stays whole within one call), which roughly doubles throughput over one stream.
+- `interceptors` go on the channel (the workers pass telemetry's client interceptors: trace context and request id
+  in the call metadata).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def _describe(exc: grpc.aio.AioRpcError) -> str:
 class CacheClient:
     def __init__(self, address: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = 1 << 20,
                  max_message_bytes: int = 4 << 20, checksum_algorithm: ChecksumAlgorithm = ChecksumAlgorithm.CRC32,
-                 streams: int = 2):
+                 streams: int = 2, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()):
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
         self.address = address
@@ -94,7 +96,7 @@ class CacheClient:
         self.checksum_algorithm = checksum_algorithm
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
-        self._channel = grpc.aio.insecure_channel(address, options=options)
+        self._channel = grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors) or None)
         self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
 
     async def __aenter__(self) -> CacheClient:

@@ -15,6 +15,10 @@ Contract:
 - BatchPut stores objects as they complete, in batches of about `put_batch_bytes` with at most two batches in
   flight, so receiving overlaps storing; BatchGet reads `get_window_keys` keys ahead of what it streams.
 - HANDOFF objects without an explicit TTL get `handoff_ttl_s` (30 s); other kinds default to no expiry.
+- Telemetry (telemetry/): every call gets a SERVER span continuing the caller's W3C `traceparent`, with child spans
+  `cache.put`, `cache.get` and `cache.lookup` (attributes: bytes, keys, blocks, hit blocks, backend, `error.type` when
+  a key failed or the call was refused); the caller's `x-request-id` is bound for the call's log lines; calls are
+  counted by status in `kdamesh_cache_requests_total` and logged at DEBUG on `kdamesh.rpc`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import Tracer, TracerProvider
 from prometheus_client import CollectorRegistry, start_http_server
 
 from cache_service.memory_store import MemoryStore
@@ -40,6 +45,9 @@ from cache_service.metrics import CacheMetrics
 from cache_service.objects import Checksum, Status, encode_key, encode_object_key
 from cache_service.store import GetOutcome, KeyOutcome, PutItem, Store, StoreUnavailableError
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
+from telemetry import tracing
+from telemetry.metrics import RpcMetrics
+from telemetry.rpc import server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -252,12 +260,23 @@ def _get_chunks(index: int, outcome: GetOutcome, chunk_bytes: int) -> Iterator[c
         yield cache_pb2.GetChunk(index=index, data=data[offset:offset + chunk_bytes])
 
 
+def _count_blocks(keys) -> int:
+    return sum(1 for k in keys if k.kind == common_pb2.OBJECT_KIND_KV_BLOCK)
+
+
+def _failed(statuses, failures: tuple[Status, ...]) -> str | None:
+    """The `error.type` of a batch: the first failing key status's name, or None."""
+    return next((s.name for s in statuses if s in failures), None)
+
+
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
-    def __init__(self, store: Store, config: CacheServiceConfig, metrics: CacheMetrics, executor: ThreadPoolExecutor):
+    def __init__(self, store: Store, config: CacheServiceConfig, metrics: CacheMetrics, executor: ThreadPoolExecutor,
+                 tracer: Tracer | None = None):
         self._store = store
         self._config = config
         self._metrics = metrics
         self._executor = executor
+        self._tracer = tracer if tracer is not None else tracing.get_tracer("kdamesh.cache")
 
     def _run(self, fn: Callable, *args) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -270,20 +289,28 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         started = time.perf_counter()
         assembler = PutAssembler(self._config.max_object_bytes, self._default_ttl_s)
         writer = _BatchWriter(lambda items: self._run(self._store.put_many, items), self._config.put_batch_bytes)
-        try:
-            async for chunk in request_iterator:
-                for done in assembler.feed(chunk):
+        with tracing.child_span(self._tracer, "cache.put", {tracing.BACKEND: self._store.backend}) as span:
+            try:
+                async for chunk in request_iterator:
+                    for done in assembler.feed(chunk):
+                        await writer.add(done)
+                for done in assembler.finish():
                     await writer.add(done)
-            for done in assembler.finish():
-                await writer.add(done)
-        except ProtocolError as exc:
-            await writer.results()  # objects completed before the error stay stored
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        results = await writer.results()
-        elapsed = time.perf_counter() - started
-        self._metrics.transfer("put", assembler.bytes_received, elapsed)
-        self._metrics.key_results("BatchPut", [outcome.status for _, outcome in results])
-        self._metrics.rpc_seconds.labels("BatchPut").observe(elapsed)
+            except ProtocolError as exc:
+                await writer.results()  # objects completed before the error stay stored
+                tracing.mark_error(span, "INVALID_ARGUMENT", str(exc))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            results = await writer.results()
+            elapsed = time.perf_counter() - started
+            statuses = [outcome.status for _, outcome in results]
+            self._metrics.transfer("put", assembler.bytes_received, elapsed)
+            self._metrics.key_results("BatchPut", statuses)
+            self._metrics.rpc_seconds.labels("BatchPut").observe(elapsed)
+            tracing.set_attributes(span, {tracing.BYTES: assembler.bytes_received, tracing.KEYS: len(results),
+                                          tracing.BLOCKS: _count_blocks(k for k, _ in results)})
+            failure = _failed(statuses, (Status.ERROR, Status.CORRUPT, Status.TOO_LARGE, Status.INVALID))
+            if failure is not None:
+                tracing.mark_error(span, failure, "some objects were not stored")
         return cache_pb2.BatchPutResponse(results=[_key_result(k, o) for k, o in results],
                                           bytes_received=assembler.bytes_received)
 
@@ -293,20 +320,27 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         step = self._config.get_window_keys
         windows = [range(i, min(i + step, len(keys))) for i in range(0, len(keys), step)]
         pending = asyncio.ensure_future(self._fetch([keys[i] for i in windows[0]])) if windows else None
-        try:
-            for w, window in enumerate(windows):
-                outcomes = await pending
-                pending = None
-                if w + 1 < len(windows):  # read the next window while this one streams
-                    pending = asyncio.ensure_future(self._fetch([keys[i] for i in windows[w + 1]]))
-                for index, outcome in zip(window, outcomes):
-                    statuses.append(outcome.status)
-                    sent += len(outcome.data or b"")
-                    for chunk in _get_chunks(index, outcome, self._config.chunk_bytes):
-                        yield chunk
-        finally:
-            if pending is not None:
-                pending.cancel()
+        with tracing.child_span(self._tracer, "cache.get", {tracing.BACKEND: self._store.backend,
+                                                            tracing.KEYS: len(keys),
+                                                            tracing.BLOCKS: _count_blocks(keys)}) as span:
+            try:
+                for w, window in enumerate(windows):
+                    outcomes = await pending
+                    pending = None
+                    if w + 1 < len(windows):  # read the next window while this one streams
+                        pending = asyncio.ensure_future(self._fetch([keys[i] for i in windows[w + 1]]))
+                    for index, outcome in zip(window, outcomes):
+                        statuses.append(outcome.status)
+                        sent += len(outcome.data or b"")
+                        for chunk in _get_chunks(index, outcome, self._config.chunk_bytes):
+                            yield chunk
+            finally:
+                if pending is not None:
+                    pending.cancel()
+                tracing.set_attributes(span, {tracing.BYTES: sent, "kdamesh.keys_found": statuses.count(Status.FOUND)})
+            failure = _failed(statuses, (Status.ERROR, Status.CORRUPT))  # a MISSING key is a miss, not a failure
+            if failure is not None:
+                tracing.mark_error(span, failure, "some objects could not be read")
         elapsed = time.perf_counter() - started
         self._metrics.transfer("get", sent, elapsed)
         self._metrics.key_results("BatchGet", statuses)
@@ -319,16 +353,25 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return [next(found) if isinstance(k, bytes) else GetOutcome(Status.MISSING, message=k) for k in encoded]
 
     async def Lookup(self, request: cache_pb2.LookupRequest, context) -> cache_pb2.LookupResponse:
-        with self._metrics.rpc_seconds.labels("Lookup").time():
+        attributes = {tracing.BACKEND: self._store.backend, tracing.KEYS: len(request.content_hashes),
+                      "kdamesh.cache.kind": common_pb2.ObjectKind.Name(request.kind)
+                      if request.kind in common_pb2.ObjectKind.values() else str(request.kind)}
+        with self._metrics.rpc_seconds.labels("Lookup").time(), \
+                tracing.child_span(self._tracer, "cache.lookup", attributes) as span:
             try:
                 keys = [encode_key(request.model_fingerprint, request.tenant_salt, request.kind, content_hash)
                         for content_hash in request.content_hashes]
             except ValueError as exc:
+                tracing.mark_error(span, "INVALID_ARGUMENT", str(exc))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid Lookup: {exc}")
             try:
                 outcome = await self._run(self._store.lookup, keys, request.include_presence)
             except StoreUnavailableError as exc:
+                tracing.mark_error(span, type(exc).__name__, str(exc))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            span.set_attribute(tracing.HIT_BLOCKS, outcome.prefix_hit_length)
+            if request.include_presence:
+                span.set_attribute("kdamesh.keys_present", sum(outcome.present))
             return cache_pb2.LookupResponse(prefix_hit_length=outcome.prefix_hit_length, present=outcome.present)
 
     async def Lease(self, request: cache_pb2.LeaseRequest, context) -> cache_pb2.LeaseResponse:
@@ -422,17 +465,22 @@ class CacheServer:
         await self.grpc_server.wait_for_termination()
 
 
-async def serve(config: CacheServiceConfig, *, store: Store | None = None,
-                registry: CollectorRegistry | None = None) -> tuple[CacheServer, int]:
-    """Starts the service -> (server, bound port). `store` overrides the backend (tests inject fake clocks)."""
+async def serve(config: CacheServiceConfig, *, store: Store | None = None, registry: CollectorRegistry | None = None,
+                tracer_provider: TracerProvider | None = None) -> tuple[CacheServer, int]:
+    """Starts the service -> (server, bound port). `store` overrides the backend (tests inject fake clocks);
+    `tracer_provider` None: OpenTelemetry's global provider."""
     store = store if store is not None else make_store(config)
     metrics = CacheMetrics(registry)
     metrics.watch(store)
     executor = ThreadPoolExecutor(max_workers=config.store_threads, thread_name_prefix="cache-store")
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0)]
-    server = grpc.aio.server(options=options)
-    cache_pb2_grpc.add_CacheServiceServicer_to_server(CacheServicer(store, config, metrics, executor), server)
+    interceptors = server_interceptors("cache", tracer_provider=tracer_provider,
+                                       metrics=RpcMetrics(metrics.registry, "cache", with_latency=False),
+                                       access_log_level=logging.DEBUG)
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    tracer = tracing.get_tracer("kdamesh.cache", tracer_provider)
+    cache_pb2_grpc.add_CacheServiceServicer_to_server(CacheServicer(store, config, metrics, executor, tracer), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

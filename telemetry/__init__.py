@@ -1,0 +1,14 @@
+"""Observability shared by every kdamesh service: traces, metrics, structured logs and the request id.
+
+Modules (each imports only OpenTelemetry, prometheus_client, grpc and the standard library — never the engine or a
+service, so any layer may use it):
+- `telemetry.context`: the request id of the call being handled (a contextvar) and its `x-request-id` header name.
+- `telemetry.tracing`: `setup_tracing` (one tracer provider per process: OTLP, console or nothing), span helpers with
+  kdamesh's attribute names, the gateway's GenAI root span and W3C `traceparent` extraction.
+- `telemetry.rpc`: gRPC `grpc.aio` server and client interceptors: W3C trace context (`traceparent`) and the
+  request id (`x-request-id`) in call metadata, a SERVER span per call, per-call status counts and an access log line.
+- `telemetry.metrics`: the Prometheus series of each service, in a `CollectorRegistry` the caller owns, and the
+  side HTTP `/metrics` server of the gRPC services.
+- `telemetry.logs`: text or JSON log lines carrying the request id and trace id, and the gateway's one-line-per-request
+  `log_request`.
+"""
