@@ -11,13 +11,22 @@ Contract:
 - Errors are statuses with messages: INVALID_ARGUMENT (bad request), NOT_FOUND (another model), UNIMPLEMENTED
   (media), UNAVAILABLE (loading, stopping, engine dead, or the handoff unusable under `--kv-load-failure-policy fail`),
   DEADLINE_EXCEEDED.
-- `DecodeServer.stop(grace)` reports NOT_SERVING, stops accepting calls and gives running streams `grace` seconds,
-  then stops the engine and closes the cache client.
+- Graceful drain, `DecodeServer.stop(grace)` (what SIGTERM runs): health reports NOT_SERVING first; then new Decode
+  and Probe calls fail UNAVAILABLE ("draining") while the listener stays open; running Decode streams get `grace`
+  seconds to finish normally; streams still running then are aborted in the engine and end with UNAVAILABLE after
+  the tokens already sent (a clean error, never a hang); only then does the gRPC server stop, the engine shut down
+  and the cache client close.
+- Telemetry (telemetry/): each call gets a SERVER span continuing the caller's `traceparent` (the worker adds
+  `decode` and `handoff.claim` spans; cache calls carry the trace and request id on), the caller's `x-request-id`
+  (else the request's own id) is bound for log lines, one access line per call on `kdamesh.rpc`. Metrics
+  (`kdamesh_decode_*`, telemetry/metrics.py) go to the registry passed to `serve` and, with `metrics_port`, to a side
+  HTTP `/metrics` server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -27,6 +36,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from opentelemetry.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+
 from cache_service.client import CacheClient
 from decode_service.worker import (KV_LOAD_FAILURE_POLICIES, DecodeJob, DecodeWorker, Handoff,
                                    HandoffUnavailableError, TokenBatch)
@@ -35,13 +47,22 @@ from engine.config import EngineArgs
 from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
 from engine.outputs import PositionLogprobs
 from engine.sampling import SamplingParams
+from engine.structured import (DEFAULT_MAX_REASONING_TOKENS, DEFAULT_MAX_STRING_TOKENS, StructuredOutputParams,
+                               ToolSpec)
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
+from telemetry import tracing
+from telemetry.context import bind_request_id, current_request_id
+from telemetry.metrics import (CounterSample, EngineGauges, MetricsServer, RequestTimer, WorkerMetrics, metrics_host,
+                               start_metrics_server)
+from telemetry.rpc import client_interceptors, server_interceptors
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
                   "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
+ABORT_WAIT_S = 2.0  # after the grace period: how long aborted streams get to end before the server cancels them
+DRAINING = "decode worker is draining (shutting down) and takes no new requests; send this one to another worker"
 
 
 @dataclass(frozen=True)
@@ -60,6 +81,8 @@ class DecodeServiceConfig:
     max_message_bytes: int = 16 << 20
     # torch intra-op threads for this process; None: torch's default.
     torch_threads: int | None = None
+    # Serve Prometheus /metrics on this port (0: a free port), on the host of `address`; None: no HTTP endpoint.
+    metrics_port: int | None = None
 
     def __post_init__(self):
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
@@ -85,7 +108,40 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         include_stop_str_in_output=msg.include_stop_str_in_output,
-        logprobs=msg.top_logprobs if msg.logprobs else None, skip_special_tokens=msg.skip_special_tokens)
+        logprobs=msg.top_logprobs if msg.logprobs else None, skip_special_tokens=msg.skip_special_tokens,
+        structured=structured_from_proto(msg.structured_output) if msg.HasField("structured_output") else None)
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputParams:
+    """The engine's structured-output params; raises InvalidRequestError for an unusable spec."""
+    def load(text: str, what: str, param: str):
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{what} is not valid JSON: {exc}", param=param) from None
+
+    kind = {common_pb2.StructuredOutput.KIND_JSON_OBJECT: "json_object",
+            common_pb2.StructuredOutput.KIND_JSON_SCHEMA: "json_schema",
+            common_pb2.StructuredOutput.KIND_TOOL_CALL: "tool_call"}.get(msg.kind)
+    if kind is None:
+        raise InvalidRequestError("structured_output.kind is unspecified", param="response_format")
+    tools = tuple(ToolSpec(t.name, load(t.parameters_json, f"tool {t.name!r} parameters", "tools")
+                           if t.parameters_json else None) for t in msg.tools)
+    named = msg.tool_mode == common_pb2.StructuredOutput.TOOL_MODE_NAMED
+
+    def limit(field: str, default):
+        if not msg.HasField(field):
+            return default
+        value = getattr(msg, field)
+        return None if value < 0 else value
+
+    return StructuredOutputParams(
+        kind, json_schema=load(msg.json_schema, "json_schema", "response_format") if kind == "json_schema" else None,
+        tools=tools, mode="named" if named else "required", name=msg.tool_name if named else None,
+        parallel_tool_calls=msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True,
+        output_format=msg.output_format or None, starts_in_reasoning=msg.starts_in_reasoning,
+        max_reasoning_tokens=limit("max_reasoning_tokens", DEFAULT_MAX_REASONING_TOKENS),
+        max_string_tokens=limit("max_string_tokens", DEFAULT_MAX_STRING_TOKENS))
 
 
 def logprob_to_proto(entries: PositionLogprobs, token_id: int, top: int) -> common_pb2.TokenLogprob:
@@ -143,28 +199,45 @@ def _deadline(context) -> float | None:
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, config: DecodeServiceConfig):
+    def __init__(self, config: DecodeServiceConfig, metrics: WorkerMetrics):
         self.config = config
+        self.metrics = metrics
         self.worker: DecodeWorker | None = None  # set once the model is loaded
-        self.stopping = False
+        self.stopping = False  # draining: new calls are refused
+        self._running: dict[object, str] = {}  # Decode calls in progress -> their request ids
+        self._aborted: set[object] = set()  # calls aborted because the grace period passed
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def _check(self, model: str, context) -> DecodeWorker:
         worker = self.worker
-        if worker is None or self.stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is loading its model or stopping")
+        if self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+        if worker is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is loading its model")
         if model and model != self.config.model_name:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here (this worker "
                                                            f"serves {self.config.model_name!r})")
         return worker
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
+        timer = RequestTimer()
+        if current_request_id() is None:
+            bind_request_id(request.request_id)  # this call's task only
         worker = await self._check(request.model, context)
         if request.media:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "media in prompts is not supported yet")
+        call, last = object(), None
+        self._enter(call, request.request_id)
         try:
             job = job_from_proto(request, _deadline(context))
             top = job.params.logprobs or 0
             async for batch in worker.decode(job):
+                if batch.finish_reason == "abort" and call in self._aborted:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker shut down before this request "
+                                        "finished (its drain grace period passed)")
+                timer.add_tokens(len(batch.token_ids))
+                last = batch
                 yield chunk_to_proto(batch, top)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -172,12 +245,85 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except (HandoffUnavailableError, EngineDeadError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            self._leave(call)
+        if last is not None and last.usage is not None:
+            u = last.usage
+            path = "local" if job.handoff is None else ("handoff" if last.used_handoff else "recompute")
+            self.metrics.serving.observe(timer, (path,), prompt_tokens=u.prompt_tokens,
+                                         completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens)
+
+    # -- drain ---------------------------------------------------------------------------------------------------
+
+    def _enter(self, call: object, request_id: str) -> None:
+        self._running[call] = request_id
+        self._idle.clear()
+
+    def _leave(self, call: object) -> None:
+        self._running.pop(call, None)
+        self._aborted.discard(call)
+        if not self._running:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no Decode call runs -> True, or False when `timeout_s` passes first."""
+        try:
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def abort_running(self) -> int:
+        """Aborts the engine requests of the running Decode calls (each ends with UNAVAILABLE) -> how many."""
+        calls = list(self._running.items())
+        self._aborted.update(call for call, _ in calls)
+        if self.worker is not None:
+            for _, request_id in calls:
+                try:
+                    await self.worker.engine.abort(request_id)
+                except Exception as exc:  # noqa: BLE001 - best effort: the server cancels what is left
+                    log.warning("could not abort %s while draining: %r", request_id, exc)
+        return len(calls)
 
     async def Probe(self, request: decode_pb2.ProbeRequest, context) -> decode_pb2.ProbeResponse:
         worker = await self._check(request.model, context)
         running, waiting, usage = worker.load()
         cached = worker.probe(list(request.prompt.ids), request.tenant_salt) if request.prompt.ids else 0
         return decode_pb2.ProbeResponse(cached_tokens=cached, running=running, waiting=waiting, kv_usage=usage)
+
+
+# -- metrics read at scrape time (kept apart from prefill_service's copy) ----------------------------------------
+
+
+def engine_gauges(engine: AsyncEngine) -> EngineGauges:
+    """The engine's scheduler and pools, read without waiting for the step loop (each number one plain read)."""
+    core = engine.core
+    stats, pool, states = core.stats(), core.manager.block_pool, core.manager.state_pool
+    return EngineGauges(running=stats.num_running, waiting=stats.num_waiting, kv_blocks_total=pool.num_blocks,
+                        kv_blocks_free=stats.num_free_blocks, kv_blocks_cached=stats.num_cached_blocks,
+                        kv_usage=stats.kv_usage, state_groups_total=states.num_groups,
+                        state_groups_free=states.num_free_groups, snapshots=stats.num_snapshots,
+                        snapshot_slots=states.num_snapshot_slots, prefix_lookup_tokens=stats.prefix_lookup_tokens,
+                        prefix_hit_tokens=stats.prefix_hit_tokens, preemptions=stats.num_preemptions)
+
+
+def worker_counters(worker: DecodeWorker) -> list[CounterSample]:
+    c = worker.counters
+    samples = [
+        CounterSample("transfer_bytes", "Payload bytes moved to or from the cache service", c.handoff_bytes,
+                      (("op", "handoff_load"),)),
+        CounterSample("transfer_seconds", "Wall time of the cache service calls that moved them (seconds)",
+                      c.handoff_seconds, (("op", "handoff_load"),)),
+        CounterSample("handoffs", "Decode requests by how their handoff went", c.handoff_loaded,
+                      (("outcome", "loaded"),)),
+        CounterSample("handoffs", "Decode requests by how their handoff went", c.handoff_failures,
+                      (("outcome", "failed"),)),
+        CounterSample("recomputed_prompts", "Prompts computed here because their handoff was unusable", c.recomputed),
+        CounterSample("local_requests", "Requests prefilled here (colocated)", c.local_requests)]
+    samples += [CounterSample("handoff_failures", "Unusable handoffs by reason", n, (("reason", reason),))
+                for reason, n in sorted(dict(c.failure_reasons).items())]  # a copy: the loop thread may add one
+    return samples
 
 
 # -- lifecycle ---------------------------------------------------------------------------------------------------
@@ -187,15 +333,25 @@ class DecodeServer:
     """A running decode service: the gRPC server, its health servicer and (once loaded) the engine and worker."""
 
     def __init__(self, config: DecodeServiceConfig, grpc_server: grpc.aio.Server, port: int,
-                 health_servicer: health.aio.HealthServicer, servicer: DecodeServicer):
+                 health_servicer: health.aio.HealthServicer, servicer: DecodeServicer,
+                 tracer_provider: TracerProvider | None = None):
         self.config = config
         self.grpc_server = grpc_server
         self.port = port
         self.health = health_servicer
         self.servicer = servicer
+        self.metrics = servicer.metrics
+        self.tracer_provider = tracer_provider
         self.engine: AsyncEngine | None = None
         self.cache: CacheClient | None = None
+        self.metrics_http: MetricsServer | None = None
         self._loading: asyncio.Task | None = None
+        self.metrics.watch_engine(lambda: engine_gauges(self.engine) if self.worker is not None else None)
+        self.metrics.watch_counters(lambda: worker_counters(self.worker) if self.worker is not None else [])
+
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self.metrics_http is None else self.metrics_http.port
 
     @property
     def worker(self) -> DecodeWorker | None:
@@ -210,9 +366,11 @@ class DecodeServer:
         self.engine = await AsyncEngine.create(self.config.engine)
         if self.config.cache_address:
             self.cache = CacheClient(self.config.cache_address, timeout_s=self.config.cache_timeout_s,
-                                     max_message_bytes=self.config.max_message_bytes)
+                                     max_message_bytes=self.config.max_message_bytes,
+                                     interceptors=client_interceptors(self.tracer_provider))
         self.servicer.worker = DecodeWorker(self.engine, self.cache,
-                                            kv_load_failure_policy=self.config.kv_load_failure_policy)
+                                            kv_load_failure_policy=self.config.kv_load_failure_policy,
+                                            tracer=tracing.get_tracer("kdamesh.decode", self.tracer_provider))
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("decode worker ready: model %s loaded in %.1f s", self.config.model_name, time.perf_counter() - t0)
@@ -222,28 +380,41 @@ class DecodeServer:
         await asyncio.shield(self._loading)
 
     async def stop(self, grace: float | None = 5.0) -> None:
-        self.servicer.stopping = True
-        await self.health.enter_graceful_shutdown()
-        await self.grpc_server.stop(grace)
+        """The graceful drain (see the module docstring); `grace` None or 0: abort running streams at once."""
+        grace = grace or 0.0
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING first
+        self.servicer.stopping = True  # new calls: UNAVAILABLE
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
+        if not await self.servicer.wait_idle(grace):
+            aborted = await self.servicer.abort_running()
+            log.warning("decode worker draining: %d stream(s) still running after the %.1f s grace period were "
+                        "aborted", aborted, grace)
+            await self.servicer.wait_idle(ABORT_WAIT_S)
+        await self.grpc_server.stop(min(grace, 1.0))  # what is left (health watches, a stuck call) is cancelled
         if self.worker is not None:
             await self.worker.drain()
         if self.engine is not None:
             await self.engine.shutdown()
         if self.cache is not None:
             await self.cache.close()
+        if self.metrics_http is not None:
+            self.metrics_http.close()
 
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
 
 
-async def serve(config: DecodeServiceConfig) -> tuple[DecodeServer, int]:
-    """Starts the server and begins loading the model -> (server, bound port)."""
+async def serve(config: DecodeServiceConfig, *, registry: CollectorRegistry | None = None,
+                tracer_provider: TracerProvider | None = None) -> tuple[DecodeServer, int]:
+    """Starts the server and begins loading the model -> (server, bound port). Metrics go to `registry` (None: a
+    new one, `server.metrics.registry`); spans to `tracer_provider` (None: OpenTelemetry's global provider)."""
+    metrics = WorkerMetrics(registry if registry is not None else CollectorRegistry(), "decode", with_tpot=True)
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0)]
-    grpc_server = grpc.aio.server(options=options)
-    servicer = DecodeServicer(config)
+    grpc_server = grpc.aio.server(options=options, interceptors=server_interceptors(
+        "decode", tracer_provider=tracer_provider, metrics=metrics.rpc))
+    servicer = DecodeServicer(config, metrics)
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, grpc_server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
@@ -254,7 +425,10 @@ async def serve(config: DecodeServiceConfig) -> tuple[DecodeServer, int]:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await grpc_server.start()
-    server = DecodeServer(config, grpc_server, port, health_servicer, servicer)
+    server = DecodeServer(config, grpc_server, port, health_servicer, servicer, tracer_provider)
+    if config.metrics_port is not None:
+        server.metrics_http = start_metrics_server(config.metrics_port, metrics_host(config.address),
+                                                   metrics.registry)
     server._loading = asyncio.create_task(server._load())
     server._loading.add_done_callback(_log_load_failure)
     log.info("decode service on port %d (loading %s)", port, config.engine.model)

@@ -18,6 +18,10 @@ Contract (DESIGN.md "One chat request, end to end", step 4):
 - Leaving the iteration early (client cancel, deadline) aborts the engine request, which frees its blocks and slot.
 - `probe(prompt, salt)` answers how many leading prompt tokens this worker's prefix cache would serve, without waiting
   for the step loop (a hint for the gateway's P/D decider).
+- Tracing (the tracer passed in; default the global provider's): a `decode` span per request (path "handoff",
+  "local" or "recompute", output tokens, finish reason, cached tokens), with a `handoff.claim` child (objects, blocks
+  and bytes fetched; `error.type` = the failure reason when the handoff is unusable). `counters` also counts the bytes
+  and seconds of handoff fetches (the metrics read them).
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry.trace import Tracer
 
 from cache_service.client import CacheClient
 from cache_service.objects import Status, object_key
@@ -38,6 +44,7 @@ from engine.outputs import PositionLogprobs, RequestOutput
 from engine.sampling import SamplingParams
 from engine.transfer import RequestState, TransferError, decode_block
 from protos import common_pb2
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +112,8 @@ class DecodeCounters:
     recomputed: int = 0  # of those, prompts computed here instead
     local_requests: int = 0
     failure_reasons: dict[str, int] = field(default_factory=dict)
+    handoff_bytes: int = 0  # handoff objects and blocks fetched from the cache service
+    handoff_seconds: float = 0.0  # wall time of those fetches
 
 
 class _LoadFailure(Exception):
@@ -114,10 +123,12 @@ class _LoadFailure(Exception):
 
 
 class DecodeWorker:
-    def __init__(self, engine: AsyncEngine, cache: CacheClient | None, *, kv_load_failure_policy: str = "recompute"):
+    def __init__(self, engine: AsyncEngine, cache: CacheClient | None, *, kv_load_failure_policy: str = "recompute",
+                 tracer: Tracer | None = None):
         if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}")
         self.engine = engine
+        self.tracer = tracer if tracer is not None else tracing.get_tracer("kdamesh.decode")
         self.cache = cache
         self.policy = kv_load_failure_policy
         core = engine.core
@@ -155,6 +166,22 @@ class DecodeWorker:
     # -- decode --------------------------------------------------------------------------------------------------
 
     async def decode(self, job: DecodeJob) -> AsyncIterator[TokenBatch]:
+        attributes = {tracing.REQUEST_ID: job.request_id, tracing.PROMPT_TOKENS: len(job.prompt_token_ids)}
+        with tracing.child_span(self.tracer, "decode", attributes) as span:
+            output_tokens, finish = 0, []
+            async for batch in self._decode(job):
+                output_tokens += len(batch.token_ids)
+                if batch.finish_reason is not None:
+                    finish.append(batch.finish_reason)
+                if batch.usage is not None:
+                    path = "local" if job.handoff is None else ("handoff" if batch.used_handoff else "recompute")
+                    tracing.set_attributes(span, {tracing.DECODE_PATH: path,
+                                                  tracing.HIT_TOKENS: batch.usage.cached_tokens})
+                yield batch
+            tracing.set_attributes(span, {tracing.GEN_AI_USAGE_OUTPUT_TOKENS: output_tokens,
+                                          tracing.GEN_AI_RESPONSE_FINISH_REASONS: tuple(finish) or None})
+
+    async def _decode(self, job: DecodeJob) -> AsyncIterator[TokenBatch]:
         if job.handoff is None:
             self.counters.local_requests += 1
             async for batch in self._generate(job, job.params.n, cached_tokens=None):
@@ -225,12 +252,23 @@ class DecodeWorker:
         hashes = self.block_hashes(ids, job.tenant_salt)
         key = job.handoff.key
         keys = [key] + [object_key(key.model_fingerprint, key.tenant_salt, KV_BLOCK, h) for h in hashes]
-        got = await self.cache.get_objects(keys)
-        if got[0].status != Status.FOUND:
-            raise _LoadFailure(got[0].status.name.lower(), got[0].message or "handoff not found")
-        self._claim(key)
-        blocks = [r.data if r.status == Status.FOUND else None for r in got[1:]]
-        return await asyncio.to_thread(self._assemble, job, got[0].data, hashes, blocks)
+        with tracing.child_span(self.tracer, "handoff.claim", {tracing.KEYS: len(keys),
+                                                               tracing.BLOCKS: len(hashes)}) as span:
+            started = time.perf_counter()
+            got = await self.cache.get_objects(keys)
+            nbytes = sum(len(r.data) for r in got if r.data is not None)
+            self.counters.handoff_bytes += nbytes
+            self.counters.handoff_seconds += time.perf_counter() - started
+            span.set_attribute(tracing.BYTES, nbytes)
+            try:
+                if got[0].status != Status.FOUND:
+                    raise _LoadFailure(got[0].status.name.lower(), got[0].message or "handoff not found")
+                self._claim(key)
+                blocks = [r.data if r.status == Status.FOUND else None for r in got[1:]]
+                return await asyncio.to_thread(self._assemble, job, got[0].data, hashes, blocks)
+            except _LoadFailure as exc:
+                tracing.mark_error(span, exc.reason, str(exc))
+                raise
 
     def _claim(self, key: common_pb2.ObjectKey) -> None:
         """Removes the handoff from the cache service (in the background: nobody else may use it)."""

@@ -2,13 +2,17 @@
 
 Subcommands: `make-checkpoint` (a generated checkpoint in the official layout), `up` (the whole mesh on localhost,
 deploy/launcher.py) and `serve --role cache|prefill|decode|gateway` (one service, deploy/serve.py: each role parses
-its own flags, `kdamesh serve --role R --help` lists them). Each subcommand calls one function; no logic lives here.
+its own flags, `kdamesh serve --role R --help` lists them) and `bench serve` (bench/serve: `vllm bench serve`'s flags,
+metrics and result JSON). Each subcommand calls one function; no logic lives here.
+
+Global flags (before the subcommand): `--log-level`, `--log-format text|json` (telemetry/logs.py: JSON lines carry
+the request id and trace id) and, for `serve`, `--trace-exporter auto|none|console|otlp` (telemetry/tracing.py:
+"auto" exports over OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, else nothing), set up once per process.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 
@@ -31,7 +35,10 @@ def _up(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
         enable_prefix_caching=args.enable_prefix_caching, torch_threads=args.torch_threads,
-        served_model_name=args.served_model_name, log_level=args.log_level.upper()))
+        served_model_name=args.served_model_name, gateway_grpc_port=args.gateway_grpc_port,
+        api_keys_file=args.api_keys_file, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        log_level=args.log_level.upper()))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -40,11 +47,21 @@ def _serve(args: argparse.Namespace) -> int:
     return run_role(args.role, args.role_args, log_level=args.log_level)
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from bench.serve.cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine.model.presets import PRESETS
 
     parser = argparse.ArgumentParser(prog="kdamesh", description="Serve Kimi K3 and Kimi Linear models.")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="log lines as text or one JSON object per line (with request id and trace id)")
+    parser.add_argument("--trace-exporter", default="auto", choices=["auto", "none", "console", "otlp"],
+                        help="serve: where spans go; auto: OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set, else none")
     sub = parser.add_subparsers(dest="command", required=True)
     mk = sub.add_parser("make-checkpoint", help="write a random, seeded checkpoint in the official layout")
     mk.add_argument("--preset", required=True, choices=sorted(PRESETS))
@@ -76,12 +93,29 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     u.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
     u.add_argument("--served-model-name", default=None)
+    u.add_argument("--gateway-grpc-port", type=int, default=None,
+                   help="the gateway's public gRPC API (default: --grpc-port + 3, or a free port)")
+    u.add_argument("--api-keys-file", default=None,
+                   help="JSON object of API key -> tenant for the gateway (KDAMESH_API_KEYS is passed through too)")
+    u.add_argument("--tool-call-parser", default="auto",
+                   help="'auto' (the model family's format), 'none', kimi_k3 or kimi_k2")
+    u.add_argument("--reasoning-parser", default="auto",
+                   help="'auto' (the model family's format), 'none', kimi_k3 or kimi_k2")
+    u.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                   help='tool_choice "auto" (needs a tool-call parser)')
     u.set_defaults(func=_up)
 
     sv = sub.add_parser("serve", help="run one service: --role cache|prefill|decode|gateway [its flags]",
                         add_help=False)
     sv.add_argument("--role", required=True, choices=["cache", "prefill", "decode", "gateway"])
     sv.set_defaults(func=_serve)
+
+    from bench.serve.cli import add_cli_args  # argparse only: cheap to import
+
+    bench = sub.add_parser("bench", help="benchmarks: `bench serve` (the flags and metrics of `vllm bench serve`)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bs = bench_sub.add_parser("serve", help="online serving benchmark against an OpenAI-compatible endpoint")
+    add_cli_args(bs).set_defaults(func=_bench_serve)
     return parser
 
 
@@ -92,7 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         args.role_args = rest  # the role's own flags, parsed by deploy/serve.py
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from telemetry.logs import setup_logging
+
+    service = f"kdamesh-{args.role}" if args.command == "serve" else "kdamesh"
+    setup_logging(args.log_level, args.log_format, service)
+    if args.command == "serve":
+        from telemetry.tracing import setup_tracing
+
+        setup_tracing(service, args.trace_exporter)
     return args.func(args)
 
 

@@ -9,6 +9,11 @@ Contract:
 - No orphans: every child gets `PR_SET_PDEATHSIG` (SIGTERM) on Linux, so it also ends if the launcher is killed.
 - Without `--model`, the `small-k3` generated checkpoint is created on first run under
   `$KDAMESH_HOME/checkpoints/small-k3` (default `~/.cache/kdamesh`) and reused afterwards.
+- The gateway also serves the public gRPC API on `gateway_grpc_port` (default: `grpc_port + 3` when `grpc_port` is
+  given, else a free port), printed as a `gateway_grpc HOST:PORT` line. Its output parsers default to the model's
+  family (`--tool-call-parser` / `--reasoning-parser` "auto", `--enable-auto-tool-choice` on); "none" turns one
+  off. API keys: `KDAMESH_API_KEYS` in the launcher's environment (or `api_keys`) and `api_keys_file` reach the
+  gateway only; without keys the mesh is open.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_PRESET = "small-k3"
+API_KEYS_ENV = "KDAMESH_API_KEYS"
+FAMILY_FORMATS = {"kimi_k3": "kimi_k3", "kimi_linear": "kimi_k2"}
 MODES = ("disaggregated", "colocated")
 
 
@@ -50,6 +57,13 @@ class LaunchConfig:
     enable_prefix_caching: bool = True
     torch_threads: int | None = None
     served_model_name: str | None = None
+    # The gateway: its gRPC API port (None: grpc_port + 3, or a free port), tenancy, output parsers.
+    gateway_grpc_port: int | None = None
+    api_keys: str | None = None  # KDAMESH_API_KEYS for the gateway (None: the launcher's own environment's)
+    api_keys_file: str | None = None
+    tool_call_parser: str = "auto"  # "auto": the model family's format; "none": off; or a parser name
+    reasoning_parser: str = "auto"
+    enable_auto_tool_choice: bool = True
     log_level: str = "INFO"
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 15.0
@@ -100,11 +114,15 @@ class Service:
     address: str  # host:port (the gateway: its REST base URL)
     argv: list[str]
     proc: subprocess.Popen | None = None
+    env: dict[str, str] | None = None  # extra environment of this service only
+    grpc_api: str | None = None  # the gateway's public gRPC API (host:port)
 
     def start(self, log_level: str) -> None:
         cmd = [sys.executable, "-m", "deploy.cli", "--log-level", log_level, "serve", "--role", self.role, *self.argv]
+        env = {k: v for k, v in os.environ.items() if self.role == "gateway" or k != API_KEYS_ENV}
+        env.update(self.env or {})
         self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-                                     process_group=0)
+                                     process_group=0, env=env)
 
     @property
     def alive(self) -> bool:
@@ -181,8 +199,38 @@ def plan_services(config: LaunchConfig, model: str) -> list[Service]:
         gateway += ["--prefill-addresses", prefill]
     if config.served_model_name:
         gateway += ["--served-model-name", config.served_model_name]
-    services.append(Service("gateway", f"http://{host}:{config.http_port}", gateway))
+    if config.gateway_grpc_port is not None:
+        grpc_api_port = config.gateway_grpc_port
+    else:
+        grpc_api_port = config.grpc_port + 3 if config.grpc_port is not None else free_port(host)
+    gateway += ["--grpc-port", str(grpc_api_port)]
+    tool_parser = _parser_flag(config.tool_call_parser, model)
+    reasoning_parser = _parser_flag(config.reasoning_parser, model)
+    if tool_parser:
+        gateway += ["--tool-call-parser", tool_parser]
+        if config.enable_auto_tool_choice:
+            gateway.append("--enable-auto-tool-choice")
+    if reasoning_parser:
+        gateway += ["--reasoning-parser", reasoning_parser]
+    if config.api_keys_file:
+        gateway += ["--api-keys-file", config.api_keys_file]
+    env = {API_KEYS_ENV: config.api_keys} if config.api_keys is not None else None
+    services.append(Service("gateway", f"http://{host}:{config.http_port}", gateway, env=env,
+                            grpc_api=f"{host}:{grpc_api_port}"))
     return services
+
+
+def _parser_flag(value: str, model: str) -> str | None:
+    """"auto" -> the model family's output format (None when unknown); "none" -> None; else the name itself."""
+    if value == "none":
+        return None
+    if value != "auto":
+        return value
+    try:
+        family = json.loads((Path(model) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+    return FAMILY_FORMATS.get(family)
 
 
 def up(config: LaunchConfig) -> int:
@@ -246,7 +294,9 @@ def wait_ready(services: list[Service], timeout_s: float) -> None:
 def _print_endpoints(config: LaunchConfig, model: str, services: list[Service]) -> None:
     by_role = {s.role: s for s in services}
     lines = [f"kdamesh is up: {config.mode} mesh serving {config.served_model_name or Path(model).name} ({model})",
-             f"  REST     {by_role['gateway'].address}/v1   (OpenAI-compatible: /v1/completions, /v1/models, /health)",
+             f"  REST     {by_role['gateway'].address}/v1   (OpenAI-compatible: /v1/chat/completions, "
+             f"/v1/completions, /v1/models; /tokenize, /metrics, /health)",
+             f"  gRPC     {by_role['gateway'].grpc_api}   (kdamesh.v1.Generation, the sdk/ client)",
              f"  cache    {by_role['cache'].address}   (backend {config.cache_backend})"]
     if "prefill" in by_role:
         lines.append(f"  prefill  {by_role['prefill'].address}")
@@ -254,4 +304,5 @@ def _print_endpoints(config: LaunchConfig, model: str, services: list[Service]) 
     lines.append("Ctrl-C or SIGTERM stops everything.")
     endpoints = {s.role: s.address for s in services}
     lines.append("endpoints " + json.dumps(endpoints))
+    lines.append(f"gateway_grpc {by_role['gateway'].grpc_api}")
     print("\n".join(lines), flush=True)

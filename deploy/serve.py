@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 
 from engine.config import EngineArgs
@@ -89,12 +90,16 @@ def role_parser(role: str) -> argparse.ArgumentParser:
         p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                        help="when a handoff cannot be loaded: compute the prompt here, or fail the request")
     elif role == "gateway":
-        p.add_argument("--model", required=True, help="checkpoint folder (the tokenizer is read from it)")
+        p.add_argument("--model", required=True, help="checkpoint folder (tokenizer and chat format are read from it)")
         p.add_argument("--served-model-name", default=None)
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--http-port", "--port", dest="http_port", type=int, default=8000)
-        p.add_argument("--decode-addresses", type=_addresses, required=True, help="comma-separated host:port list")
-        p.add_argument("--prefill-addresses", type=_addresses, default=(), help="comma-separated host:port list")
+        p.add_argument("--grpc-port", type=int, default=50051,
+                       help="the public gRPC API (kdamesh.v1.Generation); 0: a free port, -1: off")
+        p.add_argument("--decode-workers", "--decode-addresses", dest="decode_addresses", type=_addresses,
+                       required=True, help="comma-separated host:port list of decode workers")
+        p.add_argument("--prefill-workers", "--prefill-addresses", dest="prefill_addresses", type=_addresses,
+                       default=(), help="comma-separated host:port list of prefill workers")
         p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
         p.add_argument("--pd-min-uncached-tokens", type=int, default=256,
                        help="prefill remotely only when at least this many prompt tokens are uncached on the decode "
@@ -103,9 +108,42 @@ def role_parser(role: str) -> argparse.ArgumentParser:
                        help="colocate when this many remote prefills are in flight (0: no limit)")
         p.add_argument("--request-timeout-s", type=float, default=600.0)
         p.add_argument("--handoff-ttl-ms", type=int, default=0, help="0: the cache service's default (30 s)")
+        p.add_argument("--api-keys-file", default=None,
+                       help="JSON object of API key -> tenant (or {tenant, rpm, tpm, max_concurrency}); also read: "
+                            "KDAMESH_API_KEYS='key1=tenantA,key2=tenantB'. No keys: the gateway is open")
+        p.add_argument("--tenant-rpm", type=int, default=None, help="default requests per minute per tenant")
+        p.add_argument("--tenant-tpm", type=int, default=None, help="default tokens per minute per tenant")
+        p.add_argument("--tenant-max-concurrency", type=int, default=None,
+                       help="default requests in flight per tenant")
+        p.add_argument("--tool-call-parser", default=None, choices=["kimi_k3", "kimi_k2"])
+        p.add_argument("--reasoning-parser", default=None, choices=["kimi_k3", "kimi_k2"])
+        p.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide to call tools (tool_choice "auto"; needs --tool-call-parser)')
+        p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (prefix routing)")
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help="context length reported by /tokenize and /v1/models (default: the checkpoint's)")
+        p.add_argument("--health-check-interval-s", type=float, default=5.0,
+                       help="seconds between gRPC health checks of the workers")
     else:
         raise ValueError(f"unknown role {role!r}; choose one of {ROLES}")
     return p
+
+
+def gateway_config_from(ns: argparse.Namespace, api_keys: str | None = None):
+    """The gateway's config from its flags (and the KDAMESH_API_KEYS value)."""
+    from gateway.config import GatewayConfig
+
+    return GatewayConfig(model=ns.model, decode_addresses=ns.decode_addresses,
+                         prefill_addresses=ns.prefill_addresses, served_model_name=ns.served_model_name,
+                         mode=ns.mode, pd_min_uncached_tokens=ns.pd_min_uncached_tokens,
+                         pd_max_prefill_inflight=ns.pd_max_prefill_inflight, host=ns.host, http_port=ns.http_port,
+                         grpc_port=None if ns.grpc_port < 0 else ns.grpc_port,
+                         request_timeout_s=ns.request_timeout_s, handoff_ttl_ms=ns.handoff_ttl_ms,
+                         api_keys=api_keys, api_keys_file=ns.api_keys_file, tenant_rpm=ns.tenant_rpm,
+                         tenant_tpm=ns.tenant_tpm, tenant_max_concurrency=ns.tenant_max_concurrency,
+                         tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                         enable_auto_tool_choice=ns.enable_auto_tool_choice, block_size=ns.block_size,
+                         max_model_len=ns.max_model_len, health_check_interval_s=ns.health_check_interval_s)
 
 
 # -- running one role ----------------------------------------------------------------------------------------------
@@ -158,15 +196,10 @@ def run_role(role: str, argv: list[str], log_level: str = "INFO") -> int:
         return main(argv)
     ns = role_parser(role).parse_args(argv)
     if role == "gateway":
-        from gateway.app import GatewayConfig, serve
+        from gateway.app import serve
+        from gateway.tenancy import API_KEYS_ENV
 
-        config = GatewayConfig(model=ns.model, decode_addresses=ns.decode_addresses,
-                               prefill_addresses=ns.prefill_addresses, served_model_name=ns.served_model_name,
-                               mode=ns.mode, pd_min_uncached_tokens=ns.pd_min_uncached_tokens,
-                               pd_max_prefill_inflight=ns.pd_max_prefill_inflight, host=ns.host,
-                               http_port=ns.http_port, request_timeout_s=ns.request_timeout_s,
-                               handoff_ttl_ms=ns.handoff_ttl_ms)
-        asyncio.run(serve(config, log_level=log_level))
+        asyncio.run(serve(gateway_config_from(ns, os.environ.get(API_KEYS_ENV)), log_level=log_level))
         return 0
     if ns.torch_threads:
         import torch

@@ -1,23 +1,35 @@
 """The gateway's REST front (FastAPI): the OpenAI-compatible API over the mesh.
 
-This is the gateway of the mesh issue — `GET /health`, `GET /v1/models`, `POST /v1/completions` — built so the
-gateway issue can extend it (chat completions, auth and tenants, tokenize, metrics) on the same `create_app`.
-
 Contract:
-- `create_app(config, mesh=None, tokenizer=None)` builds the app; without `mesh` it connects a `MeshClient` to
-  `config.decode_addresses` / `config.prefill_addresses` at start-up and closes it at shutdown.
-- `GET /health`: 200 `{"status": "ok", "workers": {...}}` when every mesh worker reports SERVING, else 503.
-- `GET /v1/models`: the served model (`config.model_name`).
-- `POST /v1/completions` (OpenAI legacy completions, with vLLM's extra sampling fields): `prompt` as text, a list of
-  texts, token ids, or a list of token-id lists; `n` choices per prompt (choice index = prompt index * n + i);
-  `stream` as Server-Sent Events ending in `data: [DONE]`, `stream_options.include_usage` adding a trailer chunk with
-  `choices: []`; `usage.prompt_tokens_details.cached_tokens`; `logprobs` (int), `echo`, `stop`, `seed`, ...
-  Text is detokenised here, incrementally, and stop strings are matched on it (held back while they may still match,
-  never emitted); a stop token's text is not part of the output.
+- `create_app(config, mesh=None, tokenizer=None, core=None)` builds the app over a `GatewayCore`
+  (gateway/chat_service.py: the pipeline shared with the gRPC API). Without `core` it makes one; a core the app
+  made is started and closed by the app's lifespan (a given core is the caller's to start and close).
+- `GET /health`: `{"status", "workers": {address: serving}}` — 200 "ok" when every mesh worker reports SERVING,
+  200 "degraded" when some do not but a decode worker does (requests are routed around the others), else 503
+  "unavailable".
+  `GET /metrics`: Prometheus text format (gateway/metrics.py). Neither needs an API key.
+- With API keys configured (`KDAMESH_API_KEYS`, `--api-keys-file`) every other endpoint needs
+  `Authorization: Bearer <key>` (401 otherwise); without keys the gateway is open (logged at start-up).
+- `GET /v1/models`, `GET /v1/models/{id}`: the served model (with `max_model_len`).
+- `POST /v1/chat/completions`: OpenAI chat completions with vLLM's extras (gateway/openai_protocol.py): streaming
+  as `chat.completion.chunk` Server-Sent Events (the role in each choice's first delta, `finish_reason` only in its
+  last chunk, `data: [DONE]` at the end, a `choices: []` usage trailer with `stream_options.include_usage`),
+  reasoning as both `reasoning_content` and `reasoning`, tool calls (`tools`, `tool_choice` auto/none/required/named
+  with `--enable-auto-tool-choice`), `response_format` (json_object / json_schema, enforced by the engine's
+  grammar), `logprobs` / `top_logprobs`, `n`, `seed`, `stop`, `max_tokens` / `max_completion_tokens`, `user`,
+  `priority`, `chat_template_kwargs`, `cache_salt` (mixed into the tenant's salt).
+- `POST /v1/completions` (OpenAI legacy completions, vLLM's extra sampling fields): `prompt` as text, texts, token
+  ids or lists of them; `n` choices per prompt (index = prompt index * n + i); `echo`, `logprobs`, `stop`, `seed`,
+  `stream` (+ `stream_options.include_usage`), `return_token_ids`.
+- `POST /tokenize` (`prompt`, or chat `messages`) -> `{"tokens", "count", "max_model_len"}`;
+  `POST /detokenize` (`tokens`) -> `{"prompt"}` (vLLM's shapes).
 - Errors use the OpenAI envelope `{"error": {"message", "type", "param", "code"}}`: malformed JSON or fields 400,
-  a prompt beyond the context 400 with code `context_length_exceeded`, unknown model 404, mesh unavailable 503,
-  deadline 504. Never a 500 for bad input. An error after a stream started is sent as a final `data: {"error": …}`.
-- A client that disconnects from a stream cancels its mesh calls (decode aborts the request).
+  a prompt beyond the context 400 `context_length_exceeded`, missing/invalid key 401, unknown model 404, over a
+  tenant's quota 429 with `Retry-After`, mesh unavailable 503, deadline 504. Never a 500 for bad input. A stream
+  reports an error that happens before its first token as a plain HTTP error; one after is sent as a final
+  `data: {"error": …}` before `data: [DONE]`.
+- A client that disconnects (streaming or not) cancels its mesh calls: decode aborts the request and frees its
+  memory.
 """
 
 from __future__ import annotations
@@ -25,509 +37,375 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
 
-import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.tokenizer import IncrementalDetokenizer, KimiTokenizer
-from gateway.mesh_client import MeshClient, MeshError, MeshRequest, PDDecider, TokenEvent
-from protos import common_pb2
+from engine.tokenizer import KimiTokenizer
+from gateway.chat_service import ChatEvent, ChatRun, CompletionRun, GatewayCore
+from gateway.config import MODES, GatewayConfig  # noqa: F401  (re-exported: deploy/serve.py, tests)
+from gateway.mesh_client import MeshClient
+from gateway.openai_protocol import (ApiError, bad_json, chat_logprobs_entry, completion_logprobs, not_found_model,
+                                     parse_chat, parse_completion, parse_detokenize, parse_tokenize, usage_dict)
+from gateway.parsers import fold
 
 log = logging.getLogger(__name__)
 
-MODES = ("disaggregated", "colocated")
-MAX_LOGPROBS = 20
-HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
-               grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNIMPLEMENTED: 501,
-               grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-               grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.CANCELLED: 499}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-@dataclass(frozen=True)
-class GatewayConfig:
-    # The model folder (its tokenizer is used here) and the name clients use for it (None: the folder's name).
-    model: str
-    decode_addresses: tuple[str, ...]
-    prefill_addresses: tuple[str, ...] = ()
-    served_model_name: str | None = None
-    # "disaggregated": prefill workers + P/D decider; "colocated": every request prefills on its decode worker.
-    mode: str = "disaggregated"
-    # Remote prefill only when at least this many prompt tokens are not in the decode worker's prefix cache.
-    pd_min_uncached_tokens: int = 256
-    # Colocate when this many prefills are already in flight from this gateway (0: no limit).
-    pd_max_prefill_inflight: int = 0
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    # Deadline of one request through the mesh (seconds).
-    request_timeout_s: float = 600.0
-    # TTL of handoff objects (milliseconds); 0: the cache service's default (30 s).
-    handoff_ttl_ms: int = 0
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not self.decode_addresses:
-            raise ValueError("the gateway needs at least one decode worker address")
-        if self.mode == "disaggregated" and not self.prefill_addresses:
-            raise ValueError("disaggregated mode needs at least one prefill worker address")
-        if self.pd_min_uncached_tokens < 0 or self.pd_max_prefill_inflight < 0:
-            raise ValueError("pd_min_uncached_tokens and pd_max_prefill_inflight must be >= 0")
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).name
-
-    def make_mesh(self) -> MeshClient:
-        prefill = self.prefill_addresses if self.mode == "disaggregated" else ()
-        return MeshClient(self.decode_addresses, prefill,
-                          PDDecider(self.pd_min_uncached_tokens, self.pd_max_prefill_inflight), self.handoff_ttl_ms)
+def _error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-# -- errors ------------------------------------------------------------------------------------------------------
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+class _ClientGone(Exception):
+    """The HTTP client disconnected while its (non-streaming) request ran."""
 
 
-def mesh_api_error(exc: MeshError) -> ApiError:
-    status = HTTP_STATUS.get(exc.code, 500)
-    code = "context_length_exceeded" if "maximum context length" in exc.message else exc.code.name.lower()
-    param = "prompt" if code == "context_length_exceeded" else None
-    return ApiError(status, exc.message, param=param, code=code)
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
-# -- request parsing ---------------------------------------------------------------------------------------------
+async def _unless_disconnected(request: Request, work: Awaitable):
+    """Runs `work`; cancels it when the client disconnects first (raises `_ClientGone`)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise _ClientGone()
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+async def _read_json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_json(exc) from None
 
 
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+# -- chat responses ----------------------------------------------------------------------------------------------
 
 
-class _Fields:
-    """Typed reads of a JSON object; a wrong type is a 400 naming the field."""
-
-    def __init__(self, body: dict):
-        self.body = body
-
-    def get(self, name: str, check, what: str, default=None):
-        value = self.body.get(name)
-        if value is None:
-            return default
-        if not check(value):
-            raise ApiError(400, f"'{name}' must be {what}, got {json.dumps(value)[:100]}", param=name)
-        return value
-
-    def int(self, name, default=None, lo=None, hi=None):
-        v = self.get(name, _is_int, "an integer", default)
-        if v is not None and ((lo is not None and v < lo) or (hi is not None and v > hi)):
-            raise ApiError(400, f"'{name}' must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}", param=name)
-        return v
-
-    def num(self, name, default=None):
-        return self.get(name, _is_num, "a number", default)
-
-    def bool(self, name, default=False):
-        return self.get(name, lambda v: isinstance(v, bool), "a boolean", default)
+def _chat_chunk(run: ChatRun, choices: list[dict], include_usage: bool, usage: dict | None = None) -> str:
+    body = {"id": run.id, "object": "chat.completion.chunk", "created": run.created, "model": run.model,
+            "choices": choices}
+    if include_usage:
+        body["usage"] = usage
+    return _sse(body)
 
 
-@dataclass
-class CompletionJob:
-    """A parsed /v1/completions request."""
+def _chat_choice_chunks(run: ChatRun, event: ChatEvent, include_usage: bool) -> list[str]:
+    tokenizer = run.core.tokenizer
+    logprobs = {"content": [chat_logprobs_entry(tokenizer, lp) for lp in event.logprobs]} if event.logprobs else None
+    def choice(delta: dict, lp, finish: str | None = None) -> dict:
+        out = {"index": event.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        if finish is not None:
+            out["stop_reason"] = event.stop_reason
+        return out
 
-    model: str
-    prompts: list[list[int]]
-    prompt_texts: list[str | None]
-    sampling: common_pb2.SamplingParams
-    n: int
-    stream: bool
-    include_usage: bool
-    echo: bool
-    logprobs: int | None
-    stop: list[str]
-    min_tokens: int
-    include_stop_str: bool
-    skip_special_tokens: bool
-    ignore_eos: bool
-    stop_token_ids: list[int] = field(default_factory=list)
-
-
-def parse_completion(body, tokenizer: KimiTokenizer, served: set[str]) -> CompletionJob:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    f = _Fields(body)
-    model = f.get("model", lambda v: isinstance(v, str), "a string")
-    if model is None:
-        raise ApiError(400, "'model' is required", param="model")
-    if model not in served:
-        raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found",
-                       type_="NotFoundError")
-    prompts, texts = _parse_prompt(body.get("prompt"), tokenizer)
-    if body.get("suffix") is not None:
-        raise ApiError(400, "'suffix' is not supported", param="suffix")
-    n = f.int("n", 1, lo=1, hi=128)
-    best_of = f.int("best_of", None, lo=1)
-    if best_of is not None and best_of != n:
-        raise ApiError(400, "'best_of' other than n is not supported", param="best_of")
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise ApiError(400, "'stop' must be a non-empty string or a list of them", param="stop")
-    stop = stop or []
-    stop_ids = f.get("stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v),
-                     "a list of token ids", [])
-    logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    options = f.get("stream_options", lambda v: isinstance(v, dict), "an object", {})
-    stream = f.bool("stream")
-    if options and not stream:
-        raise ApiError(400, "'stream_options' needs 'stream': true", param="stream_options")
-    sampling = common_pb2.SamplingParams(
-        min_tokens=f.int("min_tokens", 0, lo=0), presence_penalty=f.num("presence_penalty", 0.0),
-        frequency_penalty=f.num("frequency_penalty", 0.0), stop=stop, stop_token_ids=stop_ids,
-        ignore_eos=f.bool("ignore_eos"), include_stop_str_in_output=f.bool("include_stop_str_in_output"),
-        logprobs=logprobs is not None, top_logprobs=logprobs or 0, n=n,
-        skip_special_tokens=f.bool("skip_special_tokens", True))
-    max_tokens = f.int("max_tokens", 16, lo=1)
-    if max_tokens is not None:
-        sampling.max_tokens = max_tokens
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
-        value = f.num(name)
-        if value is not None:
-            setattr(sampling, name, float(value))
-    top_k = f.int("top_k", None, lo=-1)
-    if top_k is not None:
-        sampling.top_k = top_k
-    seed = f.int("seed", None)
-    if seed is not None:
-        sampling.seed = seed % (1 << 64)
-    f.get("user", lambda v: isinstance(v, str), "a string")
-    return CompletionJob(model=model, prompts=prompts, prompt_texts=texts, sampling=sampling, n=n, stream=stream,
-                         include_usage=bool(_Fields(options).bool("include_usage")), echo=f.bool("echo"),
-                         logprobs=logprobs, stop=stop, min_tokens=sampling.min_tokens,
-                         include_stop_str=sampling.include_stop_str_in_output,
-                         skip_special_tokens=sampling.skip_special_tokens, ignore_eos=sampling.ignore_eos,
-                         stop_token_ids=list(stop_ids))
+    if event.role is not None:
+        return [_chat_chunk(run, [choice({"role": event.role, "content": ""}, logprobs)], include_usage)]
+    chunks = []
+    for delta in event.deltas:
+        chunks.append(_chat_chunk(run, [choice(delta.to_openai(), logprobs)], include_usage))
+        logprobs = None
+    if event.finish_reason is not None:
+        chunks.append(_chat_chunk(run, [choice({}, logprobs, event.finish_reason)], include_usage))
+    return chunks
 
 
-def _parse_prompt(prompt, tokenizer: KimiTokenizer) -> tuple[list[list[int]], list[str | None]]:
-    vocab = tokenizer.vocab_size
-
-    def ids(p: list) -> list[int]:
-        if not p:
-            raise ApiError(400, "a prompt must not be empty", param="prompt")
-        if not all(_is_int(t) and 0 <= t < vocab for t in p):
-            raise ApiError(400, f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        return list(p)
-
-    def text(s: str) -> list[int]:
-        if not s:
-            raise ApiError(400, "a prompt must not be empty", param="prompt")
-        return tokenizer.encode(s)
-
-    if isinstance(prompt, str):
-        return [text(prompt)], [prompt]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return [text(p) for p in prompt], list(prompt)
-        if all(_is_int(t) for t in prompt):
-            return [ids(prompt)], [None]
-        if all(isinstance(p, list) for p in prompt):
-            return [ids(p) for p in prompt], [None] * len(prompt)
-    raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
-                   param="prompt")
+async def _chat_stream(run: ChatRun, include_usage: bool) -> AsyncIterator[str]:
+    try:
+        async for event in run.events():
+            for chunk in _chat_choice_chunks(run, event, include_usage):
+                yield chunk
+        if include_usage:
+            u = run.usage()
+            yield _chat_chunk(run, [], True, usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
+        yield "data: [DONE]\n\n"
+    except ApiError as exc:
+        yield _sse(exc.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        await run.close()
 
 
-# -- text of one choice ------------------------------------------------------------------------------------------
+async def _chat_collect(run: ChatRun) -> dict:
+    deltas: dict[int, list] = {c.index: [] for c in run.choices}
+    logprobs: dict[int, list] = {c.index: [] for c in run.choices}
+    finish: dict[int, tuple] = {}
+    tokenizer = run.core.tokenizer
+    async for event in run.events():
+        deltas[event.index].extend(event.deltas)
+        logprobs[event.index].extend(chat_logprobs_entry(tokenizer, lp) for lp in event.logprobs)
+        if event.finish_reason is not None:
+            finish[event.index] = (event.finish_reason, event.stop_reason)
+    choices = []
+    for index in sorted(deltas):
+        message = fold(deltas[index]).to_openai_message()
+        if message["content"] is None and "tool_calls" not in message:
+            message["content"] = ""
+        reason, stop_reason = finish.get(index, ("abort", None))
+        choices.append({"index": index, "message": message,
+                        "logprobs": {"content": logprobs[index]} if run.plan.request.logprobs else None,
+                        "finish_reason": reason, "stop_reason": stop_reason})
+    u = run.usage()
+    return {"id": run.id, "object": "chat.completion", "created": run.created, "model": run.model,
+            "choices": choices, "usage": usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+            "system_fingerprint": None}
 
 
-class ChoiceText:
-    """Detokenises one choice incrementally, matches stop strings and releases text that can no longer be part of
-    one (the same rules as the engine's `OutputState`)."""
+# -- completion responses ----------------------------------------------------------------------------------------
 
-    def __init__(self, tokenizer: KimiTokenizer, job: CompletionJob):
-        self.tokenizer = tokenizer
-        self.detok = IncrementalDetokenizer(tokenizer, job.skip_special_tokens)
-        self.stop = job.stop
-        self.include_stop = job.include_stop_str
-        self.min_tokens = job.min_tokens
-        self.stop_ids = set(job.stop_token_ids) | (set() if job.ignore_eos else set(tokenizer.stop_token_ids))
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        self.text = ""
-        self.emitted = 0
-        self.token_ids: list[int] = []
-        self.logprobs: list[common_pb2.TokenLogprob] = []
-        self.finish_reason: str | None = None
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+def _completion_chunk(run: CompletionRun, choices: list[dict], usage: dict | None = None) -> str:
+    body = {"id": run.id, "object": "text_completion", "created": run.created, "model": run.model,
+            "choices": choices}
+    if usage is not None or run.job.include_usage:
+        body["usage"] = usage
+    return _sse(body)
 
-    def add(self, event: TokenEvent) -> str:
-        """Takes an event's tokens; returns the text newly safe to emit."""
-        for i, token in enumerate(event.token_ids):
-            if self.finished:
-                break
-            self.token_ids.append(token)
-            if i < len(event.logprobs):
-                self.logprobs.append(event.logprobs[i])
-            last = i == len(event.token_ids) - 1
-            min_reached = len(self.token_ids) > self.min_tokens
-            if last and event.finish_reason == "stop" and token in self.stop_ids and min_reached:
-                self.finish_reason = "stop"  # a stop token: its text is not output
-                break
-            before = len(self.text)
-            self.text += self.detok.push(token)
-            if self.stop and min_reached and self._match_stop(before):
-                self.finish_reason = "stop"
-        if event.finish_reason is not None and not self.finished:
-            if event.finish_reason != "stop":
-                self.text += self.detok.finish()
-            self.finish_reason = event.finish_reason
-        visible = len(self.text) if self.finished else max(self.emitted, len(self.text) - self.holdback)
-        delta = self.text[self.emitted:visible]
-        self.emitted = max(self.emitted, visible)
-        return delta
 
-    def _match_stop(self, old_len: int) -> bool:
-        start = max(0, old_len - self.holdback)
-        found = [(self.text.find(s, start), s) for s in self.stop]
-        found = [(i, s) for i, s in found if i >= 0]
-        if not found:
-            return False
-        i, s = min(found)
-        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
-        return True
+async def _completion_stream(run: CompletionRun) -> AsyncIterator[str]:
+    job, tokenizer = run.job, run.core.tokenizer
+    try:
+        async for ev in run.events():
+            logprobs = completion_logprobs(tokenizer, ev.logprobs, ev.logprob_offset) \
+                if job.logprobs is not None else None
+            choice = {"index": ev.index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason,
+                      "stop_reason": ev.stop_reason}
+            if job.return_token_ids:
+                choice["token_ids"] = ev.token_ids
+            if ev.text or ev.finish_reason is not None or (job.return_token_ids and ev.token_ids):
+                yield _completion_chunk(run, [choice])
+        if job.include_usage:
+            u = run.usage()
+            yield _completion_chunk(run, [], usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
+        yield "data: [DONE]\n\n"
+    except ApiError as exc:
+        yield _sse(exc.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        await run.close()
 
-    def openai_logprobs(self, start: int, offset: int) -> dict:
-        """OpenAI completions `logprobs` for tokens [start:] (text offsets counted from `offset`)."""
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for lp in self.logprobs[start:]:
-            piece = self.tokenizer.decode([lp.token_id])
-            tokens.append(piece)
-            token_lps.append(lp.logprob)
-            tops.append({self.tokenizer.decode([t.token_id]): t.logprob for t in lp.top_logprobs})
-            offsets.append(offset)
-            offset += len(piece)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+async def _completion_collect(run: CompletionRun) -> dict:
+    job, tokenizer = run.job, run.core.tokenizer
+    texts = {i: "" for i in run.choices}
+    lps: dict[int, list] = {i: [] for i in run.choices}
+    offsets = {i: 0 for i in run.choices}
+    finish: dict[int, tuple] = {}
+    async for ev in run.events():
+        if not texts[ev.index] and ev.logprob_offset:
+            offsets[ev.index] = ev.logprob_offset
+        texts[ev.index] += ev.text
+        lps[ev.index].extend(ev.logprobs)
+        if ev.finish_reason is not None:
+            finish[ev.index] = (ev.finish_reason, ev.stop_reason)
+    choices = []
+    for index in sorted(texts):
+        logprobs = completion_logprobs(tokenizer, lps[index], offsets[index]) if job.logprobs is not None else None
+        reason, stop_reason = finish.get(index, ("abort", None))
+        choice = {"index": index, "text": texts[index], "logprobs": logprobs, "finish_reason": reason,
+                  "stop_reason": stop_reason}
+        if job.return_token_ids:
+            choice["token_ids"] = list(run.choices[index].token_ids)
+        choices.append(choice)
+    u = run.usage()
+    return {"id": run.id, "object": "text_completion", "created": run.created, "model": run.model,
+            "choices": choices, "usage": usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens)}
 
 
 # -- the app -----------------------------------------------------------------------------------------------------
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def create_app(config: GatewayConfig, mesh: MeshClient | None = None,
-               tokenizer: KimiTokenizer | None = None) -> FastAPI:
-    state: dict = {"mesh": mesh, "tokenizer": tokenizer}
+def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer: KimiTokenizer | None = None,
+               core: GatewayCore | None = None) -> FastAPI:
+    own = core is None
+    if core is None:
+        core = GatewayCore(config, mesh=mesh, tokenizer=tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        own = state["mesh"] is None
-        if state["tokenizer"] is None:
-            state["tokenizer"] = KimiTokenizer.from_pretrained(config.model)
         if own:
-            state["mesh"] = config.make_mesh()
-        log.info("gateway serving %s (%s mode) over decode %s, prefill %s", config.model_name, config.mode,
-                 list(config.decode_addresses), list(config.prefill_addresses))
+            await core.start()
         try:
             yield
         finally:
             if own:
-                await state["mesh"].close()
+                await core.close()
 
     app = FastAPI(title="kdamesh gateway", lifespan=lifespan)
-    app.state.gateway = state
-    created = int(time.time())
-    served = {config.model_name, config.model}
+    app.state.core = core
+    metrics = core.metrics
+
+    def count(endpoint: str, status: int) -> None:
+        metrics.count_request("rest", endpoint, status)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return _error_response(ApiError(exc.status_code, str(exc.detail), code=None,
+                                        type_="invalid_request_error" if exc.status_code < 500 else "server_error"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error in %s %s", request.method, request.url.path)
+        return _error_response(ApiError(500, f"internal error: {type(exc).__name__}"))
+
+    def principal_of(request: Request):
+        return core.authenticate(request.headers.get("authorization"))
 
     @app.get("/health")
     async def health():
-        workers = await state["mesh"].health()
-        ok = all(workers.values())
-        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": workers},
-                            status_code=200 if ok else 503)
+        workers = await core.mesh.health()
+        if all(workers.values()):
+            status = "ok"
+        elif any(ok for address, ok in workers.items() if address in core.mesh.decoders):
+            status = "degraded"  # requests are routed around the failing workers
+        else:
+            status = "unavailable"
+        return JSONResponse({"status": status, "workers": workers}, status_code=503 if status == "unavailable" else 200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": created,
-                                            "owned_by": "kdamesh", "root": config.model, "parent": None}]}
+    async def models(request: Request):
+        try:
+            principal_of(request)
+        except ApiError as exc:
+            count("models", exc.status)
+            raise
+        count("models", 200)
+        return {"object": "list", "data": core.model_cards()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        principal_of(request)
+        cards = [c for c in core.model_cards() if model_id in (c["id"], c["root"])]
+        if not cards:
+            raise not_found_model(model_id)
+        return cards[0]
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            principal = principal_of(request)
+            chat = parse_chat(await _read_json(request), core.served)
+            run = core.chat(principal, core.plan_chat(chat))
+            await _unless_disconnected(request, run.open())
+        except ApiError as exc:
+            count("chat", exc.status)
+            return _error_response(exc)
+        except _ClientGone:
+            count("chat", 499)
+            return Response(status_code=499)
+        count("chat", 200)
+        if chat.stream:
+            include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+            return StreamingResponse(_chat_stream(run, include_usage), media_type="text/event-stream",
+                                     headers=SSE_HEADERS, background=BackgroundTask(run.close))
+        try:
+            return JSONResponse(await _unless_disconnected(request, _chat_collect(run)))
+        except ApiError as exc:
+            return _error_response(exc)
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            await run.close()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-            job = parse_completion(body, state["tokenizer"], served)
+            principal = principal_of(request)
+            job = parse_completion(await _read_json(request), core.tokenizer, core.served)
+            run = core.complete(principal, job)
+            await _unless_disconnected(request, run.open())
         except ApiError as exc:
-            return exc.response()
-        completion_id = f"cmpl-{uuid.uuid4().hex}"
-        run = _CompletionRun(config, state["mesh"], state["tokenizer"], job, completion_id)
+            count("completions", exc.status)
+            return _error_response(exc)
+        except _ClientGone:
+            count("completions", 499)
+            return Response(status_code=499)
+        count("completions", 200)
         if job.stream:
-            return StreamingResponse(run.sse(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(_completion_stream(run), media_type="text/event-stream", headers=SSE_HEADERS,
+                                     background=BackgroundTask(run.close))
         try:
-            return JSONResponse(await run.collect())
-        except MeshError as exc:
-            return mesh_api_error(exc).response()
+            return JSONResponse(await _unless_disconnected(request, _completion_collect(run)))
+        except ApiError as exc:
+            return _error_response(exc)
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            await run.close()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        principal_of(request)
+        body = parse_tokenize(await _read_json(request), core.served)
+        tokens = core.tokenize(body)
+        reply = {"tokens": tokens, "count": len(tokens), "max_model_len": core.max_model_len}
+        if body.return_token_strs:
+            reply["token_strs"] = core.tokenizer.convert_ids_to_tokens(tokens)
+        return reply
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        principal_of(request)
+        body = parse_detokenize(await _read_json(request), core.served, core.tokenizer.vocab_size)
+        return {"prompt": core.detokenize(body.tokens)}
 
     return app
-
-
-class _CompletionRun:
-    """One /v1/completions request: its prompts through the mesh, merged into choices."""
-
-    def __init__(self, config: GatewayConfig, mesh: MeshClient, tokenizer: KimiTokenizer, job: CompletionJob,
-                 completion_id: str):
-        self.config, self.mesh, self.tokenizer, self.job = config, mesh, tokenizer, job
-        self.id = completion_id
-        self.created = int(time.time())
-        self.choices = {p * job.n + i: ChoiceText(tokenizer, job) for p in range(len(job.prompts))
-                        for i in range(job.n)}
-        self.usage = [None] * len(job.prompts)
-
-    def _prompt_echo(self, p: int) -> str:
-        text = self.job.prompt_texts[p]
-        return text if text is not None else self.tokenizer.decode(self.job.prompts[p])
-
-    async def _events(self) -> AsyncIterator[tuple[int, TokenEvent]]:
-        """(prompt index, event) from every prompt's mesh request, merged as they come."""
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def pump(p: int) -> None:
-            request = MeshRequest(request_id=f"{self.id}-{p}", prompt_token_ids=tuple(self.job.prompts[p]),
-                                  sampling=self.job.sampling, model=self.config.model_name,
-                                  timeout_s=self.config.request_timeout_s)
-            try:
-                async with aclosing(self.mesh.generate(request)) as events:
-                    async for event in events:
-                        await queue.put((p, event))
-                        if all(self.choices[p * self.job.n + i].finished for i in range(self.job.n)):
-                            break  # e.g. a stop string matched here: cancel the rest
-            except MeshError as exc:
-                await queue.put(exc)
-            finally:
-                await queue.put(done)
-
-        tasks = [asyncio.create_task(pump(p)) for p in range(len(self.job.prompts))]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is done:
-                    remaining -= 1
-                elif isinstance(item, MeshError):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _apply(self, p: int, event: TokenEvent) -> tuple[int, str, ChoiceText]:
-        index = p * self.job.n + event.index
-        choice = self.choices[index]
-        was_finished = choice.finished
-        delta = "" if was_finished else choice.add(event)
-        if event.usage is not None:
-            self.usage[p] = event.usage
-        return index, delta, choice
-
-    def _usage(self) -> dict:
-        prompt = sum(len(p) for p in self.job.prompts)
-        completion = sum(len(c.token_ids) for c in self.choices.values())
-        cached = sum(u.cached_tokens for u in self.usage if u is not None)
-        return _usage(prompt, completion, cached)
-
-    async def collect(self) -> dict:
-        async with aclosing(self._events()) as events:
-            async for p, event in events:
-                self._apply(p, event)
-        choices = []
-        for index, c in sorted(self.choices.items()):
-            p = index // self.job.n
-            echo = self._prompt_echo(p) if self.job.echo else ""
-            logprobs = c.openai_logprobs(0, len(echo)) if self.job.logprobs is not None else None
-            choices.append({"index": index, "text": echo + c.text, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason or "abort", "stop_reason": None})
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.config.model_name,
-                "choices": choices, "usage": self._usage()}
-
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
-        body = {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.config.model_name, "choices": choices}
-        if usage is not None or self.job.include_usage:
-            body["usage"] = usage
-        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-    async def sse(self) -> AsyncIterator[str]:
-        echoed: set[int] = set()
-        finish_sent: set[int] = set()
-        sent_logprobs = {i: 0 for i in self.choices}
-        sent_offset = {i: 0 for i in self.choices}
-        try:
-            async with aclosing(self._events()) as events:
-                async for p, event in events:
-                    index, delta, choice = self._apply(p, event)
-                    if index in finish_sent:
-                        continue
-                    if self.job.echo and index not in echoed:
-                        echoed.add(index)
-                        delta = self._prompt_echo(p) + delta
-                    if not delta and not choice.finished:
-                        continue
-                    logprobs = None
-                    if self.job.logprobs is not None:
-                        logprobs = choice.openai_logprobs(sent_logprobs[index], sent_offset[index])
-                        sent_logprobs[index] = len(choice.logprobs)
-                    sent_offset[index] += len(delta)
-                    if choice.finished:
-                        finish_sent.add(index)
-                    yield self._chunk([{"index": index, "text": delta, "logprobs": logprobs,
-                                        "finish_reason": choice.finish_reason, "stop_reason": None}])
-            if self.job.include_usage:
-                yield self._chunk([], self._usage())
-        except MeshError as exc:
-            yield f"data: {json.dumps(mesh_api_error(exc).body())}\n\n"
-        yield "data: [DONE]\n\n"
 
 
 # -- running it --------------------------------------------------------------------------------------------------
 
 
 async def serve(config: GatewayConfig, log_level: str = "info") -> None:
-    """Runs the gateway with uvicorn until SIGINT/SIGTERM."""
+    """Runs the gateway — REST (uvicorn) and, unless `config.grpc_port` is None, the gRPC API — until SIGINT/SIGTERM."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host=config.host, port=config.http_port,
-                                           log_level=log_level.lower(), timeout_graceful_shutdown=5))
-    await server.serve()
+    from gateway.grpc_api import serve_grpc
+
+    core = GatewayCore(config)
+    await core.start()
+    grpc_server = None
+    try:
+        if config.grpc_port is not None:
+            grpc_server, port = await serve_grpc(core, f"{config.host}:{config.grpc_port}")
+            log.info("gateway gRPC API listening on %s:%d", config.host, port)
+        app = create_app(config, core=core)
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port,
+                                               log_level=log_level.lower(), timeout_graceful_shutdown=5))
+        await server.serve()
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(5.0)
+        await core.close()

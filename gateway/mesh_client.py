@@ -14,7 +14,14 @@ Contract:
   than `max_prefill_inflight` prefills are in flight (0: no limit).
 - Errors: `MeshError` with the gRPC status code and message of the failing call (INVALID_ARGUMENT, NOT_FOUND,
   DEADLINE_EXCEEDED, UNAVAILABLE, ...); the REST layer maps it to an HTTP status.
-- Workers are picked by the fewest requests in flight from this gateway (ties: list order).
+- Worker choice (`gateway.routing.Router`, one per pool): the healthy worker of least cost = uncached prompt blocks
+  (the prefixes this gateway sent it before, per tenant salt) + `load_weight` x requests in flight from this
+  gateway; ties go to the first listed. No healthy decode worker: `MeshError(UNAVAILABLE)`; no healthy prefill
+  worker: the colocated path.
+- Health: `check_health()` asks every worker's gRPC health service once and marks it healthy or unhealthy in its
+  router (an unhealthy worker gets no new requests until it passes again); `run_health_checks(interval_s)` does that
+  until cancelled (the gateway runs it as a background task). `on_health_change(address, healthy)` is called on
+  every transition.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.routing import NoHealthyWorker, Router, RouterConfig, prompt_block_hashes
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -112,26 +120,28 @@ class _Worker:
         self.channel = grpc.aio.insecure_channel(address, options=options)
         self.stub = stub_type(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.inflight = 0
-
-
-def _pick(workers: list[_Worker]) -> _Worker:
-    return min(workers, key=lambda w: w.inflight)
 
 
 class MeshClient:
     def __init__(self, decode_addresses: Sequence[str], prefill_addresses: Sequence[str] = (),
-                 decider: PDDecider | None = None, handoff_ttl_ms: int = 0):
+                 decider: PDDecider | None = None, handoff_ttl_ms: int = 0, *, block_size: int = 16,
+                 router_config: RouterConfig = RouterConfig(), on_health_change=None):
         if not decode_addresses:
             raise ValueError("the mesh needs at least one decode worker")
-        self.decoders = [_Worker(a, decode_pb2_grpc.DecodeServiceStub) for a in decode_addresses]
-        self.prefillers = [_Worker(a, prefill_pb2_grpc.PrefillServiceStub) for a in prefill_addresses]
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.decoders = {a: _Worker(a, decode_pb2_grpc.DecodeServiceStub) for a in decode_addresses}
+        self.prefillers = {a: _Worker(a, prefill_pb2_grpc.PrefillServiceStub) for a in prefill_addresses}
+        self.decode_router = Router(list(self.decoders), router_config)
+        self.prefill_router = Router(list(self.prefillers), router_config) if self.prefillers else None
         self.decider = decider or PDDecider()
         self.handoff_ttl_ms = handoff_ttl_ms
+        self.block_size = block_size
+        self.on_health_change = on_health_change  # (address, healthy) on every transition
         self.stats = MeshStats()
 
     async def close(self) -> None:
-        for w in self.decoders + self.prefillers:
+        for w in list(self.decoders.values()) + list(self.prefillers.values()):
             await w.channel.close()
 
     async def health(self, timeout_s: float = 1.0) -> dict[str, bool]:
@@ -143,21 +153,56 @@ class MeshClient:
                 return False
             return r.status == health_pb2.HealthCheckResponse.SERVING
 
-        workers = self.decoders + self.prefillers
+        workers = list(self.decoders.values()) + list(self.prefillers.values())
         results = await asyncio.gather(*(check(w) for w in workers))
         return {w.address: ok for w, ok in zip(workers, results)}
+
+    async def check_health(self, timeout_s: float = 1.0) -> dict[str, bool]:
+        """Asks every worker once and updates the routers; returns address -> healthy."""
+        results = await self.health(timeout_s)
+        for address, ok in results.items():
+            router = self.decode_router if address in self.decoders else self.prefill_router
+            if router.is_healthy(address) == ok:
+                continue
+            if ok:
+                router.mark_healthy(address)
+                log.info("mesh worker %s is healthy again", address)
+            else:
+                router.mark_unhealthy(address)
+                log.warning("mesh worker %s failed its health check; routing around it", address)
+            if self.on_health_change is not None:
+                self.on_health_change(address, ok)
+        return results
+
+    async def run_health_checks(self, interval_s: float, timeout_s: float = 1.0) -> None:
+        """`check_health` every `interval_s` seconds until cancelled."""
+        while True:
+            try:
+                await self.check_health(timeout_s)
+            except Exception:  # a health round must never kill the loop
+                log.exception("health check round failed")
+            await asyncio.sleep(interval_s)
+
+    def block_hashes(self, req: MeshRequest) -> list[bytes]:
+        """The prompt's full-block hashes as the routers see them (salted per tenant, namespaced per model)."""
+        salt = req.tenant_salt.hex() if req.tenant_salt else None
+        return prompt_block_hashes(req.prompt_token_ids, self.block_size, salt, namespace=req.model.encode())
 
     # -- one request --------------------------------------------------------------------------------------------
 
     async def generate(self, req: MeshRequest) -> AsyncIterator[TokenEvent]:
         deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s
-        decoder = _pick(self.decoders)
-        decoder.inflight += 1
+        hashes = self.block_hashes(req)
+        try:
+            pick = self.decode_router.route(hashes)
+        except NoHealthyWorker as exc:
+            raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no healthy decode worker ({exc})") from None
+        decoder = self.decoders[pick.address]
         try:
             route = await self._route(req, decoder, deadline)
             source: dict = {"local": decode_pb2.LocalPrefill(prompt=common_pb2.TokenIds(ids=req.prompt_token_ids))}
             if route == "remote":
-                response = await self._prefill(req, deadline)
+                response = await self._prefill(req, hashes, deadline)
                 if response is None:
                     route = "fallback"
                 elif response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -177,11 +222,17 @@ class MeshClient:
             async for event in self._decode(decoder, request, deadline, route):
                 yield event
         finally:
-            decoder.inflight -= 1
+            self.decode_router.finish(pick.address)
+
+    def _prefill_inflight(self) -> int:
+        return sum(self.prefill_router.active(a) for a in self.prefill_router.addresses)
+
+    def _any_prefill_healthy(self) -> bool:
+        return any(self.prefill_router.is_healthy(a) for a in self.prefill_router.addresses)
 
     async def _route(self, req: MeshRequest, decoder: _Worker, deadline: float | None) -> str:
         n = len(req.prompt_token_ids)
-        if not self.prefillers or (req.sampling.n or 1) != 1:
+        if self.prefill_router is None or (req.sampling.n or 1) != 1 or not self._any_prefill_healthy():
             return "local"
         cached = 0
         if self.decider.needs_probe(n):
@@ -192,13 +243,17 @@ class MeshClient:
                 cached = probe.cached_tokens
             except grpc.aio.AioRpcError as exc:
                 log.debug("probe of %s failed: %s", decoder.address, exc.code().name)
-        inflight = sum(w.inflight for w in self.prefillers)
-        return self.decider.decide(n, 1, cached, inflight, have_prefill=True)
+        return self.decider.decide(n, 1, cached, self._prefill_inflight(), have_prefill=True)
 
-    async def _prefill(self, req: MeshRequest, deadline: float | None) -> prefill_pb2.PrefillResponse | None:
+    async def _prefill(self, req: MeshRequest, hashes: list[bytes],
+                       deadline: float | None) -> prefill_pb2.PrefillResponse | None:
         """The prefill response, or None when the request should fall back to the colocated path."""
-        worker = _pick(self.prefillers)
-        worker.inflight += 1
+        try:
+            pick = self.prefill_router.route(hashes)
+        except NoHealthyWorker:
+            self.stats.prefill_fallbacks += 1
+            return None
+        worker = self.prefillers[pick.address]
         request = prefill_pb2.PrefillRequest(request_id=req.request_id, model=req.model,
                                              prompt=common_pb2.TokenIds(ids=req.prompt_token_ids),
                                              sampling=req.sampling, tenant_salt=req.tenant_salt,
@@ -213,7 +268,7 @@ class MeshClient:
                 return None
             raise MeshError(exc.code(), exc.details() or exc.code().name) from None
         finally:
-            worker.inflight -= 1
+            self.prefill_router.finish(pick.address)
         self.stats.remote += 1
         self.stats.handoff_bytes += response.handoff_bytes
         self.stats.prefill_ms += response.timings.total_ms

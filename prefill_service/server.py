@@ -12,11 +12,17 @@ Contract:
   the handoff could not be stored, the engine died), DEADLINE_EXCEEDED, ABORTED.
 - `PrefillServer.stop(grace)` reports NOT_SERVING, stops accepting calls, gives calls in flight `grace` seconds, waits
   for background snapshot publications, then stops the engine and closes the cache client.
+- Telemetry (telemetry/): each call gets a SERVER span continuing the caller's `traceparent` (the worker adds
+  `prefill`, `prefix.*` and `handoff.publish` spans; cache calls carry the trace and the request id on), the caller's
+  `x-request-id` (else the request's own id) is bound for log lines, one access line per call on `kdamesh.rpc`.
+  Metrics (`kdamesh_prefill_*`, telemetry/metrics.py) go to the registry passed to `serve` and, with
+  `metrics_port`, to a side HTTP `/metrics` server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -26,15 +32,25 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from opentelemetry.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+
 from cache_service.client import CacheClient
 from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
 from engine.outputs import PositionLogprobs
 from engine.sampling import SamplingParams
+from engine.structured import (DEFAULT_MAX_REASONING_TOKENS, DEFAULT_MAX_STRING_TOKENS, StructuredOutputParams,
+                               ToolSpec)
 from prefill_service.worker import (HandoffPublishError, PrefillAbortedError, PrefillJob, PrefillResult,
                                     PrefillWorker)
 from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
+from telemetry import tracing
+from telemetry.context import bind_request_id, current_request_id
+from telemetry.metrics import (CounterSample, EngineGauges, MetricsServer, RequestTimer, WorkerMetrics, metrics_host,
+                               start_metrics_server)
+from telemetry.rpc import client_interceptors, server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +77,8 @@ class PrefillServiceConfig:
     max_message_bytes: int = 16 << 20
     # torch intra-op threads for this process; None: torch's default.
     torch_threads: int | None = None
+    # Serve Prometheus /metrics on this port (0: a free port), on the host of `address`; None: no HTTP endpoint.
+    metrics_port: int | None = None
 
     @property
     def model_name(self) -> str:
@@ -81,7 +99,40 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         include_stop_str_in_output=msg.include_stop_str_in_output,
-        logprobs=msg.top_logprobs if msg.logprobs else None, skip_special_tokens=msg.skip_special_tokens)
+        logprobs=msg.top_logprobs if msg.logprobs else None, skip_special_tokens=msg.skip_special_tokens,
+        structured=structured_from_proto(msg.structured_output) if msg.HasField("structured_output") else None)
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputParams:
+    """The engine's structured-output params; raises InvalidRequestError for an unusable spec."""
+    def load(text: str, what: str, param: str):
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{what} is not valid JSON: {exc}", param=param) from None
+
+    kind = {common_pb2.StructuredOutput.KIND_JSON_OBJECT: "json_object",
+            common_pb2.StructuredOutput.KIND_JSON_SCHEMA: "json_schema",
+            common_pb2.StructuredOutput.KIND_TOOL_CALL: "tool_call"}.get(msg.kind)
+    if kind is None:
+        raise InvalidRequestError("structured_output.kind is unspecified", param="response_format")
+    tools = tuple(ToolSpec(t.name, load(t.parameters_json, f"tool {t.name!r} parameters", "tools")
+                           if t.parameters_json else None) for t in msg.tools)
+    named = msg.tool_mode == common_pb2.StructuredOutput.TOOL_MODE_NAMED
+
+    def limit(field: str, default):
+        if not msg.HasField(field):
+            return default
+        value = getattr(msg, field)
+        return None if value < 0 else value
+
+    return StructuredOutputParams(
+        kind, json_schema=load(msg.json_schema, "json_schema", "response_format") if kind == "json_schema" else None,
+        tools=tools, mode="named" if named else "required", name=msg.tool_name if named else None,
+        parallel_tool_calls=msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True,
+        output_format=msg.output_format or None, starts_in_reasoning=msg.starts_in_reasoning,
+        max_reasoning_tokens=limit("max_reasoning_tokens", DEFAULT_MAX_REASONING_TOKENS),
+        max_string_tokens=limit("max_string_tokens", DEFAULT_MAX_STRING_TOKENS))
 
 
 def logprob_to_proto(entries: PositionLogprobs, token_id: int, top: int) -> common_pb2.TokenLogprob:
@@ -116,12 +167,16 @@ def _deadline(context) -> float | None:
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, config: PrefillServiceConfig):
+    def __init__(self, config: PrefillServiceConfig, metrics: WorkerMetrics):
         self.config = config
+        self.metrics = metrics
         self.worker: PrefillWorker | None = None  # set once the model is loaded
         self.stopping = False
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
+        timer = RequestTimer()
+        if current_request_id() is None:
+            bind_request_id(request.request_id)  # this call's task only
         worker = self.worker
         if worker is None or self.stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is loading its model or stopping")
@@ -146,7 +201,44 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except PrefillAbortedError as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        timer.add_tokens(1)
+        self.metrics.serving.observe(timer, ("prefill",), prompt_tokens=result.prompt_tokens, completion_tokens=1,
+                                     cached_tokens=result.cached_tokens)
         return response_to_proto(result, params)
+
+
+# -- metrics read at scrape time -------------------------------------------------------------------------------
+
+
+def engine_gauges(engine: AsyncEngine) -> EngineGauges:
+    """The engine's scheduler and pools, read without waiting for the step loop (each number one plain read)."""
+    core = engine.core
+    stats, pool, states = core.stats(), core.manager.block_pool, core.manager.state_pool
+    return EngineGauges(running=stats.num_running, waiting=stats.num_waiting, kv_blocks_total=pool.num_blocks,
+                        kv_blocks_free=stats.num_free_blocks, kv_blocks_cached=stats.num_cached_blocks,
+                        kv_usage=stats.kv_usage, state_groups_total=states.num_groups,
+                        state_groups_free=states.num_free_groups, snapshots=stats.num_snapshots,
+                        snapshot_slots=states.num_snapshot_slots, prefix_lookup_tokens=stats.prefix_lookup_tokens,
+                        prefix_hit_tokens=stats.prefix_hit_tokens, preemptions=stats.num_preemptions)
+
+
+def worker_counters(worker: PrefillWorker) -> list[CounterSample]:
+    c = worker.counters
+    moved = "Payload bytes moved to or from the cache service"
+    took = "Wall time of the cache service calls that moved them (seconds)"
+    return [CounterSample("transfer_bytes", moved, c.published_bytes, (("op", "publish"),)),
+            CounterSample("transfer_bytes", moved, c.remote_load_bytes, (("op", "prefix_load"),)),
+            CounterSample("transfer_seconds", took, c.publish_seconds, (("op", "publish"),)),
+            CounterSample("transfer_seconds", took, c.remote_load_seconds, (("op", "prefix_load"),)),
+            CounterSample("remote_prefix_loads", "Prefixes loaded from the cache service", c.remote_loads),
+            CounterSample("remote_prefix_load_tokens", "Prompt tokens of the prefixes loaded from the cache service",
+                          c.remote_load_tokens),
+            CounterSample("remote_prefix_load_failures", "Cache lookups or prefix loads that failed (computed instead)",
+                          c.remote_load_failures),
+            CounterSample("published_blocks", "KV blocks stored in the cache service", c.published_blocks),
+            CounterSample("published_snapshots", "KDA state snapshots stored in the cache service",
+                          c.published_snapshots),
+            CounterSample("publish_failures", "Objects the cache service did not store", c.publish_failures)]
 
 
 # -- lifecycle ---------------------------------------------------------------------------------------------------
@@ -156,15 +248,25 @@ class PrefillServer:
     """A running prefill service: the gRPC server, its health servicer and (once loaded) the engine and worker."""
 
     def __init__(self, config: PrefillServiceConfig, grpc_server: grpc.aio.Server, port: int,
-                 health_servicer: health.aio.HealthServicer, servicer: PrefillServicer):
+                 health_servicer: health.aio.HealthServicer, servicer: PrefillServicer,
+                 tracer_provider: TracerProvider | None = None):
         self.config = config
         self.grpc_server = grpc_server
         self.port = port
         self.health = health_servicer
         self.servicer = servicer
+        self.metrics = servicer.metrics
+        self.tracer_provider = tracer_provider
         self.engine: AsyncEngine | None = None
         self.cache: CacheClient | None = None
+        self.metrics_http: MetricsServer | None = None
         self._loading: asyncio.Task | None = None
+        self.metrics.watch_engine(lambda: engine_gauges(self.engine) if self.worker is not None else None)
+        self.metrics.watch_counters(lambda: worker_counters(self.worker) if self.worker is not None else [])
+
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self.metrics_http is None else self.metrics_http.port
 
     @property
     def worker(self) -> PrefillWorker | None:
@@ -178,9 +280,11 @@ class PrefillServer:
         t0 = time.perf_counter()
         self.engine = await AsyncEngine.create(self.config.engine)
         self.cache = CacheClient(self.config.cache_address, timeout_s=self.config.cache_timeout_s,
-                                 max_message_bytes=self.config.max_message_bytes)
+                                 max_message_bytes=self.config.max_message_bytes,
+                                 interceptors=client_interceptors(self.tracer_provider))
         self.servicer.worker = PrefillWorker(self.engine, self.cache, handoff_full_kv=self.config.handoff_full_kv,
-                                             load_remote_prefix=self.config.load_remote_prefix)
+                                             load_remote_prefix=self.config.load_remote_prefix,
+                                             tracer=tracing.get_tracer("kdamesh.prefill", self.tracer_provider))
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("prefill worker ready: model %s loaded in %.1f s", self.config.model_name, time.perf_counter() - t0)
@@ -201,17 +305,23 @@ class PrefillServer:
             await self.engine.shutdown()
         if self.cache is not None:
             await self.cache.close()
+        if self.metrics_http is not None:
+            self.metrics_http.close()
 
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
 
 
-async def serve(config: PrefillServiceConfig) -> tuple[PrefillServer, int]:
-    """Starts the server and begins loading the model -> (server, bound port)."""
+async def serve(config: PrefillServiceConfig, *, registry: CollectorRegistry | None = None,
+                tracer_provider: TracerProvider | None = None) -> tuple[PrefillServer, int]:
+    """Starts the server and begins loading the model -> (server, bound port). Metrics go to `registry` (None: a
+    new one, `server.metrics.registry`); spans to `tracer_provider` (None: OpenTelemetry's global provider)."""
+    metrics = WorkerMetrics(registry if registry is not None else CollectorRegistry(), "prefill", with_tpot=False)
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0)]
-    grpc_server = grpc.aio.server(options=options)
-    servicer = PrefillServicer(config)
+    grpc_server = grpc.aio.server(options=options, interceptors=server_interceptors(
+        "prefill", tracer_provider=tracer_provider, metrics=metrics.rpc))
+    servicer = PrefillServicer(config, metrics)
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, grpc_server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
@@ -222,7 +332,10 @@ async def serve(config: PrefillServiceConfig) -> tuple[PrefillServer, int]:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await grpc_server.start()
-    server = PrefillServer(config, grpc_server, port, health_servicer, servicer)
+    server = PrefillServer(config, grpc_server, port, health_servicer, servicer, tracer_provider)
+    if config.metrics_port is not None:
+        server.metrics_http = start_metrics_server(config.metrics_port, metrics_host(config.address),
+                                                   metrics.registry)
     server._loading = asyncio.create_task(server._load())
     server._loading.add_done_callback(_log_load_failure)
     log.info("prefill service on port %d (loading %s)", port, config.engine.model)

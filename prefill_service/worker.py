@@ -21,6 +21,11 @@ Contract (DESIGN.md "One chat request, end to end", step 3, and "Exactly-once ha
 - Errors: `InvalidRequestError` for a bad request (n > 1, prompt too long, bad parameters) before anything runs;
   `HandoffPublishError` when the handoff could not be stored (the caller should prefill elsewhere or colocate);
   `RequestTimeoutError` past the deadline.
+- Tracing (the tracer passed in; default the global provider's): a `prefill` span per request (prompt, cached and
+  hit tokens, handoff bytes, published blocks), with children `prefix.lookup` (blocks looked up, blocks the service
+  holds, hit tokens of the usable prefix), `prefix.load` (blocks and bytes loaded) and `handoff.publish` (objects,
+  blocks and bytes stored); a failure sets `error.type`. `counters` also counts the bytes and seconds of every
+  transfer to and from the cache service (the metrics read them).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import Tracer
+
 from cache_service.client import CacheClient, PutObject
 from cache_service.objects import Status, object_key
 from engine.async_engine import AsyncEngine
@@ -42,6 +49,7 @@ from engine.outputs import PositionLogprobs, RequestOutput
 from engine.sampling import SamplingParams
 from engine.transfer import RequestState, TransferError, encode_block
 from protos import common_pb2
+from telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +118,11 @@ class PrefillCounters:
     published_blocks: int = 0
     published_snapshots: int = 0
     publish_failures: int = 0  # objects the cache service did not store
+    # transfers to and from the cache service: payload bytes, and the wall time of the calls (seconds)
+    published_bytes: int = 0  # blocks, handoffs and snapshots put
+    publish_seconds: float = 0.0
+    remote_load_bytes: int = 0  # prefix blocks and snapshots read
+    remote_load_seconds: float = 0.0
 
 
 def best_prefix_blocks(num_tokens: int, block_size: int, blocks: list[bool], snapshots: list[bool] | None) -> int:
@@ -128,8 +141,9 @@ class PrefillWorker:
     """Runs prefills on an `AsyncEngine` and hands them off through a `CacheClient` (see the module docstring)."""
 
     def __init__(self, engine: AsyncEngine, cache: CacheClient, *, handoff_full_kv: bool = False,
-                 load_remote_prefix: bool = True):
+                 load_remote_prefix: bool = True, tracer: Tracer | None = None):
         self.engine = engine
+        self.tracer = tracer if tracer is not None else tracing.get_tracer("kdamesh.prefill")
         self.cache = cache
         self.handoff_full_kv = handoff_full_kv
         self.load_remote_prefix = load_remote_prefix
@@ -143,6 +157,16 @@ class PrefillWorker:
     # -- the request -------------------------------------------------------------------------------------------
 
     async def prefill(self, job: PrefillJob) -> PrefillResult:
+        attributes = {tracing.REQUEST_ID: job.request_id, tracing.PROMPT_TOKENS: len(job.prompt_token_ids)}
+        with tracing.child_span(self.tracer, "prefill", attributes) as span:
+            result = await self._prefill(job)
+            tracing.set_attributes(span, {
+                tracing.HIT_TOKENS: result.cached_tokens, tracing.BYTES: result.handoff_bytes,
+                tracing.BLOCKS: result.published_blocks, "kdamesh.first_token_id": result.first_token_id,
+                "kdamesh.finish_reason": result.finish_reason})
+            return result
+
+    async def _prefill(self, job: PrefillJob) -> PrefillResult:
         t0 = time.perf_counter()
         self.counters.requests += 1
         ids = list(job.prompt_token_ids)
@@ -154,7 +178,7 @@ class PrefillWorker:
         hashes: list[bytes] = []
         BlockHasher(self.block_size, root_hash(self.fingerprint, engine_cache_salt(salt))).extend(hashes, ids)
 
-        remote_blocks, remote_snaps = await self._lookup(hashes, salt)
+        remote_blocks, remote_snaps = await self._lookup(hashes, salt, len(ids))
         await self._load_prefix(len(ids), hashes, salt, remote_blocks, remote_snaps)
         t_loaded = time.perf_counter()
 
@@ -202,20 +226,28 @@ class PrefillWorker:
 
     # -- remote prefix -----------------------------------------------------------------------------------------
 
-    async def _lookup(self, hashes: list[bytes], salt: bytes) -> tuple[list[bool], list[bool]]:
+    async def _lookup(self, hashes: list[bytes], salt: bytes, num_tokens: int) -> tuple[list[bool], list[bool]]:
         """Presence of each full block and snapshot in the cache service (all False when it cannot answer)."""
         absent = [False] * len(hashes)
         if not hashes:
             return absent, absent
-        blocks, snaps = await asyncio.gather(
-            self.cache.lookup(self.fingerprint, salt, KV_BLOCK, hashes, include_presence=True),
-            self.cache.lookup(self.fingerprint, salt, SNAPSHOT, hashes, include_presence=True) if self.has_kda
-            else _no_lookup())
-        if blocks.error or snaps.error:
-            log.warning("cache lookup failed: %s", blocks.error or snaps.error)
-            self.counters.remote_load_failures += 1
-            return absent, absent
-        return blocks.present or absent, (snaps.present or absent) if self.has_kda else list(absent)
+        with tracing.child_span(self.tracer, "prefix.lookup", {tracing.BLOCKS: len(hashes)}) as span:
+            blocks, snaps = await asyncio.gather(
+                self.cache.lookup(self.fingerprint, salt, KV_BLOCK, hashes, include_presence=True),
+                self.cache.lookup(self.fingerprint, salt, SNAPSHOT, hashes, include_presence=True) if self.has_kda
+                else _no_lookup())
+            if blocks.error or snaps.error:
+                log.warning("cache lookup failed: %s", blocks.error or snaps.error)
+                self.counters.remote_load_failures += 1
+                tracing.mark_error(span, "lookup_failed", blocks.error or snaps.error)
+                return absent, absent
+            present = blocks.present or absent
+            present_snaps = (snaps.present or absent) if self.has_kda else list(absent)
+            usable = best_prefix_blocks(num_tokens, self.block_size, present,
+                                        present_snaps if self.has_kda else None)
+            tracing.set_attributes(span, {tracing.HIT_BLOCKS: sum(present),
+                                          tracing.HIT_TOKENS: usable * self.block_size})
+            return present, present_snaps
 
     def _local_presence(self, hashes: list[bytes]) -> tuple[list[bool], list[bool]]:
         """This engine's prefix cache, read without waiting for the step loop (a hint; admission decides)."""
@@ -249,25 +281,34 @@ class PrefillWorker:
             if self.has_kda:
                 remote_snaps[remote - 1] = False
 
-        got = await self.cache.get_objects(keys)
-        bad = [r for r in got if r.status != Status.FOUND]
-        if bad:
-            return failed(f"{bad[0].status.name} {bad[0].message}".strip())
-        block_data = [r.data for r in got[:len(wanted)]]
-        snapshot = got[-1].data if self.has_kda else None
+        with tracing.child_span(self.tracer, "prefix.load", {tracing.BLOCKS: len(wanted), tracing.KEYS: len(keys),
+                                                             tracing.HIT_TOKENS: remote * bs}) as span:
+            started = time.perf_counter()
+            got = await self.cache.get_objects(keys)
+            nbytes = sum(len(r.data) for r in got if r.data is not None)
+            self.counters.remote_load_bytes += nbytes
+            self.counters.remote_load_seconds += time.perf_counter() - started
+            span.set_attribute(tracing.BYTES, nbytes)
+            bad = [r for r in got if r.status != Status.FOUND]
+            if bad:
+                tracing.mark_error(span, bad[0].status.name, bad[0].message or None)
+                return failed(f"{bad[0].status.name} {bad[0].message}".strip())
+            block_data = [r.data for r in got[:len(wanted)]]
+            snapshot = got[-1].data if self.has_kda else None
 
-        def load() -> bool:
-            core = self.engine.core
-            core.import_cached_blocks(block_data)
-            return snapshot is None or core.import_snapshot(snapshot)
+            def load() -> bool:
+                core = self.engine.core
+                core.import_cached_blocks(block_data)
+                return snapshot is None or core.import_snapshot(snapshot)
 
-        try:
-            loaded = await self.engine.run_in_engine(load)
-        except TransferError as exc:
-            return failed(f"rejected: {exc}")
-        if loaded:
-            self.counters.remote_loads += 1
-            self.counters.remote_load_tokens += remote * bs
+            try:
+                loaded = await self.engine.run_in_engine(load)
+            except TransferError as exc:
+                tracing.mark_error(span, "rejected", str(exc))
+                return failed(f"rejected: {exc}")
+            if loaded:
+                self.counters.remote_loads += 1
+                self.counters.remote_load_tokens += remote * bs
 
     # -- publishing ---------------------------------------------------------------------------------------------
 
@@ -291,17 +332,27 @@ class PrefillWorker:
                 objects.append(PutObject(handoff_key, handoff, job.handoff_ttl_s))
             return objects, handoff
 
-        objects, handoff = await asyncio.to_thread(serialise)
-        results = await self.cache.put_objects(objects)
-        stored = sum(1 for r in results[:len(missing)] if r.status == Status.STORED)
-        self.counters.published_blocks += stored
-        self.counters.publish_failures += len(missing) - stored
-        if with_handoff:
-            last = results[-1] if results else None
-            if last is None or last.status != Status.STORED:
-                self.counters.publish_failures += 1
-                why = f"{last.status.name}: {last.message}" if last else "no answer"
-                raise HandoffPublishError(f"the cache service did not store the handoff ({why})")
+        with tracing.child_span(self.tracer, "handoff.publish", {"kdamesh.handoff": with_handoff}) as span:
+            objects, handoff = await asyncio.to_thread(serialise)
+            nbytes = sum(len(o.data) for o in objects)
+            tracing.set_attributes(span, {tracing.KEYS: len(objects), tracing.BLOCKS: len(missing),
+                                          tracing.BYTES: nbytes, "kdamesh.handoff.bytes": len(handoff)})
+            started = time.perf_counter()
+            results = await self.cache.put_objects(objects)
+            self.counters.published_bytes += nbytes
+            self.counters.publish_seconds += time.perf_counter() - started
+            stored = sum(1 for r in results[:len(missing)] if r.status == Status.STORED)
+            self.counters.published_blocks += stored
+            self.counters.publish_failures += len(missing) - stored
+            span.set_attribute("kdamesh.blocks_stored", stored)
+            if with_handoff:
+                last = results[-1] if results else None
+                if last is None or last.status != Status.STORED:
+                    self.counters.publish_failures += 1
+                    why = f"{last.status.name}: {last.message}" if last else "no answer"
+                    raise HandoffPublishError(f"the cache service did not store the handoff ({why})")
+            elif stored < len(missing):
+                tracing.mark_error(span, "blocks_not_stored", f"{len(missing) - stored} blocks not stored")
         return handoff_key, len(handoff), stored
 
     def _handoff_state(self, state: RequestState) -> RequestState:
@@ -332,7 +383,10 @@ class PrefillWorker:
         if not snapshots:
             return
         objects = [PutObject(object_key(self.fingerprint, salt, SNAPSHOT, h), data) for h, data in snapshots]
+        started = time.perf_counter()
         results = await self.cache.put_objects(objects)
+        self.counters.published_bytes += sum(len(o.data) for o in objects)
+        self.counters.publish_seconds += time.perf_counter() - started
         stored = sum(1 for r in results if r.status == Status.STORED)
         self.counters.published_snapshots += stored
         self.counters.publish_failures += len(results) - stored

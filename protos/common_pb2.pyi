@@ -40,7 +40,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "top_logprobs", "n", "skip_special_tokens")
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "top_logprobs", "n", "skip_special_tokens", "structured_output")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class SamplingParams(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     min_tokens: int
     temperature: float
@@ -77,7 +78,57 @@ class SamplingParams(_message.Message):
     top_logprobs: int
     n: int
     skip_special_tokens: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    structured_output: StructuredOutput
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("kind", "json_schema", "tools", "tool_mode", "tool_name", "parallel_tool_calls", "output_format", "starts_in_reasoning", "max_reasoning_tokens", "max_string_tokens")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[StructuredOutput.Kind]
+        KIND_JSON_OBJECT: _ClassVar[StructuredOutput.Kind]
+        KIND_JSON_SCHEMA: _ClassVar[StructuredOutput.Kind]
+        KIND_TOOL_CALL: _ClassVar[StructuredOutput.Kind]
+    KIND_UNSPECIFIED: StructuredOutput.Kind
+    KIND_JSON_OBJECT: StructuredOutput.Kind
+    KIND_JSON_SCHEMA: StructuredOutput.Kind
+    KIND_TOOL_CALL: StructuredOutput.Kind
+    class ToolMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        TOOL_MODE_UNSPECIFIED: _ClassVar[StructuredOutput.ToolMode]
+        TOOL_MODE_REQUIRED: _ClassVar[StructuredOutput.ToolMode]
+        TOOL_MODE_NAMED: _ClassVar[StructuredOutput.ToolMode]
+    TOOL_MODE_UNSPECIFIED: StructuredOutput.ToolMode
+    TOOL_MODE_REQUIRED: StructuredOutput.ToolMode
+    TOOL_MODE_NAMED: StructuredOutput.ToolMode
+    class Tool(_message.Message):
+        __slots__ = ("name", "parameters_json")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        parameters_json: str
+        def __init__(self, name: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_MODE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    STARTS_IN_REASONING_FIELD_NUMBER: _ClassVar[int]
+    MAX_REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STRING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    kind: StructuredOutput.Kind
+    json_schema: str
+    tools: _containers.RepeatedCompositeFieldContainer[StructuredOutput.Tool]
+    tool_mode: StructuredOutput.ToolMode
+    tool_name: str
+    parallel_tool_calls: bool
+    output_format: str
+    starts_in_reasoning: bool
+    max_reasoning_tokens: int
+    max_string_tokens: int
+    def __init__(self, kind: _Optional[_Union[StructuredOutput.Kind, str]] = ..., json_schema: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[StructuredOutput.Tool, _Mapping]]] = ..., tool_mode: _Optional[_Union[StructuredOutput.ToolMode, str]] = ..., tool_name: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., output_format: _Optional[str] = ..., starts_in_reasoning: _Optional[bool] = ..., max_reasoning_tokens: _Optional[int] = ..., max_string_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens")

@@ -1,0 +1,108 @@
+"""The gateway's configuration: one frozen dataclass, built by `kdamesh serve --role gateway` (deploy/serve.py).
+
+Contract:
+- `GatewayConfig` validates on construction (`ValueError`): at least one decode worker; prefill workers in
+  disaggregated mode; parser names registered (`gateway.parsers`) and naming one output format; positive limits.
+- `model_name` is what clients put in `model` (`served_model_name`, else the folder's name); `served_names` also
+  accepts the folder path.
+- `make_mesh()` builds the `MeshClient` over the worker lists (colocated mode ignores prefill workers).
+- `tenant_limits()` is the default per-tenant limit (`--tenant-rpm`, `--tenant-tpm`, `--tenant-max-concurrency`),
+  which an `--api-keys-file` entry may override for its tenant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.mesh_client import MeshClient, PDDecider
+from gateway.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from gateway.ratelimit import TenantLimits
+from gateway.routing import RouterConfig
+
+MODES = ("disaggregated", "colocated")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    # The model folder (its tokenizer and chat format are used here) and the name clients use (None: folder name).
+    model: str
+    decode_addresses: tuple[str, ...]
+    prefill_addresses: tuple[str, ...] = ()
+    served_model_name: str | None = None
+    # "disaggregated": prefill workers + P/D decider; "colocated": every request prefills on its decode worker.
+    mode: str = "disaggregated"
+    # Remote prefill only when at least this many prompt tokens are not in the decode worker's prefix cache.
+    pd_min_uncached_tokens: int = 256
+    # Colocate when this many prefills are already in flight from this gateway (0: no limit).
+    pd_max_prefill_inflight: int = 0
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    # The public gRPC API (protos/gateway.proto); None: not served, 0: a free port.
+    grpc_port: int | None = 50051
+    # Deadline of one request through the mesh (seconds).
+    request_timeout_s: float = 600.0
+    # TTL of handoff objects (milliseconds); 0: the cache service's default (30 s).
+    handoff_ttl_ms: int = 0
+    # Tenancy: the KDAMESH_API_KEYS value ("key=tenant,..."), and/or a JSON file of key -> tenant (or limits).
+    api_keys: str | None = None
+    api_keys_file: str | None = None
+    # Default per-tenant limits (None: unlimited).
+    tenant_rpm: int | None = None
+    tenant_tpm: int | None = None
+    tenant_max_concurrency: int | None = None
+    # Output parsers (vLLM flags): None leaves the model's text as content.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    # Tokens per KV block of the workers (prefix-aware routing hashes prompts in blocks of this size).
+    block_size: int = 16
+    # Context length the gateway reports (/tokenize, /v1/models); None: the checkpoint's. Workers enforce their own.
+    max_model_len: int | None = None
+    # Seconds between gRPC health checks of the workers.
+    health_check_interval_s: float = 5.0
+    # One in-flight request costs as much as this many uncached prompt blocks (routing).
+    route_load_weight: float = 8.0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not self.decode_addresses:
+            raise ValueError("the gateway needs at least one decode worker address")
+        if self.mode == "disaggregated" and not self.prefill_addresses:
+            raise ValueError("disaggregated mode needs at least one prefill worker address")
+        if self.pd_min_uncached_tokens < 0 or self.pd_max_prefill_inflight < 0:
+            raise ValueError("pd_min_uncached_tokens and pd_max_prefill_inflight must be >= 0")
+        for flag, name, registry in (("--tool-call-parser", self.tool_call_parser, TOOL_CALL_PARSERS),
+                                     ("--reasoning-parser", self.reasoning_parser, REASONING_PARSERS)):
+            if name is not None and name not in registry:
+                raise ValueError(f"{flag} {name!r} is not registered; choose one of {sorted(registry)}")
+        if (self.tool_call_parser and self.reasoning_parser
+                and TOOL_CALL_PARSERS[self.tool_call_parser] is not REASONING_PARSERS[self.reasoning_parser]):
+            raise ValueError("--tool-call-parser and --reasoning-parser name different output formats")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.health_check_interval_s <= 0:
+            raise ValueError("health_check_interval_s must be positive")
+        self.tenant_limits()  # validates the limits
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    @property
+    def served_names(self) -> set[str]:
+        return {self.model_name, self.model}
+
+    def tenant_limits(self) -> TenantLimits:
+        return TenantLimits(rpm=self.tenant_rpm, tpm=self.tenant_tpm, max_concurrency=self.tenant_max_concurrency)
+
+    def make_mesh(self) -> MeshClient:
+        prefill = self.prefill_addresses if self.mode == "disaggregated" else ()
+        return MeshClient(self.decode_addresses, prefill,
+                          PDDecider(self.pd_min_uncached_tokens, self.pd_max_prefill_inflight), self.handoff_ttl_ms,
+                          block_size=self.block_size, router_config=RouterConfig(load_weight=self.route_load_weight))

@@ -1,0 +1,71 @@
+"""The gateway's Prometheus metrics (`GET /metrics`, text exposition format).
+
+Contract:
+- `GatewayMetrics(registry)` registers every series in the registry it is given (a fresh `CollectorRegistry` by
+  default: no process globals, so several apps in one process — tests — never collide). `render()` returns the
+  exposition text and its content type.
+- Series (prefix `kdamesh_gateway_`):
+  `requests_total{api, endpoint, status}` (counter; `api` "rest" | "grpc", `status` the HTTP status, or its twin for
+  gRPC), `requests_running{api}` (gauge), `time_to_first_token_seconds{endpoint}`,
+  `time_per_output_token_seconds{endpoint}`, `e2e_request_latency_seconds{endpoint}` (histograms),
+  `prompt_tokens_total{tenant}`, `generation_tokens_total{tenant}`, `cached_tokens_total{tenant}` (counters),
+  `rate_limited_total{tenant, limit}` (counter), `worker_healthy{pool, address}` (gauge, 1 or 0),
+  `mesh_routes_total{route}` (counter: "remote" | "local" | "fallback").
+- Tenant labels are bounded by the configured tenants (the directory's names; "anonymous" in open mode).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 300.0, 600.0)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        p = "kdamesh_gateway_"
+        self.requests = Counter(p + "requests_total", "Requests answered, by API, endpoint and status",
+                                ["api", "endpoint", "status"], registry=r)
+        self.running = Gauge(p + "requests_running", "Requests in flight", ["api"], registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to the first output token",
+                              ["endpoint"], buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(p + "time_per_output_token_seconds", "Time per output token after the first",
+                              ["endpoint"], buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Request latency, arrival to last token",
+                             ["endpoint"], buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens", ["tenant"], registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens_total", "Generated tokens", ["tenant"], registry=r)
+        self.cached_tokens = Counter(p + "cached_tokens_total", "Prompt tokens served from the prefix cache",
+                                     ["tenant"], registry=r)
+        self.rate_limited = Counter(p + "rate_limited_total", "Requests refused by a tenant limit",
+                                    ["tenant", "limit"], registry=r)
+        self.worker_healthy = Gauge(p + "worker_healthy", "Whether a mesh worker passes its health check",
+                                    ["pool", "address"], registry=r)
+        self.routes = Counter(p + "mesh_routes_total", "Requests by prefill route", ["route"], registry=r)
+
+    def count_request(self, api: str, endpoint: str, status: int) -> None:
+        self.requests.labels(api, endpoint, str(status)).inc()
+
+    def observe_tokens(self, tenant: str, prompt: int, generated: int, cached: int) -> None:
+        self.prompt_tokens.labels(tenant).inc(prompt)
+        self.generation_tokens.labels(tenant).inc(generated)
+        self.cached_tokens.labels(tenant).inc(cached)
+
+    def observe_timing(self, endpoint: str, start: float, first: float | None, last: float | None,
+                       num_tokens: int) -> None:
+        """Times from `time.monotonic()`: arrival, first token, last token."""
+        if first is not None:
+            self.ttft.labels(endpoint).observe(max(0.0, first - start))
+            if last is not None and num_tokens > 1:
+                self.tpot.labels(endpoint).observe(max(0.0, last - first) / (num_tokens - 1))
+        if last is not None:
+            self.e2e.labels(endpoint).observe(max(0.0, last - start))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
