@@ -6,8 +6,9 @@ its own flags, `kdamesh serve --role R --help` lists them) and `bench serve` (be
 metrics and result JSON). Each subcommand calls one function; no logic lives here.
 
 Global flags (before the subcommand): `--log-level`, `--log-format text|json` (telemetry/logs.py: JSON lines carry
-the request id and trace id) and, for `serve`, `--trace-exporter auto|none|console|otlp` (telemetry/tracing.py:
-"auto" exports over OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, else nothing), set up once per process.
+the request id and trace id) and `--trace-exporter auto|none|console|otlp` (telemetry/tracing.py: "auto" exports over
+OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, else nothing), set up once per `serve` process; `up` passes all three
+to every service it starts.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def _up(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, gateway_grpc_port=args.gateway_grpc_port,
         api_keys_file=args.api_keys_file, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
-        log_level=args.log_level.upper()))
+        log_level=args.log_level.upper(), log_format=args.log_format, trace_exporter=args.trace_exporter,
+        metrics_port=args.metrics_port))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -61,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="log lines as text or one JSON object per line (with request id and trace id)")
     parser.add_argument("--trace-exporter", default="auto", choices=["auto", "none", "console", "otlp"],
-                        help="serve: where spans go; auto: OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set, else none")
+                        help="serve (and every service `up` starts): where spans go; auto: OTLP when "
+                             "OTEL_EXPORTER_OTLP_ENDPOINT is set, else none")
     sub = parser.add_subparsers(dest="command", required=True)
     mk = sub.add_parser("make-checkpoint", help="write a random, seeded checkpoint in the official layout")
     mk.add_argument("--preset", required=True, choices=sorted(PRESETS))
@@ -93,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     u.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
     u.add_argument("--served-model-name", default=None)
+    u.add_argument("--metrics-port", type=int, default=None,
+                   help="first of three consecutive Prometheus /metrics ports for the cache, prefill and decode "
+                        "services (default: free); the gateway's /metrics is on its REST port")
     u.add_argument("--gateway-grpc-port", type=int, default=None,
                    help="the gateway's public gRPC API (default: --grpc-port + 3, or a free port)")
     u.add_argument("--api-keys-file", default=None,

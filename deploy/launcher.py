@@ -14,6 +14,10 @@ Contract:
   family (`--tool-call-parser` / `--reasoning-parser` "auto", `--enable-auto-tool-choice` on); "none" turns one
   off. API keys: `KDAMESH_API_KEYS` in the launcher's environment (or `api_keys`) and `api_keys_file` reach the
   gateway only; without keys the mesh is open.
+- Observability: every child gets the launcher's `--log-level`, `--log-format` and `--trace-exporter` (and the
+  `OTEL_*` environment); cache, prefill and decode serve Prometheus `/metrics` on side ports (`metrics_port` and the
+  next two, else free ports), printed with the endpoints and as a `metrics {role: url}` JSON line (the gateway's is
+  its REST `/metrics`).
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ class LaunchConfig:
     reasoning_parser: str = "auto"
     enable_auto_tool_choice: bool = True
     log_level: str = "INFO"
+    log_format: str = "text"  # "text" | "json" (telemetry/logs.py), for every service
+    trace_exporter: str = "auto"  # "auto" | "none" | "console" | "otlp" (telemetry/tracing.py), for every service
+    # First of three consecutive /metrics ports (cache, prefill, decode); None: free ports.
+    metrics_port: int | None = None
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 15.0
 
@@ -116,9 +124,11 @@ class Service:
     proc: subprocess.Popen | None = None
     env: dict[str, str] | None = None  # extra environment of this service only
     grpc_api: str | None = None  # the gateway's public gRPC API (host:port)
+    metrics: str | None = None  # its Prometheus /metrics URL
 
-    def start(self, log_level: str) -> None:
-        cmd = [sys.executable, "-m", "deploy.cli", "--log-level", log_level, "serve", "--role", self.role, *self.argv]
+    def start(self, log_level: str, log_format: str = "text", trace_exporter: str = "auto") -> None:
+        cmd = [sys.executable, "-m", "deploy.cli", "--log-level", log_level, "--log-format", log_format,
+               "--trace-exporter", trace_exporter, "serve", "--role", self.role, *self.argv]
         env = {k: v for k, v in os.environ.items() if self.role == "gateway" or k != API_KEYS_ENV}
         env.update(self.env or {})
         self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
@@ -174,6 +184,12 @@ def plan_services(config: LaunchConfig, model: str) -> list[Service]:
     else:
         ports = [free_port(host) for _ in range(3)]
     cache, prefill, decode = (f"{host}:{p}" for p in ports)
+    if config.metrics_port is not None:
+        mports = [config.metrics_port, config.metrics_port + 1, config.metrics_port + 2]
+    else:
+        mports = [free_port(host) for _ in range(3)]
+    metrics = {role: (port, f"http://{host}:{port}/metrics") for role, port in zip(("cache", "prefill", "decode"),
+                                                                                   mports)}
     engine = ["--model", model]
     for flag, value in (("--max-num-seqs", config.max_num_seqs),
                         ("--max-num-batched-tokens", config.max_num_batched_tokens),
@@ -185,14 +201,19 @@ def plan_services(config: LaunchConfig, model: str) -> list[Service]:
             engine += [flag, str(value)]
     if not config.enable_prefix_caching:
         engine.append("--no-enable-prefix-caching")
-    cache_argv = ["--address", cache, "--cache-backend", config.cache_backend]
+    cache_argv = ["--address", cache, "--cache-backend", config.cache_backend,
+                  "--metrics-port", str(metrics["cache"][0])]
     if config.cache_byte_budget:
         cache_argv += ["--byte-budget", config.cache_byte_budget]
-    services = [Service("cache", cache, cache_argv)]
+    services = [Service("cache", cache, cache_argv, metrics=metrics["cache"][1])]
     if config.mode == "disaggregated":
-        services.append(Service("prefill", prefill, ["--address", prefill, "--cache-address", cache, *engine]))
+        services.append(Service("prefill", prefill, ["--address", prefill, "--cache-address", cache,
+                                                     "--metrics-port", str(metrics["prefill"][0]), *engine],
+                                metrics=metrics["prefill"][1]))
     services.append(Service("decode", decode, ["--address", decode, "--cache-address", cache,
-                                               "--kv-load-failure-policy", config.kv_load_failure_policy, *engine]))
+                                               "--kv-load-failure-policy", config.kv_load_failure_policy,
+                                               "--metrics-port", str(metrics["decode"][0]), *engine],
+                            metrics=metrics["decode"][1]))
     gateway = ["--model", model, "--host", host, "--http-port", str(config.http_port), "--mode", config.mode,
                "--decode-addresses", decode, "--pd-min-uncached-tokens", str(config.pd_min_uncached_tokens)]
     if config.mode == "disaggregated":
@@ -216,7 +237,7 @@ def plan_services(config: LaunchConfig, model: str) -> list[Service]:
         gateway += ["--api-keys-file", config.api_keys_file]
     env = {API_KEYS_ENV: config.api_keys} if config.api_keys is not None else None
     services.append(Service("gateway", f"http://{host}:{config.http_port}", gateway, env=env,
-                            grpc_api=f"{host}:{grpc_api_port}"))
+                            grpc_api=f"{host}:{grpc_api_port}", metrics=f"http://{host}:{config.http_port}/metrics"))
     return services
 
 
@@ -251,7 +272,7 @@ def up(config: LaunchConfig) -> int:
         for group in (["cache"], ["prefill", "decode"], ["gateway"]):
             started = [s for s in services if s.role in group]
             for s in started:
-                s.start(config.log_level)
+                s.start(config.log_level, config.log_format, config.trace_exporter)
             wait_ready(started, config.startup_timeout_s)
         _print_endpoints(config, model, services)
         while all(s.alive for s in services):
@@ -297,12 +318,13 @@ def _print_endpoints(config: LaunchConfig, model: str, services: list[Service]) 
              f"  REST     {by_role['gateway'].address}/v1   (OpenAI-compatible: /v1/chat/completions, "
              f"/v1/completions, /v1/models; /tokenize, /metrics, /health)",
              f"  gRPC     {by_role['gateway'].grpc_api}   (kdamesh.v1.Generation, the sdk/ client)",
-             f"  cache    {by_role['cache'].address}   (backend {config.cache_backend})"]
+             f"  cache    {by_role['cache'].address}   (backend {config.cache_backend}; {by_role['cache'].metrics})"]
     if "prefill" in by_role:
-        lines.append(f"  prefill  {by_role['prefill'].address}")
-    lines.append(f"  decode   {by_role['decode'].address}")
+        lines.append(f"  prefill  {by_role['prefill'].address}   ({by_role['prefill'].metrics})")
+    lines.append(f"  decode   {by_role['decode'].address}   ({by_role['decode'].metrics})")
     lines.append("Ctrl-C or SIGTERM stops everything.")
     endpoints = {s.role: s.address for s in services}
+    lines.append("metrics " + json.dumps({s.role: s.metrics for s in services}))
     lines.append("endpoints " + json.dumps(endpoints))
     lines.append(f"gateway_grpc {by_role['gateway'].grpc_api}")
     print("\n".join(lines), flush=True)

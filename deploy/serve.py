@@ -63,6 +63,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 def _common(p: argparse.ArgumentParser, default_address: str) -> None:
     p.add_argument("--address", default=default_address, help="host:port to listen on (port 0: a free port)")
     p.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace period for calls in flight (seconds)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this HTTP port (on the --address host; 0: a free port)")
 
 
 def _addresses(text: str) -> tuple[str, ...]:
@@ -156,14 +158,14 @@ async def _serve_worker(role: str, ns: argparse.Namespace) -> int:
         config = PrefillServiceConfig(engine=engine_args_from(ns), cache_address=ns.cache_address,
                                       address=ns.address, served_model_name=ns.served_model_name,
                                       handoff_full_kv=ns.handoff_full_kv, load_remote_prefix=ns.load_remote_prefix,
-                                      torch_threads=ns.torch_threads)
+                                      torch_threads=ns.torch_threads, metrics_port=ns.metrics_port)
     else:
         from decode_service.server import DecodeServiceConfig, serve
 
         config = DecodeServiceConfig(engine=engine_args_from(ns), cache_address=ns.cache_address,
                                      address=ns.address, served_model_name=ns.served_model_name,
                                      kv_load_failure_policy=ns.kv_load_failure_policy,
-                                     torch_threads=ns.torch_threads)
+                                     torch_threads=ns.torch_threads, metrics_port=ns.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -178,7 +180,8 @@ async def _serve_worker(role: str, ns: argparse.Namespace) -> int:
         return 1
     if ready.done():
         host = ns.address.rsplit(":", 1)[0]
-        print(f"kdamesh {role} service listening on {host}:{port} (model {config.model_name})", flush=True)
+        metrics = f", metrics on :{server.metrics_port}" if server.metrics_port is not None else ""
+        print(f"kdamesh {role} service listening on {host}:{port} (model {config.model_name}{metrics})", flush=True)
         await stopped
     else:
         ready.cancel()

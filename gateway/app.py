@@ -30,11 +30,16 @@ Contract:
   `data: {"error": …}` before `data: [DONE]`.
 - A client that disconnects (streaming or not) cancels its mesh calls: decode aborts the request and frees its
   memory.
+- Telemetry of `/v1/chat/completions` and `/v1/completions` (`RequestTrace`, gateway/chat_service.py): the request id
+  is the client's `X-Request-Id` when usable, else a new one, and is returned in the `X-Request-Id` response header;
+  the root span `chat {model}` / `text_completion {model}` continues an incoming W3C `traceparent`; one access line
+  per request (`kdamesh.request` logger) when it ends — after the last streamed chunk for a stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -46,20 +51,40 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.tokenizer import KimiTokenizer
-from gateway.chat_service import ChatEvent, ChatRun, CompletionRun, GatewayCore
+from gateway.chat_service import ChatEvent, ChatRun, CompletionRun, GatewayCore, RequestTrace, api_error_type
 from gateway.config import MODES, GatewayConfig  # noqa: F401  (re-exported: deploy/serve.py, tests)
 from gateway.mesh_client import MeshClient
 from gateway.openai_protocol import (ApiError, bad_json, chat_logprobs_entry, completion_logprobs, not_found_model,
                                      parse_chat, parse_completion, parse_detokenize, parse_tokenize, usage_dict)
 from gateway.parsers import fold
+from telemetry.context import REQUEST_ID_HEADER, request_id_from_headers
+from telemetry.tracing import error_type_of
 
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# FastAPI's own OpenTelemetry spans (newer versions record them by default) are off: each API request has one SERVER
+# span, the gateway's GenAI root span (RequestTrace), which continues the client's `traceparent` itself.
+_FASTAPI_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
+                      if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 
 
-def _error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+def _error_response(exc: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers={**exc.headers, **(headers or {})})
+
+
+def _request_trace(core: GatewayCore, request: Request) -> tuple[RequestTrace, dict[str, str]]:
+    """The telemetry of one API request and the response headers that name its request id."""
+    trace = RequestTrace(core, request.url.path, request_id_from_headers(request.headers), request.headers)
+    return trace, {REQUEST_ID_HEADER: trace.request_id}
+
+
+def _refused(trace: RequestTrace, exc: BaseException, status: int) -> None:
+    """Ends the telemetry of a request answered with an error before (or instead of) its run's own end."""
+    error = api_error_type(exc) if isinstance(exc, ApiError) else \
+        "cancelled" if isinstance(exc, _ClientGone) else error_type_of(exc)
+    trace.fail(error, status)
+    trace.finish()  # a run that was opened has already finished it (with its usage): then this does nothing
 
 
 def _sse(body: dict) -> str:
@@ -255,7 +280,7 @@ def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer:
             if own:
                 await core.close()
 
-    app = FastAPI(title="kdamesh gateway", lifespan=lifespan)
+    app = FastAPI(title="kdamesh gateway", lifespan=lifespan, **_FASTAPI_TELEMETRY)
     app.state.core = core
     metrics = core.metrics
 
@@ -315,54 +340,72 @@ def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        trace, ids = _request_trace(core, request)
         try:
             principal = principal_of(request)
+            trace.tenant = principal.tenant
             chat = parse_chat(await _read_json(request), core.served)
-            run = core.chat(principal, core.plan_chat(chat))
+            run = core.chat(principal, core.plan_chat(chat), trace=trace)
             await _unless_disconnected(request, run.open())
         except ApiError as exc:
             count("chat", exc.status)
-            return _error_response(exc)
-        except _ClientGone:
+            _refused(trace, exc, exc.status)
+            return _error_response(exc, ids)
+        except _ClientGone as exc:
             count("chat", 499)
-            return Response(status_code=499)
+            _refused(trace, exc, 499)
+            return Response(status_code=499, headers=ids)
+        except BaseException as exc:
+            _refused(trace, exc, 500)
+            raise
         count("chat", 200)
         if chat.stream:
             include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
             return StreamingResponse(_chat_stream(run, include_usage), media_type="text/event-stream",
-                                     headers=SSE_HEADERS, background=BackgroundTask(run.close))
+                                     headers={**SSE_HEADERS, **ids}, background=BackgroundTask(run.close))
         try:
-            return JSONResponse(await _unless_disconnected(request, _chat_collect(run)))
+            return JSONResponse(await _unless_disconnected(request, _chat_collect(run)), headers=ids)
         except ApiError as exc:
-            return _error_response(exc)
+            trace.fail(api_error_type(exc), exc.status)
+            return _error_response(exc, ids)
         except _ClientGone:
-            return Response(status_code=499)
+            trace.fail("cancelled", 499)
+            return Response(status_code=499, headers=ids)
         finally:
             await run.close()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        trace, ids = _request_trace(core, request)
         try:
             principal = principal_of(request)
+            trace.tenant = principal.tenant
             job = parse_completion(await _read_json(request), core.tokenizer, core.served)
-            run = core.complete(principal, job)
+            run = core.complete(principal, job, trace=trace)
             await _unless_disconnected(request, run.open())
         except ApiError as exc:
             count("completions", exc.status)
-            return _error_response(exc)
-        except _ClientGone:
+            _refused(trace, exc, exc.status)
+            return _error_response(exc, ids)
+        except _ClientGone as exc:
             count("completions", 499)
-            return Response(status_code=499)
+            _refused(trace, exc, 499)
+            return Response(status_code=499, headers=ids)
+        except BaseException as exc:
+            _refused(trace, exc, 500)
+            raise
         count("completions", 200)
         if job.stream:
-            return StreamingResponse(_completion_stream(run), media_type="text/event-stream", headers=SSE_HEADERS,
-                                     background=BackgroundTask(run.close))
+            return StreamingResponse(_completion_stream(run), media_type="text/event-stream",
+                                     headers={**SSE_HEADERS, **ids}, background=BackgroundTask(run.close))
         try:
-            return JSONResponse(await _unless_disconnected(request, _completion_collect(run)))
+            return JSONResponse(await _unless_disconnected(request, _completion_collect(run)), headers=ids)
         except ApiError as exc:
-            return _error_response(exc)
+            trace.fail(api_error_type(exc), exc.status)
+            return _error_response(exc, ids)
         except _ClientGone:
-            return Response(status_code=499)
+            trace.fail("cancelled", 499)
+            return Response(status_code=499, headers=ids)
         finally:
             await run.close()
 
@@ -402,7 +445,8 @@ async def serve(config: GatewayConfig, log_level: str = "info") -> None:
             grpc_server, port = await serve_grpc(core, f"{config.host}:{config.grpc_port}")
             log.info("gateway gRPC API listening on %s:%d", config.host, port)
         app = create_app(config, core=core)
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port,
+        # log_config=None: uvicorn keeps the process's logging (telemetry.logs: text or JSON, with request ids)
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_config=None,
                                                log_level=log_level.lower(), timeout_graceful_shutdown=5))
         await server.serve()
     finally:

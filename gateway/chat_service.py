@@ -26,6 +26,11 @@ Contract:
 - The cache salt passed to the mesh is derived from the authenticated principal (`CacheSalter`); a client's
   `cache_salt` is only mixed in. Tenants therefore never share prefix-cache entries.
 - `tokenize` / `detokenize` / `model_cards` answer vLLM's /tokenize, /detokenize and /v1/models.
+- Telemetry (`RequestTrace`, one per API request): the request id (`X-Request-Id`), the root span
+  `chat {model}` / `text_completion {model}` with the GenAI attributes (continuing a REST `traceparent`, or the
+  gRPC API's server span), current — with the request id — around every step of the mesh call (so the gRPC client
+  interceptors carry both to the workers, also while a response streams), and one access line (`log_request`)
+  when the request ends. A run given a trace finishes it on `close()`.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from contextlib import aclosing
+from contextlib import ExitStack, aclosing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +59,9 @@ from gateway.parsers.k3 import MARKERS as K3_MARKERS
 from gateway.ratelimit import Lease, RateLimiter, RateLimitExceeded
 from gateway.tenancy import AuthError, CacheSalter, Principal, TenantDirectory
 from protos import common_pb2
+from telemetry import tracing
+from telemetry.context import request_id_scope
+from telemetry.logs import log_request
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +209,83 @@ class ChatPlan:
         return self.prompt.token_ids
 
 
+# -- telemetry of one request ------------------------------------------------------------------------------------
+
+
+class RequestTrace:
+    """One API request's request id, root span and access line (see the module docstring)."""
+
+    def __init__(self, core: "GatewayCore", endpoint: str, request_id: str,
+                 headers: Mapping[str, str] | None = None):
+        self.core = core
+        self.endpoint = endpoint  # e.g. "/v1/chat/completions", "kdamesh.v1.Generation/Chat"
+        self.request_id = request_id
+        self.headers = headers  # REST headers (a `traceparent` is continued); None: the current context's span
+        self.started = time.monotonic()
+        self.model = core.config.model_name
+        self.tenant: str | None = None
+        self.span: tracing.RequestSpan | None = None
+        self.status = 200
+        self.error: str | None = None
+        self._done = False
+
+    def start_span(self, operation: str, tenant: str, sampling: common_pb2.SamplingParams, n: int,
+                   stream: bool) -> None:
+        """Opens the root span (operation "chat" or "text_completion") once the request is parsed."""
+        self.tenant = tenant
+        has = sampling.HasField
+        self.span = tracing.start_request_span(
+            self.core.tracer, operation, self.model, self.headers,
+            max_tokens=sampling.max_tokens if has("max_tokens") else None,
+            temperature=sampling.temperature if has("temperature") else None,
+            top_p=sampling.top_p if has("top_p") else None, seed=sampling.seed if has("seed") else None,
+            choice_count=n, request_id=self.request_id, tenant=tenant, stream=stream)
+
+    def fail(self, error: str, status: int | None = None) -> None:
+        """Records the request's failure (`error.type`) and, when given, the status it was answered with."""
+        if self.error is None:
+            self.error = error
+        if status is not None:
+            self.status = status
+
+    @contextmanager
+    def scope(self):
+        """The root span and the request id, current inside the block."""
+        with ExitStack() as stack:
+            if self.span is not None:
+                stack.enter_context(self.span.activate())
+            stack.enter_context(request_id_scope(self.request_id))
+            yield
+
+    def finish(self, run: "_Run | None" = None) -> None:
+        """Ends the root span and writes the access line (once)."""
+        if self._done:
+            return
+        self._done = True
+        usage = run.usage() if run is not None else Usage(0, 0, 0)
+        reasons = run.finish_reasons() if run is not None else []
+        ttft = None if run is None or run.first_token_at is None else run.first_token_at - run.start
+        route = (run.route or None) if run is not None else None
+        with self.scope():
+            log_request(request_id=self.request_id, tenant=self.tenant, model=self.model, endpoint=self.endpoint,
+                        status=self.status, prompt_tokens=usage.prompt_tokens,
+                        completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens, ttft_s=ttft,
+                        duration_s=time.monotonic() - self.started, route=route, finish_reasons=reasons,
+                        error=self.error)
+        if self.span is not None:
+            ran = run is not None  # refused before a run: no usage or response attributes
+            self.span.finish(input_tokens=usage.prompt_tokens if ran else None,
+                             output_tokens=usage.completion_tokens if ran else None,
+                             cached_tokens=usage.cached_tokens if ran else None, finish_reasons=reasons,
+                             response_id=run.id if ran else None, response_model=self.model if ran else None,
+                             route=route, error_type=self.error)
+
+
+def api_error_type(exc: ApiError) -> str:
+    """The `error.type` of a refused or failed request: the error's code, else its type."""
+    return exc.code or exc.type
+
+
 # -- runs --------------------------------------------------------------------------------------------------------
 
 
@@ -210,8 +295,9 @@ class _Run:
     endpoint = ""
 
     def __init__(self, core: "GatewayCore", principal: Principal, lease: Lease, request_id: str,
-                 prompt_tokens: int, api: str):
+                 prompt_tokens: int, api: str, trace: RequestTrace | None = None):
         self.core = core
+        self.trace = trace
         self.principal = principal
         self.lease = lease
         self.id = request_id
@@ -239,17 +325,43 @@ class _Run:
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens, self.completion_tokens(), self.cached_tokens)
 
+    def finish_reasons(self) -> list[str]:
+        """The finish reasons of the choices that finished, by choice index."""
+        raise NotImplementedError
+
+    async def _step(self):
+        """The next mesh item, with the request's span and id current while the mesh works (gRPC calls and tasks
+        started here carry them); attached and detached within this one step, never across a `yield`."""
+        if self.trace is None:
+            return await self._source.__anext__()
+        with self.trace.scope():
+            try:
+                return await self._source.__anext__()
+            except StopAsyncIteration:
+                raise
+            except MeshError as exc:
+                self.trace.fail(api_error_type(mesh_api_error(exc.code, exc.message, self.prompt_param)))
+                raise
+            except BaseException as exc:
+                self.trace.fail(tracing.error_type_of(exc))
+                raise
+
     async def open(self) -> None:
         """Starts the mesh request and waits for its first item; raises ApiError when it fails before any."""
         self._source = self._items()
         try:
-            self._first = await self._source.__anext__()
+            self._first = await self._step()
         except StopAsyncIteration:
             self._first = None
         except MeshError as exc:
+            error = mesh_api_error(exc.code, exc.message, self.prompt_param)
+            if self.trace is not None:
+                self.trace.fail(api_error_type(error), error.status)
             await self.close()
-            raise mesh_api_error(exc.code, exc.message, self.prompt_param) from None
-        except BaseException:
+            raise error from None
+        except BaseException as exc:
+            if self.trace is not None:  # cancelled: the client went away (or the server is stopping)
+                self.trace.fail(tracing.error_type_of(exc), 499 if isinstance(exc, asyncio.CancelledError) else 500)
             await self.close()
             raise
 
@@ -262,7 +374,11 @@ class _Run:
         if self._first is not None:
             first, self._first = self._first, None
             yield first
-        async for item in self._source:
+        while True:
+            try:
+                item = await self._step()
+            except StopAsyncIteration:
+                return
             yield item
 
     def _saw_tokens(self, event: TokenEvent) -> None:
@@ -291,6 +407,8 @@ class _Run:
                                usage.cached_tokens)
         metrics.observe_timing(self.endpoint, self.start, self.first_token_at, self.last_token_at,
                                self._longest_choice())
+        if self.trace is not None:
+            self.trace.finish(self)
 
     def _longest_choice(self) -> int:
         return self.completion_tokens()
@@ -330,14 +448,17 @@ class ChatRun(_Run):
     prompt_param = "messages"
 
     def __init__(self, core: "GatewayCore", principal: Principal, lease: Lease, plan: ChatPlan, request_id: str,
-                 salt: bytes, api: str):
-        super().__init__(core, principal, lease, request_id, len(plan.prompt_ids), api)
+                 salt: bytes, api: str, trace: RequestTrace | None = None):
+        super().__init__(core, principal, lease, request_id, len(plan.prompt_ids), api, trace)
         self.plan = plan
         self.salt = salt
         self.choices = [_ChatChoice(i, core.tokenizer, plan, core.marker_ids) for i in range(plan.request.n)]
 
     def completion_tokens(self) -> int:
         return sum(len(c.text.token_ids) for c in self.choices)
+
+    def finish_reasons(self) -> list[str]:
+        return [c.finish_reason() for c in self.choices if c.done]
 
     def _longest_choice(self) -> int:
         return max((len(c.text.token_ids) for c in self.choices), default=0)
@@ -399,8 +520,8 @@ class CompletionRun(_Run):
     endpoint = "completions"
 
     def __init__(self, core: "GatewayCore", principal: Principal, lease: Lease, job: CompletionJob,
-                 request_id: str, salt: bytes, api: str):
-        super().__init__(core, principal, lease, request_id, sum(len(p) for p in job.prompts), api)
+                 request_id: str, salt: bytes, api: str, trace: RequestTrace | None = None):
+        super().__init__(core, principal, lease, request_id, sum(len(p) for p in job.prompts), api, trace)
         self.job = job
         self.salt = salt
         rules = TextRules.of(job.sampling)
@@ -412,6 +533,9 @@ class CompletionRun(_Run):
 
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices.values())
+
+    def finish_reasons(self) -> list[str]:
+        return [self.choices[i].finish_reason for i in sorted(self.choices) if self.choices[i].finish_reason]
 
     def _longest_choice(self) -> int:
         return max((len(c.token_ids) for c in self.choices.values()), default=0)
@@ -526,6 +650,7 @@ class GatewayCore:
         self.renderer: ChatRenderer | None = None
         self.marker_ids: frozenset[int] = frozenset()  # special ids the output parsers read (others are dropped)
         self.metrics = metrics or GatewayMetrics()
+        self.tracer = tracing.get_tracer("kdamesh.gateway")
         env = os.environ if env is None else env
         self.tenants = tenants if tenants is not None else TenantDirectory.from_config(
             config.api_keys, config.api_keys_file, config.tenant_limits())
@@ -676,24 +801,30 @@ class GatewayCore:
                                 f"{prompt_tokens} prompt tokens{asked}", param=param,
                            code="context_length_exceeded")
 
-    def chat(self, principal: Principal, plan: ChatPlan, *, api: str = "rest") -> ChatRun:
+    def chat(self, principal: Principal, plan: ChatPlan, *, api: str = "rest",
+             trace: RequestTrace | None = None) -> ChatRun:
         request = plan.request
+        if trace is not None:
+            trace.start_span("chat", principal.tenant, plan.sampling, request.n, request.stream)
         lease = self._admit(principal, len(plan.prompt_ids), request.completion_limit, request.n)
         self.metrics.running.labels(api).inc()
         salt = self.tenant_salt(principal, request.cache_salt)
         request_id = f"chatcmpl-{request.request_id or uuid.uuid4().hex}"
-        return ChatRun(self, principal, lease, plan, request_id, salt, api)
+        return ChatRun(self, principal, lease, plan, request_id, salt, api, trace)
 
     # -- completions -------------------------------------------------------------------------------------------
 
-    def complete(self, principal: Principal, job: CompletionJob, *, api: str = "rest") -> CompletionRun:
+    def complete(self, principal: Principal, job: CompletionJob, *, api: str = "rest",
+                 trace: RequestTrace | None = None) -> CompletionRun:
+        if trace is not None:
+            trace.start_span("text_completion", principal.tenant, job.sampling, job.n, job.stream)
         for prompt in job.prompts:
             self.check_prompt_length(len(prompt), job.max_tokens, "prompt")
         lease = self._admit(principal, sum(len(p) for p in job.prompts), job.max_tokens, job.n * len(job.prompts))
         self.metrics.running.labels(api).inc()
         salt = self.tenant_salt(principal, job.cache_salt)
         request_id = f"cmpl-{job.request_id or uuid.uuid4().hex}"
-        return CompletionRun(self, principal, lease, job, request_id, salt, api)
+        return CompletionRun(self, principal, lease, job, request_id, salt, api, trace)
 
     # -- tokenizer and models ----------------------------------------------------------------------------------
 

@@ -13,7 +13,9 @@ Contract:
   choice's last message with its finish reason); the message that finishes the last choice also carries `usage`.
   `Generate` likewise. Cancelling a call (client cancel, deadline) aborts the request in the mesh.
 - `serve_grpc(core, address)` starts a `grpc.aio` server with this servicer, standard health (SERVING) and
-  reflection, and returns it with its port.
+  reflection, and returns it with its port. Its interceptors (`telemetry.rpc.server_interceptors("gateway")`)
+  continue a caller's `traceparent` with a SERVER span per call and bind its `x-request-id`; `Chat` and `Generate`
+  open the GenAI root span below it and write one access line, as the REST API does (`RequestTrace`).
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.chat_service import ChatEvent, GatewayCore, Usage
+from gateway.chat_service import ChatEvent, GatewayCore, RequestTrace, Usage, api_error_type
 from gateway.openai_protocol import (HTTP_STATUS, ApiError, TokenizeChatRequest, TokenizeCompletionRequest,
                                      parse_chat, parse_completion, parse_tokenize)
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
+from telemetry.context import current_request_id, new_request_id
+from telemetry.rpc import server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -230,18 +234,27 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         trailing = (("retry-after", exc.headers["Retry-After"]),) if "Retry-After" in exc.headers else ()
         await context.abort(exc.grpc_code, exc.message, trailing_metadata=trailing)
 
+    def _trace(self, endpoint: str) -> RequestTrace:
+        """The request's telemetry: the caller's `x-request-id` (bound by the server interceptor) or a new id; the
+        root span continues the interceptor's SERVER span, which continued the caller's `traceparent`."""
+        return RequestTrace(self.core, f"{SERVICE_NAME}/{endpoint}", current_request_id() or new_request_id())
+
     def _principal(self, context):
         metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
         return self.core.authenticate(metadata.get("authorization"))
 
     async def Chat(self, request: gateway_pb2.ChatRequest, context):
         core = self.core
+        trace = self._trace("Chat")
         try:
             principal = self._principal(context)
+            trace.tenant = principal.tenant
             chat = parse_chat(chat_body(request), core.served)
-            run = core.chat(principal, core.plan_chat(chat), api="grpc")
+            run = core.chat(principal, core.plan_chat(chat), api="grpc", trace=trace)
             await run.open()
         except ApiError as exc:
+            trace.fail(api_error_type(exc), exc.status)
+            trace.finish()
             await self._fail(context, "chat", exc)
             return
         core.metrics.count_request("grpc", "chat", 200)
@@ -262,16 +275,20 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context):
         core = self.core
+        trace = self._trace("Generate")
         try:
             principal = self._principal(context)
+            trace.tenant = principal.tenant
             job = parse_completion(generate_body(request), core.tokenizer, core.served)
             if not request.sampling.HasField("max_tokens"):
                 job.sampling.ClearField("max_tokens")  # unset: up to the context length
             if request.sampling.HasField("structured_output"):
                 job.sampling.structured_output.CopyFrom(request.sampling.structured_output)
-            run = core.complete(principal, job, api="grpc")
+            run = core.complete(principal, job, api="grpc", trace=trace)
             await run.open()
         except ApiError as exc:
+            trace.fail(api_error_type(exc), exc.status)
+            trace.finish()
             await self._fail(context, "completions", exc)
             return
         core.metrics.count_request("grpc", "completions", 200)
@@ -346,7 +363,7 @@ async def serve_grpc(core: GatewayCore, address: str, max_message_bytes: int = 1
     """Starts the public gRPC API on `address` (port 0: a free port); returns (server, port)."""
     options = [("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.max_send_message_length", max_message_bytes)]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, interceptors=server_interceptors("gateway"))
     gateway_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -22,6 +22,8 @@ Contract:
   router (an unhealthy worker gets no new requests until it passes again); `run_health_checks(interval_s)` does that
   until cancelled (the gateway runs it as a background task). `on_health_change(address, healthy)` is called on
   every transition.
+- Telemetry: the worker channels carry `telemetry.rpc.client_interceptors()`: every call sends the caller's current
+  trace context (`traceparent`) and request id (`x-request-id`), so the workers' spans join the request's trace.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.routing import NoHealthyWorker, Router, RouterConfig, prompt_block_hashes
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from telemetry.rpc import client_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +120,7 @@ class _Worker:
         self.address = address
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.channel = grpc.aio.insecure_channel(address, options=options, interceptors=client_interceptors())
         self.stub = stub_type(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 

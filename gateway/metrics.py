@@ -11,18 +11,21 @@ Contract:
   `prompt_tokens_total{tenant}`, `generation_tokens_total{tenant}`, `cached_tokens_total{tenant}` (counters),
   `rate_limited_total{tenant, limit}` (counter), `worker_healthy{pool, address}` (gauge, 1 or 0),
   `mesh_routes_total{route}` (counter: "remote" | "local" | "fallback").
+- The latency histograms use the OpenTelemetry GenAI bucket boundaries of `telemetry.metrics`
+  (`gen_ai.server.time_to_first_token`, `gen_ai.server.time_per_output_token`, `gen_ai.server.request.duration`),
+  the same as the workers' `kdamesh_<service>_*` histograms, so gateway and worker latencies compare bucket for bucket.
 - Tenant labels are bounded by the configured tenants (the directory's names; "anonymous" in open mode).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0)
-TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 300.0, 600.0)
+from telemetry.metrics import REQUEST_DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, render
+
+__all__ = ["E2E_BUCKETS", "TPOT_BUCKETS", "TTFT_BUCKETS", "GatewayMetrics"]
+
+E2E_BUCKETS = REQUEST_DURATION_BUCKETS  # gen_ai.server.request.duration
 
 
 class GatewayMetrics:
@@ -68,4 +71,4 @@ class GatewayMetrics:
             self.e2e.labels(endpoint).observe(max(0.0, last - start))
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return render(self.registry)
