@@ -14,6 +14,9 @@ BENCHMARKS = [
     ["bench.bench_model", "--preset", "small-linear", "--prompt-len", "1024", "--decode-steps", "8", "--threads", "1"],
     ["bench.bench_model", "--preset", "small-k3", "--prompt-len", "1024", "--decode-steps", "8", "--threads", "1"],
     ["bench.bench_engine"],
+    ["bench.bench_cache"],
+    ["bench.bench_pd"],
+    ["bench.plots"],
 ]
 
 
