@@ -128,6 +128,46 @@ async def _read_json(request: Request):
         raise bad_json(exc) from None
 
 
+class ShutdownClock:
+    """When the HTTP server was told to stop: streams still running near the end of its grace period end with an
+    OpenAI error event and `[DONE]` instead of being cut off mid-stream."""
+
+    def __init__(self, grace_s: float, margin_s: float = 1.0):
+        self.grace_s, self.margin_s = grace_s, margin_s
+        self.deadline = asyncio.Event()  # set when streams must wrap up
+
+    def begin(self) -> None:
+        asyncio.get_running_loop().call_later(max(0.0, self.grace_s - self.margin_s), self.deadline.set)
+
+
+SHUTTING_DOWN = "the server is shutting down; the stream ended before its output was complete"
+
+
+async def _until_shutdown(events: AsyncIterator, clock: ShutdownClock | None) -> AsyncIterator:
+    """Yields `events` until they end, or raises a 503 `ApiError` once the shutdown deadline passes."""
+    if clock is None:
+        async for item in events:
+            yield item
+        return
+    iterator = events.__aiter__()
+    deadline = asyncio.ensure_future(clock.deadline.wait())
+    try:
+        while True:
+            step = asyncio.ensure_future(iterator.__anext__())
+            await asyncio.wait({step, deadline}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+                raise ApiError(503, SHUTTING_DOWN, code="shutting_down")
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        deadline.cancel()
+
+
 # -- chat responses ----------------------------------------------------------------------------------------------
 
 
@@ -159,9 +199,9 @@ def _chat_choice_chunks(run: ChatRun, event: ChatEvent, include_usage: bool) -> 
     return chunks
 
 
-async def _chat_stream(run: ChatRun, include_usage: bool) -> AsyncIterator[str]:
+async def _chat_stream(run: ChatRun, include_usage: bool, clock: ShutdownClock | None = None) -> AsyncIterator[str]:
     try:
-        async for event in run.events():
+        async for event in _until_shutdown(run.events(), clock):
             for chunk in _chat_choice_chunks(run, event, include_usage):
                 yield chunk
         if include_usage:
@@ -211,10 +251,10 @@ def _completion_chunk(run: CompletionRun, choices: list[dict], usage: dict | Non
     return _sse(body)
 
 
-async def _completion_stream(run: CompletionRun) -> AsyncIterator[str]:
+async def _completion_stream(run: CompletionRun, clock: ShutdownClock | None = None) -> AsyncIterator[str]:
     job, tokenizer = run.job, run.core.tokenizer
     try:
-        async for ev in run.events():
+        async for ev in _until_shutdown(run.events(), clock):
             logprobs = completion_logprobs(tokenizer, ev.logprobs, ev.logprob_offset) \
                 if job.logprobs is not None else None
             choice = {"index": ev.index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason,
@@ -265,7 +305,7 @@ async def _completion_collect(run: CompletionRun) -> dict:
 
 
 def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer: KimiTokenizer | None = None,
-               core: GatewayCore | None = None) -> FastAPI:
+               core: GatewayCore | None = None, shutdown: ShutdownClock | None = None) -> FastAPI:
     own = core is None
     if core is None:
         core = GatewayCore(config, mesh=mesh, tokenizer=tokenizer)
@@ -361,7 +401,7 @@ def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer:
         count("chat", 200)
         if chat.stream:
             include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
-            return StreamingResponse(_chat_stream(run, include_usage), media_type="text/event-stream",
+            return StreamingResponse(_chat_stream(run, include_usage, shutdown), media_type="text/event-stream",
                                      headers={**SSE_HEADERS, **ids}, background=BackgroundTask(run.close))
         try:
             return JSONResponse(await _unless_disconnected(request, _chat_collect(run)), headers=ids)
@@ -396,7 +436,7 @@ def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer:
             raise
         count("completions", 200)
         if job.stream:
-            return StreamingResponse(_completion_stream(run), media_type="text/event-stream",
+            return StreamingResponse(_completion_stream(run, shutdown), media_type="text/event-stream",
                                      headers={**SSE_HEADERS, **ids}, background=BackgroundTask(run.close))
         try:
             return JSONResponse(await _unless_disconnected(request, _completion_collect(run)), headers=ids)
@@ -431,6 +471,22 @@ def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer:
 # -- running it --------------------------------------------------------------------------------------------------
 
 
+HTTP_SHUTDOWN_GRACE_S = 5
+
+
+def _DrainingServer(clock: ShutdownClock, config):  # noqa: N802 - a class factory (uvicorn imported lazily)
+    """A uvicorn server that starts `clock` when told to exit, so running streams end cleanly within the grace."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                clock.begin()
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
+
+
 async def serve(config: GatewayConfig, log_level: str = "info") -> None:
     """Runs the gateway — REST (uvicorn) and, unless `config.grpc_port` is None, the gRPC API — until SIGINT/SIGTERM."""
     import uvicorn
@@ -444,10 +500,12 @@ async def serve(config: GatewayConfig, log_level: str = "info") -> None:
         if config.grpc_port is not None:
             grpc_server, port = await serve_grpc(core, f"{config.host}:{config.grpc_port}")
             log.info("gateway gRPC API listening on %s:%d", config.host, port)
-        app = create_app(config, core=core)
+        clock = ShutdownClock(grace_s=HTTP_SHUTDOWN_GRACE_S)
+        app = create_app(config, core=core, shutdown=clock)
         # log_config=None: uvicorn keeps the process's logging (telemetry.logs: text or JSON, with request ids)
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_config=None,
-                                               log_level=log_level.lower(), timeout_graceful_shutdown=5))
+        server = _DrainingServer(clock, uvicorn.Config(app, host=config.host, port=config.http_port, log_config=None,
+                                                       log_level=log_level.lower(),
+                                                       timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S))
         await server.serve()
     finally:
         if grpc_server is not None:
