@@ -1,0 +1,71 @@
+"""Conversions between the wire contract (`protos`) and the engine's request types, for the worker services.
+
+Contract: pure functions, no I/O. `sampling_from_proto` raises `InvalidRequestError` for values out of range (proto3
+defaults mean vLLM's defaults); `structured_from_proto` raises it for an unusable structured-output spec. Only the
+worker services (prefill_service, decode_service) import this module — it is the one place both may share without
+importing each other; `cache_service` and `sdk` depend on the generated messages alone and never import it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from engine.errors import InvalidRequestError
+from engine.outputs import PositionLogprobs
+from engine.sampling import SamplingParams
+from engine.structured import (DEFAULT_MAX_REASONING_TOKENS, DEFAULT_MAX_STRING_TOKENS, StructuredOutputParams,
+                               ToolSpec)
+from protos import common_pb2
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises InvalidRequestError for values out of range (proto3 defaults mean vLLM's defaults)."""
+    return SamplingParams(
+        n=msg.n or 1, max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None, min_tokens=msg.min_tokens,
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0, top_k=msg.top_k if msg.HasField("top_k") else 0,
+        min_p=msg.min_p if msg.HasField("min_p") else 0.0, seed=msg.seed if msg.HasField("seed") else None,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        logprobs=msg.top_logprobs if msg.logprobs else None, skip_special_tokens=msg.skip_special_tokens,
+        structured=structured_from_proto(msg.structured_output) if msg.HasField("structured_output") else None)
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputParams:
+    """The engine's structured-output params; raises InvalidRequestError for an unusable spec."""
+    def load(text: str, what: str, param: str):
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{what} is not valid JSON: {exc}", param=param) from None
+
+    kind = {common_pb2.StructuredOutput.KIND_JSON_OBJECT: "json_object",
+            common_pb2.StructuredOutput.KIND_JSON_SCHEMA: "json_schema",
+            common_pb2.StructuredOutput.KIND_TOOL_CALL: "tool_call"}.get(msg.kind)
+    if kind is None:
+        raise InvalidRequestError("structured_output.kind is unspecified", param="response_format")
+    tools = tuple(ToolSpec(t.name, load(t.parameters_json, f"tool {t.name!r} parameters", "tools")
+                           if t.parameters_json else None) for t in msg.tools)
+    named = msg.tool_mode == common_pb2.StructuredOutput.TOOL_MODE_NAMED
+
+    def limit(field: str, default):
+        if not msg.HasField(field):
+            return default
+        value = getattr(msg, field)
+        return None if value < 0 else value
+
+    return StructuredOutputParams(
+        kind, json_schema=load(msg.json_schema, "json_schema", "response_format") if kind == "json_schema" else None,
+        tools=tools, mode="named" if named else "required", name=msg.tool_name if named else None,
+        parallel_tool_calls=msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True,
+        output_format=msg.output_format or None, starts_in_reasoning=msg.starts_in_reasoning,
+        max_reasoning_tokens=limit("max_reasoning_tokens", DEFAULT_MAX_REASONING_TOKENS),
+        max_string_tokens=limit("max_string_tokens", DEFAULT_MAX_STRING_TOKENS))
+
+
+def logprob_to_proto(entries: PositionLogprobs, token_id: int, top: int) -> common_pb2.TokenLogprob:
+    ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entries.items() if lp.rank <= top)
+    return common_pb2.TokenLogprob(token_id=token_id, logprob=entries[token_id].logprob,
+                                   top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for _, t, v in ranked])
