@@ -2,12 +2,6 @@
 dense, non-absorbed multi-head reference."""
 
 import importlib
-import json
-import os
-import subprocess
-import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +9,7 @@ import torch
 from kernels.attention import torch_paged
 from kernels.attention.flashinfer_mla import paged_kv_indices
 from kernels.attention.naive import mla_paged_attention_naive
+from tests import triton_child
 
 KV_LORA, ROPE = 32, 16
 DK = KV_LORA + ROPE
@@ -191,29 +186,13 @@ def triton_bf16():
 
 
 def _run_checks_here(result_path):
-    """Subprocess entry point: runs every check, writes {name: [ok, traceback]} as JSON."""
-    results = {}
-    for name, check in TRITON_CHECKS.items():
-        torch.manual_seed(0)
-        try:
-            check()
-            results[name] = [True, ""]
-        except Exception:  # noqa: BLE001 - reported back to the parent test
-            results[name] = [False, traceback.format_exc()]
-    Path(result_path).write_text(json.dumps(results))
+    """Subprocess entry point (see tests/triton_child.py)."""
+    triton_child.run_checks_here(TRITON_CHECKS, result_path)
 
 
 @pytest.fixture(scope="module")
 def triton_results(tmp_path_factory):
-    importlib.import_module("triton")
-    root = Path(__file__).resolve().parents[3]
-    out = tmp_path_factory.mktemp("triton") / "results.json"
-    code = f"import {__name__} as m; m._run_checks_here({str(out)!r})"
-    pythonpath = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return triton_child.run_in_child(__name__, tmp_path_factory.mktemp("triton"))
 
 
 @pytest.mark.parametrize("name", sorted(TRITON_CHECKS))
