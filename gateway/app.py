@@ -120,8 +120,20 @@ async def _unless_disconnected(request: Request, work: Awaitable):
     raise _ClientGone()
 
 
+MAX_REQUEST_BYTES = 32 << 20  # a JSON body larger than this is refused with 413 before it is parsed
+
+
 async def _read_json(request: Request):
-    raw = await request.body()
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+        raise ApiError(413, f"the request body is {declared} bytes; the limit is {MAX_REQUEST_BYTES}",
+                       code="request_too_large")
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_REQUEST_BYTES:  # a body without (or lying about) its length
+            raise ApiError(413, f"the request body exceeds {MAX_REQUEST_BYTES} bytes", code="request_too_large")
+    raw = bytes(raw)
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -25,6 +25,8 @@ def chat(**fields):
 
 # (endpoint, body (bytes: raw), status, param or None)
 CASES = [
+    ("/v1/chat/completions", b" " * (33 << 20), 413, None),  # over MAX_REQUEST_BYTES (32 MiB)
+    ("/v1/completions", b"[" * (33 << 20), 413, None),
     ("/v1/chat/completions", b"{not json", 400, None),
     ("/v1/chat/completions", b"\xff\xfe", 400, None),
     ("/v1/chat/completions", b"", 400, None),
