@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
@@ -41,8 +40,9 @@ from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutEr
 from engine.sampling import SamplingParams
 from prefill_service.worker import (HandoffPublishError, PrefillAbortedError, PrefillJob, PrefillResult,
                                     PrefillWorker)
-from protos.engine_codec import logprob_to_proto, sampling_from_proto
 from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
+from protos.engine_codec import logprob_to_proto, sampling_from_proto
+from protos.grpc_server import start_grpc_server
 from telemetry import tracing
 from telemetry.context import bind_request_id, current_request_id
 from telemetry.metrics import (CounterSample, EngineGauges, MetricsServer, RequestTimer, WorkerMetrics, metrics_host,
@@ -261,21 +261,10 @@ async def serve(config: PrefillServiceConfig, *, registry: CollectorRegistry | N
     """Starts the server and begins loading the model -> (server, bound port). Metrics go to `registry` (None: a
     new one, `server.metrics.registry`); spans to `tracer_provider` (None: OpenTelemetry's global provider)."""
     metrics = WorkerMetrics(registry if registry is not None else CollectorRegistry(), "prefill", with_tpot=False)
-    options = [("grpc.max_receive_message_length", config.max_message_bytes),
-               ("grpc.max_send_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0)]
-    grpc_server = grpc.aio.server(options=options, interceptors=server_interceptors(
-        "prefill", tracer_provider=tracer_provider, metrics=metrics.rpc))
     servicer = PrefillServicer(config, metrics)
-    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, grpc_server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server)
-    port = grpc_server.add_insecure_port(config.address)
-    if port == 0:
-        raise OSError(f"cannot bind the prefill service to {config.address}")
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await grpc_server.start()
+    grpc_server, port, health_servicer = await start_grpc_server(
+        config.address, SERVICE_NAME, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
+        config.max_message_bytes, server_interceptors("prefill", tracer_provider=tracer_provider, metrics=metrics.rpc))
     server = PrefillServer(config, grpc_server, port, health_servicer, servicer, tracer_provider)
     if config.metrics_port is not None:
         server.metrics_http = start_metrics_server(config.metrics_port, metrics_host(config.address),

@@ -1,0 +1,35 @@
+"""The standard gRPC server every kdamesh worker service runs.
+
+Contract: `start_grpc_server` builds a `grpc.aio` server with the given message-size limit and interceptors, adds
+the service (via `add_servicer`), the standard health service — reporting NOT_SERVING for "" and the service name
+until the caller sets SERVING — and reflection for the service, health and reflection; binds `address` (port 0: a
+free port) and starts it. It raises `OSError` when the address cannot be bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+
+async def start_grpc_server(address: str, service_name: str, add_servicer: Callable[[grpc.aio.Server], None],
+                            max_message_bytes: int, interceptors: Sequence = ()
+                            ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """-> (started server, bound port, its health servicer)."""
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options, interceptors=list(interceptors))
+    add_servicer(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {service_name} to {address}")
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    return server, port, health_servicer
