@@ -35,8 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 from opentelemetry.trace import Tracer, TracerProvider
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -45,6 +44,7 @@ from cache_service.metrics import CacheMetrics
 from cache_service.objects import Checksum, Status, encode_key, encode_object_key
 from cache_service.store import GetOutcome, KeyOutcome, PutItem, Store, StoreUnavailableError
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
+from protos.grpc_server import start_grpc_server
 from telemetry import tracing
 from telemetry.metrics import RpcMetrics
 from telemetry.rpc import server_interceptors
@@ -473,21 +473,14 @@ async def serve(config: CacheServiceConfig, *, store: Store | None = None, regis
     metrics = CacheMetrics(registry)
     metrics.watch(store)
     executor = ThreadPoolExecutor(max_workers=config.store_threads, thread_name_prefix="cache-store")
-    options = [("grpc.max_receive_message_length", config.max_message_bytes),
-               ("grpc.max_send_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0)]
     interceptors = server_interceptors("cache", tracer_provider=tracer_provider,
                                        metrics=RpcMetrics(metrics.registry, "cache", with_latency=False),
                                        access_log_level=logging.DEBUG)
-    server = grpc.aio.server(options=options, interceptors=interceptors)
     tracer = tracing.get_tracer("kdamesh.cache", tracer_provider)
-    cache_pb2_grpc.add_CacheServiceServicer_to_server(CacheServicer(store, config, metrics, executor, tracer), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(config.address)
-    if port == 0:
-        raise OSError(f"cannot bind the cache service to {config.address}")
-    await server.start()
+    servicer = CacheServicer(store, config, metrics, executor, tracer)
+    server, port, health_servicer = await start_grpc_server(
+        config.address, SERVICE_NAME, lambda s: cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, s),
+        config.max_message_bytes, interceptors)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics_http = None
