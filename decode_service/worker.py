@@ -98,6 +98,7 @@ class TokenBatch:
     first_token_logprob: common_pb2.TokenLogprob | None = None  # the handoff's first token, already in proto form
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cached_tokens: int | None = None  # prompt tokens served from the cache; on the first batch of the request
     usage: Usage | None = None
     used_handoff: bool = False
 
@@ -214,15 +215,18 @@ class DecodeWorker:
 
     async def _continue(self, job: DecodeJob, state: RequestState) -> AsyncIterator[TokenBatch]:
         handoff = job.handoff
-        yield TokenBatch(0, [handoff.first_token_id], first_token_logprob=handoff.first_token_logprob)
+        yield TokenBatch(0, [handoff.first_token_id], first_token_logprob=handoff.first_token_logprob,
+                         cached_tokens=handoff.cached_tokens)
         stream = self.engine.import_request(job.request_id, state, job.params, priority=job.priority,
                                             deadline=job.deadline)
-        async for batch in self._batches(stream, job, 1, handoff.cached_tokens, used_handoff=True, carried=1):
+        async for batch in self._batches(stream, job, 1, handoff.cached_tokens, used_handoff=True, carried=1,
+                                         first=False):
             yield batch
 
     async def _batches(self, stream: AsyncIterator[RequestOutput], job: DecodeJob, n: int, cached_tokens: int | None,
-                       used_handoff: bool, carried: int) -> AsyncIterator[TokenBatch]:
-        """Engine deltas -> token batches; the last batch gets the usage."""
+                       used_handoff: bool, carried: int, first: bool = True) -> AsyncIterator[TokenBatch]:
+        """Engine deltas -> token batches; the first batch (when `first`) gets the cached tokens, the last the
+        usage."""
         pending: TokenBatch | None = None
         totals = [carried] + [0] * (n - 1)
         async for out in stream:
@@ -233,6 +237,9 @@ class DecodeWorker:
                 pending = TokenBatch(c.index, list(c.delta_token_ids), logprobs=c.delta_logprobs,
                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                      used_handoff=used_handoff)
+                if first:
+                    pending.cached_tokens = out.num_cached_tokens if cached_tokens is None else cached_tokens
+                    first = False
             if out.finished:
                 cached = out.num_cached_tokens if cached_tokens is None else cached_tokens
                 if pending is None:

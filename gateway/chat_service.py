@@ -387,8 +387,10 @@ class _Run:
             if self.first_token_at is None:
                 self.first_token_at = now
             self.last_token_at = now
+        if event.cached_tokens is not None:  # the first event: known even if the stream is left early
+            self.cached_tokens = event.cached_tokens
         if event.usage is not None:
-            self.cached_tokens += event.usage.cached_tokens
+            self.cached_tokens = event.usage.cached_tokens
             if event.route:
                 self.route = event.route
                 self.core.metrics.routes.labels(event.route).inc()

@@ -80,6 +80,7 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_token_id: int | None = None  # with finish "stop": the stop token that ended the output (EOS or stop id)
     usage: common_pb2.Usage | None = None  # on the last event of the request
+    cached_tokens: int | None = None  # prompt tokens served from the cache; on the first event of the request
     route: str = ""  # on the last event: "remote" | "local" | "fallback"
 
 
@@ -286,6 +287,8 @@ class MeshClient:
                 event = TokenEvent(index=chunk.index, token_ids=list(chunk.token_ids), logprobs=list(chunk.logprobs),
                                    finish_reason=FINISH_NAMES.get(chunk.finish_reason),
                                    stop_token_id=chunk.stop_token_id if chunk.HasField("stop_token_id") else None)
+                if chunk.HasField("cached_tokens"):
+                    event.cached_tokens = chunk.cached_tokens
                 if chunk.HasField("usage"):
                     event.usage = chunk.usage
                     event.route = route
@@ -305,7 +308,7 @@ def _remaining(deadline: float | None, cap: float | None = None) -> float | None
 
 def _first_token_only(response: prefill_pb2.PrefillResponse) -> TokenEvent:
     finish = FINISH_NAMES.get(response.finish_reason)
-    return TokenEvent(index=0, token_ids=[response.first_token_id],
+    return TokenEvent(index=0, token_ids=[response.first_token_id], cached_tokens=response.cached_tokens,
                       logprobs=[response.first_token_logprob] if response.HasField("first_token_logprob") else [],
                       finish_reason=finish,
                       usage=common_pb2.Usage(prompt_tokens=response.prompt_tokens, completion_tokens=1,

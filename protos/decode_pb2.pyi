@@ -48,7 +48,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., handoff: _Optional[_Union[HandoffSource, _Mapping]] = ..., local: _Optional[_Union[LocalPrefill, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[bytes] = ..., media: _Optional[_Iterable[_Union[_common_pb2.MediaItem, _Mapping]]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "stop_token_id", "usage", "used_handoff")
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "stop_token_id", "usage", "used_handoff", "cached_tokens")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class DecodeChunk(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     USED_HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
@@ -63,7 +64,8 @@ class DecodeChunk(_message.Message):
     stop_token_id: int
     usage: _common_pb2.Usage
     used_handoff: bool
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., used_handoff: _Optional[bool] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., used_handoff: _Optional[bool] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("model", "prompt", "tenant_salt")

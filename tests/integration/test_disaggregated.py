@@ -52,6 +52,9 @@ async def _equal_on_suite(mesh: Mesh, max_tokens: int = 8) -> tuple[list[int], l
         assert remote.ids == local.ids, f"prompt {i} (length {len(prompt)}): disaggregated != colocated"
         assert len(remote.ids) == max_tokens and remote.finish == {0: "length"}
         assert remote.usage.prompt_tokens == len(prompt) and remote.usage.completion_tokens == max_tokens
+        # The first event already says how much was cached (a client may stop reading before the usage).
+        assert remote.events[0].cached_tokens == remote.usage.cached_tokens
+        assert local.events[0].cached_tokens == local.usage.cached_tokens
         remote_cached.append(remote.usage.cached_tokens)
         local_cached.append(local.usage.cached_tokens)
     return remote_cached, local_cached

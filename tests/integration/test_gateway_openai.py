@@ -106,10 +106,14 @@ def test_chat_completions_models_and_usage(tiny_k3):
 
             # A stop string ends the output and is not part of it.
             cut_at = reasoning[len(reasoning) // 2: len(reasoning) // 2 + 3]
-            stopped = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12,
-                                                           temperature=0, stop=[cut_at])
+            stopped = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=400,
+                                                           temperature=0, stop=[cut_at],
+                                                           extra_body={"ignore_eos": True})
             assert stopped.choices[0].finish_reason == "stop"
             assert stopped.choices[0].message.reasoning_content == reasoning[: reasoning.find(cut_at)]
+            # Cached tokens are known from the first chunk: the stream left early still reports the hit.
+            assert stopped.usage.completion_tokens < 12
+            assert stopped.usage.prompt_tokens_details.cached_tokens > 0
 
             # Legacy completions through the same client.
             done = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5,
