@@ -32,25 +32,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2
 
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from cache_service.client import CacheClient
 from decode_service.worker import (KV_LOAD_FAILURE_POLICIES, DecodeJob, DecodeWorker, Handoff,
                                    HandoffUnavailableError, TokenBatch)
-from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
 from protos.engine_codec import logprob_to_proto, sampling_from_proto
-from protos.grpc_server import start_grpc_server
+from protos.worker_server import WorkerServer, start_worker_server
 from telemetry import tracing
 from telemetry.context import bind_request_id, current_request_id
-from telemetry.metrics import (CounterSample, EngineGauges, MetricsServer, RequestTimer, WorkerMetrics, metrics_host,
-                               start_metrics_server)
-from telemetry.rpc import client_interceptors, server_interceptors
+from telemetry.metrics import CounterSample, RequestTimer, WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -238,18 +233,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 # -- metrics read at scrape time (kept apart from prefill_service's copy) ----------------------------------------
 
 
-def engine_gauges(engine: AsyncEngine) -> EngineGauges:
-    """The engine's scheduler and pools, read without waiting for the step loop (each number one plain read)."""
-    core = engine.core
-    stats, pool, states = core.stats(), core.manager.block_pool, core.manager.state_pool
-    return EngineGauges(running=stats.num_running, waiting=stats.num_waiting, kv_blocks_total=pool.num_blocks,
-                        kv_blocks_free=stats.num_free_blocks, kv_blocks_cached=stats.num_cached_blocks,
-                        kv_usage=stats.kv_usage, state_groups_total=states.num_groups,
-                        state_groups_free=states.num_free_groups, snapshots=stats.num_snapshots,
-                        snapshot_slots=states.num_snapshot_slots, prefix_lookup_tokens=stats.prefix_lookup_tokens,
-                        prefix_hit_tokens=stats.prefix_hit_tokens, preemptions=stats.num_preemptions)
-
-
 def worker_counters(worker: DecodeWorker) -> list[CounterSample]:
     c = worker.counters
     samples = [
@@ -271,80 +254,26 @@ def worker_counters(worker: DecodeWorker) -> list[CounterSample]:
 # -- lifecycle ---------------------------------------------------------------------------------------------------
 
 
-class DecodeServer:
-    """A running decode service: the gRPC server, its health servicer and (once loaded) the engine and worker."""
+class DecodeServer(WorkerServer):
+    """A running decode service (lifecycle: protos/worker_server.py); `stop` drains streams as described above."""
 
-    def __init__(self, config: DecodeServiceConfig, grpc_server: grpc.aio.Server, port: int,
-                 health_servicer: health.aio.HealthServicer, servicer: DecodeServicer,
-                 tracer_provider: TracerProvider | None = None):
-        self.config = config
-        self.grpc_server = grpc_server
-        self.port = port
-        self.health = health_servicer
-        self.servicer = servicer
-        self.metrics = servicer.metrics
-        self.tracer_provider = tracer_provider
-        self.engine: AsyncEngine | None = None
-        self.cache: CacheClient | None = None
-        self.metrics_http: MetricsServer | None = None
-        self._loading: asyncio.Task | None = None
-        self.metrics.watch_engine(lambda: engine_gauges(self.engine) if self.worker is not None else None)
-        self.metrics.watch_counters(lambda: worker_counters(self.worker) if self.worker is not None else [])
+    role = "decode"
+    service_name = SERVICE_NAME
 
-    @property
-    def metrics_port(self) -> int | None:
-        return None if self.metrics_http is None else self.metrics_http.port
+    def make_worker(self) -> DecodeWorker:
+        return DecodeWorker(self.engine, self.cache, kv_load_failure_policy=self.config.kv_load_failure_policy,
+                            tracer=tracing.get_tracer("kdamesh.decode", self.tracer_provider))
 
-    @property
-    def worker(self) -> DecodeWorker | None:
-        return self.servicer.worker
+    def worker_counters(self, worker: DecodeWorker) -> list[CounterSample]:
+        return worker_counters(worker)
 
-    async def _load(self) -> None:
-        if self.config.torch_threads:
-            import torch
-
-            torch.set_num_threads(self.config.torch_threads)
-        t0 = time.perf_counter()
-        self.engine = await AsyncEngine.create(self.config.engine)
-        if self.config.cache_address:
-            self.cache = CacheClient(self.config.cache_address, timeout_s=self.config.cache_timeout_s,
-                                     max_message_bytes=self.config.max_message_bytes,
-                                     interceptors=client_interceptors(self.tracer_provider))
-        self.servicer.worker = DecodeWorker(self.engine, self.cache,
-                                            kv_load_failure_policy=self.config.kv_load_failure_policy,
-                                            tracer=tracing.get_tracer("kdamesh.decode", self.tracer_provider))
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("decode worker ready: model %s loaded in %.1f s", self.config.model_name, time.perf_counter() - t0)
-
-    async def ready(self) -> None:
-        """Waits until the model is loaded; raises what loading raised."""
-        await asyncio.shield(self._loading)
-
-    async def stop(self, grace: float | None = 5.0) -> None:
-        """The graceful drain (see the module docstring); `grace` None or 0: abort running streams at once."""
-        grace = grace or 0.0
-        await self.health.enter_graceful_shutdown()  # NOT_SERVING first
-        self.servicer.stopping = True  # new calls: UNAVAILABLE
-        if self._loading is not None and not self._loading.done():
-            self._loading.cancel()
+    async def drain_calls(self, grace: float) -> None:
         if not await self.servicer.wait_idle(grace):
             aborted = await self.servicer.abort_running()
             log.warning("decode worker draining: %d stream(s) still running after the %.1f s grace period were "
                         "aborted", aborted, grace)
             await self.servicer.wait_idle(ABORT_WAIT_S)
         await self.grpc_server.stop(min(grace, 1.0))  # what is left (health watches, a stuck call) is cancelled
-        if self.worker is not None:
-            await self.worker.drain()
-        if self.engine is not None:
-            await self.engine.shutdown()
-        if self.cache is not None:
-            await self.cache.close()
-        if self.metrics_http is not None:
-            self.metrics_http.close()
-
-    async def wait_for_termination(self) -> None:
-        await self.grpc_server.wait_for_termination()
 
 
 async def serve(config: DecodeServiceConfig, *, registry: CollectorRegistry | None = None,
@@ -353,19 +282,6 @@ async def serve(config: DecodeServiceConfig, *, registry: CollectorRegistry | No
     new one, `server.metrics.registry`); spans to `tracer_provider` (None: OpenTelemetry's global provider)."""
     metrics = WorkerMetrics(registry if registry is not None else CollectorRegistry(), "decode", with_tpot=True)
     servicer = DecodeServicer(config, metrics)
-    grpc_server, port, health_servicer = await start_grpc_server(
-        config.address, SERVICE_NAME, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
-        config.max_message_bytes, server_interceptors("decode", tracer_provider=tracer_provider, metrics=metrics.rpc))
-    server = DecodeServer(config, grpc_server, port, health_servicer, servicer, tracer_provider)
-    if config.metrics_port is not None:
-        server.metrics_http = start_metrics_server(config.metrics_port, metrics_host(config.address),
-                                                   metrics.registry)
-    server._loading = asyncio.create_task(server._load())
-    server._loading.add_done_callback(_log_load_failure)
-    log.info("decode service on port %d (loading %s)", port, config.engine.model)
-    return server, port
-
-
-def _log_load_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("decode worker failed to load its model: %r", task.exception())
+    return await start_worker_server(
+        DecodeServer, config, servicer, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
+        tracer_provider)

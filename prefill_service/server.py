@@ -21,20 +21,16 @@ Contract:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2
 
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from cache_service.client import CacheClient
-from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
 from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
 from engine.sampling import SamplingParams
@@ -42,12 +38,10 @@ from prefill_service.worker import (HandoffPublishError, PrefillAbortedError, Pr
                                     PrefillWorker)
 from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 from protos.engine_codec import logprob_to_proto, sampling_from_proto
-from protos.grpc_server import start_grpc_server
+from protos.worker_server import WorkerServer, start_worker_server
 from telemetry import tracing
 from telemetry.context import bind_request_id, current_request_id
-from telemetry.metrics import (CounterSample, EngineGauges, MetricsServer, RequestTimer, WorkerMetrics, metrics_host,
-                               start_metrics_server)
-from telemetry.rpc import client_interceptors, server_interceptors
+from telemetry.metrics import CounterSample, RequestTimer, WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -154,18 +148,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 # -- metrics read at scrape time -------------------------------------------------------------------------------
 
 
-def engine_gauges(engine: AsyncEngine) -> EngineGauges:
-    """The engine's scheduler and pools, read without waiting for the step loop (each number one plain read)."""
-    core = engine.core
-    stats, pool, states = core.stats(), core.manager.block_pool, core.manager.state_pool
-    return EngineGauges(running=stats.num_running, waiting=stats.num_waiting, kv_blocks_total=pool.num_blocks,
-                        kv_blocks_free=stats.num_free_blocks, kv_blocks_cached=stats.num_cached_blocks,
-                        kv_usage=stats.kv_usage, state_groups_total=states.num_groups,
-                        state_groups_free=states.num_free_groups, snapshots=stats.num_snapshots,
-                        snapshot_slots=states.num_snapshot_slots, prefix_lookup_tokens=stats.prefix_lookup_tokens,
-                        prefix_hit_tokens=stats.prefix_hit_tokens, preemptions=stats.num_preemptions)
-
-
 def worker_counters(worker: PrefillWorker) -> list[CounterSample]:
     c = worker.counters
     moved = "Payload bytes moved to or from the cache service"
@@ -188,72 +170,19 @@ def worker_counters(worker: PrefillWorker) -> list[CounterSample]:
 # -- lifecycle ---------------------------------------------------------------------------------------------------
 
 
-class PrefillServer:
-    """A running prefill service: the gRPC server, its health servicer and (once loaded) the engine and worker."""
+class PrefillServer(WorkerServer):
+    """A running prefill service (lifecycle: protos/worker_server.py)."""
 
-    def __init__(self, config: PrefillServiceConfig, grpc_server: grpc.aio.Server, port: int,
-                 health_servicer: health.aio.HealthServicer, servicer: PrefillServicer,
-                 tracer_provider: TracerProvider | None = None):
-        self.config = config
-        self.grpc_server = grpc_server
-        self.port = port
-        self.health = health_servicer
-        self.servicer = servicer
-        self.metrics = servicer.metrics
-        self.tracer_provider = tracer_provider
-        self.engine: AsyncEngine | None = None
-        self.cache: CacheClient | None = None
-        self.metrics_http: MetricsServer | None = None
-        self._loading: asyncio.Task | None = None
-        self.metrics.watch_engine(lambda: engine_gauges(self.engine) if self.worker is not None else None)
-        self.metrics.watch_counters(lambda: worker_counters(self.worker) if self.worker is not None else [])
+    role = "prefill"
+    service_name = SERVICE_NAME
 
-    @property
-    def metrics_port(self) -> int | None:
-        return None if self.metrics_http is None else self.metrics_http.port
+    def make_worker(self) -> PrefillWorker:
+        return PrefillWorker(self.engine, self.cache, handoff_full_kv=self.config.handoff_full_kv,
+                             load_remote_prefix=self.config.load_remote_prefix,
+                             tracer=tracing.get_tracer("kdamesh.prefill", self.tracer_provider))
 
-    @property
-    def worker(self) -> PrefillWorker | None:
-        return self.servicer.worker
-
-    async def _load(self) -> None:
-        if self.config.torch_threads:
-            import torch
-
-            torch.set_num_threads(self.config.torch_threads)
-        t0 = time.perf_counter()
-        self.engine = await AsyncEngine.create(self.config.engine)
-        self.cache = CacheClient(self.config.cache_address, timeout_s=self.config.cache_timeout_s,
-                                 max_message_bytes=self.config.max_message_bytes,
-                                 interceptors=client_interceptors(self.tracer_provider))
-        self.servicer.worker = PrefillWorker(self.engine, self.cache, handoff_full_kv=self.config.handoff_full_kv,
-                                             load_remote_prefix=self.config.load_remote_prefix,
-                                             tracer=tracing.get_tracer("kdamesh.prefill", self.tracer_provider))
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("prefill worker ready: model %s loaded in %.1f s", self.config.model_name, time.perf_counter() - t0)
-
-    async def ready(self) -> None:
-        """Waits until the model is loaded; raises what loading raised."""
-        await asyncio.shield(self._loading)
-
-    async def stop(self, grace: float | None = 5.0) -> None:
-        self.servicer.stopping = True
-        await self.health.enter_graceful_shutdown()
-        await self.grpc_server.stop(grace)
-        if self._loading is not None and not self._loading.done():
-            self._loading.cancel()
-        if self.worker is not None:
-            await self.worker.drain()
-        if self.engine is not None:
-            await self.engine.shutdown()
-        if self.cache is not None:
-            await self.cache.close()
-        if self.metrics_http is not None:
-            self.metrics_http.close()
-
-    async def wait_for_termination(self) -> None:
-        await self.grpc_server.wait_for_termination()
+    def worker_counters(self, worker: PrefillWorker) -> list[CounterSample]:
+        return worker_counters(worker)
 
 
 async def serve(config: PrefillServiceConfig, *, registry: CollectorRegistry | None = None,
@@ -262,19 +191,6 @@ async def serve(config: PrefillServiceConfig, *, registry: CollectorRegistry | N
     new one, `server.metrics.registry`); spans to `tracer_provider` (None: OpenTelemetry's global provider)."""
     metrics = WorkerMetrics(registry if registry is not None else CollectorRegistry(), "prefill", with_tpot=False)
     servicer = PrefillServicer(config, metrics)
-    grpc_server, port, health_servicer = await start_grpc_server(
-        config.address, SERVICE_NAME, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
-        config.max_message_bytes, server_interceptors("prefill", tracer_provider=tracer_provider, metrics=metrics.rpc))
-    server = PrefillServer(config, grpc_server, port, health_servicer, servicer, tracer_provider)
-    if config.metrics_port is not None:
-        server.metrics_http = start_metrics_server(config.metrics_port, metrics_host(config.address),
-                                                   metrics.registry)
-    server._loading = asyncio.create_task(server._load())
-    server._loading.add_done_callback(_log_load_failure)
-    log.info("prefill service on port %d (loading %s)", port, config.engine.model)
-    return server, port
-
-
-def _log_load_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("prefill worker failed to load its model: %r", task.exception())
+    return await start_worker_server(
+        PrefillServer, config, servicer, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
+        tracer_provider)

@@ -1,0 +1,154 @@
+"""The lifecycle the prefill and decode services share: a gRPC server whose model loads in the background.
+
+Contract:
+- `start_worker_server(server_cls, config, servicer, add_servicer, tracer_provider)` binds `config.address` (port
+  0: a free port) with standard health (NOT_SERVING for "" and the service until the model is loaded) and
+  reflection, starts the side `/metrics` server when `config.metrics_port` is set, begins loading the model and
+  returns `(server, port)` at once. `await server.ready()` waits for the load and raises what it raised.
+- Loading (`WorkerServer._load`): `config.torch_threads` set, the `AsyncEngine` created, a `CacheClient` opened when
+  `config.cache_address` is set (trace context on its calls), the role's worker built (`make_worker`), then SERVING.
+- `stop(grace)`: NOT_SERVING first, new calls refused (`servicer.stopping`), a load in progress cancelled, running
+  calls drained (`drain_calls`, per role), then the worker, the engine, the cache client and `/metrics` closed.
+- The engine gauges and the worker's counters are exported through `servicer.metrics` while a worker exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+from opentelemetry.trace import TracerProvider
+
+from cache_service.client import CacheClient
+from engine.async_engine import AsyncEngine
+from protos.grpc_server import start_grpc_server
+from telemetry.metrics import CounterSample, EngineGauges, MetricsServer, metrics_host, start_metrics_server
+from telemetry.rpc import client_interceptors, server_interceptors
+
+log = logging.getLogger(__name__)
+
+
+def engine_gauges(engine: AsyncEngine) -> EngineGauges:
+    """The engine's scheduler and pools, read without waiting for the step loop (each number one plain read)."""
+    core = engine.core
+    stats, pool, states = core.stats(), core.manager.block_pool, core.manager.state_pool
+    return EngineGauges(running=stats.num_running, waiting=stats.num_waiting, kv_blocks_total=pool.num_blocks,
+                        kv_blocks_free=stats.num_free_blocks, kv_blocks_cached=stats.num_cached_blocks,
+                        kv_usage=stats.kv_usage, state_groups_total=states.num_groups,
+                        state_groups_free=states.num_free_groups, snapshots=stats.num_snapshots,
+                        snapshot_slots=states.num_snapshot_slots, prefix_lookup_tokens=stats.prefix_lookup_tokens,
+                        prefix_hit_tokens=stats.prefix_hit_tokens, preemptions=stats.num_preemptions)
+
+
+class WorkerServer:
+    """A running worker service: the gRPC server, its health servicer and (once loaded) the engine and worker.
+
+    Subclasses name their `role` and `service_name`, build their worker in `make_worker` and export its counters
+    in `worker_counters`; `drain_calls` may wait for running calls more gently than stopping the server."""
+
+    role = ""  # "prefill" | "decode"
+    service_name = ""  # the full gRPC service name health reports on
+
+    def __init__(self, config, grpc_server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer,
+                 servicer, tracer_provider: TracerProvider | None = None):
+        self.config = config
+        self.grpc_server = grpc_server
+        self.port = port
+        self.health = health_servicer
+        self.servicer = servicer
+        self.metrics = servicer.metrics
+        self.tracer_provider = tracer_provider
+        self.engine: AsyncEngine | None = None
+        self.cache: CacheClient | None = None
+        self.metrics_http: MetricsServer | None = None
+        self._loading: asyncio.Task | None = None
+        self.metrics.watch_engine(lambda: engine_gauges(self.engine) if self.worker is not None else None)
+        self.metrics.watch_counters(lambda: self.worker_counters(self.worker) if self.worker is not None else [])
+
+    # -- per role ------------------------------------------------------------------------------------------------
+
+    def make_worker(self):
+        raise NotImplementedError
+
+    def worker_counters(self, worker) -> list[CounterSample]:
+        return []
+
+    async def drain_calls(self, grace: float) -> None:
+        await self.grpc_server.stop(grace)
+
+    # -- shared --------------------------------------------------------------------------------------------------
+
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self.metrics_http is None else self.metrics_http.port
+
+    @property
+    def worker(self):
+        return self.servicer.worker
+
+    async def _load(self) -> None:
+        if self.config.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.config.torch_threads)
+        t0 = time.perf_counter()
+        self.engine = await AsyncEngine.create(self.config.engine)
+        if self.config.cache_address:
+            self.cache = CacheClient(self.config.cache_address, timeout_s=self.config.cache_timeout_s,
+                                     max_message_bytes=self.config.max_message_bytes,
+                                     interceptors=client_interceptors(self.tracer_provider))
+        self.servicer.worker = self.make_worker()
+        for name in ("", self.service_name):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("%s worker ready: model %s loaded in %.1f s", self.role, self.config.model_name,
+                 time.perf_counter() - t0)
+
+    async def ready(self) -> None:
+        """Waits until the model is loaded; raises what loading raised."""
+        await asyncio.shield(self._loading)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Drains and closes everything (see the module docstring); `grace` None or 0: at once."""
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING first
+        self.servicer.stopping = True  # new calls: UNAVAILABLE
+        if self._loading is not None and not self._loading.done():
+            self._loading.cancel()
+        await self.drain_calls(grace or 0.0)
+        if self.worker is not None:
+            await self.worker.drain()
+        if self.engine is not None:
+            await self.engine.shutdown()
+        if self.cache is not None:
+            await self.cache.close()
+        if self.metrics_http is not None:
+            self.metrics_http.close()
+
+    async def wait_for_termination(self) -> None:
+        await self.grpc_server.wait_for_termination()
+
+
+async def start_worker_server(server_cls: type[WorkerServer], config, servicer,
+                              add_servicer: Callable[[grpc.aio.Server], None],
+                              tracer_provider: TracerProvider | None = None) -> tuple[WorkerServer, int]:
+    """Starts the server and begins loading the model -> (server, bound port)."""
+    metrics = servicer.metrics
+    grpc_server, port, health_servicer = await start_grpc_server(
+        config.address, server_cls.service_name, add_servicer, config.max_message_bytes,
+        server_interceptors(server_cls.role, tracer_provider=tracer_provider, metrics=metrics.rpc))
+    server = server_cls(config, grpc_server, port, health_servicer, servicer, tracer_provider)
+    if config.metrics_port is not None:
+        server.metrics_http = start_metrics_server(config.metrics_port, metrics_host(config.address),
+                                                   metrics.registry)
+    server._loading = asyncio.create_task(server._load())
+    server._loading.add_done_callback(lambda task: _log_load_failure(server_cls.role, task))
+    log.info("%s service on port %d (loading %s)", server_cls.role, port, config.engine.model)
+    return server, port
+
+
+def _log_load_failure(role: str, task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s worker failed to load its model: %r", role, task.exception())
