@@ -145,7 +145,8 @@ def gateway_config_from(ns: argparse.Namespace, api_keys: str | None = None):
                          tenant_tpm=ns.tenant_tpm, tenant_max_concurrency=ns.tenant_max_concurrency,
                          tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
                          enable_auto_tool_choice=ns.enable_auto_tool_choice, block_size=ns.block_size,
-                         max_model_len=ns.max_model_len, health_check_interval_s=ns.health_check_interval_s)
+                         max_model_len=ns.max_model_len, health_check_interval_s=ns.health_check_interval_s,
+                         shutdown_grace_s=ns.grace_s)
 
 
 # -- running one role ----------------------------------------------------------------------------------------------

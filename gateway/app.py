@@ -483,9 +483,6 @@ def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer:
 # -- running it --------------------------------------------------------------------------------------------------
 
 
-HTTP_SHUTDOWN_GRACE_S = 5
-
-
 def _DrainingServer(clock: ShutdownClock, config):  # noqa: N802 - a class factory (uvicorn imported lazily)
     """A uvicorn server that starts `clock` when told to exit, so running streams end cleanly within the grace."""
     import uvicorn
@@ -512,14 +509,14 @@ async def serve(config: GatewayConfig, log_level: str = "info") -> None:
         if config.grpc_port is not None:
             grpc_server, port = await serve_grpc(core, f"{config.host}:{config.grpc_port}")
             log.info("gateway gRPC API listening on %s:%d", config.host, port)
-        clock = ShutdownClock(grace_s=HTTP_SHUTDOWN_GRACE_S)
+        clock = ShutdownClock(grace_s=config.shutdown_grace_s)
         app = create_app(config, core=core, shutdown=clock)
         # log_config=None: uvicorn keeps the process's logging (telemetry.logs: text or JSON, with request ids)
+        grace_s = max(1, round(config.shutdown_grace_s))  # uvicorn takes whole seconds
         server = _DrainingServer(clock, uvicorn.Config(app, host=config.host, port=config.http_port, log_config=None,
-                                                       log_level=log_level.lower(),
-                                                       timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S))
+                                                       log_level=log_level.lower(), timeout_graceful_shutdown=grace_s))
         await server.serve()
     finally:
         if grpc_server is not None:
-            await grpc_server.stop(5.0)
+            await grpc_server.stop(config.shutdown_grace_s)
         await core.close()

@@ -42,6 +42,9 @@ class GatewayConfig:
     grpc_port: int | None = 50051
     # Deadline of one request through the mesh (seconds).
     request_timeout_s: float = 600.0
+    # On SIGTERM/SIGINT: how long running streams and calls get to finish (seconds); streams still running near
+    # the end get a clean error event.
+    shutdown_grace_s: float = 5.0
     # TTL of handoff objects (milliseconds); 0: the cache service's default (30 s).
     handoff_ttl_ms: int = 0
     # Tenancy: the KDAMESH_API_KEYS value ("key=tenant,..."), and/or a JSON file of key -> tenant (or limits).
