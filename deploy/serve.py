@@ -109,6 +109,8 @@ def role_parser(role: str) -> argparse.ArgumentParser:
         p.add_argument("--pd-max-prefill-inflight", type=int, default=0,
                        help="colocate when this many remote prefills are in flight (0: no limit)")
         p.add_argument("--request-timeout-s", type=float, default=600.0)
+        p.add_argument("--grace-s", type=float, default=5.0,
+                       help="shutdown grace period for streams and calls in flight (seconds)")
         p.add_argument("--handoff-ttl-ms", type=int, default=0, help="0: the cache service's default (30 s)")
         p.add_argument("--api-keys-file", default=None,
                        help="JSON object of API key -> tenant (or {tenant, rpm, tpm, max_concurrency}); also read: "

@@ -108,11 +108,13 @@ def test_gateway_flags_and_the_launcher_plan(tiny_k3, tmp_path):
     ns = role_parser("gateway").parse_args([
         "--model", str(tiny_k3), "--decode-workers", "a:1,b:2", "--prefill-workers", "c:3", "--grpc-port", "0",
         "--api-keys-file", str(tmp_path / "keys.json"), "--tenant-rpm", "60", "--tool-call-parser", "kimi_k3",
-        "--reasoning-parser", "kimi_k3", "--enable-auto-tool-choice", "--health-check-interval-s", "2"])
+        "--reasoning-parser", "kimi_k3", "--enable-auto-tool-choice", "--health-check-interval-s", "2",
+        "--grace-s", "7.5"])
     config = gateway_config_from(ns, api_keys="k=t")
     assert config.decode_addresses == ("a:1", "b:2") and config.prefill_addresses == ("c:3",)
     assert (config.grpc_port, config.api_keys, config.tenant_rpm, config.health_check_interval_s) == (0, "k=t", 60, 2)
     assert config.tool_call_parser == config.reasoning_parser == "kimi_k3" and config.enable_auto_tool_choice
+    assert config.shutdown_grace_s == 7.5
     off = gateway_config_from(role_parser("gateway").parse_args(["--model", "/m", "--decode-addresses", "a:1",
                                                                  "--mode", "colocated", "--grpc-port", "-1"]))
     assert off.grpc_port is None and off.tool_call_parser is None
