@@ -1,17 +1,24 @@
-"""Cache service throughput: put and get of 1 MiB objects through the gRPC service vs raw redis-py, same run.
+"""Cache service throughput: put and get of 1 MiB objects through the cache service vs raw redis-py, same run.
 
 Usage: `python -m bench.bench_cache [--objects 64] [--object-bytes 1MiB] [--rounds 3] [--redis redis://127.0.0.1:6379/0]
 [--in-process] [--out FILE]`
 
-Rows:
-- `service (memory)`: `CacheClient.put_objects` / `get_objects` against a cache service with the memory backend.
-- `service (redis)`: the same against a cache service with the Redis backend.
-- `raw redis-py`: one pipelined SET of every object, then one pipelined GET, on the same Redis with the same bytes.
-The service runs in its own process (`python -m cache_service`, as deployed) unless `--in-process`. Each round moves
-all objects in one call; MB/s (10^6 bytes per second of payload) is the best of `--rounds` rounds after one warm-up
-round. The service path checksums every object (CRC-32) on the client and the server, both ways, and verifies reads
-end to end; the raw path does not. Keys live under the prefix `kdamesh-bench:` and are deleted at the end. Prints a
-markdown table with the ratio of each service row to raw Redis (target: >= 0.7x); `--out` writes JSON.
+Rows (`CacheClient.put_objects` / `get_objects` unless raw):
+- `service (memory, shm)`: memory backend, payloads through the service's shared-memory arena (data_plane="auto";
+  the client checksums on put, the service verifies at Commit; the client verifies its copy on get).
+- `service (memory, grpc)`: memory backend, payloads over the gRPC streams (data_plane="grpc").
+- `service (redis, direct)`: Redis backend, the client runs the store's pipelines against Redis itself
+  (data_plane="auto"; one checksum on put, one verification on get).
+- `service (redis, grpc)`: Redis backend, payloads over the gRPC streams (data_plane="grpc"; checksums on the client
+  and the service, both ways).
+- `raw redis-py`: one pipelined SET of every object, then one pipelined GET, on the same Redis with the same bytes,
+  no checksums: the baseline.
+Checksums are XXH3-64 (the client's default). This process tunes malloc first (`malloc_tuning`), so the baseline
+gets it too; the service process tunes its own. The service runs in its own process (`python -m cache_service`, as
+deployed) unless `--in-process`; each service row asserts it used the plane it names. Each round moves all objects
+in one call; MB/s (10^6 bytes per second of payload) is the best of `--rounds` rounds after one warm-up round. Keys
+live under the prefix `kdamesh-bench:` and are deleted at the end, the service's counter hash with them. Prints a
+markdown table with the ratio of each row to raw Redis (target: >= 0.7x); `--out` writes JSON.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from pathlib import Path
 import redis
 
 from cache_service.client import CacheClient, PutObject
+from cache_service.malloc_tuning import tune_malloc
 from cache_service.objects import Status, object_key
 from cache_service.server import CacheServer, CacheServiceConfig, parse_bytes, serve
 from protos import common_pb2
@@ -88,16 +96,20 @@ class InProcessService:
 
 
 class ServicePath:
-    def __init__(self, service, objects: list[bytes]):
+    """One client of a service, on one data plane ("shm", "redis" or "grpc"), with keys of its own."""
+
+    def __init__(self, service, objects: list[bytes], plane: str):
         self.service = service
-        self.client = CacheClient(service.address, timeout_s=120)
+        self.plane = plane
+        self.client = CacheClient(service.address, timeout_s=120, data_plane="grpc" if plane == "grpc" else "auto")
         self.objects = objects
-        self.keys = [object_key(FINGERPRINT, b"", common_pb2.OBJECT_KIND_KV_BLOCK, i.to_bytes(8, "big"))
+        self.keys = [object_key(FINGERPRINT, plane.encode(), common_pb2.OBJECT_KIND_KV_BLOCK, i.to_bytes(8, "big"))
                      for i in range(len(objects))]
 
     async def put(self) -> None:
         results = await self.client.put_objects([PutObject(k, d) for k, d in zip(self.keys, self.objects)])
         assert all(r.status == Status.STORED for r in results), results[0]
+        assert self.client.data_planes.kind == self.plane, f"wanted {self.plane}, got {self.client.data_planes.kind}"
 
     async def get(self) -> None:
         results = await self.client.get_objects(self.keys)
@@ -107,7 +119,6 @@ class ServicePath:
         assert [r.data for r in await self.client.get_objects(self.keys)] == self.objects, "bytes differ"
         await self.client.remove(self.keys, force=True)
         await self.client.close()
-        await self.service.stop()
 
 
 class RawRedisPath:
@@ -169,14 +180,22 @@ def table(rows: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
 
 async def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     objects = make_objects(args.objects, args.object_bytes)
-    paths = {"service (memory)": ServicePath(await start_service("memory", args.in_process), objects),
-             "service (redis)": ServicePath(await start_service(args.redis, args.in_process), objects),
+    memory = await start_service("memory", args.in_process)
+    on_redis = await start_service(args.redis, args.in_process)
+    paths = {"service (memory, shm)": ServicePath(memory, objects, "shm"),
+             "service (memory, grpc)": ServicePath(memory, objects, "grpc"),
+             "service (redis, direct)": ServicePath(on_redis, objects, "redis"),
+             "service (redis, grpc)": ServicePath(on_redis, objects, "grpc"),
              "raw redis-py": RawRedisPath(args.redis, objects)}
     try:
         return await measure(paths, sum(map(len, objects)), args.rounds)
     finally:
         for path in paths.values():
             await path.close()
+        for service in (memory, on_redis):
+            await service.stop()
+        with redis.Redis.from_url(args.redis) as client:
+            client.delete(PREFIX + "svc:stats")  # the service's counters (see redis_store)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-process", action="store_true", help="run the service in this process")
     parser.add_argument("--out", type=Path, help="write the numbers as JSON")
     args = parser.parse_args(argv)
+    tune_malloc()  # before any payload is allocated; raw redis-py gets it too (same process)
     rows = asyncio.run(run(args))
     print(table(rows, args))
     if args.out:

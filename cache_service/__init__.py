@@ -3,12 +3,17 @@
 Modules:
 - `objects`: per-key `Status`, `Checksum`, and the byte encoding of an `ObjectKey`.
 - `store`: the `Store` interface every backend implements, with its contract.
-- `memory_store`: the embedded default (byte budget, watermark LRU eviction skipping leases, TTLs).
-- `redis_store`: a real Redis server (`redis://host:port/db`), pipelined, chunked, checksummed.
+- `memory_store`: the embedded default (byte budget, watermark LRU eviction skipping leases, TTLs), its payloads in
+  the heap or in a shared-memory arena local clients copy in and out of (Reserve / Commit / Locate).
+- `shm_arena`: the arena file under /dev/shm (header with a per-instance token) and its first-fit extent allocator.
+- `redis_store`: a real Redis server (`redis://host:port/db`), pipelined, chunked, checksummed, counters in Redis.
 - `server`: the `grpc.aio` servicer, health and reflection; `serve(config)` and `main(argv)`.
-- `client`: `CacheClient`, the asyncio client the prefill and decode workers use.
+- `client`: `CacheClient`, the asyncio client the prefill and decode workers use (`client_types`: its value types).
+- `data_plane`: the client's direct data planes (the service's Redis, or its arena), found with the DataPlane RPC.
+- `malloc_tuning`: `tune_malloc()`, which keeps MiB-sized buffers in the malloc heap (call it in process entry points).
 - `metrics`: Prometheus series in a caller-owned registry.
 
-It imports only `protos` (plus grpc, redis and prometheus_client): it stores bytes and knows no model.
+It imports only `protos` and `telemetry` (plus grpc, redis, xxhash and prometheus_client): it stores bytes and knows
+no model.
 Run one with `python -m cache_service --cache-backend memory|redis://host:port/db`.
 """

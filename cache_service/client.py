@@ -6,9 +6,15 @@ Contract:
   every key the answer did not cover gets an ERROR status whose message names the gRPC code. The caller treats
   ERROR, MISSING and CORRUPT alike: a miss, recompute. `lookup` answers a prefix of 0 with `error` set, `release`
   answers False. Only `stats` raises (`grpc.aio.AioRpcError`).
-- `put_objects` streams each object in `chunk_bytes` pieces with its checksum (CRC-32 by default); `get_objects`
+- `put_objects` streams each object in `chunk_bytes` pieces with its checksum (XXH3-64 by default); `get_objects`
   reassembles the chunks and verifies the checksum again end to end (a mismatch is CORRUPT).
-- Create the client inside the event loop that uses it (a `grpc.aio` channel belongs to one loop).
+- Direct data planes (`data_plane="auto"`, the default; see `data_plane`): after one DataPlane call, puts and gets
+  move payloads straight to the service's Redis, or through the service's shared-memory arena when it runs on this
+  host, with the same statuses, checksums, TTLs and counters as over gRPC; when the direct path cannot be used (Redis
+  unreachable from here, another host's arena) the call goes over gRPC instead (logged once). `data_plane="grpc"`:
+  always gRPC. Lookup, Lease, Release, Remove and Stats always use gRPC.
+- Create the client inside the event loop that uses it (a `grpc.aio` channel belongs to one loop), and `close` it
+  (it may hold a Redis connection pool, an arena mapping and worker threads).
 - Results come back in the order of the request. A large batch is spread over `streams` concurrent calls (default 2;
   each object stays whole within one call), which roughly doubles throughput over one stream.
 - `interceptors` go on the channel (the workers pass telemetry's client interceptors: trace context and request id
@@ -24,50 +30,18 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cache_service.client_types import (MAX_TTL_MS, GetResult, KeyResult, LeaseResult, LookupResult, PutObject,
+                                        ttl_ms)
+from cache_service.data_plane import DataPlanes, DirectUnavailable
 from cache_service.objects import Checksum, ChecksumAlgorithm, Status
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
+
+__all__ = ["CacheClient", "GetResult", "KeyResult", "LeaseResult", "LookupResult", "PutObject", "MAX_TTL_MS",
+           "DEFAULT_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 10.0
-MAX_TTL_MS = 2**32 - 1  # ttl fields are uint32 milliseconds (~49 days)
-
-
-@dataclass(frozen=True)
-class PutObject:
-    key: common_pb2.ObjectKey
-    data: bytes
-    # Time to live (seconds). None: the service default for the kind (HANDOFF: 30 s; others: none). 0: no expiry.
-    ttl_s: float | None = None
-
-
-@dataclass(frozen=True)
-class KeyResult:
-    key: common_pb2.ObjectKey
-    status: Status
-    message: str = ""
-
-
-@dataclass(frozen=True)
-class GetResult:
-    key: common_pb2.ObjectKey
-    status: Status
-    data: bytes | None = None  # the payload, when FOUND
-    message: str = ""
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    prefix_hit_length: int
-    present: list[bool] = field(default_factory=list)
-    error: str = ""  # set when the service could not answer (the prefix is then 0)
-
-
-@dataclass(frozen=True)
-class LeaseResult:
-    lease_id: str  # "" when nothing was pinned
-    results: list[KeyResult]
-    ttl_s: float
 
 
 @dataclass
@@ -85,8 +59,8 @@ def _describe(exc: grpc.aio.AioRpcError) -> str:
 
 class CacheClient:
     def __init__(self, address: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = 1 << 20,
-                 max_message_bytes: int = 4 << 20, checksum_algorithm: ChecksumAlgorithm = ChecksumAlgorithm.CRC32,
-                 streams: int = 2, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()):
+                 max_message_bytes: int = 4 << 20, checksum_algorithm: ChecksumAlgorithm = ChecksumAlgorithm.XXH3_64,
+                 streams: int = 2, interceptors: Sequence[grpc.aio.ClientInterceptor] = (), data_plane: str = "auto"):
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
         self.address = address
@@ -98,6 +72,8 @@ class CacheClient:
                    ("grpc.max_send_message_length", max_message_bytes)]
         self._channel = grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors) or None)
         self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
+        # "auto": payloads over the direct plane the service offers; "grpc": over gRPC only.
+        self.data_planes = DataPlanes(self._stub, data_plane, timeout_s, self._grpc_get)
 
     async def __aenter__(self) -> CacheClient:
         return self
@@ -106,24 +82,38 @@ class CacheClient:
         await self.close()
 
     async def close(self) -> None:
+        await self.data_planes.close()
         await self._channel.close()
 
     def _timeout(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s
 
+    def _deadline(self, timeout_s: float | None) -> float:
+        """The call's deadline (event loop time, seconds)."""
+        return asyncio.get_running_loop().time() + self._timeout(timeout_s)
+
     # -- put / get ------------------------------------------------------------------------------------------------
 
     async def put_objects(self, objects: Sequence[PutObject], timeout_s: float | None = None) -> list[KeyResult]:
         """Stores objects -> one result per object: STORED, CORRUPT, TOO_LARGE, INVALID or ERROR."""
+        deadline = self._deadline(timeout_s)
         groups = _split_by_bytes([len(o.data) for o in objects], self.streams, self.chunk_bytes)
-        answers = await asyncio.gather(*[self._put_stream(objects[a:b], timeout_s) for a, b in groups])
+        plane = await self.data_planes.plane(deadline) if objects else None
+        if plane is not None:
+            try:  # concurrent groups overlap one's checksums or verification with another's transfer
+                answers = await asyncio.gather(*[plane.put(objects[a:b], self.checksum_algorithm, deadline)
+                                                 for a, b in groups])
+                return [result for answer in answers for result in answer]
+            except DirectUnavailable as exc:  # objects a group stored already are stored again: same bytes
+                self.data_planes.failed(plane, exc)
+        answers = await asyncio.gather(*[self._put_stream(objects[a:b], deadline) for a, b in groups])
         return [result for answer in answers for result in answer]
 
-    async def _put_stream(self, objects: Sequence[PutObject], timeout_s: float | None) -> list[KeyResult]:
+    async def _put_stream(self, objects: Sequence[PutObject], deadline: float) -> list[KeyResult]:
         if not objects:
             return []
         try:
-            response = await self._stub.BatchPut(self._put_chunks(objects), timeout=self._timeout(timeout_s))
+            response = await self._stub.BatchPut(self._put_chunks(objects), timeout=_remaining(deadline))
         except grpc.aio.AioRpcError as exc:
             log.warning("BatchPut of %d objects failed: %s", len(objects), _describe(exc))
             return [KeyResult(o.key, Status.ERROR, _describe(exc)) for o in objects]
@@ -135,7 +125,7 @@ class CacheClient:
             header = cache_pb2.ObjectHeader(key=obj.key, size_bytes=len(obj.data),
                                             checksum=Checksum.of(obj.data, self.checksum_algorithm).to_proto())
             if obj.ttl_s is not None:
-                header.ttl_ms = min(int(obj.ttl_s * 1000), MAX_TTL_MS)
+                header.ttl_ms = ttl_ms(obj.ttl_s)
             yield cache_pb2.PutChunk(header=header, data=obj.data[:step])
             for offset in range(step, len(obj.data), step):
                 yield cache_pb2.PutChunk(data=obj.data[offset:offset + step])
@@ -143,17 +133,30 @@ class CacheClient:
     async def get_objects(self, keys: Sequence[common_pb2.ObjectKey],
                           timeout_s: float | None = None) -> list[GetResult]:
         """Reads objects -> one result per key: FOUND (with data), MISSING, CORRUPT or ERROR."""
-        groups = _split_by_bytes([1] * len(keys), self.streams, 1)
-        answers = await asyncio.gather(*[self._get_stream(keys[a:b], timeout_s) for a, b in groups])
+        deadline = self._deadline(timeout_s)
+        plane = await self.data_planes.plane(deadline) if keys else None
+        if plane is not None:
+            try:
+                answers = await asyncio.gather(*[plane.get(keys[a:b], deadline) for a, b in self._key_groups(keys)])
+                return [result for answer in answers for result in answer]
+            except DirectUnavailable as exc:
+                self.data_planes.failed(plane, exc)
+        return await self._grpc_get(keys, deadline)
+
+    def _key_groups(self, keys: Sequence[common_pb2.ObjectKey]) -> list[tuple[int, int]]:
+        return _split_by_bytes([1] * len(keys), self.streams, 1)
+
+    async def _grpc_get(self, keys: Sequence[common_pb2.ObjectKey], deadline: float) -> list[GetResult]:
+        answers = await asyncio.gather(*[self._get_stream(keys[a:b], deadline) for a, b in self._key_groups(keys)])
         return [result for answer in answers for result in answer]
 
-    async def _get_stream(self, keys: Sequence[common_pb2.ObjectKey], timeout_s: float | None) -> list[GetResult]:
+    async def _get_stream(self, keys: Sequence[common_pb2.ObjectKey], deadline: float) -> list[GetResult]:
         if not keys:
             return []
         got: dict[int, _Reassembly] = {}
         failure = ""
         try:
-            call = self._stub.BatchGet(cache_pb2.BatchGetRequest(keys=keys), timeout=self._timeout(timeout_s))
+            call = self._stub.BatchGet(cache_pb2.BatchGetRequest(keys=keys), timeout=_remaining(deadline))
             async for chunk in call:
                 _absorb(got, chunk)
         except grpc.aio.AioRpcError as exc:
@@ -209,6 +212,11 @@ class CacheClient:
     async def stats(self, timeout_s: float | None = None) -> cache_pb2.StatsResponse:
         """The store's occupancy and counters. Raises grpc.aio.AioRpcError."""
         return await self._stub.Stats(cache_pb2.StatsRequest(), timeout=self._timeout(timeout_s))
+
+
+def _remaining(deadline: float) -> float:
+    """Seconds left until `deadline` (event loop time), at least 0."""
+    return max(0.0, deadline - asyncio.get_running_loop().time())
 
 
 def _split_by_bytes(sizes: Sequence[int], streams: int, min_bytes: int) -> list[tuple[int, int]]:

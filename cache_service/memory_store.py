@@ -1,20 +1,40 @@
-"""The embedded, in-process store: a byte budget with watermark eviction in LRU order, leases and TTLs.
+"""The embedded, in-process store: a byte budget with watermark eviction in LRU order, leases and TTLs; payloads in
+the process heap or in a shared-memory arena that clients on the same host read and write directly.
 
 Contract (in addition to `store.Store`'s):
 - `stored_bytes` counts payload bytes. When a put takes it above `high_watermark * byte_budget`, objects are evicted
-  in least-recently-used order (a `get_many` hit makes an object most recent; `lookup` does not), skipping leased
-  objects and the object just stored, until it is at or below `low_watermark * byte_budget`.
+  in least-recently-used order (a `get_many` or `locate` hit makes an object most recent; `lookup` does not),
+  skipping pinned objects (leased, located, being read) and the object just stored, until it is at or below
+  `low_watermark * byte_budget`.
 - An object larger than the budget, or one that cannot fit under the budget because leased objects fill it, is
   refused with TOO_LARGE (nothing else is evicted for it beyond the watermark rule).
 - An object with a TTL is invisible once `clock() >= stored_at + ttl_s` unless leased; it is dropped (counted in
   `expirations`) by the next call that sweeps, at most `sweep_interval_s` later, or by `expire()`.
 - Leases end at `release` or when `clock()` passes their deadline; an expired lease pins nothing.
 - `clock` is injectable (monotonic seconds) so tests control time.
+
+With an `arena` (`shm_arena.SharedArena`), payloads live in its data area, in extents of an `ExtentAllocator`:
+- A put reserves an extent first, copies the payload in outside the lock, then publishes it. When no free extent
+  fits, the arena's backed memory grows (`SharedArena.grow`); when it cannot (all of it backed, or the tmpfs full),
+  unpinned objects are evicted in LRU order until an extent fits; TOO_LARGE when pinned and reserved objects leave
+  no room.
+- Local clients do the copying themselves: `reserve(items, ttl_s)` answers per object RESERVED with a file offset
+  (or a refusal) under a reservation id; `commit(id, checksums)` verifies every reserved object's bytes in the arena
+  against its checksum and publishes the objects that match, each atomically (the index switches from the old
+  extent to the new one under the lock). An uncommitted reservation ends at `release(id)` or its TTL and its extents
+  are freed; `commit` then answers None.
+- `locate(keys, ttl_s)` answers file offset, size and checksum of present objects (counted as hits and misses, like
+  `get_many`) and pins them under a pin id until `release(pin_id)` or the TTL; the client copies and verifies.
+- An extent is never freed, handed out again or written by the store while it is reserved or its object is pinned
+  (leased, located or being read): removing, replacing, expiring or finding corrupt a pinned object takes it out of
+  the index at once and frees its extent when the last pin ends.
+- `close()` closes the arena (unlinking its file).
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 import time
 import uuid
@@ -23,15 +43,36 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cache_service.objects import Checksum, Status
+from cache_service.shm_arena import ExtentAllocator, SharedArena
 from cache_service.store import (GetOutcome, KeyOutcome, LeaseGrant, LookupOutcome, PutItem, Store, StoreCounters,
                                  StoreStats, prefix_length)
 
+_CORRUPT_ON_ARRIVAL = KeyOutcome(Status.CORRUPT, "checksum mismatch on arrival")
 
-@dataclass(frozen=True)
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
 class _Entry:
-    data: bytes
+    size: int  # payload bytes
     checksum: Checksum
     expires_at: float | None  # clock() seconds; None: never
+    data: bytes | None = None  # the payload (heap store)
+    offset: int = 0  # the payload's extent in the arena's data area (arena store)
+    readers: int = 0  # reads in progress + locate pins: while > 0 the extent is not freed
+    dropped: bool = False  # out of the index: the extent is freed when readers reaches 0
+
+
+@dataclass(eq=False)
+class _Pending:
+    """An object with its space reserved, not yet visible."""
+
+    key: bytes
+    size: int
+    checksum: Checksum | None  # None until commit, for reservations
+    ttl_s: float | None
+    data: bytes | None = None  # heap store: the payload
+    offset: int = 0  # arena store: the reserved extent in the data area
 
 
 @dataclass(frozen=True)
@@ -40,11 +81,60 @@ class _Lease:
     expires_at: float
 
 
+@dataclass(frozen=True)
+class _ReadPin:
+    entries: tuple[_Entry, ...]
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class _Reservation:
+    pending: tuple[_Pending, ...]
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class ReserveItem:
+    key: bytes
+    size: int  # payload bytes
+    ttl_s: float | None = None  # from commit; None: no expiry
+
+
+@dataclass(frozen=True)
+class ReserveOutcome:
+    status: Status  # RESERVED, TOO_LARGE
+    offset: int = 0  # when RESERVED: file offset of the payload's first byte
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ReservationGrant:
+    reservation_id: str  # "" when nothing was reserved
+    outcomes: list[ReserveOutcome]
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class Location:
+    status: Status  # FOUND or MISSING
+    offset: int = 0  # when FOUND: file offset of the payload's first byte
+    size: int = 0  # payload bytes
+    checksum: Checksum | None = None
+
+
+@dataclass(frozen=True)
+class LocateGrant:
+    pin_id: str  # "" when nothing was found
+    locations: list[Location]
+    ttl_s: float
+
+
 class MemoryStore(Store):
     backend = "memory"
 
     def __init__(self, byte_budget: int, high_watermark: float = 0.9, low_watermark: float = 0.8,
-                 clock: Callable[[], float] = time.monotonic, sweep_interval_s: float = 1.0):
+                 clock: Callable[[], float] = time.monotonic, sweep_interval_s: float = 1.0,
+                 arena: SharedArena | None = None):
         if byte_budget <= 0:
             raise ValueError(f"byte_budget must be > 0, got {byte_budget}")
         if not 0 < low_watermark <= high_watermark <= 1:
@@ -52,6 +142,9 @@ class MemoryStore(Store):
         self.byte_budget = byte_budget
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
+        self.arena = arena
+        self._allocator = ExtentAllocator(arena.backed) if arena is not None else None  # grows with the arena
+        self._arena_full_logged = False
         self._clock = clock
         self._sweep_interval_s = sweep_interval_s
         self._lock = threading.Lock()
@@ -60,7 +153,9 @@ class MemoryStore(Store):
         self._expiry_heap: list[tuple[float, bytes]] = []  # (expires_at, key); stale entries are skipped
         self._last_sweep = float("-inf")
         self._leases: dict[str, _Lease] = {}
-        self._lease_heap: list[tuple[float, str]] = []  # (expires_at, lease_id)
+        self._read_pins: dict[str, _ReadPin] = {}
+        self._reservations: dict[str, _Reservation] = {}
+        self._hold_heap: list[tuple[float, str]] = []  # (expires_at, lease / pin / reservation id)
         self._pins: Counter[bytes] = Counter()  # key -> number of active leases holding it
         self._counters = StoreCounters()
 
@@ -69,9 +164,14 @@ class MemoryStore(Store):
     def put_many(self, items: Sequence[PutItem]) -> list[KeyOutcome]:
         verified = [item.checksum.matches(item.data) for item in items]  # outside the lock: the slow part
         with self._lock:
+            self._tick()
+            slots = [self._reserve_one(item.key, len(item.data), item.checksum, item.ttl_s, item.data) if ok
+                     else _CORRUPT_ON_ARRIVAL for item, ok in zip(items, verified)]
+        if self.arena is not None:
+            self._copy_in(slots, items)  # outside the lock: the extents are this call's alone
+        with self._lock:
             now = self._tick()
-            return [self._put_one(item, now) if ok else KeyOutcome(Status.CORRUPT, "checksum mismatch on arrival")
-                    for item, ok in zip(items, verified)]
+            return [self._publish(slot, now) if isinstance(slot, _Pending) else slot for slot in slots]
 
     def get_many(self, keys: Sequence[bytes]) -> list[GetOutcome]:
         with self._lock:
@@ -80,9 +180,18 @@ class MemoryStore(Store):
             for key, entry in zip(keys, entries):
                 if entry is not None:
                     self._entries.move_to_end(key)
-        verified = [entry is not None and entry.checksum.matches(entry.data) for entry in entries]
+                    entry.readers += 1  # pinned while copied and verified outside the lock
+        try:
+            payloads = [None if entry is None else self._payload(entry) for entry in entries]
+            verified = [p is not None and e.checksum.matches(p) for e, p in zip(entries, payloads)]
+        finally:
+            with self._lock:
+                for entry in entries:
+                    if entry is not None:
+                        self._unread(entry)
         with self._lock:
-            return [self._get_result(key, entry, ok) for key, entry, ok in zip(keys, entries, verified)]
+            return [self._get_result(key, entry, payload, ok)
+                    for key, entry, payload, ok in zip(keys, entries, payloads, verified)]
 
     def lookup(self, keys: Sequence[bytes], include_presence: bool = False) -> LookupOutcome:
         with self._lock:
@@ -100,22 +209,16 @@ class MemoryStore(Store):
             now = self._tick()
             found = [self._visible(key, now) is not None for key in keys]
             pinned = tuple(dict.fromkeys(k for k, ok in zip(keys, found) if ok))
-            lease_id = uuid.uuid4().hex if pinned else ""
-            if pinned:
-                self._leases[lease_id] = _Lease(pinned, now + ttl_s)
-                heapq.heappush(self._lease_heap, (now + ttl_s, lease_id))
-                self._pins.update(pinned)
+            lease_id = self._hold(self._leases, _Lease(pinned, now + ttl_s)) if pinned else ""
+            self._pins.update(pinned)
             outcomes = [KeyOutcome(Status.FOUND) if ok else KeyOutcome(Status.MISSING) for ok in found]
             return LeaseGrant(lease_id, outcomes, ttl_s)
 
     def release(self, lease_id: str) -> tuple[bool, int]:
+        """Ends a lease, a locate pin or a reservation -> (whether it was active, keys it held)."""
         with self._lock:
             self._tick()
-            lease = self._leases.pop(lease_id, None)
-            if lease is None:
-                return False, 0
-            self._unpin(lease.keys)
-            return True, len(lease.keys)
+            return self._end_hold(lease_id)
 
     def remove(self, keys: Sequence[bytes], force: bool = False) -> list[KeyOutcome]:
         with self._lock:
@@ -133,45 +236,196 @@ class MemoryStore(Store):
     def expire(self) -> int:
         with self._lock:
             now = self._clock()
-            self._expire_leases(now)
+            self._end_due_holds(now)
             return self._sweep(now)
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+
+    # -- shared-memory data plane (arena stores only) -------------------------------------------------------------
+
+    def reserve(self, items: Sequence[ReserveItem], ttl_s: float) -> ReservationGrant:
+        """Reserves an extent per object for `ttl_s` seconds (see the module docstring)."""
+        arena = self._require_arena()
+        with self._lock:
+            now = self._tick()
+            slots = [self._reserve_one(item.key, item.size, None, item.ttl_s) for item in items]
+            pending = tuple(slot for slot in slots if isinstance(slot, _Pending))
+            reservation_id = self._hold(self._reservations, _Reservation(pending, now + ttl_s)) if pending else ""
+        outcomes = [ReserveOutcome(Status.RESERVED, arena.data_offset + slot.offset) if isinstance(slot, _Pending)
+                    else ReserveOutcome(slot.status, message=slot.message) for slot in slots]
+        return ReservationGrant(reservation_id, outcomes, ttl_s)
+
+    def commit(self, reservation_id: str,
+               checksums: Sequence[Checksum | None]) -> tuple[list[KeyOutcome], int] | None:
+        """Verifies a reservation's objects against `checksums` (one per reserved object, in reserve order; None: an
+        unusable one) and publishes those that match -> (per reserved object: STORED, CORRUPT, INVALID or TOO_LARGE;
+        payload bytes stored), or None when the reservation is unknown (expired, released or committed already).
+        Raises ValueError, keeping the reservation, when the number of checksums is wrong."""
+        arena = self._require_arena()
+        with self._lock:
+            self._tick()
+            reservation = self._reservations.get(reservation_id)
+            if reservation is not None and len(checksums) != len(reservation.pending):
+                raise ValueError(f"{len(checksums)} checksums for {len(reservation.pending)} reserved objects")
+            self._reservations.pop(reservation_id, None)  # the extents are this call's alone now
+        if reservation is None:
+            return None
+        for p, checksum in zip(reservation.pending, checksums):
+            p.checksum = checksum
+        verified = []
+        try:
+            for p in reservation.pending:
+                with arena.view(arena.data_offset + p.offset, p.size) as payload:
+                    verified.append(p.checksum is not None and p.checksum.matches(payload))
+        finally:
+            if len(verified) < len(reservation.pending):
+                with self._lock:
+                    for p in reservation.pending:
+                        self._discard(p)
+        with self._lock:
+            now = self._tick()
+            outcomes = [self._publish(p, now) if ok else self._refuse_corrupt(p)
+                        for p, ok in zip(reservation.pending, verified)]
+        stored = sum(p.size for p, o in zip(reservation.pending, outcomes) if o.status == Status.STORED)
+        return outcomes, stored
+
+    def locate(self, keys: Sequence[bytes], ttl_s: float) -> LocateGrant:
+        """Where present objects lie, pinned for `ttl_s` seconds under one pin id (see the module docstring)."""
+        arena = self._require_arena()
+        with self._lock:
+            now = self._tick()
+            entries = [self._visible(key, now) for key in keys]
+            for key, entry in zip(keys, entries):
+                if entry is not None:
+                    self._entries.move_to_end(key)
+                    entry.readers += 1
+            found = tuple(e for e in entries if e is not None)
+            self._counters.hits += len(found)
+            self._counters.misses += len(keys) - len(found)
+            pin_id = self._hold(self._read_pins, _ReadPin(found, now + ttl_s)) if found else ""
+        locations = [Location(Status.MISSING) if e is None else
+                     Location(Status.FOUND, arena.data_offset + e.offset, e.size, e.checksum) for e in entries]
+        return LocateGrant(pin_id, locations, ttl_s)
+
+    def _require_arena(self) -> SharedArena:
+        if self.arena is None:
+            raise RuntimeError("this memory store keeps payloads in the heap: no shared-memory arena")
+        return self.arena
 
     # -- internals (call with the lock held) -------------------------------------------------------------------
 
     def _tick(self) -> float:
-        """Ends due leases; sweeps expired objects when the sweep interval has passed. Returns now."""
+        """Ends due leases, pins and reservations; sweeps expired objects when the sweep interval has passed."""
         now = self._clock()
-        self._expire_leases(now)
+        self._end_due_holds(now)
         if now - self._last_sweep >= self._sweep_interval_s:
             self._sweep(now)
         return now
 
-    def _put_one(self, item: PutItem, now: float) -> KeyOutcome:
-        size = len(item.data)
+    def _reserve_one(self, key: bytes, size: int, checksum: Checksum, ttl_s: float | None,
+                     data: bytes | None = None) -> _Pending | KeyOutcome:
+        """Space for one object (arena: an extent, evicting for it if need be), or why not."""
         if size > self.byte_budget:
             return KeyOutcome(Status.TOO_LARGE, f"object of {size} bytes exceeds the byte budget {self.byte_budget}")
-        self._drop(item.key)
-        expires_at = None if item.ttl_s is None else now + item.ttl_s
-        self._entries[item.key] = _Entry(item.data, item.checksum, expires_at)
+        if self.arena is None:
+            return _Pending(key, size, checksum, ttl_s, data=data)
+        offset = self._allocate(size)
+        if offset is None:
+            return KeyOutcome(Status.TOO_LARGE, "no room: leased, pinned or reserved objects fill the arena")
+        return _Pending(key, size, checksum, ttl_s, offset=offset)
+
+    def _allocate(self, size: int) -> int | None:
+        """An extent for `size` bytes: grows the arena, else evicts unpinned objects in LRU order, until one fits.
+        Evicts nothing when even evicting every unpinned object could not free enough bytes."""
+        offset = self._allocator.allocate(size)
+        if offset is None and not self._could_fit(size):
+            return None
+        while offset is None:
+            if self._grow_arena(size):
+                offset = self._allocator.allocate(size)
+                continue
+            victim = next((k for k, e in self._entries.items() if self._pins[k] == 0 and e.readers == 0), None)
+            if victim is None:
+                return None
+            self._drop(victim)
+            self._counters.evictions += 1
+            offset = self._allocator.allocate(size)
+        return offset
+
+    def _could_fit(self, size: int) -> bool:
+        """Whether free, unbacked and unpinned objects' space add up to `size` bytes (contiguity aside)."""
+        allocator = self._allocator
+        evictable = sum(allocator.extent_bytes(e.size) for k, e in self._entries.items()
+                        if self._pins[k] == 0 and e.readers == 0)
+        unbacked = self.arena.capacity - allocator.capacity
+        return allocator.free_bytes + unbacked + evictable >= allocator.extent_bytes(size)
+
+    def _grow_arena(self, size: int) -> bool:
+        """Backs more of the arena, enough for `size` more bytes at its end -> whether it grew."""
+        allocator = self._allocator
+        if allocator.capacity >= self.arena.capacity:
+            return False
+        backed = self.arena.grow(allocator.capacity + allocator.extent_bytes(size))
+        if backed <= allocator.capacity:
+            if not self._arena_full_logged:
+                log.warning("shared-memory arena %s stops at %d of %d bytes (tmpfs full): evicting instead",
+                            self.arena.path, backed, self.arena.capacity)
+                self._arena_full_logged = True
+            return False
+        allocator.extend(backed)
+        return True
+
+    def _copy_in(self, slots: list, items: Sequence[PutItem]) -> None:
+        """Writes reserved payloads into the arena; on failure frees every reserved extent and re-raises."""
+        try:
+            for slot, item in zip(slots, items):
+                if isinstance(slot, _Pending):
+                    self.arena.write(self.arena.data_offset + slot.offset, item.data)
+        except BaseException:
+            with self._lock:
+                for slot in slots:
+                    if isinstance(slot, _Pending):
+                        self._discard(slot)
+            raise
+
+    def _publish(self, pending: _Pending, now: float) -> KeyOutcome:
+        """Makes a reserved object visible, replacing the key's old object; then the watermark rule."""
+        key, size = pending.key, pending.size
+        self._drop(key)
+        expires_at = None if pending.ttl_s is None else now + pending.ttl_s
+        self._entries[key] = _Entry(size, pending.checksum, expires_at, pending.data, pending.offset)
         self._bytes += size
         if expires_at is not None:
-            heapq.heappush(self._expiry_heap, (expires_at, item.key))
-        self._evict(protect=item.key)
+            heapq.heappush(self._expiry_heap, (expires_at, key))
+        self._evict(protect=key)
         if self._bytes > self.byte_budget:
-            self._drop(item.key)
+            self._drop(key)
             return KeyOutcome(Status.TOO_LARGE, "no room: leased objects fill the byte budget")
         self._counters.puts += 1
         return KeyOutcome(Status.STORED)
 
+    def _discard(self, pending: _Pending) -> None:
+        """Frees a reservation's extent: the object is never published."""
+        if self._allocator is not None:
+            self._allocator.free(pending.offset, pending.size)
+
+    def _refuse_corrupt(self, pending: _Pending) -> KeyOutcome:
+        self._discard(pending)
+        if pending.checksum is None:
+            return KeyOutcome(Status.INVALID, "unusable checksum (unknown algorithm or wrong length); nothing stored")
+        return KeyOutcome(Status.CORRUPT, "the arena bytes failed their checksum; nothing stored")
+
     def _evict(self, protect: bytes) -> None:
-        """Watermark eviction in LRU order, skipping leased objects and `protect`."""
+        """Watermark eviction in LRU order, skipping pinned objects and `protect`."""
         if self._bytes <= self.high_watermark * self.byte_budget:
             return
         target = self.low_watermark * self.byte_budget
-        for key in list(self._entries):
+        for key, entry in list(self._entries.items()):
             if self._bytes <= target:
                 break
-            if key == protect or self._pins[key] > 0:
+            if key == protect or self._pins[key] > 0 or entry.readers > 0:
                 continue
             self._drop(key)
             self._counters.evictions += 1
@@ -187,7 +441,13 @@ class MemoryStore(Store):
             return None
         return entry
 
-    def _get_result(self, key: bytes, entry: _Entry | None, verified: bool) -> GetOutcome:
+    def _payload(self, entry: _Entry):
+        """The payload's bytes (arena: a copy; called outside the lock with the entry pinned)."""
+        if self.arena is None:
+            return entry.data
+        return self.arena.read(self.arena.data_offset + entry.offset, entry.size)
+
+    def _get_result(self, key: bytes, entry: _Entry | None, payload, verified: bool) -> GetOutcome:
         if entry is None:
             self._counters.misses += 1
             return GetOutcome(Status.MISSING)
@@ -198,7 +458,7 @@ class MemoryStore(Store):
             self._counters.misses += 1
             return GetOutcome(Status.CORRUPT, message="stored object failed its checksum; removed")
         self._counters.hits += 1
-        return GetOutcome(Status.FOUND, entry.data, entry.checksum)
+        return GetOutcome(Status.FOUND, payload, entry.checksum)
 
     def _remove_one(self, key: bytes, now: float, force: bool) -> KeyOutcome:
         if self._visible(key, now) is None:
@@ -210,9 +470,23 @@ class MemoryStore(Store):
         return KeyOutcome(Status.REMOVED)
 
     def _drop(self, key: bytes) -> None:
+        """Takes the key's object out of the index; its extent is freed now, or when its last reader is done."""
         entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._bytes -= len(entry.data)
+        if entry is None:
+            return
+        self._bytes -= entry.size
+        entry.dropped = True
+        if entry.readers == 0:
+            self._free(entry)
+
+    def _unread(self, entry: _Entry) -> None:
+        entry.readers -= 1
+        if entry.readers == 0 and entry.dropped:
+            self._free(entry)
+
+    def _free(self, entry: _Entry) -> None:
+        if self._allocator is not None:
+            self._allocator.free(entry.offset, entry.size)
 
     def _sweep(self, now: float) -> int:
         """Drops expired unleased objects; leased ones stay queued until a later sweep."""
@@ -233,12 +507,33 @@ class MemoryStore(Store):
             heapq.heappush(self._expiry_heap, item)
         return dropped
 
-    def _expire_leases(self, now: float) -> None:
-        while self._lease_heap and self._lease_heap[0][0] <= now:
-            _, lease_id = heapq.heappop(self._lease_heap)
-            lease = self._leases.pop(lease_id, None)
-            if lease is not None:
-                self._unpin(lease.keys)
+    # -- leases, locate pins and reservations: "holds" that end at release or at their deadline ----------------
+
+    def _hold(self, table: dict, hold) -> str:
+        hold_id = uuid.uuid4().hex
+        table[hold_id] = hold
+        heapq.heappush(self._hold_heap, (hold.expires_at, hold_id))
+        return hold_id
+
+    def _end_due_holds(self, now: float) -> None:
+        while self._hold_heap and self._hold_heap[0][0] <= now:
+            _, hold_id = heapq.heappop(self._hold_heap)
+            self._end_hold(hold_id)
+
+    def _end_hold(self, hold_id: str) -> tuple[bool, int]:
+        """Ends a lease, pin or reservation -> (whether it was active, number of keys it held)."""
+        if (lease := self._leases.pop(hold_id, None)) is not None:
+            self._unpin(lease.keys)
+            return True, len(lease.keys)
+        if (pin := self._read_pins.pop(hold_id, None)) is not None:
+            for entry in pin.entries:
+                self._unread(entry)
+            return True, len(pin.entries)
+        if (reservation := self._reservations.pop(hold_id, None)) is not None:
+            for pending in reservation.pending:
+                self._discard(pending)
+            return True, len(reservation.pending)
+        return False, 0
 
     def _unpin(self, keys: tuple[bytes, ...]) -> None:
         self._pins.subtract(keys)

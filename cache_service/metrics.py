@@ -5,9 +5,10 @@ Series (all prefixed `kdamesh_cache_`):
   `active_leases` (gauges); `hits_total`, `misses_total`, `corrupt_reads_total`, `evictions_total`,
   `expirations_total`, `puts_total`, `removes_total`, `errors_total` (counters); `backend_up` (1 when the store
   answered the scrape, else 0 and the store series are absent).
-- from the servicer: `transfer_bytes_total{direction="put"|"get"}` (payload bytes), `transfer_seconds_total{direction}`
-  (wall time of the streams that moved them), `keys_total{method, status}` (per-key results),
-  `rpc_seconds{method}` (histogram of handler latency).
+- from the servicer: `transfer_bytes_total{direction="put"|"get"}` (payload bytes through BatchPut / BatchGet, and
+  through the shared-memory plane: committed, located), `transfer_seconds_total{direction}` (wall time of the calls
+  that moved them; the shm plane's client-side copies are not in it; the direct Redis plane is in neither),
+  `keys_total{method, status}` (per-key results), `rpc_seconds{method}` (histogram of handler latency).
 """
 
 from __future__ import annotations

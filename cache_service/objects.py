@@ -1,8 +1,9 @@
 """Vocabulary shared by the stores, the servicer and the client: per-key statuses, checksums and key encoding.
 
 - `Status` mirrors `kdamesh.v1.KeyStatus` value for value, so a status crosses the wire as `int(status)`.
-- `Checksum.of(data)` computes a payload checksum (CRC-32 by default, SHA-256 on request); `matches(data)` verifies
-  it. Checksums always cover the payload bytes exactly as stored.
+- `Checksum.of(data, algorithm)` computes a payload checksum (CRC-32 unless asked: XXH3-64, the client's default, or
+  SHA-256); `matches(data)` verifies it. Both accept any bytes-like object (bytes, memoryview of a shared-memory
+  arena). Checksums always cover the payload bytes exactly as stored.
 - `encode_key(fingerprint, salt, kind, content_hash)` is the one byte form of an `ObjectKey` the stores use:
   `0x01 | kind (1 byte) | len(fingerprint) (u16 BE) | fingerprint | len(salt) (u16 BE) | salt | content_hash`.
   Every variable part but the last is length-prefixed, so distinct keys never encode to the same bytes.
@@ -15,6 +16,8 @@ import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
+
+import xxhash
 
 from protos import cache_pb2, common_pb2
 
@@ -35,6 +38,7 @@ class Status(enum.IntEnum):
     LEASED = cache_pb2.KEY_STATUS_LEASED
     TOO_LARGE = cache_pb2.KEY_STATUS_TOO_LARGE
     INVALID = cache_pb2.KEY_STATUS_INVALID
+    RESERVED = cache_pb2.KEY_STATUS_RESERVED
 
 
 class ChecksumAlgorithm(enum.IntEnum):
@@ -42,12 +46,16 @@ class ChecksumAlgorithm(enum.IntEnum):
 
     CRC32 = cache_pb2.CHECKSUM_ALGORITHM_CRC32
     SHA256 = cache_pb2.CHECKSUM_ALGORITHM_SHA256
+    XXH3_64 = cache_pb2.CHECKSUM_ALGORITHM_XXH3_64
 
 
-CHECKSUM_BYTES = {ChecksumAlgorithm.CRC32: 4, ChecksumAlgorithm.SHA256: 32}
+CHECKSUM_BYTES = {ChecksumAlgorithm.CRC32: 4, ChecksumAlgorithm.SHA256: 32, ChecksumAlgorithm.XXH3_64: 8}
 
 
-def _digest(algorithm: ChecksumAlgorithm, data: bytes) -> bytes:
+def _digest(algorithm: ChecksumAlgorithm, data) -> bytes:
+    """The checksum value of `data` (any bytes-like object)."""
+    if algorithm == ChecksumAlgorithm.XXH3_64:
+        return xxhash.xxh3_64_digest(data)  # 8 bytes, big-endian canonical form; releases the GIL
     if algorithm == ChecksumAlgorithm.CRC32:
         return struct.pack(">I", zlib.crc32(data))
     return hashlib.sha256(data).digest()
@@ -59,10 +67,10 @@ class Checksum:
     value: bytes
 
     @classmethod
-    def of(cls, data: bytes, algorithm: ChecksumAlgorithm = ChecksumAlgorithm.CRC32) -> Checksum:
+    def of(cls, data, algorithm: ChecksumAlgorithm = ChecksumAlgorithm.CRC32) -> Checksum:
         return cls(algorithm, _digest(algorithm, data))
 
-    def matches(self, data: bytes) -> bool:
+    def matches(self, data) -> bool:
         return _digest(self.algorithm, data) == self.value
 
     @classmethod

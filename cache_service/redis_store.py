@@ -2,12 +2,16 @@
 
 Layout under `key_prefix` (default `kdamesh:`), for an object with store key K:
 - manifest `{prefix}o:{K}` = header (`_HEADER`: magic `KDC1`, format version, checksum algorithm, checksum length,
-  payload size, number of chunks) + checksum + the payload itself when it fits in one chunk (`num_chunks == 0`).
-- chunks `{prefix}c:{algorithm}{checksum}{i:u32}{K}` for payloads larger than `chunk_bytes`. Chunk keys are named by
-  the checksum, so two writers of the same content write the same keys and a writer of other content never
-  overwrites chunks a reader is using.
+  payload size, number of chunks) + checksum + the payload itself when it is at most `inline_bytes` (16 KiB by
+  default; `num_chunks == 0`).
+- chunks `{prefix}c:{algorithm}{checksum}{i:u32}{K}` of at most `chunk_bytes` each for larger payloads. Chunk values
+  are the caller's bytes sent as they are (no join with a header: a 1 MiB payload is never copied to be stored).
+  Chunk keys are named by the checksum, so two writers of the same content write the same keys and a writer of other
+  content never overwrites chunks a reader is using. Readers follow `num_chunks`, whatever chunk size wrote them.
 - leases: `{prefix}p:{K}` is a sorted set of lease ids scored by deadline (Unix ms; pinned while any score is in the
   future); `{prefix}l:{lease_id}` is the set of keys a lease pins (expires with the lease).
+- counters: the hash `{prefix}stats` (fields hits, misses, corrupt_reads, puts, removes, errors; HINCRBY), shared by
+  every store on the prefix: the service's and those of clients on the direct Redis data plane.
 
 Contract (in addition to `store.Store`'s):
 - Atomic visibility: one pipeline writes the chunks first and the manifest last on one connection; Redis applies
@@ -17,8 +21,18 @@ Contract (in addition to `store.Store`'s):
   Redis, not this store, evicts under `maxmemory` (leases cannot stop that: use `volatile-*` policies or no limit).
 - A restarted or flushed Redis loses objects: they are misses. A Redis that is down answers ERROR for every key
   within the socket timeouts (connect 0.5 s, read 2 s by default; one immediate retry for a stale connection).
-- Checksums are verified on every read; a mismatch is CORRUPT, counted, and the object is deleted.
-- `stats` scans the prefix (O(objects)); counters are this process's. Leases' deadlines use this host's wall clock.
+- Checksums are verified on every read; a mismatch is CORRUPT, counted, and the object is deleted. Puts verify them
+  too, unless built with `verify_puts=False` by a caller that computed every checksum itself from the very bytes it
+  passes (the direct data plane client: one checksum pass instead of two).
+- Counters: a put queues its HINCRBY in the same pipeline as its data (corrected afterwards only when a command
+  failed); a get, whose counts are known only after its reads, sends them with its deletions of corrupt objects in
+  one last small pipeline. Counts that cannot reach Redis (it is down) wait in this process and go with its next
+  pipeline, so `stats` is exact once Redis is back (approximate only around a connection cut mid-pipeline, which
+  Redis may or may not have applied).
+- `raise_when_unavailable=True` (the direct data plane client): `put_many` / `get_many` raise StoreUnavailableError
+  instead of answering ERROR per key when Redis cannot be reached (nothing is counted), so the caller can retry
+  over gRPC. A put that failed mid-pipeline may have stored some objects whole; none is visible half-written.
+- `stats` scans the prefix (O(objects)) and reads the counter hash. Leases' deadlines use this host's wall clock.
 """
 
 from __future__ import annotations
@@ -44,6 +58,8 @@ _VERSION = 1
 _HEADER = struct.Struct(">4sBBBxQI")  # magic, version, checksum algorithm, checksum length, pad, size, num_chunks
 _MAX_HEADER_BYTES = _HEADER.size + max(CHECKSUM_BYTES.values())
 _REDIS_ERRORS = (redis.RedisError, OSError)
+_COUNTED = ("hits", "misses", "corrupt_reads", "puts", "removes", "errors")  # the fields of {prefix}stats
+DEFAULT_INLINE_BYTES = 16 << 10
 
 log = logging.getLogger(__name__)
 
@@ -86,18 +102,25 @@ class RedisStore(Store):
 
     def __init__(self, url: str, chunk_bytes: int = 1 << 20, key_prefix: bytes = b"kdamesh:",
                  socket_timeout_s: float = 2.0, connect_timeout_s: float = 0.5, max_connections: int = 64,
-                 socket_read_bytes: int = 1 << 20):
-        if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+                 socket_read_bytes: int = 1 << 20, inline_bytes: int = DEFAULT_INLINE_BYTES,
+                 verify_puts: bool = True, raise_when_unavailable: bool = False):
+        if chunk_bytes <= 0 or inline_bytes < 0:
+            raise ValueError(f"need chunk_bytes > 0 and inline_bytes >= 0, got {chunk_bytes}, {inline_bytes}")
         self.url = url
         self.chunk_bytes = chunk_bytes
+        self.inline_bytes = inline_bytes
+        self.key_prefix = key_prefix
+        self.socket_timeout_s = socket_timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self._prefix = key_prefix
+        self._verify_puts = verify_puts
+        self._raise_when_unavailable = raise_when_unavailable
         self._redis = redis.Redis.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
             retry=Retry(NoBackoff(), 1), retry_on_error=[redis.ConnectionError], max_connections=max_connections,
             socket_read_size=socket_read_bytes)  # large reads: payloads are MiBs, redis-py's default is 32 KiB
         self._lock = threading.Lock()
-        self._counters = StoreCounters()
+        self._pending = dict.fromkeys(_COUNTED, 0)  # counts not yet in {prefix}stats (under _lock)
 
     # -- key names ----------------------------------------------------------------------------------------------
 
@@ -117,6 +140,9 @@ class RedisStore(Store):
     def _lease_key(self, lease_id: str) -> bytes:
         return self._prefix + b"l:" + lease_id.encode()
 
+    def _stats_key(self) -> bytes:
+        return self._prefix + b"stats"
+
     # -- Store API ----------------------------------------------------------------------------------------------
 
     def put_many(self, items: Sequence[PutItem]) -> list[KeyOutcome]:
@@ -124,26 +150,32 @@ class RedisStore(Store):
         pipe = self._redis.pipeline(transaction=False)
         spans: list[tuple[int, int]] = []  # (item index, number of commands queued for it)
         for i, item in enumerate(items):
-            if item.checksum.matches(item.data):
+            if not self._verify_puts or item.checksum.matches(item.data):
                 spans.append((i, self._queue_put(pipe, item)))
-        replies, failure = self._execute(pipe) if spans else ([], "")
+        if not spans:
+            return outcomes
+        replies, failure = self._execute_counted(pipe, {"puts": len(spans)})  # counted as stored; corrected below
+        if failure and self._raise_when_unavailable:
+            raise StoreUnavailableError(failure)
         pos = 0
         for i, n in spans:
             outcomes[i] = KeyOutcome(Status.ERROR, failure) if failure else _put_outcome(replies[pos:pos + n])
             pos += n
-        statuses = [o.status for o in outcomes]
-        self._count(puts=statuses.count(Status.STORED), errors=statuses.count(Status.ERROR))
+        failed = sum(1 for i, _ in spans if outcomes[i].status == Status.ERROR)
+        if failed:
+            self._count(puts=0 if failure else -failed, errors=failed)
+            if not failure:
+                self._flush_counters()
         return outcomes
 
     def get_many(self, keys: Sequence[bytes]) -> list[GetOutcome]:
         try:
-            outcomes = self._get_many(keys)
+            return self._get_many(keys)
         except _REDIS_ERRORS as exc:
-            outcomes = [GetOutcome(Status.ERROR, message=_describe(exc))] * len(keys)
-        statuses = [o.status for o in outcomes]
-        self._count(hits=statuses.count(Status.FOUND), misses=len(keys) - statuses.count(Status.FOUND),
-                    corrupt_reads=statuses.count(Status.CORRUPT), errors=statuses.count(Status.ERROR))
-        return outcomes
+            if self._raise_when_unavailable:
+                raise StoreUnavailableError(_describe(exc)) from exc
+            self._count(misses=len(keys), errors=len(keys))
+            return [GetOutcome(Status.ERROR, message=_describe(exc))] * len(keys)
 
     def lookup(self, keys: Sequence[bytes], include_presence: bool = False) -> LookupOutcome:
         try:
@@ -182,21 +214,23 @@ class RedisStore(Store):
         try:
             outcomes = self._remove(keys, force)
         except _REDIS_ERRORS as exc:
-            outcomes = [KeyOutcome(Status.ERROR, _describe(exc))] * len(keys)
-        statuses = [o.status for o in outcomes]
-        self._count(removes=statuses.count(Status.REMOVED), errors=statuses.count(Status.ERROR))
+            self._count(errors=len(keys))
+            return [KeyOutcome(Status.ERROR, _describe(exc))] * len(keys)
+        self._count(removes=sum(1 for o in outcomes if o.status == Status.REMOVED))
+        self._flush_counters()
         return outcomes
 
     def stats(self) -> StoreStats:
         try:
+            self._flush_counters(raise_on_failure=True)
             objects, stored = self._scan_objects()
             leases = sum(1 for _ in self._redis.scan_iter(match=_glob(self._prefix + b"l:") + b"*", count=1000))
             leased = self._count_leased()
             evicted = int(self._redis.info("stats").get("evicted_keys", 0))
+            counted = self._redis.hgetall(self._stats_key())
         except _REDIS_ERRORS as exc:
             raise StoreUnavailableError(f"redis at {self.url}: {_describe(exc)}") from exc
-        with self._lock:
-            counters = StoreCounters(**vars(self._counters))
+        counters = StoreCounters(**{name: int(counted.get(name.encode(), 0)) for name in _COUNTED})
         counters.evictions = evicted
         return StoreStats(self.backend, objects, stored, 0, leased, leases, counters)
 
@@ -213,23 +247,18 @@ class RedisStore(Store):
         """Queues the chunks, then the manifest; returns the number of commands queued."""
         px = None if item.ttl_s is None else max(1, int(item.ttl_s * 1000))
         size, step = len(item.data), self.chunk_bytes
-        if size <= step:
+        if size <= self.inline_bytes:
             pipe.set(self._manifest_key(item.key), _encode_manifest(item.checksum, size, 0, item.data), px=px)
             return 1
-        view = memoryview(item.data)
         num_chunks = -(-size // step)
-        for i in range(num_chunks):
-            pipe.set(self._chunk_key(item.key, item.checksum, i), view[i * step:(i + 1) * step], px=px)
+        if num_chunks == 1:
+            pipe.set(self._chunk_key(item.key, item.checksum, 0), item.data, px=px)  # sent as is: no copy
+        else:
+            view = memoryview(item.data)  # slices share the payload's memory
+            for i in range(num_chunks):
+                pipe.set(self._chunk_key(item.key, item.checksum, i), view[i * step:(i + 1) * step], px=px)
         pipe.set(self._manifest_key(item.key), _encode_manifest(item.checksum, size, num_chunks, b""), px=px)
         return num_chunks + 1
-
-    @staticmethod
-    def _execute(pipe: redis.client.Pipeline) -> tuple[list, str]:
-        """Runs a pipeline -> (its replies, errors as values; "") or ([], why) when Redis cannot be reached."""
-        try:
-            return pipe.execute(raise_on_error=False), ""
-        except _REDIS_ERRORS as exc:
-            return [], _describe(exc)
 
     # -- get ----------------------------------------------------------------------------------------------------
 
@@ -241,10 +270,15 @@ class RedisStore(Store):
         manifests: list[_Manifest | None | str] = [self._parse(raw) for raw in raws]
         chunks = self._fetch_chunks(keys, manifests)
         outcomes = [self._assemble(key, m, chunks.get(i)) for i, (key, m) in enumerate(zip(keys, manifests))]
-        try:
-            self._delete_bad(keys, manifests, outcomes)
-        except _REDIS_ERRORS as exc:  # the reads stand; a later read deletes them
-            log.warning("could not delete corrupt or incomplete objects: %s", _describe(exc))
+        pipe = self._redis.pipeline(transaction=False)
+        self._queue_deletions(pipe, keys, manifests, outcomes)
+        found = sum(1 for o in outcomes if o.status == Status.FOUND)
+        counts = {"hits": found, "misses": len(keys) - found,
+                  "corrupt_reads": sum(1 for o in outcomes if o.status == Status.CORRUPT)}
+        _, failure = self._execute_counted(pipe, counts)
+        if failure:  # the reads stand; a later read deletes the bad objects; the counts wait here
+            log.warning("could not delete corrupt or incomplete objects: %s", failure)
+            self._count(**counts)
         return outcomes
 
     @staticmethod
@@ -277,23 +311,19 @@ class RedisStore(Store):
             return GetOutcome(Status.CORRUPT, message=f"corrupt manifest: {manifest}; removed")
         if parts is not None and any(p is None for p in parts):
             return GetOutcome(Status.MISSING, message="a chunk was lost (evicted, expired or flushed)")
-        data = manifest.inline if parts is None else b"".join(parts)
+        data = manifest.inline if parts is None else parts[0] if len(parts) == 1 else b"".join(parts)
         if len(data) != manifest.size or not manifest.checksum.matches(data):
             return GetOutcome(Status.CORRUPT, message="stored object failed its checksum; removed")
         return GetOutcome(Status.FOUND, data, manifest.checksum)
 
-    def _delete_bad(self, keys: Sequence[bytes], manifests: list, outcomes: list[GetOutcome]) -> None:
-        """Deletes corrupt objects and manifests whose chunks are gone, so they stop answering lookups."""
-        doomed = [i for i, (m, o) in enumerate(zip(manifests, outcomes))
-                  if o.status == Status.CORRUPT or (o.status == Status.MISSING and m is not None)]
-        if not doomed:
-            return
-        pipe = self._redis.pipeline(transaction=False)
-        for i in doomed:
-            m = manifests[i]
-            chunk_keys = self._chunk_keys(keys[i], m) if isinstance(m, _Manifest) else []
-            pipe.delete(self._manifest_key(keys[i]), *chunk_keys)
-        pipe.execute()
+    def _queue_deletions(self, pipe: redis.client.Pipeline, keys: Sequence[bytes], manifests: list,
+                         outcomes: list[GetOutcome]) -> None:
+        """Queues deletion of corrupt objects and of manifests whose chunks are gone, so they stop answering
+        lookups."""
+        for i, (m, o) in enumerate(zip(manifests, outcomes)):
+            if o.status == Status.CORRUPT or (o.status == Status.MISSING and m is not None):
+                chunk_keys = self._chunk_keys(keys[i], m) if isinstance(m, _Manifest) else []
+                pipe.delete(self._manifest_key(keys[i]), *chunk_keys)
 
     # -- lease / remove -----------------------------------------------------------------------------------------
 
@@ -382,10 +412,42 @@ class RedisStore(Store):
         keys = [name[len(self._prefix) + 2:] for name in names]
         return sum(self._pinned(keys))
 
+    # -- counters (in {prefix}stats) -----------------------------------------------------------------------------
+
     def _count(self, **deltas: int) -> None:
+        """Adds to the counts waiting for the next pipeline."""
         with self._lock:
             for name, delta in deltas.items():
-                setattr(self._counters, name, getattr(self._counters, name) + delta)
+                self._pending[name] += delta
+
+    def _take_pending(self) -> dict[str, int]:
+        with self._lock:
+            taken, self._pending = self._pending, dict.fromkeys(_COUNTED, 0)
+        return taken
+
+    def _execute_counted(self, pipe: redis.client.Pipeline, deltas: dict[str, int]) -> tuple[list, str]:
+        """Runs `pipe` with HINCRBYs of the waiting counts plus `deltas` queued after its own commands -> (the replies
+        to its own commands, errors as values; "") or ([], why) when Redis cannot be reached. On failure the waiting
+        counts wait on; `deltas` are dropped (the caller counts what happened instead)."""
+        own = len(pipe)
+        taken = self._take_pending()
+        for name in _COUNTED:
+            delta = taken[name] + deltas.get(name, 0)
+            if delta:
+                pipe.hincrby(self._stats_key(), name, delta)
+        if not len(pipe):
+            return [], ""
+        try:
+            return pipe.execute(raise_on_error=False)[:own], ""
+        except _REDIS_ERRORS as exc:
+            self._count(**taken)
+            return [], _describe(exc)
+
+    def _flush_counters(self, raise_on_failure: bool = False) -> None:
+        """Sends the waiting counts (a no-op when none wait)."""
+        _, failure = self._execute_counted(self._redis.pipeline(transaction=False), {})
+        if failure and raise_on_failure:
+            raise redis.ConnectionError(failure)
 
 
 def _put_outcome(replies: list) -> KeyOutcome:

@@ -7,14 +7,23 @@ Contract:
   flight finish for `grace` seconds, then closes the store.
 - The servicer only parses, calls the store (in a thread pool, so the event loop never blocks on Redis or checksums)
   and maps results; per-key outcomes are statuses, never RPC errors. RPC errors: INVALID_ARGUMENT for a BatchPut
-  stream that breaks framing (data outside an object, more data than announced) and for a Lookup with an unusable
-  kind or hash; UNAVAILABLE when a call without per-key results (Lookup, Release, Stats) cannot reach the backend.
+  stream that breaks framing (data outside an object, more data than announced), for a Lookup with an unusable
+  kind or hash and for a Commit whose checksums do not match its reservation in number; FAILED_PRECONDITION for
+  Reserve, Commit and Locate without an arena; UNAVAILABLE when a call without per-key results (Lookup, Release,
+  Stats) cannot reach the backend.
   Deadlines and client cancellation cancel the handler (gRPC does); a store call already running in the thread pool
   finishes within the backend's socket timeouts and its result is dropped.
 - Messages stay below `max_message_bytes` (default 4 MiB): payloads stream in `chunk_bytes` pieces (default 1 MiB).
 - BatchPut stores objects as they complete, in batches of about `put_batch_bytes` with at most two batches in
   flight, so receiving overlaps storing; BatchGet reads `get_window_keys` keys ahead of what it streams.
 - HANDOFF objects without an explicit TTL get `handoff_ttl_s` (30 s); other kinds default to no expiry.
+- Data planes: `DataPlane` tells clients how they may move payloads without this hop (`describe_data_plane`): the
+  Redis backend offers its URL and layout; the memory backend with its shared-memory arena (`memory_arena="shm"`,
+  the default) offers the arena, which `Reserve` / `Commit` (put) and `Locate` / `Release` (get) serve; otherwise
+  (or with `data_plane=False`) gRPC only. Reservations and Locate pins last as asked, at most `max_hold_s`. An arena
+  that cannot be created (no such directory) leaves the service on heap memory, logged; an arena whose tmpfs fills
+  up stops growing and evicts instead (see `memory_store`). Shm-plane bytes count in the transfer metrics at Commit
+  and Locate; direct Redis traffic shows only in the store's counters.
 - Telemetry (telemetry/): every call gets a SERVER span continuing the caller's W3C `traceparent`, with child spans
   `cache.put`, `cache.get` and `cache.lookup` (attributes: bytes, keys, blocks, hit blocks, backend, `error.type` when
   a key failed or the call was refused); the caller's `x-request-id` is bound for the call's log lines; calls are
@@ -39,9 +48,12 @@ from grpc_health.v1 import health_pb2
 from opentelemetry.trace import Tracer, TracerProvider
 from prometheus_client import CollectorRegistry, start_http_server
 
-from cache_service.memory_store import MemoryStore
+from cache_service.malloc_tuning import tune_malloc
+from cache_service.memory_store import MemoryStore, ReserveItem
 from cache_service.metrics import CacheMetrics
 from cache_service.objects import Checksum, Status, encode_key, encode_object_key
+from cache_service.redis_store import DEFAULT_INLINE_BYTES, RedisStore
+from cache_service.shm_arena import SharedArena
 from cache_service.store import GetOutcome, KeyOutcome, PutItem, Store, StoreUnavailableError
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
 from protos.grpc_server import start_grpc_server
@@ -73,11 +85,23 @@ class CacheServiceConfig:
     max_message_bytes: int = 4 << 20
     # Largest object accepted (bytes).
     max_object_bytes: int = 1 << 30
-    # Redis backend: key prefix, chunk size of stored values (bytes), socket timeouts (seconds).
+    # Redis backend: key prefix, chunk size of stored values (bytes), payloads stored inside their manifest up to
+    # this size (bytes), socket timeouts (seconds).
     redis_key_prefix: str = "kdamesh:"
     redis_chunk_bytes: int = 1 << 20
+    redis_inline_bytes: int = DEFAULT_INLINE_BYTES
     redis_socket_timeout_s: float = 2.0
     redis_connect_timeout_s: float = 0.5
+    # Offer clients a direct data plane (DataPlane RPC): the Redis backend's URL, the memory backend's arena.
+    data_plane: bool = True
+    # Memory backend: "shm" keeps payloads in a shared-memory arena of byte_budget bytes in shm_dir (its memory is
+    # reserved at start; local clients copy in and out directly), prefaulted in this process with shm_populate;
+    # "heap" keeps them in this process's memory (gRPC only).
+    memory_arena: str = "shm"
+    shm_dir: str = "/dev/shm"
+    shm_populate: bool = True
+    # Longest Reserve reservation / Locate pin granted (seconds).
+    max_hold_s: float = 60.0
     # Threads running store calls; BatchPut batch size (bytes); BatchGet read-ahead (keys).
     store_threads: int = 8
     put_batch_bytes: int = 8 << 20
@@ -93,18 +117,48 @@ class CacheServiceConfig:
                              f"under max_message_bytes {self.max_message_bytes}")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
-        if self.handoff_ttl_s <= 0 or self.lease_ttl_s <= 0:
-            raise ValueError("handoff_ttl_s and lease_ttl_s must be > 0")
+        if self.handoff_ttl_s <= 0 or self.lease_ttl_s <= 0 or self.max_hold_s <= 0:
+            raise ValueError("handoff_ttl_s, lease_ttl_s and max_hold_s must be > 0")
+        if self.memory_arena not in ("shm", "heap"):
+            raise ValueError(f"memory_arena must be 'shm' or 'heap', got {self.memory_arena!r}")
 
 
 def make_store(config: CacheServiceConfig) -> Store:
     if config.backend == "memory":
-        return MemoryStore(config.byte_budget, config.high_watermark, config.low_watermark)
-    from cache_service.redis_store import RedisStore
-
-    return RedisStore(config.backend, chunk_bytes=config.redis_chunk_bytes,
+        arena = _make_arena(config) if config.memory_arena == "shm" else None
+        return MemoryStore(config.byte_budget, config.high_watermark, config.low_watermark, arena=arena)
+    return RedisStore(config.backend, chunk_bytes=config.redis_chunk_bytes, inline_bytes=config.redis_inline_bytes,
                       key_prefix=config.redis_key_prefix.encode(), socket_timeout_s=config.redis_socket_timeout_s,
                       connect_timeout_s=config.redis_connect_timeout_s)
+
+
+def _make_arena(config: CacheServiceConfig) -> SharedArena | None:
+    try:
+        return SharedArena.create(config.byte_budget, config.shm_dir, populate=config.shm_populate)
+    except OSError as exc:
+        log.warning("no shared-memory arena of %d bytes in %s (%s): payloads stay in the heap, gRPC only",
+                    config.byte_budget, config.shm_dir, exc)
+        return None
+
+
+def describe_data_plane(store: Store, config: CacheServiceConfig) -> cache_pb2.DataPlaneResponse:
+    """The DataPlane answer for this store and configuration."""
+    response = cache_pb2.DataPlaneResponse(max_object_bytes=config.max_object_bytes,
+                                           handoff_ttl_ms=int(config.handoff_ttl_s * 1000))
+    if not config.data_plane:
+        response.grpc.reason = "direct data planes are disabled by configuration"
+    elif isinstance(store, RedisStore):
+        response.redis.CopyFrom(cache_pb2.RedisDataPlane(
+            url=store.url, key_prefix=store.key_prefix, chunk_bytes=store.chunk_bytes,
+            inline_bytes=store.inline_bytes, socket_timeout_ms=int(store.socket_timeout_s * 1000),
+            connect_timeout_ms=int(store.connect_timeout_s * 1000)))
+    elif isinstance(store, MemoryStore) and store.arena is not None:
+        arena = store.arena
+        response.shm.CopyFrom(cache_pb2.ShmDataPlane(path=str(arena.path), size_bytes=arena.size, token=arena.token,
+                                                     token_offset=arena.token_offset))
+    else:
+        response.grpc.reason = f"the {store.backend} store here has no direct data plane"
+    return response
 
 
 # -- BatchPut framing (pure) ------------------------------------------------------------------------------------
@@ -112,6 +166,33 @@ def make_store(config: CacheServiceConfig) -> Store:
 
 class ProtocolError(ValueError):
     """A BatchPut stream whose framing cannot be followed."""
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """What the store needs of an object a client announced."""
+
+    item_key: bytes
+    checksum: Checksum | None  # None for a ReserveObject (its checksum comes with Commit)
+    ttl_s: float | None
+
+
+def admit(header: cache_pb2.ObjectHeader | cache_pb2.ReserveObject, max_object_bytes: int,
+          default_ttl_s: Callable[[int], float | None]) -> Admitted | KeyOutcome:
+    """An announced object's store key, checksum and TTL, or its refusal (INVALID key or checksum, TOO_LARGE)."""
+    try:
+        checksum = Checksum.from_proto(header.checksum) if isinstance(header, cache_pb2.ObjectHeader) else None
+        admitted = Admitted(encode_object_key(header.key), checksum, None)
+    except ValueError as exc:
+        return KeyOutcome(Status.INVALID, str(exc))
+    if header.size_bytes > max_object_bytes:
+        return KeyOutcome(Status.TOO_LARGE, f"object of {header.size_bytes} bytes exceeds the limit of "
+                                            f"{max_object_bytes}")
+    if header.HasField("ttl_ms"):
+        ttl_s = header.ttl_ms / 1000 if header.ttl_ms else None
+    else:
+        ttl_s = default_ttl_s(header.key.kind)
+    return Admitted(admitted.item_key, admitted.checksum, ttl_s)
 
 
 @dataclass(frozen=True)
@@ -170,19 +251,11 @@ class PutAssembler:
 
     def _start(self, header: cache_pb2.ObjectHeader) -> _Incoming:
         incoming = _Incoming(header.key, header.size_bytes)
-        try:
-            incoming.item_key = encode_object_key(header.key)
-            incoming.checksum = Checksum.from_proto(header.checksum)
-        except ValueError as exc:
-            incoming.refusal = KeyOutcome(Status.INVALID, str(exc))
-            return incoming
-        if header.size_bytes > self._max_object_bytes:
-            incoming.refusal = KeyOutcome(Status.TOO_LARGE, f"object of {header.size_bytes} bytes exceeds the "
-                                                            f"limit of {self._max_object_bytes}")
-        if header.HasField("ttl_ms"):
-            incoming.ttl_s = header.ttl_ms / 1000 if header.ttl_ms else None
+        admitted = admit(header, self._max_object_bytes, self._default_ttl_s)
+        if isinstance(admitted, KeyOutcome):
+            incoming.refusal = admitted
         else:
-            incoming.ttl_s = self._default_ttl_s(header.key.kind)
+            incoming.item_key, incoming.checksum, incoming.ttl_s = admitted.item_key, admitted.checksum, admitted.ttl_s
         return incoming
 
     def _complete(self, incoming: _Incoming) -> Completed:
@@ -413,6 +486,89 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             active_leases=stats.active_leases, high_watermark=stats.high_watermark,
             low_watermark=stats.low_watermark, **counters)
 
+    async def DataPlane(self, request: cache_pb2.DataPlaneRequest, context) -> cache_pb2.DataPlaneResponse:
+        return describe_data_plane(self._store, self._config)
+
+    async def Reserve(self, request: cache_pb2.ReserveRequest, context) -> cache_pb2.ReserveResponse:
+        arena = await self._arena_or_abort(context)
+        started = time.perf_counter()
+        admitted = [admit(o, self._config.max_object_bytes, self._default_ttl_s) for o in request.objects]
+        items = [ReserveItem(a.item_key, o.size_bytes, a.ttl_s)
+                 for a, o in zip(admitted, request.objects) if isinstance(a, Admitted)]
+        grant = await self._run(self._store.reserve, items, self._hold_s(request.ttl_ms)) if items else None
+        granted = iter(grant.outcomes if grant else [])
+        results = []
+        for a in admitted:
+            outcome = next(granted) if isinstance(a, Admitted) else a
+            results.append(cache_pb2.ReserveResult(status=int(outcome.status), message=outcome.message,
+                                                   offset=getattr(outcome, "offset", 0)))
+        self._metrics.key_results("Reserve", [Status(r.status) for r in results])
+        self._metrics.rpc_seconds.labels("Reserve").observe(time.perf_counter() - started)
+        return cache_pb2.ReserveResponse(reservation_id=grant.reservation_id if grant else "",
+                                         ttl_ms=int(grant.ttl_s * 1000) if grant else 0, results=results,
+                                         arena_token=arena.token)
+
+    async def Commit(self, request: cache_pb2.CommitRequest, context) -> cache_pb2.CommitResponse:
+        await self._arena_or_abort(context)
+        started = time.perf_counter()
+        with tracing.child_span(self._tracer, "cache.put", {tracing.BACKEND: self._store.backend,
+                                                            "kdamesh.cache.data_plane": "shm"}) as span:
+            checksums = [_try_checksum(c) for c in request.checksums]
+            try:
+                committed = await self._run(self._store.commit, request.reservation_id, checksums)
+            except ValueError as exc:
+                tracing.mark_error(span, "INVALID_ARGUMENT", str(exc))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if committed is None:
+                tracing.mark_error(span, "NOT_FOUND", "unknown or expired reservation")
+                return cache_pb2.CommitResponse(found=False)
+            outcomes, stored = committed
+            statuses = [o.status for o in outcomes]
+            failure = _failed(statuses, (Status.CORRUPT, Status.TOO_LARGE, Status.INVALID))
+            if failure is not None:
+                tracing.mark_error(span, failure, "some objects were not stored")
+            tracing.set_attributes(span, {tracing.KEYS: len(outcomes), tracing.BYTES: stored})
+        elapsed = time.perf_counter() - started
+        self._metrics.transfer("put", stored, elapsed)  # the client's copy is not timed here
+        self._metrics.key_results("Commit", statuses)
+        self._metrics.rpc_seconds.labels("Commit").observe(elapsed)
+        return cache_pb2.CommitResponse(found=True, bytes_stored=stored, results=[
+            cache_pb2.KeyResult(status=int(o.status), message=o.message) for o in outcomes])
+
+    async def Locate(self, request: cache_pb2.LocateRequest, context) -> cache_pb2.LocateResponse:
+        arena = await self._arena_or_abort(context)
+        started = time.perf_counter()
+        keys = list(request.keys)
+        attributes = {tracing.BACKEND: self._store.backend, tracing.KEYS: len(keys),
+                      tracing.BLOCKS: _count_blocks(keys), "kdamesh.cache.data_plane": "shm"}
+        with tracing.child_span(self._tracer, "cache.get", attributes) as span:
+            encoded = [_try_encode(key) for key in keys]
+            valid = [k for k in encoded if isinstance(k, bytes)]
+            grant = await self._run(self._store.locate, valid, self._hold_s(request.pin_ttl_ms)) if valid else None
+            found = iter(grant.locations if grant else [])
+            locations = [_location(next(found)) if isinstance(k, bytes) else
+                         cache_pb2.Location(status=int(Status.MISSING), message=k) for k in encoded]
+            nbytes = sum(loc.size_bytes for loc in locations)
+            span.set_attribute(tracing.BYTES, nbytes)
+        elapsed = time.perf_counter() - started
+        self._metrics.transfer("get", nbytes, elapsed)  # the client copies them out after this
+        self._metrics.key_results("Locate", [Status(loc.status) for loc in locations])
+        self._metrics.rpc_seconds.labels("Locate").observe(elapsed)
+        return cache_pb2.LocateResponse(pin_id=grant.pin_id if grant else "",
+                                        ttl_ms=int(grant.ttl_s * 1000) if grant else 0, locations=locations,
+                                        arena_token=arena.token)
+
+    async def _arena_or_abort(self, context) -> SharedArena:
+        arena = getattr(self._store, "arena", None)
+        if arena is None or not self._config.data_plane:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this cache service has no shared-memory data plane (see DataPlane)")
+        return arena
+
+    def _hold_s(self, ttl_ms: int) -> float:
+        """A reservation's or pin's lifetime (seconds): as asked, at most max_hold_s, max_hold_s when unset."""
+        return min(ttl_ms / 1000, self._config.max_hold_s) if ttl_ms else self._config.max_hold_s
+
     async def _per_key(self, keys: Sequence[common_pb2.ObjectKey],
                        call: Callable[[list[bytes]], tuple[str, list[KeyOutcome]]]) -> tuple[str, list[KeyOutcome]]:
         """Runs `call` on the valid keys; invalid keys answer INVALID. -> (lease id or "", per-key outcomes)."""
@@ -421,6 +577,21 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         tag, outcomes = await self._run(call, valid) if valid else ("", [])
         it = iter(outcomes)
         return tag, [next(it) if isinstance(k, bytes) else KeyOutcome(Status.INVALID, k) for k in encoded]
+
+
+def _try_checksum(msg: cache_pb2.Checksum) -> Checksum | None:
+    """The checksum, or None when it is unusable (unknown algorithm, wrong length)."""
+    try:
+        return Checksum.from_proto(msg)
+    except ValueError:
+        return None
+
+
+def _location(loc) -> cache_pb2.Location:
+    if loc.status != Status.FOUND:
+        return cache_pb2.Location(status=int(loc.status))
+    return cache_pb2.Location(status=int(loc.status), offset=loc.offset, size_bytes=loc.size,
+                              checksum=loc.checksum.to_proto())
 
 
 def _try_encode(key: common_pb2.ObjectKey) -> bytes | str:
@@ -520,6 +691,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-bytes", type=parse_bytes, default=d.max_message_bytes)
     p.add_argument("--max-object-bytes", type=parse_bytes, default=d.max_object_bytes)
     p.add_argument("--redis-key-prefix", default=d.redis_key_prefix)
+    p.add_argument("--redis-inline-bytes", type=parse_bytes, default=d.redis_inline_bytes,
+                   help="Redis backend: payloads up to this size are stored inside their manifest")
+    p.add_argument("--memory-arena", choices=("shm", "heap"), default=d.memory_arena,
+                   help="memory backend: payloads in a shared-memory arena local clients map (shm), or the heap")
+    p.add_argument("--shm-dir", default=d.shm_dir, help="directory of the shared-memory arena (a tmpfs)")
+    p.add_argument("--no-data-plane", dest="data_plane", action="store_false",
+                   help="offer no direct data plane (Redis URL, shared-memory arena): payloads over gRPC only")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace period (seconds)")
     p.add_argument("--log-level", default="INFO")
@@ -532,7 +710,8 @@ def config_from_args(args: argparse.Namespace) -> CacheServiceConfig:
         high_watermark=args.high_watermark, low_watermark=args.low_watermark, handoff_ttl_s=args.handoff_ttl_s,
         lease_ttl_s=args.lease_ttl_s, chunk_bytes=args.chunk_bytes, max_message_bytes=args.max_message_bytes,
         max_object_bytes=args.max_object_bytes, redis_key_prefix=args.redis_key_prefix,
-        metrics_port=args.metrics_port)
+        redis_inline_bytes=args.redis_inline_bytes, memory_arena=args.memory_arena, shm_dir=args.shm_dir,
+        data_plane=args.data_plane, metrics_port=args.metrics_port)
 
 
 async def _run_until_signal(config: CacheServiceConfig, grace_s: float) -> None:
@@ -551,5 +730,6 @@ async def _run_until_signal(config: CacheServiceConfig, grace_s: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tune_malloc()  # MiB payload buffers reuse heap memory instead of faulting in fresh pages (see malloc_tuning)
     asyncio.run(_run_until_signal(config_from_args(args), args.grace_s))
     return 0

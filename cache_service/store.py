@@ -9,7 +9,8 @@ Contract every backend keeps (DESIGN.md, "Cache service contract"):
 - `lookup` reports presence without reading payloads and without touching recency.
 - A lease pins present objects: not evicted, not expired, not removed unless `force`, until `release` or its TTL.
 - A backend failure is a per-key ERROR (counted in `errors`), never an exception out of a batch method
-  (`put_many`, `get_many`, `lease`, `remove`). The methods without per-key results (`lookup`, `release`, `stats`)
+  (`put_many`, `get_many`, `lease`, `remove`) (a caller may ask a `RedisStore` to raise instead: the direct data
+  plane client, which then retries over gRPC). The methods without per-key results (`lookup`, `release`, `stats`)
   raise `StoreUnavailableError` instead.
 - Every method is safe to call from several threads at once (the servicer runs them in a thread pool).
 """

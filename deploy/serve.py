@@ -211,4 +211,7 @@ def run_role(role: str, argv: list[str], log_level: str = "INFO") -> int:
         import torch
 
         torch.set_num_threads(ns.torch_threads)
+    from cache_service.malloc_tuning import tune_malloc
+
+    tune_malloc()  # KV blocks and state snapshots move as MiB-sized buffers (see the module)
     return asyncio.run(_serve_worker(role, ns))

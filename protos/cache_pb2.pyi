@@ -13,6 +13,7 @@ class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHECKSUM_ALGORITHM_UNSPECIFIED: _ClassVar[ChecksumAlgorithm]
     CHECKSUM_ALGORITHM_CRC32: _ClassVar[ChecksumAlgorithm]
     CHECKSUM_ALGORITHM_SHA256: _ClassVar[ChecksumAlgorithm]
+    CHECKSUM_ALGORITHM_XXH3_64: _ClassVar[ChecksumAlgorithm]
 
 class KeyStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -26,9 +27,11 @@ class KeyStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KEY_STATUS_LEASED: _ClassVar[KeyStatus]
     KEY_STATUS_TOO_LARGE: _ClassVar[KeyStatus]
     KEY_STATUS_INVALID: _ClassVar[KeyStatus]
+    KEY_STATUS_RESERVED: _ClassVar[KeyStatus]
 CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_CRC32: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_SHA256: ChecksumAlgorithm
+CHECKSUM_ALGORITHM_XXH3_64: ChecksumAlgorithm
 KEY_STATUS_UNSPECIFIED: KeyStatus
 KEY_STATUS_FOUND: KeyStatus
 KEY_STATUS_STORED: KeyStatus
@@ -39,6 +42,7 @@ KEY_STATUS_ERROR: KeyStatus
 KEY_STATUS_LEASED: KeyStatus
 KEY_STATUS_TOO_LARGE: KeyStatus
 KEY_STATUS_INVALID: KeyStatus
+KEY_STATUS_RESERVED: KeyStatus
 
 class Checksum(_message.Message):
     __slots__ = ("algorithm", "value")
@@ -215,3 +219,147 @@ class StatsResponse(_message.Message):
     high_watermark: float
     low_watermark: float
     def __init__(self, backend: _Optional[str] = ..., objects: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., leased_objects: _Optional[int] = ..., active_leases: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., evictions: _Optional[int] = ..., expirations: _Optional[int] = ..., puts: _Optional[int] = ..., removes: _Optional[int] = ..., errors: _Optional[int] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ...) -> None: ...
+
+class DataPlaneRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GrpcDataPlane(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class RedisDataPlane(_message.Message):
+    __slots__ = ("url", "key_prefix", "chunk_bytes", "inline_bytes", "socket_timeout_ms", "connect_timeout_ms")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INLINE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    CONNECT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    key_prefix: bytes
+    chunk_bytes: int
+    inline_bytes: int
+    socket_timeout_ms: int
+    connect_timeout_ms: int
+    def __init__(self, url: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., chunk_bytes: _Optional[int] = ..., inline_bytes: _Optional[int] = ..., socket_timeout_ms: _Optional[int] = ..., connect_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ShmDataPlane(_message.Message):
+    __slots__ = ("path", "size_bytes", "token", "token_offset")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size_bytes: int
+    token: bytes
+    token_offset: int
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., token: _Optional[bytes] = ..., token_offset: _Optional[int] = ...) -> None: ...
+
+class DataPlaneResponse(_message.Message):
+    __slots__ = ("grpc", "redis", "shm", "max_object_bytes", "handoff_ttl_ms")
+    GRPC_FIELD_NUMBER: _ClassVar[int]
+    REDIS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    MAX_OBJECT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    grpc: GrpcDataPlane
+    redis: RedisDataPlane
+    shm: ShmDataPlane
+    max_object_bytes: int
+    handoff_ttl_ms: int
+    def __init__(self, grpc: _Optional[_Union[GrpcDataPlane, _Mapping]] = ..., redis: _Optional[_Union[RedisDataPlane, _Mapping]] = ..., shm: _Optional[_Union[ShmDataPlane, _Mapping]] = ..., max_object_bytes: _Optional[int] = ..., handoff_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ReserveObject(_message.Message):
+    __slots__ = ("key", "size_bytes", "ttl_ms")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    key: _common_pb2.ObjectKey
+    size_bytes: int
+    ttl_ms: int
+    def __init__(self, key: _Optional[_Union[_common_pb2.ObjectKey, _Mapping]] = ..., size_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("objects", "ttl_ms")
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    objects: _containers.RepeatedCompositeFieldContainer[ReserveObject]
+    ttl_ms: int
+    def __init__(self, objects: _Optional[_Iterable[_Union[ReserveObject, _Mapping]]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ReserveResult(_message.Message):
+    __slots__ = ("status", "offset", "message")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    status: KeyStatus
+    offset: int
+    message: str
+    def __init__(self, status: _Optional[_Union[KeyStatus, str]] = ..., offset: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reservation_id", "ttl_ms", "results", "arena_token")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    ttl_ms: int
+    results: _containers.RepeatedCompositeFieldContainer[ReserveResult]
+    arena_token: bytes
+    def __init__(self, reservation_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., results: _Optional[_Iterable[_Union[ReserveResult, _Mapping]]] = ..., arena_token: _Optional[bytes] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("reservation_id", "checksums")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    checksums: _containers.RepeatedCompositeFieldContainer[Checksum]
+    def __init__(self, reservation_id: _Optional[str] = ..., checksums: _Optional[_Iterable[_Union[Checksum, _Mapping]]] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("found", "results", "bytes_stored")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    results: _containers.RepeatedCompositeFieldContainer[KeyResult]
+    bytes_stored: int
+    def __init__(self, found: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[KeyResult, _Mapping]]] = ..., bytes_stored: _Optional[int] = ...) -> None: ...
+
+class LocateRequest(_message.Message):
+    __slots__ = ("keys", "pin_ttl_ms")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PIN_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[_common_pb2.ObjectKey]
+    pin_ttl_ms: int
+    def __init__(self, keys: _Optional[_Iterable[_Union[_common_pb2.ObjectKey, _Mapping]]] = ..., pin_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class Location(_message.Message):
+    __slots__ = ("status", "offset", "size_bytes", "checksum", "message")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    status: KeyStatus
+    offset: int
+    size_bytes: int
+    checksum: Checksum
+    message: str
+    def __init__(self, status: _Optional[_Union[KeyStatus, str]] = ..., offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[_Union[Checksum, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LocateResponse(_message.Message):
+    __slots__ = ("pin_id", "ttl_ms", "locations", "arena_token")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    ttl_ms: int
+    locations: _containers.RepeatedCompositeFieldContainer[Location]
+    arena_token: bytes
+    def __init__(self, pin_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[Location, _Mapping]]] = ..., arena_token: _Optional[bytes] = ...) -> None: ...

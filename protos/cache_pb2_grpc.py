@@ -70,6 +70,26 @@ class CacheServiceStub:
                 request_serializer=protos_dot_cache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_cache__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.DataPlane = channel.unary_unary(
+                '/kdamesh.v1.CacheService/DataPlane',
+                request_serializer=protos_dot_cache__pb2.DataPlaneRequest.SerializeToString,
+                response_deserializer=protos_dot_cache__pb2.DataPlaneResponse.FromString,
+                _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/kdamesh.v1.CacheService/Reserve',
+                request_serializer=protos_dot_cache__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=protos_dot_cache__pb2.ReserveResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/kdamesh.v1.CacheService/Commit',
+                request_serializer=protos_dot_cache__pb2.CommitRequest.SerializeToString,
+                response_deserializer=protos_dot_cache__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/kdamesh.v1.CacheService/Locate',
+                request_serializer=protos_dot_cache__pb2.LocateRequest.SerializeToString,
+                response_deserializer=protos_dot_cache__pb2.LocateResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -111,7 +131,8 @@ class CacheServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Ends a lease early. Releasing an unknown or expired lease is not an error (found = false).
+        """Ends a lease early; also ends a Locate pin (by pin_id) or abandons an uncommitted Reserve reservation (by
+        reservation_id). Releasing an unknown or expired one is not an error (found = false).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -126,6 +147,44 @@ class CacheServiceServicer:
 
     def Stats(self, request, context):
         """Counters and occupancy of this service's store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DataPlane(self, request, context):
+        """How a client may move payload bytes without this gRPC hop: through the service's Redis, through a shared-memory
+        arena on this host, or only over BatchPut / BatchGet. The answer holds for the service's lifetime: call it once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request, context):
+        """Shared-memory put, step 1: reserves one arena extent per object. The client then writes each payload at its
+        offset in its own mapping of the arena and calls Commit with the payloads' checksums (computed as it copies:
+        one pass over each payload, from cache). An uncommitted reservation expires after its TTL and its extents are
+        freed (a crashed client leaks nothing). Reserved extents are never handed out, evicted or overwritten by the
+        service. FAILED_PRECONDITION when the service has no arena (see DataPlane).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Shared-memory put, step 2: verifies every reserved object's checksum over the arena bytes and publishes the ones
+        that match, each atomically (readers see the old object or the new one, never a mix). INVALID_ARGUMENT when the
+        number of checksums is not the number of reserved objects (the reservation stays until its TTL or Release).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Locate(self, request, context):
+        """Shared-memory get: where each object's bytes lie in the arena. Found objects are pinned (never freed or
+        overwritten) until Release(pin_id) or the pin's TTL; the client copies them out and verifies their checksums.
+        Keys count as hits and misses as in BatchGet (a copy that then fails its checksum is read again over BatchGet,
+        which counts the corrupt read and a miss too). FAILED_PRECONDITION when the service has no arena.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,6 +227,26 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_cache__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_cache__pb2.StatsResponse.SerializeToString,
+            ),
+            'DataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataPlane,
+                    request_deserializer=protos_dot_cache__pb2.DataPlaneRequest.FromString,
+                    response_serializer=protos_dot_cache__pb2.DataPlaneResponse.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=protos_dot_cache__pb2.ReserveRequest.FromString,
+                    response_serializer=protos_dot_cache__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=protos_dot_cache__pb2.CommitRequest.FromString,
+                    response_serializer=protos_dot_cache__pb2.CommitResponse.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=protos_dot_cache__pb2.LocateRequest.FromString,
+                    response_serializer=protos_dot_cache__pb2.LocateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -360,6 +439,114 @@ class CacheService:
             '/kdamesh.v1.CacheService/Stats',
             protos_dot_cache__pb2.StatsRequest.SerializeToString,
             protos_dot_cache__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdamesh.v1.CacheService/DataPlane',
+            protos_dot_cache__pb2.DataPlaneRequest.SerializeToString,
+            protos_dot_cache__pb2.DataPlaneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdamesh.v1.CacheService/Reserve',
+            protos_dot_cache__pb2.ReserveRequest.SerializeToString,
+            protos_dot_cache__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdamesh.v1.CacheService/Commit',
+            protos_dot_cache__pb2.CommitRequest.SerializeToString,
+            protos_dot_cache__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdamesh.v1.CacheService/Locate',
+            protos_dot_cache__pb2.LocateRequest.SerializeToString,
+            protos_dot_cache__pb2.LocateResponse.FromString,
             options,
             channel_credentials,
             insecure,

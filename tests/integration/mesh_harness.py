@@ -72,7 +72,8 @@ class Mesh:
     def __init__(self, model_dir, *, backend: str = "memory", engine: dict | None = None,
                  decode_engine: dict | None = None, kv_load_failure_policy: str = "recompute",
                  handoff_ttl_s: float = 30.0, handoff_full_kv: bool = False, with_prefill: bool = True,
-                 cache_address: str | None = None, redis_key_prefix: str = "kdamesh:"):
+                 cache_address: str | None = None, redis_key_prefix: str = "kdamesh:",
+                 cache_data_plane: bool = True):
         self.model_dir = model_dir
         self.backend = backend
         self.engine_overrides = engine or {}
@@ -83,6 +84,7 @@ class Mesh:
         self.with_prefill = with_prefill
         self.cache_address = cache_address  # an external (or dead) cache service instead of our own
         self.redis_key_prefix = redis_key_prefix
+        self.cache_data_plane = cache_data_plane  # False: the workers' payloads travel over gRPC (BatchPut/BatchGet)
         self.cache_server = self.prefill_server = self.decode_server = None
         self._channels: list[grpc.aio.Channel] = []
 
@@ -90,7 +92,7 @@ class Mesh:
         if self.cache_address is None:
             self.cache_server, port = await serve_cache(CacheServiceConfig(
                 address="127.0.0.1:0", backend=self.backend, handoff_ttl_s=self.handoff_ttl_s,
-                redis_key_prefix=self.redis_key_prefix))
+                redis_key_prefix=self.redis_key_prefix, data_plane=self.cache_data_plane))
             self.cache_address = f"127.0.0.1:{port}"
         starts = []
         if self.with_prefill:

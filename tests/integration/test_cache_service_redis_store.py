@@ -1,4 +1,5 @@
-"""RedisStore against a real Redis: the stored layout, TTLs and leases, prefixes, corrupt manifests, stats."""
+"""RedisStore against a real Redis: the stored layout, TTLs and leases, prefixes, corrupt manifests, stats (counted
+in Redis)."""
 
 import os
 
@@ -26,20 +27,67 @@ def names(redis_client, pattern: bytes) -> list[bytes]:
     return sorted(redis_client.scan_iter(match=pattern))
 
 
+OBJECT_KEYS = b"kdamesh:[ocpl]:*"  # manifests, chunks, pins, leases (not the counter hash kdamesh:stats)
+
+
 def test_small_objects_are_one_key_large_ones_chunks_plus_a_manifest(store, redis_client):
-    small, big = item(b"s", b"x" * MIB), item(b"b", os.urandom(2 * MIB + 1))
-    assert [o.status for o in store.put_many([small, big])] == [Status.STORED] * 2
-    assert len(names(redis_client, b"kdamesh:o:*")) == 2
-    chunks = names(redis_client, b"kdamesh:c:*")
-    assert len(chunks) == 3 and sorted(redis_client.strlen(c) for c in chunks) == [1, MIB, MIB]
-    got = store.get_many([small.key, big.key])
-    assert [g.data for g in got] == [small.data, big.data]
+    small, one, big = item(b"s", b"x" * (16 << 10)), item(b"m", os.urandom(MIB)), item(b"b", os.urandom(2 * MIB + 1))
+    assert [o.status for o in store.put_many([small, one, big])] == [Status.STORED] * 3
+    assert len(names(redis_client, b"kdamesh:o:*")) == 3
+    assert redis_client.strlen(b"kdamesh:o:" + small.key) > 16 << 10  # inline: header + checksum + payload
+    chunks = names(redis_client, b"kdamesh:c:*")  # above 16 KiB: chunks of at most 1 MiB, the payload as is
+    assert len(chunks) == 4 and sorted(redis_client.strlen(c) for c in chunks) == [1, MIB, MIB, MIB]
+    got = store.get_many([small.key, one.key, big.key])
+    assert [g.data for g in got] == [small.data, one.data, big.data]
+
+
+def test_counters_live_in_redis_and_are_shared_by_stores_on_the_prefix(store, redis_url, redis_client):
+    other = RedisStore(redis_url)  # e.g. a client on the direct data plane
+    try:
+        a, b = item(b"a", b"A"), item(b"b", os.urandom(MIB))
+        other.put_many([a, b])
+        other.get_many([a.key, b.key, b"nope"])
+        store.get_many([a.key])
+        other.remove([a.key])
+        counted = {k.decode(): int(v) for k, v in redis_client.hgetall(b"kdamesh:stats").items()}
+        assert counted == {"puts": 2, "hits": 3, "misses": 1, "removes": 1}
+        c = store.stats().counters
+        assert (c.puts, c.hits, c.misses, c.removes, c.corrupt_reads, c.errors) == (2, 3, 1, 1, 0, 0)
+    finally:
+        other.close()
+
+
+def test_counts_made_while_redis_is_down_arrive_when_it_is_back(private_redis):
+    store = RedisStore(private_redis.url, connect_timeout_s=0.2)
+    try:
+        private_redis.stop()
+        assert store.get_many([b"k1", b"k2"])[0].status == Status.ERROR
+        private_redis.start()
+        store.get_many([b"k3"])
+        c = store.stats().counters
+        assert (c.misses, c.errors, c.hits) == (3, 2, 0)
+    finally:
+        store.close()
+
+
+def test_a_store_that_raises_when_unavailable_counts_nothing(closed_port, redis_url):
+    from cache_service.store import StoreUnavailableError
+
+    direct = RedisStore(f"redis://127.0.0.1:{closed_port}/0", raise_when_unavailable=True)
+    try:
+        with pytest.raises(StoreUnavailableError):
+            direct.put_many([item(b"a", b"A")])
+        with pytest.raises(StoreUnavailableError):
+            direct.get_many([b"a"])
+        assert direct._pending == dict.fromkeys(direct._pending, 0)
+    finally:
+        direct.close()
 
 
 def test_ttls_are_redis_expiries(store, redis_client):
     store.put_many([item(b"h", b"handoff", ttl_s=30), item(b"big", os.urandom(MIB + 1), ttl_s=30),
                     item(b"k", b"forever")])
-    ttls = {name: redis_client.pttl(name) for name in names(redis_client, b"kdamesh:*")}
+    ttls = {name: redis_client.pttl(name) for name in names(redis_client, OBJECT_KEYS)}
     forever = [n for n, t in ttls.items() if t == -1]
     assert len(forever) == 1 and all(0 < t <= 30_000 for n, t in ttls.items() if n not in forever)
 
@@ -54,7 +102,7 @@ def test_a_lease_outlives_the_objects_ttl_and_blocks_removal(store, redis_client
     assert store.stats().leased_objects == 1 and store.stats().active_leases == 1
     assert store.release(grant.lease_id) == (True, 1)
     assert store.remove([h.key])[0].status == Status.REMOVED
-    assert names(redis_client, b"kdamesh:*") == []
+    assert names(redis_client, OBJECT_KEYS) == []
 
 
 def test_prefixes_isolate_stores(redis_url, store):
@@ -74,7 +122,7 @@ def test_a_corrupt_manifest_is_corrupt_and_deleted(store, redis_client):
     redis_client.setrange(b"kdamesh:o:" + it.key, 0, b"JUNK")
     got = store.get_many([it.key])[0]
     assert got.status == Status.CORRUPT and "manifest" in got.message
-    assert store.stats().counters.corrupt_reads == 1 and names(redis_client, b"kdamesh:*") == []
+    assert store.stats().counters.corrupt_reads == 1 and names(redis_client, OBJECT_KEYS) == []
 
 
 def test_stats_scan_objects_and_bytes(store):

@@ -176,13 +176,22 @@ def test_zeroed_kda_state_changes_the_output(tiny_k3):
 
 
 def _flip_last_byte_of_every_object(client: redis.Redis, prefix: bytes) -> int:
+    """Flips the last payload byte of every object: in its manifest when inline (num_chunks, the u32 at bytes 16..20
+    of the manifest header, is 0: payloads up to 16 KiB), else in each of its chunks. -> number of objects."""
     flipped = 0
     for key in client.scan_iter(match=prefix + b"o:*"):
-        value = bytearray(client.get(key))
-        value[-1] ^= 0xFF  # the payload's last byte (objects this small are stored inline)
-        client.set(key, bytes(value), keepttl=True)
+        if int.from_bytes(client.getrange(key, 16, 19), "big") == 0:
+            _flip_last_byte(client, key)
         flipped += 1
+    for key in client.scan_iter(match=prefix + b"c:*"):
+        _flip_last_byte(client, key)
     return flipped
+
+
+def _flip_last_byte(client: redis.Redis, key: bytes) -> None:
+    value = bytearray(client.get(key))
+    value[-1] ^= 0xFF
+    client.set(key, bytes(value), keepttl=True)
 
 
 def test_corrupt_objects_in_redis_are_detected_counted_and_recomputed(tiny_k3, private_redis):

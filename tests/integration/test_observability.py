@@ -131,7 +131,7 @@ def test_one_request_is_one_trace_across_prefill_cache_and_decode(tiny_k3, spans
     headers = {"traceparent": f"00-{PARENT_TRACE}-{PARENT_SPAN}-01"}  # from the REST client
 
     async def go():
-        async with Mesh(tiny_k3) as mesh:
+        async with Mesh(tiny_k3, cache_data_plane=False) as mesh:  # payloads over BatchPut / BatchGet
             result = await traced_request(mesh.prefill_address, mesh.decode_address, "req-trace-1", PROMPT, 8,
                                           headers)
             await mesh.drain()  # background snapshot publication and handoff claim
@@ -211,7 +211,8 @@ def test_an_unusable_handoff_is_an_error_type_on_its_span(tiny_k3, spans):
 @asynccontextmanager
 async def metered_mesh(model_dir):
     """cache, prefill and decode with their /metrics side ports (free ports)."""
-    cache, cport = await serve_cache(CacheServiceConfig(address="127.0.0.1:0", metrics_port=0))
+    cache, cport = await serve_cache(CacheServiceConfig(address="127.0.0.1:0", metrics_port=0,
+                                                        data_plane=False))  # payloads over BatchPut / BatchGet
     cache_address = f"127.0.0.1:{cport}"
     prefill, pport = await serve_prefill(PrefillServiceConfig(engine=engine_args(model_dir),
                                                               cache_address=cache_address, address="127.0.0.1:0",
@@ -362,7 +363,7 @@ def test_json_log_lines_carry_the_request_id_through_every_service(tiny_k3, span
     root_logger.setLevel(logging.DEBUG)  # the cache service's access lines are DEBUG
 
     async def go():
-        async with Mesh(tiny_k3) as mesh:
+        async with Mesh(tiny_k3, cache_data_plane=False) as mesh:  # payloads over BatchPut / BatchGet
             root, _, chunks = await traced_request(mesh.prefill_address, mesh.decode_address, "req-logs-1", PROMPT,
                                                    6)
             await mesh.drain()

@@ -1,4 +1,4 @@
-"""cache_service imports only protos, the standard library, grpc, redis, prometheus_client and telemetry (with
+"""cache_service imports only protos, the standard library, grpc, redis, xxhash, prometheus_client and telemetry (with
 OpenTelemetry; telemetry itself imports no kdamesh package) (DESIGN.md: it stores bytes and knows no model)."""
 
 import ast
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-ALLOWED = {"cache_service", "protos", "grpc", "grpc_health", "grpc_reflection", "redis", "prometheus_client",
+ALLOWED = {"cache_service", "protos", "grpc", "grpc_health", "grpc_reflection", "redis", "xxhash", "prometheus_client",
            "google", "telemetry", "opentelemetry"} | set(sys.stdlib_module_names)
 
 

@@ -24,7 +24,17 @@ def test_checksums():
     assert Checksum.from_proto(crc.to_proto()) == crc
 
 
+def test_xxh3_checksums_are_8_bytes_big_endian_and_take_any_buffer():
+    assert Checksum.of(b"", ChecksumAlgorithm.XXH3_64).value == bytes.fromhex("2d06800538d394c2")  # XXH3_64(seed 0)
+    xxh = Checksum.of(b"123456789", ChecksumAlgorithm.XXH3_64)
+    assert xxh.value == bytes.fromhex("72dcb18b67a17dff") and len(xxh.value) == 8
+    assert xxh.matches(memoryview(bytearray(b"0123456789"))[1:]) and not xxh.matches(b"123456788")
+    assert Checksum.from_proto(xxh.to_proto()) == xxh
+    assert xxh.to_proto().algorithm == cache_pb2.CHECKSUM_ALGORITHM_XXH3_64
+
+
 @pytest.mark.parametrize("proto", [cache_pb2.Checksum(), cache_pb2.Checksum(algorithm=1, value=b"12345"),
+                                   cache_pb2.Checksum(algorithm=3, value=b"1234"),
                                    cache_pb2.Checksum(algorithm=7, value=b"1234")])
 def test_bad_checksum_protos_are_rejected(proto):
     with pytest.raises(ValueError):
