@@ -244,20 +244,23 @@ class RedisStore(Store):
     # -- put ----------------------------------------------------------------------------------------------------
 
     def _queue_put(self, pipe: redis.client.Pipeline, item: PutItem) -> int:
-        """Queues the chunks, then the manifest; returns the number of commands queued."""
+        """Queues the object's commands (chunks before the manifest); returns how many were queued."""
         px = None if item.ttl_s is None else max(1, int(item.ttl_s * 1000))
         size, step = len(item.data), self.chunk_bytes
         if size <= self.inline_bytes:
             pipe.set(self._manifest_key(item.key), _encode_manifest(item.checksum, size, 0, item.data), px=px)
             return 1
         num_chunks = -(-size // step)
-        if num_chunks == 1:
-            pipe.set(self._chunk_key(item.key, item.checksum, 0), item.data, px=px)  # sent as is: no copy
-        else:
-            view = memoryview(item.data)  # slices share the payload's memory
-            for i in range(num_chunks):
-                pipe.set(self._chunk_key(item.key, item.checksum, i), view[i * step:(i + 1) * step], px=px)
-        pipe.set(self._manifest_key(item.key), _encode_manifest(item.checksum, size, num_chunks, b""), px=px)
+        view = memoryview(item.data)  # slices share the payload's memory: sent as they are, no copy
+        chunks = {self._chunk_key(item.key, item.checksum, i): view[i * step:(i + 1) * step]
+                  for i in range(num_chunks)}
+        manifest = _encode_manifest(item.checksum, size, num_chunks, b"")
+        if px is None:  # one MSET: chunks and manifest appear together (and one command, one reply per object)
+            pipe.mset({**chunks, self._manifest_key(item.key): manifest})
+            return 1
+        for name, chunk in chunks.items():  # with a TTL: SET PX each, the manifest last
+            pipe.set(name, chunk, px=px)
+        pipe.set(self._manifest_key(item.key), manifest, px=px)
         return num_chunks + 1
 
     # -- get ----------------------------------------------------------------------------------------------------

@@ -100,6 +100,8 @@ class CacheServiceConfig:
     memory_arena: str = "shm"
     shm_dir: str = "/dev/shm"
     shm_populate: bool = True
+    # Commit re-verifies each payload over the arena before publishing it (reads verify either way; see memory_store).
+    verify_commits: bool = False
     # Longest Reserve reservation / Locate pin granted (seconds).
     max_hold_s: float = 60.0
     # Threads running store calls; BatchPut batch size (bytes); BatchGet read-ahead (keys).
@@ -126,7 +128,8 @@ class CacheServiceConfig:
 def make_store(config: CacheServiceConfig) -> Store:
     if config.backend == "memory":
         arena = _make_arena(config) if config.memory_arena == "shm" else None
-        return MemoryStore(config.byte_budget, config.high_watermark, config.low_watermark, arena=arena)
+        return MemoryStore(config.byte_budget, config.high_watermark, config.low_watermark, arena=arena,
+                           verify_commits=config.verify_commits)
     return RedisStore(config.backend, chunk_bytes=config.redis_chunk_bytes, inline_bytes=config.redis_inline_bytes,
                       key_prefix=config.redis_key_prefix.encode(), socket_timeout_s=config.redis_socket_timeout_s,
                       connect_timeout_s=config.redis_connect_timeout_s)
@@ -696,6 +699,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-arena", choices=("shm", "heap"), default=d.memory_arena,
                    help="memory backend: payloads in a shared-memory arena local clients map (shm), or the heap")
     p.add_argument("--shm-dir", default=d.shm_dir, help="directory of the shared-memory arena (a tmpfs)")
+    p.add_argument("--verify-commits", action="store_true",
+                   help="re-verify shared-memory puts at Commit (reads always verify)")
     p.add_argument("--no-data-plane", dest="data_plane", action="store_false",
                    help="offer no direct data plane (Redis URL, shared-memory arena): payloads over gRPC only")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
@@ -711,6 +716,7 @@ def config_from_args(args: argparse.Namespace) -> CacheServiceConfig:
         lease_ttl_s=args.lease_ttl_s, chunk_bytes=args.chunk_bytes, max_message_bytes=args.max_message_bytes,
         max_object_bytes=args.max_object_bytes, redis_key_prefix=args.redis_key_prefix,
         redis_inline_bytes=args.redis_inline_bytes, memory_arena=args.memory_arena, shm_dir=args.shm_dir,
+        verify_commits=args.verify_commits,
         data_plane=args.data_plane, metrics_port=args.metrics_port)
 
 

@@ -172,9 +172,11 @@ class CacheServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Commit(self, request, context):
-        """Shared-memory put, step 2: verifies every reserved object's checksum over the arena bytes and publishes the ones
-        that match, each atomically (readers see the old object or the new one, never a mix). INVALID_ARGUMENT when the
-        number of checksums is not the number of reserved objects (the reservation stays until its TTL or Release).
+        """Shared-memory put, step 2: publishes the reserved objects with the checksums the client computed over the bytes
+        it wrote, each atomically (readers see the old object or the new one, never a mix). Reads verify, so a wrong
+        write is CORRUPT at its first read; a service started with --verify-commits verifies each object over the arena
+        first and refuses a mismatch (CORRUPT, nothing stored). INVALID_ARGUMENT when the number of checksums is not
+        the number of reserved objects (the reservation stays until its TTL or Release).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -112,6 +112,7 @@ def test_an_uncommitted_reservation_expires_and_frees_its_extent(store, clock):
 
 
 def test_commit_verifies_every_object_over_the_arena_bytes(store, arena):
+    store.verify_commits = True
     grant = store.reserve([ReserveItem(b"good", K), ReserveItem(b"bad", K), ReserveItem(b"odd", K)], ttl_s=60)
     offsets = [o.offset for o in grant.outcomes]
     arena.write(offsets[0], payload("good", K))
@@ -124,6 +125,21 @@ def test_commit_verifies_every_object_over_the_arena_bytes(store, arena):
     assert store.get_many([b"good"])[0].data == payload("good", K)
     assert store._allocator.free_extents() == [(K, 2 * K)]  # the refused objects' extents are free again
     assert store.commit(grant.reservation_id, checksums) is None  # committed once
+
+
+def test_by_default_commit_trusts_the_writer_and_the_first_read_fails_closed(store, arena):
+    grant = store.reserve([ReserveItem(b"good", K), ReserveItem(b"bad", K), ReserveItem(b"odd", K)], ttl_s=60)
+    offsets = [o.offset for o in grant.outcomes]
+    arena.write(offsets[0], payload("good", K))
+    arena.write(offsets[1], payload("bad", K - 1) + b"!")  # a torn or wrong write
+    checksums = [Checksum.of(payload("good", K), XXH3), Checksum.of(payload("bad", K), XXH3), None]
+    outcomes, stored = store.commit(grant.reservation_id, checksums)
+    assert [o.status for o in outcomes] == [Status.STORED, Status.STORED, Status.INVALID] and stored == 2 * K
+    got = store.get_many([b"bad", b"good"])
+    assert [g.status for g in got] == [Status.CORRUPT, Status.FOUND] and got[1].data == payload("good", K)
+    stats = store.stats()
+    assert stats.counters.corrupt_reads == 1 and stats.objects == 1  # counted and removed
+    assert store.lookup([b"bad"]).prefix_hit_length == 0
 
 
 def test_a_located_object_keeps_its_bytes_until_released(store, arena):
