@@ -14,8 +14,9 @@ Layout under `key_prefix` (default `kdamesh:`), for an object with store key K:
   every store on the prefix: the service's and those of clients on the direct Redis data plane.
 
 Contract (in addition to `store.Store`'s):
-- Atomic visibility: one pipeline writes the chunks first and the manifest last on one connection; Redis applies
-  them in order, so a reader that sees a manifest sees its chunks. A manifest whose chunk is gone (evicted, expired,
+- Atomic visibility: an object without a TTL is one MSET of its chunks and manifest (they appear together); one
+  with a TTL is SET PX of each chunk, then of the manifest, in one pipeline on one connection, which Redis applies
+  in order. Either way a reader that sees a manifest sees its chunks. A manifest whose chunk is gone (evicted, expired,
   flushed) is a miss and is deleted.
 - TTLs are Redis expiries (SET PX) on the manifest and the chunks; a lease extends them to at least its own end.
   Redis, not this store, evicts under `maxmemory` (leases cannot stop that: use `volatile-*` policies or no limit).
