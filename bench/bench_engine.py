@@ -7,7 +7,11 @@ Usage: `python -m bench.bench_engine [--presets small-linear,small-k3] [--thread
    process, one prompt at a time and batched. All prompts have the same length, so the batched baseline needs no
    padding. One prompt at a time is slow, so it runs on the first `--hf-single-prompts` prompts (tokens/s does
    not depend on how many); batched runs all `--hf-batch-prompts` (default: all 32) in one `generate` call. The
-   first prompt's greedy tokens are compared with ours. `kimi_k3` presets have no transformers class: ours only.
+   first prompt's greedy tokens are compared with ours. `kimi_k3` presets have no transformers class; their
+   baseline is the official Kimi K3 modeling code (`llmcompressor`'s files, loaded by path as in the tests:
+   tests/reference/k3_reference.py) in a greedy loop on its own `KimiDynamicCache` (it has no `generate`), one
+   prompt at a time and batched, with the same prompt counts. Its `fla` kernels (Triton, GPU-only) are replaced by
+   the tests' pure-torch stand-ins, whose KDA and short conv step token by token.
 2. Prefix cache: time to first token (`max_tokens=1`) of a `--ttft-len` prompt whose first `--ttft-cached` tokens
    were the whole prompt of an earlier request (their blocks and prompt-end KDA snapshot are cached), vs the same
    prompt on an empty cache.
@@ -37,6 +41,13 @@ from engine.model.config import ModelConfig
 from engine.model.presets import _kimi_k3, _kimi_linear, preset_config
 
 VOCAB_FOR_PROMPTS = 7900
+BASELINE_LABELS = {
+    "ours": "kdamesh LLM.generate (continuous batching)",
+    "hf_single": "transformers generate, one prompt at a time",
+    "hf_batched": "transformers generate, batched",
+    "k3ref_single": "official Kimi K3 code (fla stand-ins), greedy loop, one prompt at a time",
+    "k3ref_batched": "official Kimi K3 code (fla stand-ins), greedy loop, batched",
+}
 
 
 def random_ids(n: int, rng: random.Random) -> list[int]:
@@ -73,6 +84,27 @@ def _transformers_model(model_dir: Path, dtype: str):
             sys.modules["fla"] = saved
 
 
+def _k3_reference_model(model_dir: Path, dtype: str):
+    from tests.reference.k3_reference import load_reference_k3
+
+    return load_reference_k3(model_dir).to(getattr(torch, dtype))
+
+
+def bench_k3_reference(model, prompts: list[list[int]], output_len: int, batched: bool) -> dict:
+    from tests.reference.k3_reference import reference_generate_batch
+
+    groups = [prompts] if batched else [[p] for p in prompts]
+    tokens, first = 0, None
+    start = time.perf_counter()
+    for group in groups:
+        out = reference_generate_batch(model, group, output_len)
+        tokens += sum(len(row) for row in out)
+        if first is None:
+            first = out[0]
+    seconds = time.perf_counter() - start
+    return {"prompts": len(prompts), "seconds": seconds, "tok_s": tokens / seconds, "first_output": first}
+
+
 def bench_transformers(model, prompts: list[list[int]], output_len: int, batched: bool) -> dict:
     groups = [prompts] if batched else [[p] for p in prompts]
     tokens, first = 0, None
@@ -88,6 +120,20 @@ def bench_transformers(model, prompts: list[list[int]], output_len: int, batched
                 first = out[0, ids.shape[1]:].tolist()
     seconds = time.perf_counter() - start
     return {"prompts": len(prompts), "seconds": seconds, "tok_s": tokens / seconds, "first_output": first}
+
+
+def bench_baselines(preset: str, model_dir: Path, prompts: list[list[int]], args) -> dict:
+    """The same-process baselines of a preset: transformers for `kimi_linear`, the official code for `kimi_k3`."""
+    if preset_config(preset)["model_type"] == "kimi_linear":
+        ref, run, prefix = _transformers_model(model_dir, args.dtype), bench_transformers, "hf"
+    else:
+        ref, run, prefix = _k3_reference_model(model_dir, args.dtype), bench_k3_reference, "k3ref"
+    r = {}
+    if args.hf_single_prompts:
+        r[f"{prefix}_single"] = run(ref, prompts[: args.hf_single_prompts], args.output_len, batched=False)
+    if args.hf_batch_prompts:
+        r[f"{prefix}_batched"] = run(ref, prompts[: args.hf_batch_prompts], args.output_len, batched=True)
+    return r
 
 
 # -- 2. prefix-cache TTFT ----------------------------------------------------------------------------------------
@@ -162,15 +208,14 @@ def _markdown(result: dict) -> str:
                   f"{result['output_len']} out, {result['threads']} thread(s)", "",
                   "| impl | prompts | seconds | output tok/s | ours / this |", "|---|---|---|---|---|"]
         ours = r["ours"]["tok_s"]
-        for name, label in (("ours", "kdamesh LLM.generate (continuous batching)"),
-                            ("hf_single", "transformers generate, one prompt at a time"),
-                            ("hf_batched", "transformers generate, batched")):
+        for name, label in BASELINE_LABELS.items():
             if name in r:
                 v = r[name]
                 lines.append(f"| {label} | {v['prompts']} | {v['seconds']:.1f} | {v['tok_s']:.1f} | "
                              f"{ours / v['tok_s']:.1f}x |")
         if "outputs_match" in r:
-            lines.append(f"\nfirst prompt's {result['output_len']} greedy tokens equal transformers': "
+            baseline = "the official code's" if "k3ref_single" in r or "k3ref_batched" in r else "transformers'"
+            lines.append(f"\nfirst prompt's {result['output_len']} greedy tokens equal {baseline}: "
                          f"{r['outputs_match']}")
         lines.append("")
     lines += ["### Prefix cache: time to first token", "",
@@ -215,18 +260,11 @@ def main(argv: list[str] | None = None) -> dict:
         for preset in [p for p in args.presets.split(",") if p]:
             model_dir = make_checkpoint(preset, Path(tmp) / preset, seed=0)
             r = {"ours": bench_ours(model_dir, prompts, args.output_len, args.dtype)}
-            if preset_config(preset)["model_type"] == "kimi_linear":
-                ref = _transformers_model(model_dir, args.dtype)
-                if args.hf_single_prompts:
-                    r["hf_single"] = bench_transformers(ref, prompts[: args.hf_single_prompts], args.output_len,
-                                                        batched=False)
-                if args.hf_batch_prompts:
-                    r["hf_batched"] = bench_transformers(ref, prompts[: args.hf_batch_prompts], args.output_len,
-                                                         batched=True)
-                hf_first = (r.get("hf_single") or r.get("hf_batched") or {}).get("first_output")
-                if hf_first is not None:
-                    r["outputs_match"] = hf_first == r["ours"]["first_output"]
-                del ref
+            r.update(bench_baselines(preset, model_dir, prompts, args))
+            first = (r.get("hf_single") or r.get("hf_batched") or r.get("k3ref_single") or r.get("k3ref_batched")
+                     or {}).get("first_output")
+            if first is not None:
+                r["outputs_match"] = first == r["ours"]["first_output"]
             result["throughput"][preset] = r
             if args.ttft_len:
                 result["ttft"][preset] = bench_ttft(model_dir, args.ttft_len, args.ttft_cached, rng, args.dtype)

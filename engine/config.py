@@ -52,6 +52,7 @@ class EngineArgs:
     kv_cache_memory: int | str = DEFAULT_KV_CACHE_MEMORY  # bytes for both pools together
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_forward_tokens: int | None = None  # tokens per model forward within a step; None: 2048 on CPU (runner.py)
     max_model_len: int | None = None  # default: the model's limit, capped by what the block pool holds
     enable_prefix_caching: bool = True
     snapshot_interval: int | str = "auto"  # tokens, a multiple of block_size
@@ -67,6 +68,9 @@ class EngineArgs:
         for name, value in positive.items():
             if not isinstance(value, int) or value <= 0:
                 raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_forward_tokens is not None and (not isinstance(self.max_forward_tokens, int)
+                                                    or self.max_forward_tokens <= 0):
+            raise EngineConfigError(f"max_forward_tokens must be a positive integer, got {self.max_forward_tokens!r}")
         if parse_bytes(self.kv_cache_memory) <= 0:
             raise EngineConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:

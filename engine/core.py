@@ -108,7 +108,7 @@ class EngineCore:
                             model_fingerprint(args.model, self.model.dtype, args.load_format, args.seed))
         self.manager = CacheManager(self.plan, has_kda=self.config.kda is not None)
         self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.plan)
+        self.runner = ModelRunner(self.model, self.plan, args.max_forward_tokens)
         self.sampler = Sampler()
         self._seed_rng = random.Random(args.seed)
         self._parents: dict[str, _Parent] = {}

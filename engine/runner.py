@@ -2,9 +2,15 @@
 
 Contract:
 - `execute(out)` first applies `out.state_inits` (zero a fresh request's running slot, or copy a snapshot into it),
-  then builds one packed `ForwardBatch` (chunks in `out.chunks` order; block tables, slot mapping from each
-  request's `block_ids`, its running slot) and runs `KimiForCausalLM.forward`. It returns fp32 logits
+  then builds packed `ForwardBatch`es (chunks in `out.chunks` order; block tables, slot mapping from each
+  request's `block_ids`, its running slot) and runs `KimiForCausalLM.forward` on them. It returns fp32 logits
   `[L, vocab]`, one row per chunk that `needs_logits`, in chunk order. It does not change any request.
+- A step of more than `max_forward_tokens` tokens runs as several forwards, in order, of at most that many tokens:
+  whole chunks while they fit, and a longer chunk as consecutive pieces (chunked prefill within the step: a piece
+  continues from the KV and state its predecessor wrote). Sequences never interact, so this changes results only
+  by rounding. `max_forward_tokens=None`: `CPU_FORWARD_TOKENS` on CPU (every activation of a forward then stays
+  below glibc's 32 MiB mmap threshold and is reused from the heap; larger ones are mapped and page-faulted afresh in
+  every forward: ~1 s of system time per 4096-token CPU step of `small-linear`), no limit on other devices.
 - `copy_slots(pairs)` copies KDA state slots (snapshots after a step).
 - `read_blocks` / `write_blocks` / `read_state` / `write_state` move cache contents in and out as tensors
   (`engine.transfer` serialises them): blocks as `[num_mla_layers, n, block_size, cache_dim]` in MLA layer order,
@@ -13,19 +19,38 @@ Contract:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.config import CachePlan
 from engine.model.batch import CacheTensors, ForwardBatch
 from engine.model.model import KimiForCausalLM
+from engine.request import Request
 from engine.scheduler import SchedulerOutput
+
+CPU_FORWARD_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens `[start, start + num_tokens)` of a request, computed in one forward."""
+
+    req: Request
+    start: int
+    num_tokens: int
+    slot: int  # the request's running KDA slot
+    needs_logits: bool
 
 
 class ModelRunner:
-    def __init__(self, model: KimiForCausalLM, plan: CachePlan):
+    def __init__(self, model: KimiForCausalLM, plan: CachePlan, max_forward_tokens: int | None = None):
         self.model = model
         self.config = model.config
         self.device = model.device
+        if max_forward_tokens is None:
+            max_forward_tokens = CPU_FORWARD_TOKENS if self.device.type == "cpu" else 1 << 62
+        self.max_forward_tokens = max_forward_tokens
         self.block_size = plan.block_size
         self.cache = CacheTensors.allocate(model.config, num_blocks=plan.num_blocks, block_size=plan.block_size,
                                            num_slots=plan.num_slots, dtype=model.dtype, device=self.device)
@@ -35,8 +60,11 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, running_slots: list[int]) -> torch.Tensor:
         """Runs the step; `running_slots[i]` is the KDA slot of `out.chunks[i].req`."""
         self._apply_state_inits(out)
-        batch = self.build_batch(out, running_slots)
-        return self.model(batch.to(self.device), self.cache)
+        pieces = [Piece(c.req, c.start, c.num_tokens, slot, c.needs_logits)
+                  for c, slot in zip(out.chunks, running_slots)]
+        logits = [self.model(self.build_batch(group).to(self.device), self.cache)
+                  for group in split_forwards(pieces, self.max_forward_tokens)]
+        return logits[0] if len(logits) == 1 else torch.cat(logits)  # [L, V]
 
     def _apply_state_inits(self, out: SchedulerOutput) -> None:
         zero = [init.dst for init in out.state_inits if init.src is None and init.load is None]
@@ -49,13 +77,13 @@ class ModelRunner:
                 self.write_blocks(list(init.load_blocks), init.load.kv)
                 self.write_state(init.dst, init.load.state)
 
-    def build_batch(self, out: SchedulerOutput, running_slots: list[int]) -> ForwardBatch:
+    def build_batch(self, pieces: list[Piece]) -> ForwardBatch:
         bs = self.block_size
         ids: list[int] = []
         cu, seq_lens, slot_mapping, logits_rows = [0], [], [], []
-        max_blocks = max(-(-(c.start + c.num_tokens) // bs) for c in out.chunks)
-        tables = torch.zeros(len(out.chunks), max_blocks, dtype=torch.int32)
-        for n, chunk in enumerate(out.chunks):
+        max_blocks = max(-(-(c.start + c.num_tokens) // bs) for c in pieces)
+        tables = torch.zeros(len(pieces), max_blocks, dtype=torch.int32)
+        for n, chunk in enumerate(pieces):
             req, start, end = chunk.req, chunk.start, chunk.start + chunk.num_tokens
             ids.extend(req.token_ids[start:end])
             cu.append(cu[-1] + chunk.num_tokens)
@@ -71,7 +99,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.long),
             block_tables=tables,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
-            state_indices=torch.tensor(running_slots, dtype=torch.long),
+            state_indices=torch.tensor([c.slot for c in pieces], dtype=torch.long),
             logits_indices=torch.tensor(logits_rows, dtype=torch.long),
         )
 
@@ -116,3 +144,20 @@ class ModelRunner:
         """Shape and dtype of one block's data across MLA layers: [num_mla_layers, block_size, cache_dim]."""
         first = self.cache.kv[self.mla_layers[0]]
         return (len(self.mla_layers), self.block_size, first.shape[-1]), first.dtype
+
+
+def split_forwards(pieces: list[Piece], limit: int) -> list[list[Piece]]:
+    """Groups of at most `limit` tokens, in order; a piece longer than what is left of a group is cut (only its
+    last part keeps `needs_logits`)."""
+    groups: list[list[Piece]] = [[]]
+    room = limit
+    for piece in pieces:
+        while piece.num_tokens > room:
+            if room > 0:
+                groups[-1].append(Piece(piece.req, piece.start, room, piece.slot, False))
+                piece = Piece(piece.req, piece.start + room, piece.num_tokens - room, piece.slot, piece.needs_logits)
+            groups.append([])
+            room = limit
+        groups[-1].append(piece)
+        room -= piece.num_tokens
+    return [g for g in groups if g]

@@ -8,6 +8,11 @@ Contract:
   FFN (dense or MoE, plain or latent), the residual style (plain adds or K3 attention residuals) and the activation.
 - Numerics follow DESIGN.md "Shared forms": RMSNorm in fp32 with the weight applied after the cast back; KDA state,
   gates and the gated output norm in fp32; router logits in fp32.
+- Projections of the same input run as one matmul once `engine.model.fused.bind_fused_weights` has bound them (the
+  loader does): KDA's q/k/v, f_a, b and output-gate projections; MLA's query, kv_a and output-gate projections;
+  gate/up of MLPs up to `FUSED_GATE_UP_MAX` wide (shared experts); the stacked experts' w1/w3 (`[E, 2I, D]`, one
+  grouped matmul). Unbound (a model built directly), each projection runs on its own, with the same results up to
+  rounding.
 """
 
 from __future__ import annotations
@@ -18,12 +23,18 @@ from torch import nn
 
 from engine.model.batch import CacheTensors, ForwardBatch
 from engine.model.config import LayerSpec, ModelConfig
+from engine.model.fused import FusedLinear, ParamGroup
 from kernels import get_kernel
 from kernels.attention.torch_paged import write_kv_cache
 from kernels.kda.gate import kda_gate_lower_bound, kda_gate_softplus
 from kernels.moe.activation import GatedActivation
 from kernels.moe.router import route
-from kernels.norm.rms_norm import gated_rms_norm, l2_normalize, rms_norm, rms_norm_no_weight
+from kernels.norm.rms_norm import gated_rms_norm, l2_normalize, rms_norm
+
+
+# Widest intermediate whose gate/up run as one matmul: on CPU, fused was 2.5x (I=128) and ~1.1x (I=1024) faster at
+# 32 tokens, and slower at I=2048.
+FUSED_GATE_UP_MAX = 1024
 
 
 def _linear(in_features: int, out_features: int) -> nn.Linear:
@@ -54,9 +65,13 @@ class GatedMLP(nn.Module):
         self.up_proj = _linear(hidden, intermediate)
         self.down_proj = _linear(intermediate, hidden)
         self.act = act
+        # Fusing gate/up pays for narrow MLPs (shared experts); wide ones already run as large matmuls, and on CPU a
+        # fused output over 32 MiB is page-faulted afresh on every call (see engine/runner.py).
+        self.gate_up = FusedLinear([[self.gate_proj], [self.up_proj]]) if intermediate <= FUSED_GATE_UP_MAX else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))  # [T, I]
+        return self.down_proj(self.act(gate, up))
 
 
 class StackedExperts(nn.Module):
@@ -67,6 +82,7 @@ class StackedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, width))  # [E, I, D]
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, width))  # [E, I, D]
         self.w2 = nn.Parameter(torch.empty(num_experts, width, intermediate))  # [E, D, I]
+        self.gate_up = ParamGroup([(self, "w1"), (self, "w3")], dim=1)  # bound: w1, w3 are halves of [E, 2I, D]
 
 
 class MoEGate(nn.Module):
@@ -134,12 +150,15 @@ class KDAMixer(nn.Module):
             self.g_a_proj, self.g_b_proj = _linear(d, kda.head_dim), _linear(kda.head_dim, proj)
         self.o_norm = RMSNorm(kda.head_dim, config.rms_norm_eps)
         self.o_proj = _linear(proj, d)
+        out_gate = [self.g_proj] if kda.full_rank_output_gate else [self.g_a_proj]
+        self.in_proj = FusedLinear([[self.q_proj, self.k_proj, self.v_proj], [self.f_a_proj], [self.b_proj], out_gate])
+        self.conv_weights = ParamGroup([(getattr(self, f"{n}_conv1d"), "weight") for n in "qkv"], dim=0)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         kda, t = self.kda, x.shape[0]
         h, dh = kda.num_heads, kda.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3*H*D]
-        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)  # [3HD, W]
+        qkv, f_low, b, gate = self.in_proj(x)  # [T, 3*H*D], [T, D], [T, H], [T, H*D] or low-rank [T, D]
+        conv_w = self._conv_weight()  # [3HD, W]
         conv_pool = cache.conv[self.layer_index]
         if batch.is_pure_decode:
             qkv = get_kernel("conv_decode", x.device)(qkv, conv_w, conv_pool, batch.state_indices)
@@ -148,8 +167,8 @@ class KDAMixer(nn.Module):
                                                        batch.cu_seqlens)
         q, k, v = (part.reshape(t, h, dh) for part in qkv.split(h * dh, dim=-1))  # each [T, H, D]
         q, k = l2_normalize(q), l2_normalize(k)
-        g = self._forget_gate(x)  # [T, H, D] fp32, log decay
-        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
+        g = self._forget_gate(self.f_b_proj(f_low))  # [T, H, D] fp32, log decay
+        beta = torch.sigmoid(b.float())  # [T, H]
         state_pool = cache.recurrent[self.layer_index]
         scale = dh ** -0.5
         if batch.is_pure_decode:
@@ -157,12 +176,19 @@ class KDAMixer(nn.Module):
         else:
             o = get_kernel("kda_prefill", x.device)(q, k, v, g, beta, scale, batch.cu_seqlens, state_pool,
                                                     batch.state_indices)
-        gate = self.g_proj(x) if kda.full_rank_output_gate else self.g_b_proj(self.g_a_proj(x))
+        if not kda.full_rank_output_gate:
+            gate = self.g_b_proj(gate)  # [T, H*D]
         o = gated_rms_norm(o, self.o_norm.weight, gate.reshape(t, h, dh), self.eps)  # [T, H, D]
         return self.o_proj(o.reshape(t, h * dh).to(x.dtype))
 
-    def _forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        f = self.f_b_proj(self.f_a_proj(x))  # [T, H*D]
+    def _conv_weight(self) -> torch.Tensor:
+        fused = self.conv_weights.tensor()  # [3HD, 1, W] when bound
+        if fused is None:
+            fused = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+        return fused.squeeze(1)
+
+    def _forget_gate(self, f: torch.Tensor) -> torch.Tensor:
+        """f [T, H*D] (f_b_proj's output) -> g [T, H, D] fp32."""
         if self.kda.gate_lower_bound is None:
             return kda_gate_softplus(f, self.A_log, self.dt_bias, self.kda.num_heads)
         return kda_gate_lower_bound(f, self.A_log, self.dt_bias, self.kda.num_heads, self.kda.gate_lower_bound)
@@ -198,13 +224,16 @@ class MLAMixer(nn.Module):
         self.o_proj = _linear(h * mla.v_head_dim, d)
         if mla.output_gate:
             self.g_proj = _linear(d, h * mla.v_head_dim)
+        parts = [[self.q_a_proj if mla.q_lora_rank else self.q_proj], [self.kv_a_proj_with_mqa]]
+        self.in_proj = FusedLinear(parts + ([[self.g_proj]] if mla.output_gate else []))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         mla, t = self.mla, x.shape[0]
         h, nope, rope, lora = mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if mla.q_lora_rank else self.q_proj(x)
+        q, ckv, *out_gate = self.in_proj(x)  # [T, q_lora or H*(nope+rope)], [T, lora+rope], ([T, H*v])
+        if mla.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.reshape(t, h, nope + rope)  # [T, H, nope+rope]
-        ckv = self.kv_a_proj_with_mqa(x)  # [T, lora+rope]
         latent = torch.cat([self.kv_a_layernorm(ckv[:, :lora]), ckv[:, lora:]], dim=-1)  # [T, lora+rope]
         kv_cache = cache.kv[self.layer_index]
         write_kv_cache(kv_cache, batch.slot_mapping, latent.to(kv_cache.dtype))
@@ -217,18 +246,24 @@ class MLAMixer(nn.Module):
                         mla.softmax_scale, lora)  # [T, H, lora]
         o = torch.einsum("thl,hvl->thv", o_latent.to(x.dtype), w_uv).reshape(t, h * mla.v_head_dim)
         if mla.output_gate:
-            o = o * torch.sigmoid(self.g_proj(x))
+            o = o * torch.sigmoid(out_gate[0])
         return self.o_proj(o)
 
 
 def attn_res_mix(blocks: list[torch.Tensor], prefix_sum: torch.Tensor, norm_weight: torch.Tensor,
                  proj_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`Σ_j softmax_j(rmsnorm_noweight(V_j)·(norm_weight ⊙ proj_weight[0]))·V_j` over V = blocks + [prefix_sum]."""
-    v = torch.stack(blocks + [prefix_sum], dim=1).float()  # [T, B+1, D]
+    """`Σ_j softmax_j(rmsnorm_noweight(V_j)·(norm_weight ⊙ proj_weight[0]))·V_j` over V = blocks + [prefix_sum].
+
+    In fp32 over the raw V, one candidate at a time (no stacked copy): a candidate's score is
+    `(V_j · w) · rsqrt(mean(V_j²) + eps)`, the weightless RMSNorm's factor taken out of the dot product."""
+    candidates = [v.float() for v in blocks + [prefix_sum]]  # each [T, D]
     score_weight = norm_weight.float() * proj_weight.reshape(-1).float()  # [D]
-    scores = (rms_norm_no_weight(v, eps) * score_weight).sum(-1)  # [T, B+1]
+    scores = torch.stack([(v @ score_weight) * torch.rsqrt(v.pow(2).mean(-1) + eps) for v in candidates], dim=-1)
     probs = scores.softmax(dim=-1)  # [T, B+1]
-    return torch.einsum("tb,tbd->td", probs, v).to(prefix_sum.dtype)
+    out = candidates[0] * probs[:, :1]
+    for j in range(1, len(candidates)):
+        out.addcmul_(candidates[j], probs[:, j : j + 1])
+    return out.to(prefix_sum.dtype)
 
 
 class ResidualStream:

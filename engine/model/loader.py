@@ -11,6 +11,8 @@ Contract:
   or `dummy` (seeded random weights, no weight files read). `dtype`: `auto` (the checkpoint's dtype on CUDA,
   float32 on CPU), `float32`, `bfloat16`, `float16`. Parameters the design keeps in fp32 (gates, router, conv
   weights, KDA decay parameters) stay fp32.
+- The empty model's fused weight groups are bound before any data is read (`engine.model.fused`): parameters keep
+  their official names and shapes, and loading writes into the fused tensors through them.
 - `save_weights(model, out_dir)` writes the inverse mapping (official names), sharded when over `max_shard_bytes`.
 """
 
@@ -32,6 +34,7 @@ from torch import nn
 from tqdm import tqdm
 
 from engine.model.config import ModelConfig, load_model_config
+from engine.model.fused import bind_fused_weights
 from engine.model.init import init_random_weights
 from engine.model.model import KimiForCausalLM
 from engine.model.mxfp4 import dequantize_mxfp4, mxfp4_shapes, quantize_mxfp4
@@ -111,6 +114,7 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str) -> K
     for name, param in model.named_parameters():
         target = torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
         param.data = param.data.to(target)
+    bind_fused_weights(model)  # projections of one input share a tensor; loading fills it through the views
     return model.eval().requires_grad_(False)
 
 

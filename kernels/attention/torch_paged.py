@@ -8,8 +8,14 @@ Mixed batches of prefill, continued prefill and decode are fine.
 Memory and work: per sequence, queries go in chunks and keys in block-aligned chunks of about `KEY_CHUNK` positions
 with an online (running max / running sum) softmax, so the fp32 working set is one score tile of at most
 `SCORE_TILE_ELEMS` values plus one key chunk — never a whole sequence's keys or a [L, H, S] score tensor. A query
-chunk reads only keys up to its last position, and only the chunk that holds its own positions is masked. Cache
-entries past `seq_lens[n]` are never read.
+chunk reads only keys up to its last position, and only the chunk that holds its own positions is masked. This
+path never reads cache entries past `seq_lens[n]`.
+
+Decode batches (one query per sequence) run batched over sequences instead: groups of sequences whose gathered keys
+(padded to the group's longest sequence, whole blocks) fit in `DECODE_KEY_ELEMS` values, one batched matmul for the
+scores and one for the output per group. Such a gather also copies the rest of each sequence's last block and
+unused block-table entries; those values are zeroed and their scores masked before use, so they never affect the
+result. A sequence too long for one group takes the chunked path above.
 
 `write_kv_cache(kv_cache, slot_mapping [T] int64, latent [T, Dk])` writes token t's latent to flat slot
 `slot_mapping[t] = block * block_size + offset` in place; negative slots (padding) are skipped.
@@ -21,6 +27,7 @@ import torch
 
 SCORE_TILE_ELEMS = 1 << 24  # fp32 scores per (query chunk x key chunk) tile: 64 MiB
 KEY_CHUNK = 4096  # key positions per inner step (rounded down to whole blocks)
+DECODE_KEY_ELEMS = 1 << 24  # gathered key values per group of batched decodes (64 MiB fp32)
 
 
 def _gather_keys(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -63,19 +70,42 @@ def _attend_chunk(
 
 
 def _attend_sequence(
-    q_seq: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float, v_dim: int
-) -> torch.Tensor:
-    """One sequence's last L positions. q_seq [L, H, Dk] -> [L, H, v_dim] fp32."""
+    q_seq: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float, v_dim: int,
+    out: torch.Tensor,
+) -> None:
+    """One sequence's last L positions. q_seq [L, H, Dk] -> out [L, H, v_dim] (any float dtype), written in place."""
     L, H, _ = q_seq.shape
     block_size = kv_cache.shape[1]
     key_chunk = max(block_size, KEY_CHUNK // block_size * block_size)
     rows = max(1, SCORE_TILE_ELEMS // (H * min(key_chunk, seq_len)))
     first = seq_len - L  # position of the first query
-    out = torch.empty(L, H, v_dim, dtype=torch.float32, device=q_seq.device)
     for a in range(0, L, rows):
         b = min(L, a + rows)
         out[a:b] = _attend_chunk(q_seq[a:b], kv_cache, block_table, first + a, key_chunk, scale, v_dim)
-    return out
+
+
+def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float, v_dim: int) -> torch.Tensor:
+    """One query per sequence, all sequences at once. q [N, H, Dk] -> [N, H, v_dim] fp32.
+
+    The sequences' blocks are gathered into one [N, S, Dk] tensor (S: the longest, rounded up to blocks); entries
+    past a sequence's length (a partly filled last block, blocks of shorter sequences) are zeroed and their scores
+    masked, so they never reach the result."""
+    N, H, Dk = q.shape
+    block_size = kv_cache.shape[1]
+    lens = seq_lens.to(torch.int64)  # [N]
+    num_blocks = -(-int(lens.max()) // block_size)
+    tables = block_tables[:, :num_blocks].to(torch.int64).clamp(min=0)  # [N, nb]; unused entries may be -1
+    kv = kv_cache.index_select(0, tables.reshape(-1)).view(N, num_blocks * block_size, Dk)  # [N, S, Dk]
+    kv = kv.to(torch.float32)
+    past = torch.arange(kv.shape[1], device=q.device) >= lens[:, None]  # [N, S]
+    tail = int(lens.min()) // block_size * block_size  # positions before `tail` are in every sequence
+    kv[:, tail:].masked_fill_(past[:, tail:, None], 0.0)
+    scores = torch.bmm(q.to(torch.float32), kv.transpose(1, 2)).mul_(scale)  # [N, H, S]
+    scores.masked_fill_(past[:, None, :], float("-inf"))
+    probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # every sequence has key 0: the max is finite
+    total = probs.sum(-1, keepdim=True)  # [N, H, 1]
+    return torch.bmm(probs, kv[:, :, :v_dim]).div_(total)  # [N, H, v_dim]
 
 
 def mla_paged_attention(
@@ -89,11 +119,20 @@ def mla_paged_attention(
 ) -> torch.Tensor:
     T, H, _ = q.shape
     out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)
+    if T == seq_lens.shape[0] and T > 0:  # one query per sequence: batched over sequences, in groups
+        block_size = kv_cache.shape[1]
+        per_seq = -(-int(seq_lens.max()) // block_size) * block_size * kv_cache.shape[2]  # gathered keys
+        group = DECODE_KEY_ELEMS // per_seq
+        if group >= 1:
+            for a in range(0, T, group):
+                b = min(T, a + group)
+                out[a:b] = _attend_decodes(q[a:b], kv_cache, block_tables[a:b], seq_lens[a:b], scale, v_dim)
+            return out
     bounds = cu_seqlens_q.tolist()
     for n, seq_len in enumerate(seq_lens.tolist()):
         start, end = bounds[n], bounds[n + 1]
         if end > start:
-            out[start:end] = _attend_sequence(q[start:end], kv_cache, block_tables[n], seq_len, scale, v_dim)
+            _attend_sequence(q[start:end], kv_cache, block_tables[n], seq_len, scale, v_dim, out[start:end])
     return out
 
 

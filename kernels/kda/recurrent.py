@@ -9,13 +9,15 @@ computed in fp32 (fp64 for fp64 inputs), o returned in v's dtype.
 - `kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices) -> o`: one token per sequence
   (q, k, g [N, H, K]; v [N, H, V]; beta [N, H]); sequence n reads its state from `state_pool[state_indices[n]]`
   ([S, H, K, V] fp32) and the updated state is written back to the same slot in place. Other slots are untouched.
-  `state_indices` must not repeat.
+  `state_indices` must not repeat. Consecutive slots (the engine hands running slots out lowest first) are stepped
+  in place in the pool, with no gather or scatter copy of the states.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.indexing import slot_range
 from kernels.kda.naive import compute_dtype, default_cu_seqlens
 
 
@@ -23,16 +25,20 @@ def kda_step(state, q, k, v, g, beta, scale):
     """One delta-rule step for a batch of states, updating `state` IN PLACE; returns (o [B, H, V], state).
 
     state [B, H, K, V] (contiguous); q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; all in the compute dtype.
-    Decode is bound by passes over the states, so the decay and the rank-1 update run in place (`mul_`,
-    `baddbmm_`) instead of materialising new [B, H, K, V] tensors.
+    Decode is bound by passes over the states, so it makes three: one read, for both k^T S' and q^T S' at once from
+    the undecayed S (S' = exp(g) ⊙ S, so k^T S' = (k ⊙ exp(g))^T S), then the in-place decay and rank-1 write
+    (`mul_`, `baddbmm_`). With u = beta (v - k^T S'), o = q^T (S' + k u^T) = q^T S' + (q·k) u.
     """
     B, H, K, V = state.shape
-    state.mul_(torch.exp(g).unsqueeze(-1))
+    decay = torch.exp(g)  # [B, H, K]
     flat = state.view(B * H, K, V)
-    kS = torch.bmm(k.reshape(B * H, 1, K), flat).view(B, H, V)
-    u = beta.unsqueeze(-1) * (v - kS)  # [B, H, V]
-    flat.baddbmm_(k.reshape(B * H, K, 1), u.reshape(B * H, 1, V))  # S += k u^T
-    o = torch.bmm((scale * q).reshape(B * H, 1, K), flat).view(B, H, V)
+    rows = torch.stack([k * decay, (scale * q) * decay], dim=2).view(B * H, 2, K)  # [BH, 2, K]
+    read = torch.bmm(rows, flat).view(B, H, 2, V)  # k^T S', scale q^T S'
+    u = beta.unsqueeze(-1) * (v - read[:, :, 0])  # [B, H, V]
+    state.mul_(decay.unsqueeze(-1))
+    flat.baddbmm_(k.reshape(B * H, K, 1), u.reshape(B * H, 1, V))  # S' += k u^T
+    qk = (scale * q * k).sum(-1, keepdim=True)  # [B, H, 1]
+    o = torch.addcmul(read[:, :, 1], qk, u)  # [B, H, V]
     return o, state
 
 
@@ -73,8 +79,14 @@ def _active_counts(lens_sorted: torch.Tensor) -> list[int]:
 def kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices):
     """One decode token per sequence against a state pool, updated in place; returns o [N, H, V] in v's dtype."""
     dtype = compute_dtype(q, k, v, g, beta, state_pool)
+    inputs = [x.to(dtype) for x in (q, k, v, g, beta)]
+    rows = slot_range(state_indices)
+    if rows is not None and state_pool.dtype == dtype and state_pool.is_contiguous():  # consecutive: in place
+        o, _ = kda_step(state_pool[rows], *inputs, scale)
+        return o.to(v.dtype)
     idx = state_indices.to(device=state_pool.device, dtype=torch.int64)
     state = state_pool.index_select(0, idx).to(dtype).contiguous()  # [N, H, K, V], a private copy
-    o, state = kda_step(state, *(x.to(dtype) for x in (q, k, v, g, beta)), scale)
+    o, state = kda_step(state, *inputs, scale)
     state_pool.index_copy_(0, idx, state.to(state_pool.dtype))
     return o.to(v.dtype)
+

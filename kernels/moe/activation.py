@@ -3,7 +3,8 @@
 Contract: `GatedActivation(kind, beta=1.0, linear_beta=None)(gate, up) -> tensor` in the input dtype.
 - `silu`: `silu(gate) * up` computed in the input dtype (as transformers' `act(gate) * up`).
 - `situ`: in fp32, `beta·tanh(g/beta)·sigmoid(g) · u'` with `u' = linear_beta·tanh(u/linear_beta)` when
-  `linear_beta` is set, else `u' = u`; cast back to the input dtype (as the official `SituAndMul`).
+  `linear_beta` is set, else `u' = u`; cast back to the input dtype (as the official `SituAndMul`). Computed as
+  `tanh(g/beta)·sigmoid(g)·tanh(u/linear_beta)·(beta·linear_beta)` with in-place ops on fresh fp32 tensors.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ class GatedActivation:
             return F.silu(gate) * up
         g = gate.to(torch.float32)
         u = up.to(torch.float32)
-        act = self.beta * torch.tanh(g / self.beta) * torch.sigmoid(g)
+        act = torch.div(g, self.beta).tanh_().mul_(torch.sigmoid(g))  # new tensors: in place from here on
+        scale = self.beta
         if self.linear_beta is not None:
-            u = self.linear_beta * torch.tanh(u / self.linear_beta)
-        return (act * u).to(gate.dtype)
+            u = torch.div(u, self.linear_beta).tanh_()
+            scale *= self.linear_beta
+        return act.mul_(u).mul_(scale).to(gate.dtype)

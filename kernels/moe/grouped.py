@@ -1,19 +1,41 @@
-"""Routed experts with tokens grouped by expert: one matmul pair per non-empty expert over a contiguous slice.
+"""Routed experts with tokens grouped by expert: one grouped matmul per projection over expert-contiguous rows.
 
 Contract: same signature and result as `kernels.moe.naive.moe_experts_naive` (equal to fp32 rounding). The T·k
 (token, expert) assignments are sorted by expert id once (stable argsort, so each expert's tokens stay in token
-order) and counted with `bincount` (the only host sync); expert e's assignments are then the contiguous slice
-`[offset_e, offset_e + count_e)` of the sorted order. Each slice gathers its token rows, goes through
-w1/w3 → act → w2 in `x.dtype`, is scaled by its routing weights in fp32 and written to its rows of a [T·k, D] buffer
-in sorted order; one un-permute (a scatter with unique indices) and a sum over the k choices give each token's output
-(`index_add_` with repeated indices is serial on CPU and was the bottleneck).
+order); expert e's assignments are then the contiguous rows `[offset_e, offset_e + count_e)` of the sorted order.
+The gathered rows go through w1/w3 → act → w2 in `x.dtype`:
+- as `torch.nn.functional.grouped_mm` calls over all experts at once (fp32/bf16/fp16 where torch has it; no host
+  sync), else one matmul pair per non-empty expert (`bincount(...).tolist()` is then the only host sync);
+- gate and up run as ONE matmul when `w1` and `w3` are the two halves of one `[E, 2I, D]` tensor
+  (`gate_up_storage`, as `engine.model.layers.StackedExperts` lays them out), else as two.
+Each token's output is `Σ_k weight_k · out_k` in fp32: the rows are un-permuted with one gather and reduced by one
+batched [1, k] × [k, D] matmul (scatters and `index_add_` with repeated indices are serial on CPU), returned in
+`x.dtype`.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.moe.activation import GatedActivation
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def gate_up_storage(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
+    """The `[E, 2I, D]` tensor whose rows `[:, :I]` are `w1` and `[:, I:]` are `w3`, when they are laid out so."""
+    E, I, D = w1.shape
+    if w3.shape != w1.shape or w1.dtype != w3.dtype or w1.device != w3.device or D == 0 or I == 0:
+        return None
+    if w1.stride() != (2 * I * D, D, 1) or w3.stride() != w1.stride():
+        return None
+    if w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr():
+        return None
+    if w3.storage_offset() != w1.storage_offset() + I * D:
+        return None
+    return w1.as_strided((E, 2 * I, D), w1.stride())
 
 
 def moe_experts_grouped(
@@ -29,20 +51,48 @@ def moe_experts_grouped(
     k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert, token order within an expert
-    token_of = order // k  # [T*k] source token of each sorted assignment
-    weight_of = topk_weights.reshape(-1)[order].to(torch.float32)  # [T*k]
-    counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
-    sorted_out = torch.zeros(T * k, D, dtype=torch.float32, device=x.device)  # [T*k, D] in expert order
+    rows = x.index_select(0, order // k)  # [T*k, D] source token of each sorted assignment
+    counts = torch.bincount(flat_ids, minlength=w1.shape[0])  # [E]
+    if _grouped_mm is not None and x.dtype in GROUPED_MM_DTYPES and x.device.type == "cpu":
+        out = _experts_grouped_mm(rows, w1, w3, w2, counts, act)
+    else:
+        out = _experts_loop(rows, w1, w3, w2, counts, act)
+    unsorted = torch.empty_like(order)
+    unsorted[order] = torch.arange(order.numel(), device=order.device)  # sorted position of each (token, choice)
+    per_choice = out.index_select(0, unsorted).to(torch.float32).view(T, k, D)  # [T, k, D]
+    weights = topk_weights.to(torch.float32).view(T, 1, k)
+    return torch.bmm(weights, per_choice).view(T, D).to(x.dtype)
+
+
+def _experts_grouped_mm(rows, w1, w3, w2, counts, act) -> torch.Tensor:
+    """rows [R, D] sorted by expert, counts [E] -> [R, D] expert outputs in sorted order."""
+    I = w1.shape[1]
+    offs = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert
+    gate_up = gate_up_storage(w1, w3)
+    if gate_up is not None:
+        h = _grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)  # [R, 2I]
+        gate, up = h[:, :I], h[:, I:]
+    else:
+        gate = _grouped_mm(rows, w1.transpose(1, 2), offs=offs)  # [R, I]
+        up = _grouped_mm(rows, w3.transpose(1, 2), offs=offs)  # [R, I]
+    return _grouped_mm(act(gate, up), w2.transpose(1, 2), offs=offs)  # [R, D]
+
+
+def _experts_loop(rows, w1, w3, w2, counts, act) -> torch.Tensor:
+    """The per-expert form of `_experts_grouped_mm` (any dtype and device)."""
+    I = w1.shape[1]
+    gate_up = gate_up_storage(w1, w3)
+    out = torch.empty(rows.shape[0], w2.shape[1], dtype=rows.dtype, device=rows.device)  # [R, D]
     start = 0
-    for e, count in enumerate(counts):
+    for e, count in enumerate(counts.tolist()):
         if count == 0:
             continue
-        tokens = token_of[start : start + count]  # [count]
-        seg = x[tokens]  # [count, D]
-        hidden = act(seg @ w1[e].t(), seg @ w3[e].t())  # [count, I]
-        out = (hidden @ w2[e].t()).to(torch.float32)  # [count, D]
-        sorted_out[start : start + count] = out.mul_(weight_of[start : start + count, None])
+        seg = rows[start : start + count]  # [count, D]
+        if gate_up is not None:
+            h = seg @ gate_up[e].t()  # [count, 2I]
+            gate, up = h[:, :I], h[:, I:]
+        else:
+            gate, up = seg @ w1[e].t(), seg @ w3[e].t()
+        torch.mm(act(gate, up), w2[e].t(), out=out[start : start + count])
         start += count
-    per_choice = torch.empty_like(sorted_out)
-    per_choice[order] = sorted_out  # back to (token, choice) order
-    return per_choice.view(T, k, D).sum(dim=1).to(x.dtype)
+    return out

@@ -21,7 +21,9 @@ Contract:
 - `reference_logits(model, ids)` -> [T, V] fp32 from one full forward without a cache;
   `reference_incremental_logits(model, prompt, continuation)` -> [1 + len(continuation), V] from the reference's own
   `KimiDynamicCache` path (row 0: the prompt's last position, then one row per fed continuation token);
-  `reference_generate(model, prompt, n)` -> n greedy tokens on that cached path.
+  `reference_generate(model, prompt, n)` -> n greedy tokens on that cached path;
+  `reference_generate_batch(model, prompts, n)` -> the same for equal-length prompts run as one batch (the
+  benchmarks' baseline; batch rows never interact, so each row equals `reference_generate` of its prompt).
 """
 
 from __future__ import annotations
@@ -395,3 +397,17 @@ def reference_generate(model: nn.Module, prompt: list[int], max_new_tokens: int)
         if len(tokens) == max_new_tokens:
             return tokens
         out = model(input_ids=torch.tensor([[token]], dtype=torch.long), past_key_values=cache, use_cache=True)
+
+
+@torch.no_grad()
+def reference_generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy decoding of equal-length prompts as one batch [B, L] on the reference's cached path (no padding)."""
+    cache = _new_cache(model)
+    out = model(input_ids=torch.tensor(prompts, dtype=torch.long), past_key_values=cache, use_cache=True)
+    steps: list[torch.Tensor] = []
+    while True:
+        tokens = out.logits[:, -1].argmax(-1)  # [B]
+        steps.append(tokens)
+        if len(steps) == max_new_tokens:
+            return torch.stack(steps, dim=1).tolist()
+        out = model(input_ids=tokens[:, None], past_key_values=cache, use_cache=True)

@@ -61,6 +61,30 @@ def test_batch_equals_alone_with_chunking_and_preemption(tiny_linear_dir, alone_
     assert stats.num_free_blocks == 12 and stats.num_running == 0
 
 
+def test_split_forwards_equal_one_forward_per_step(tiny_linear_dir, alone_outputs):
+    """A step larger than `max_forward_tokens` runs as several forwards (chunks cut into pieces)."""
+    prompts, alone = alone_outputs
+    llm = LLM(tiny_linear_dir, kv_cache_memory=4 << 20, max_num_seqs=16, max_num_batched_tokens=512,
+              max_forward_tokens=37, enable_prefix_caching=False)
+    steps = llm.engine.num_steps
+    assert run(llm, prompts, SamplingParams(max_tokens=12, **GREEDY)) == alone
+    assert llm.engine.num_steps - steps <= 12 + 2  # the prompts were scheduled in few steps, split into forwards
+
+
+def test_split_forwards_cuts_pieces_in_order():
+    from engine.runner import Piece, split_forwards
+
+    a, b = object(), object()
+    pieces = [Piece(a, 0, 5, 0, True), Piece(b, 10, 12, 1, True), Piece(a, 5, 1, 0, False)]
+    groups = split_forwards(pieces, 8)
+    assert [[(p.req is a, p.start, p.num_tokens, p.needs_logits) for p in g] for g in groups] == [
+        [(True, 0, 5, True), (False, 10, 3, False)],
+        [(False, 13, 8, False)],
+        [(False, 21, 1, True), (True, 5, 1, False)],
+    ]
+    assert split_forwards(pieces, 100) == [pieces]
+
+
 def test_k3_batch_equals_alone_with_chunking(tiny_k3_dir):
     prompts = random_prompts(6, 3, 70, seed=2)
     params = SamplingParams(max_tokens=8, **GREEDY)

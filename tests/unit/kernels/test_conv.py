@@ -91,6 +91,18 @@ def test_decode_matches_naive_and_shifts_in_place():
     assert _untouched(pool, slots)
 
 
+def test_decode_on_consecutive_slots_shifts_the_pool_in_place():
+    x, weight, pool, _, _ = _batch([1] * 4, 24)
+    slots = torch.tensor([5, 6, 7, 8])  # consecutive: the in-place path
+    init = torch.randn(4, 24, W - 1)
+    pool[slots] = init
+    y_ref, final_ref = causal_conv1d_naive(x, weight, init, torch.arange(5))
+    y = torch_ops.causal_conv1d_decode(x, weight, pool, slots)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool[slots], final_ref, atol=0, rtol=0)
+    assert _untouched(pool, slots)
+
+
 # --- Triton checks -------------------------------------------------------------------------------------------------
 # Triton reads TRITON_INTERPRET when it is first imported (its `tl` builtins are built for one mode), and other test
 # modules (anything importing transformers) import triton at collection time. So checks register with @triton_check,

@@ -237,6 +237,23 @@ def test_decode_steps_match_naive():
     assert torch.isnan(pool[torch.tensor([1, 2])]).all()
 
 
+def test_decode_on_consecutive_slots_steps_the_pool_in_place():
+    """Slots a..a+N-1 take the in-place path (no gather/scatter copy): same results, other slots untouched."""
+    N, T, H, K, V = 3, 4, 2, 32, 16
+    q, k, v, g, beta = make_inputs(N * T, H, K, V, torch.float32, "softplus")
+    q, k, v, g, beta = (x.view(N, T, *x.shape[1:]) for x in (q, k, v, g, beta))  # [N, T, ...]
+    pool = torch.full((6, H, K, V), float("nan"))
+    slots = torch.tensor([2, 3, 4])
+    s0 = torch.randn(N, H, K, V)
+    pool[slots] = s0
+    outs = [kda_decode_pooled(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], 0.2, pool, slots) for t in range(T)]
+    o = torch.stack(outs, dim=1).flatten(0, 1)
+    o_ref, s_ref = kda_naive(*(x.flatten(0, 1) for x in (q, k, v, g, beta)), 0.2, s0, torch.arange(N + 1) * T)
+    assert_close(o, o_ref, torch.float32)
+    assert_close(pool[slots], s_ref, torch.float32)
+    assert torch.isnan(pool[torch.tensor([0, 1, 5])]).all()
+
+
 def test_prefill_then_decode_equals_one_pass():
     """The state handed from a pooled prefill to pooled decode continues the sequence exactly."""
     T, H, K, V = 100, 2, 32, 32

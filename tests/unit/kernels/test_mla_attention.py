@@ -64,6 +64,18 @@ def test_torch_query_and_key_chunking_matches_naive(monkeypatch, block_size):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("key_elems", [1 << 24, 40 * DK, 8 * DK])  # one group; groups of 1-2; too long: chunked
+def test_torch_decode_batch_matches_naive(monkeypatch, block_size, key_elems):
+    monkeypatch.setattr(torch_paged, "DECODE_KEY_ELEMS", key_elems)
+    seq_lens = [19, 1, 33, 4, 16, 5]
+    q, cache, tables, cu, lens, _ = _batch(seq_lens, [1] * len(seq_lens), H=4, block_size=block_size)
+    ref = mla_paged_attention_naive(q, cache, tables, cu, lens, SCALE, KV_LORA)
+    out = torch_paged.mla_paged_attention(q, cache, tables, cu, lens, SCALE, KV_LORA)
+    assert not out.isnan().any(), "poisoned cache entries leaked into the output"
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_bf16_output_dtype_and_accuracy():
     q, cache, tables, cu, lens, _ = _batch(**MIXED, H=2, block_size=16, dtype=torch.bfloat16)
     out = torch_paged.mla_paged_attention(q, cache, tables, cu, lens, SCALE, KV_LORA)

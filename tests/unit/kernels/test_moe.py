@@ -113,6 +113,29 @@ def test_grouped_equals_naive(act, T, E):
     torch.testing.assert_close(moe_experts_grouped(*args, act), moe_experts_naive(*args, act), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "loop"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_gate_up", "separate"])
+def test_grouped_paths_equal_naive(monkeypatch, grouped_mm, fused):
+    from kernels.moe import grouped
+
+    if not grouped_mm:
+        monkeypatch.setattr(grouped, "_grouped_mm", None)
+    x, w1, w3, w2, weights, ids = _experts(29, 32, 24, 16, 3)  # 16 experts, 87 assignments: some get none
+    if fused:
+        gate_up = torch.cat([w1, w3], dim=1)  # [E, 2I, D], the layout StackedExperts binds
+        w1, w3 = gate_up[:, :24], gate_up[:, 24:]
+        assert grouped.gate_up_storage(w1, w3) is not None
+    else:
+        assert grouped.gate_up_storage(w1, w3) is None
+    out = moe_experts_grouped(x, w1, w3, w2, weights, ids, SITU)
+    torch.testing.assert_close(out, moe_experts_naive(x, w1, w3, w2, weights, ids, SITU), atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_float64_uses_the_loop():
+    args = _experts(11, 16, 8, 4, 2, dtype=torch.float64)
+    torch.testing.assert_close(moe_experts_grouped(*args, SWIGLU), moe_experts_naive(*args, SWIGLU))
+
+
 def test_grouped_equals_naive_bf16():
     args = _experts(40, 32, 16, 8, 2, dtype=torch.bfloat16)
     out = moe_experts_grouped(*args, SWIGLU)

@@ -1,0 +1,78 @@
+"""Fused weights: parameters that one forward multiplies by the same input share one tensor.
+
+Contract:
+- `ParamGroup(members, dim)` names parameters, as `(module, attribute)` pairs (looked up at each use: moving a
+  module may replace its `Parameter` objects), that are concatenated along `dim` (the same shape elsewhere). `bind()`
+  copies their current values into one new tensor and rebinds each parameter's `.data` to its slice, so names,
+  shapes, dtypes and values stay as they were (the loader, `save_weights` and tests see the official layout) and
+  in-place writes to a parameter (loading, `copy_`) land in the fused tensor. `tensor()` returns the fused tensor
+  while every member still is its view, else None: after `param.data = …`, `.to(...)` or a device move the owner
+  falls back to the per-parameter form, so results stay correct.
+- `FusedLinear(parts)`: `parts` are groups of bias-free `nn.Linear`s with the same input; `__call__(x)` returns one
+  output per part (the members' outputs concatenated on the last dim). Bound, that is one matmul whose output is
+  split (parts are column slices of it, not copies); unbound, one matmul per member.
+- `bind_fused_weights(model)` binds every `ParamGroup` / `FusedLinear` reachable as a module attribute. The loader
+  calls it once the parameters have their final device and dtype, before any weights are read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ParamGroup:
+    def __init__(self, members: list[tuple[nn.Module, str]], dim: int = 0):
+        self.members = tuple(members)
+        self.dim = dim
+        self._fused: torch.Tensor | None = None
+        self._ptrs: tuple[int, ...] = ()
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [getattr(module, name) for module, name in self.members]
+
+    def bind(self) -> None:
+        fused = torch.cat([p.data for p in self.params], dim=self.dim)
+        start = 0
+        for p in self.params:
+            size = p.shape[self.dim]
+            p.data = fused.narrow(self.dim, start, size)
+            start += size
+        self._fused = fused
+        self._ptrs = tuple(p.data_ptr() for p in self.params)
+
+    def tensor(self) -> torch.Tensor | None:
+        """The fused tensor, or None when it is unbound or some member no longer is its view."""
+        fused = self._fused
+        if fused is None:
+            return None
+        for p, ptr in zip(self.params, self._ptrs):
+            if p.data_ptr() != ptr or p.dtype != fused.dtype or p.device != fused.device:
+                return None
+        return fused
+
+
+class FusedLinear:
+    def __init__(self, parts: list[list[nn.Linear]]):
+        self.parts = tuple(tuple(part) for part in parts)
+        self.sizes = [sum(lin.out_features for lin in part) for part in self.parts]
+        self.group = ParamGroup([(lin, "weight") for part in self.parts for lin in part], dim=0)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        weight = self.group.tensor()  # [sum(sizes), in]
+        if weight is not None:
+            return list(F.linear(x, weight).split(self.sizes, dim=-1))
+        return [part[0](x) if len(part) == 1 else torch.cat([lin(x) for lin in part], dim=-1)
+                for part in self.parts]
+
+
+def bind_fused_weights(model: nn.Module) -> None:
+    """Binds every `ParamGroup` and `FusedLinear` held as an attribute of a module of `model`."""
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, FusedLinear):
+                value.group.bind()
+            elif isinstance(value, ParamGroup):
+                value.bind()

@@ -1,0 +1,76 @@
+"""Fused weights (engine/model/fused.py): the loader binds projections of one input to one tensor without changing
+names, shapes or values; a bound model, a broken binding and an unbound model give the same logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.checkpoint import make_checkpoint
+from engine.model.fused import FusedLinear, ParamGroup
+from engine.model.init import init_random_weights
+from engine.model.loader import LoadConfig, checkpoint_layout, load_model
+from engine.model.model import KimiForCausalLM
+from tests.model_driver import SequenceDriver
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _groups(model):
+    return [v for m in model.modules() for v in vars(m).values() if isinstance(v, (FusedLinear, ParamGroup))]
+
+
+def _logits(model, prompts):
+    driver = SequenceDriver(model, max_seqs=len(prompts), max_len=64)
+    out = driver.step(dict(enumerate(prompts)), all_logits=True)  # prefill, packed
+    steps = [driver.step({n: [p[-1]] for n, p in enumerate(prompts)})]  # one decode step
+    return torch.cat([out, *steps])
+
+
+@pytest.mark.parametrize("preset", ["tiny-linear", "tiny-k3"])
+def test_loader_binds_every_group_and_keeps_the_layout(tmp_path, preset):
+    model_dir = make_checkpoint(preset, tmp_path / preset, seed=1)
+    model = load_model(model_dir, LoadConfig(dtype="float32"))
+    groups = _groups(model)
+    assert groups and all((g.group if isinstance(g, FusedLinear) else g).tensor() is not None for g in groups)
+    experts = next(m for m in model.modules() if hasattr(m, "w1") and hasattr(m, "w3"))
+    fused = experts.gate_up.tensor()  # [E, 2I, D]
+    assert torch.equal(fused[:, : experts.w1.shape[1]], experts.w1) and torch.equal(
+        fused[:, experts.w1.shape[1] :], experts.w3)
+    unbound = KimiForCausalLM(model.config)  # same names and shapes as the bound model
+    assert {n: tuple(p.shape) for n, p in unbound.named_parameters()} == {
+        n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert set(checkpoint_layout(model)) == set(checkpoint_layout(unbound))
+
+
+@pytest.mark.parametrize("preset", ["tiny-linear", "tiny-k3"])
+def test_bound_broken_and_unbound_models_agree(tmp_path, preset):
+    model_dir = make_checkpoint(preset, tmp_path / preset, seed=1)
+    model = load_model(model_dir, LoadConfig(dtype="float32"))
+    unbound = KimiForCausalLM(model.config).eval().requires_grad_(False)
+    with torch.no_grad():
+        for (name, p), (_, q) in zip(unbound.named_parameters(), model.named_parameters()):
+            p.copy_(q.to(p.dtype))
+    assert not any((g.group if isinstance(g, FusedLinear) else g).tensor() is not None for g in _groups(unbound))
+    prompts = [[5, 17, 99, 3, 250, 7, 8], [42, 1000, 6]]
+    bound = _logits(model, prompts)
+    torch.testing.assert_close(_logits(unbound, prompts), bound, atol=1e-5, rtol=1e-5)
+    attn = model.model.layers[0].self_attn
+    attn.q_proj.weight.data = attn.q_proj.weight.data.clone()  # no longer a view: per-projection fallback
+    assert attn.in_proj.group.tensor() is None
+    torch.testing.assert_close(_logits(model, prompts), bound, atol=1e-5, rtol=1e-5)
+
+
+def test_in_place_writes_reach_the_fused_tensor(tmp_path):
+    model = load_model(make_checkpoint("tiny-linear", tmp_path / "m", seed=1), LoadConfig(dtype="float32"))
+    init_random_weights(model, seed=7)  # in-place copies into every parameter
+    mlp = model.model.layers[0].mlp
+    fused = mlp.gate_up.group.tensor()
+    assert fused is not None
+    assert torch.equal(fused, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
