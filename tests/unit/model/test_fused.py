@@ -14,14 +14,6 @@ from engine.model.model import KimiForCausalLM
 from tests.model_driver import SequenceDriver
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _groups(model):
     return [v for m in model.modules() for v in vars(m).values() if isinstance(v, (FusedLinear, ParamGroup))]
 
