@@ -42,6 +42,8 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
                    help="bytes for the KV block and KDA state pools together, e.g. 1GiB")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-forward-tokens", type=int, default=d.max_forward_tokens,
+                   help="tokens per model forward within a step (default: 2048 on CPU, unlimited on GPU)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--snapshot-interval", default="auto", help="tokens between KDA state snapshots, or 'auto'")
@@ -56,7 +58,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(model=ns.model, tokenizer=ns.tokenizer, dtype=ns.dtype, load_format=ns.load_format,
                       device=ns.device, seed=ns.seed, block_size=ns.block_size,
                       kv_cache_memory=int(memory) if memory.isdigit() else memory, max_num_seqs=ns.max_num_seqs,
-                      max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.max_model_len,
+                      max_num_batched_tokens=ns.max_num_batched_tokens, max_forward_tokens=ns.max_forward_tokens,
+                      max_model_len=ns.max_model_len,
                       enable_prefix_caching=ns.enable_prefix_caching, snapshot_interval=interval)
 
 

@@ -338,10 +338,12 @@ def test_role_flags_build_the_service_configs():
     from deploy.serve import engine_args_from, role_parser
 
     ns = role_parser("prefill").parse_args(["--model", "/m", "--cache-address", "h:1", "--max-num-seqs", "4",
-                                            "--kv-cache-memory", "64MiB", "--no-enable-prefix-caching"])
+                                            "--kv-cache-memory", "64MiB", "--no-enable-prefix-caching",
+                                            "--max-forward-tokens", "512"])
     args = engine_args_from(ns)
     assert (args.model, args.max_num_seqs, args.kv_cache_memory, args.enable_prefix_caching) == \
            ("/m", 4, "64MiB", False)
+    assert args.max_forward_tokens == 512
     ns = role_parser("decode").parse_args(["--model", "/m", "--kv-load-failure-policy", "fail"])
     assert ns.kv_load_failure_policy == "fail" and ns.cache_address is None
     ns = role_parser("gateway").parse_args(["--model", "/m", "--decode-addresses", "a:1, b:2", "--port", "9"])
