@@ -40,7 +40,7 @@ def _up(args: argparse.Namespace) -> int:
         api_keys_file=args.api_keys_file, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
         log_level=args.log_level.upper(), log_format=args.log_format, trace_exporter=args.trace_exporter,
-        metrics_port=args.metrics_port))
+        metrics_port=args.metrics_port, grace_s=args.grace_s))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--metrics-port", type=int, default=None,
                    help="first of three consecutive Prometheus /metrics ports for the cache, prefill and decode "
                         "services (default: free); the gateway's /metrics is on its REST port")
+    u.add_argument("--grace-s", type=float, default=None,
+                   help="on Ctrl-C/SIGTERM: how long every service lets calls and streams in flight finish (seconds; "
+                        "default: each service's own, 5 s)")
     u.add_argument("--gateway-grpc-port", type=int, default=None,
                    help="the gateway's public gRPC API (default: --grpc-port + 3, or a free port)")
     u.add_argument("--api-keys-file", default=None,

@@ -74,7 +74,9 @@ class LaunchConfig:
     # First of three consecutive /metrics ports (cache, prefill, decode); None: free ports.
     metrics_port: int | None = None
     startup_timeout_s: float = 600.0
-    stop_timeout_s: float = 15.0
+    stop_timeout_s: float = 15.0  # per service, after SIGTERM, before SIGKILL (at least grace_s + 10 s)
+    # Shutdown grace of every service (`--grace-s`, seconds); None: each service's default (5 s).
+    grace_s: float | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -201,8 +203,10 @@ def plan_services(config: LaunchConfig, model: str) -> list[Service]:
             engine += [flag, str(value)]
     if not config.enable_prefix_caching:
         engine.append("--no-enable-prefix-caching")
+    grace = [] if config.grace_s is None else ["--grace-s", str(config.grace_s)]
+    engine += grace
     cache_argv = ["--address", cache, "--cache-backend", config.cache_backend,
-                  "--metrics-port", str(metrics["cache"][0])]
+                  "--metrics-port", str(metrics["cache"][0]), *grace]
     if config.cache_byte_budget:
         cache_argv += ["--byte-budget", config.cache_byte_budget]
     services = [Service("cache", cache, cache_argv, metrics=metrics["cache"][1])]
@@ -215,7 +219,7 @@ def plan_services(config: LaunchConfig, model: str) -> list[Service]:
                                                "--metrics-port", str(metrics["decode"][0]), *engine],
                             metrics=metrics["decode"][1]))
     gateway = ["--model", model, "--host", host, "--http-port", str(config.http_port), "--mode", config.mode,
-               "--decode-addresses", decode, "--pd-min-uncached-tokens", str(config.pd_min_uncached_tokens)]
+               "--decode-addresses", decode, "--pd-min-uncached-tokens", str(config.pd_min_uncached_tokens), *grace]
     if config.mode == "disaggregated":
         gateway += ["--prefill-addresses", prefill]
     if config.served_model_name:
@@ -289,7 +293,7 @@ def up(config: LaunchConfig) -> int:
         for s in (signal.SIGINT, signal.SIGTERM):  # a second signal must not interrupt the shutdown
             signal.signal(s, signal.SIG_IGN)
         for s in reversed(services):
-            s.stop(config.stop_timeout_s)
+            s.stop(max(config.stop_timeout_s, (config.grace_s or 0.0) + 10.0))
         for s, handler in previous.items():
             signal.signal(s, handler)
     return status

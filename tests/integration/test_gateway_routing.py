@@ -132,3 +132,8 @@ def test_gateway_flags_and_the_launcher_plan(tiny_k3, tmp_path):
                                        gateway_grpc_port=9999), str(tiny_k3))[-1].argv
     assert "--tool-call-parser" not in plain and "--reasoning-parser" not in plain
     assert plain[plain.index("--grpc-port") + 1] == "9999"
+    assert all("--grace-s" not in s.argv for s in services)  # each service's own default
+    graceful = plan_services(LaunchConfig(model=str(tiny_k3), grace_s=12), str(tiny_k3))
+    assert [s.argv[s.argv.index("--grace-s") + 1] for s in graceful] == ["12"] * 4
+    for service in graceful:  # every role's parser takes the flag
+        role_parser(service.role).parse_args(service.argv)
