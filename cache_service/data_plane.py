@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import grpc
 
 from cache_service.client_types import GetResult, KeyResult, PutObject, ttl_ms
-from cache_service.objects import Checksum, ChecksumAlgorithm, Status, encode_object_key
+from cache_service.objects import (Checksum, ChecksumAlgorithm, Refused, Status, admit_object, encode_object_key,
+                                   handoff_default_ttl)
 from cache_service.redis_store import RedisStore
 from cache_service.shm_arena import ArenaMismatch, SharedArena
 from cache_service.store import PutItem, StoreUnavailableError
@@ -64,19 +65,10 @@ class ServicePolicy:
     max_object_bytes: int
     handoff_ttl_s: float
 
-    def admit(self, obj: PutObject) -> tuple[bytes, float | None] | KeyResult:
-        """(store key, TTL in seconds or None), or the refusal the service would answer (INVALID, TOO_LARGE)."""
-        try:
-            key = encode_object_key(obj.key)
-        except ValueError as exc:
-            return KeyResult(obj.key, Status.INVALID, str(exc))
-        if len(obj.data) > self.max_object_bytes:
-            return KeyResult(obj.key, Status.TOO_LARGE,
-                             f"object of {len(obj.data)} bytes exceeds the limit of {self.max_object_bytes}")
-        if obj.ttl_s is None:
-            return key, self.handoff_ttl_s if obj.key.kind == common_pb2.OBJECT_KIND_HANDOFF else None
-        ms = ttl_ms(obj.ttl_s)
-        return key, ms / 1000 if ms else None
+    def admit(self, obj: PutObject) -> tuple[bytes, float | None]:
+        """(store key, TTL in seconds or None) as the service decides it; raises Refused (INVALID, TOO_LARGE)."""
+        return admit_object(obj.key, len(obj.data), None if obj.ttl_s is None else ttl_ms(obj.ttl_s),
+                            self.max_object_bytes, handoff_default_ttl(self.handoff_ttl_s))
 
 
 class _Cancelled:
@@ -140,11 +132,11 @@ class RedisPlane:
         results: list[KeyResult | None] = []
         items, slots = [], []
         for obj in objects:
-            admitted = self._policy.admit(obj)
-            if isinstance(admitted, KeyResult):
-                results.append(admitted)
+            try:
+                key, ttl_s = self._policy.admit(obj)
+            except Refused as exc:
+                results.append(KeyResult(obj.key, exc.status, exc.message))
                 continue
-            key, ttl_s = admitted
             items.append(PutItem(key, obj.data, Checksum.of(obj.data, algorithm), ttl_s))
             slots.append(len(results))
             results.append(None)

@@ -15,6 +15,7 @@ import enum
 import hashlib
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
@@ -97,6 +98,34 @@ def encode_key(fingerprint: bytes, salt: bytes, kind: int, content_hash: bytes) 
         raise ValueError("model fingerprint and tenant salt must be shorter than 64 KiB")
     return b"".join([bytes([KEY_FORMAT_VERSION, kind]), struct.pack(">H", len(fingerprint)), fingerprint,
                      struct.pack(">H", len(salt)), salt, content_hash])
+
+
+class Refused(ValueError):
+    """An object the service does not take, with the status it answers (INVALID, TOO_LARGE)."""
+
+    def __init__(self, status: Status, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def handoff_default_ttl(handoff_ttl_s: float) -> Callable[[int], float | None]:
+    """The default TTL by object kind: `handoff_ttl_s` for HANDOFF objects, no expiry for the others."""
+    return lambda kind: handoff_ttl_s if kind == common_pb2.OBJECT_KIND_HANDOFF else None
+
+
+def admit_object(key: common_pb2.ObjectKey, size_bytes: int, ttl_ms: int | None, max_object_bytes: int,
+                 default_ttl_s: Callable[[int], float | None]) -> tuple[bytes, float | None]:
+    """The rule every put follows, over gRPC or a direct plane -> (store key, TTL in seconds or None: no expiry).
+    `ttl_ms` None: the kind's default; 0: no expiry. Raises Refused (INVALID key, TOO_LARGE)."""
+    try:
+        store_key = encode_object_key(key)
+    except ValueError as exc:
+        raise Refused(Status.INVALID, str(exc)) from None
+    if size_bytes > max_object_bytes:
+        raise Refused(Status.TOO_LARGE, f"object of {size_bytes} bytes exceeds the limit of {max_object_bytes}")
+    if ttl_ms is None:
+        return store_key, default_ttl_s(key.kind)
+    return store_key, ttl_ms / 1000 if ttl_ms else None
 
 
 def encode_object_key(key: common_pb2.ObjectKey) -> bytes:

@@ -51,7 +51,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from cache_service.malloc_tuning import tune_malloc
 from cache_service.memory_store import MemoryStore, ReserveItem
 from cache_service.metrics import CacheMetrics
-from cache_service.objects import Checksum, Status, encode_key, encode_object_key
+from cache_service.objects import (Checksum, Refused, Status, admit_object, encode_key, encode_object_key,
+                                   handoff_default_ttl)
 from cache_service.redis_store import DEFAULT_INLINE_BYTES, RedisStore
 from cache_service.shm_arena import SharedArena
 from cache_service.store import GetOutcome, KeyOutcome, PutItem, Store, StoreUnavailableError
@@ -185,17 +186,14 @@ def admit(header: cache_pb2.ObjectHeader | cache_pb2.ReserveObject, max_object_b
     """An announced object's store key, checksum and TTL, or its refusal (INVALID key or checksum, TOO_LARGE)."""
     try:
         checksum = Checksum.from_proto(header.checksum) if isinstance(header, cache_pb2.ObjectHeader) else None
-        admitted = Admitted(encode_object_key(header.key), checksum, None)
-    except ValueError as exc:
+        item_key, ttl_s = admit_object(header.key, header.size_bytes,
+                                       header.ttl_ms if header.HasField("ttl_ms") else None, max_object_bytes,
+                                       default_ttl_s)
+    except Refused as exc:
+        return KeyOutcome(exc.status, exc.message)
+    except ValueError as exc:  # an unusable checksum
         return KeyOutcome(Status.INVALID, str(exc))
-    if header.size_bytes > max_object_bytes:
-        return KeyOutcome(Status.TOO_LARGE, f"object of {header.size_bytes} bytes exceeds the limit of "
-                                            f"{max_object_bytes}")
-    if header.HasField("ttl_ms"):
-        ttl_s = header.ttl_ms / 1000 if header.ttl_ms else None
-    else:
-        ttl_s = default_ttl_s(header.key.kind)
-    return Admitted(admitted.item_key, admitted.checksum, ttl_s)
+    return Admitted(item_key, checksum, ttl_s)
 
 
 @dataclass(frozen=True)
@@ -358,7 +356,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _default_ttl_s(self, kind: int) -> float | None:
-        return self._config.handoff_ttl_s if kind == common_pb2.OBJECT_KIND_HANDOFF else None
+        return handoff_default_ttl(self._config.handoff_ttl_s)(kind)
 
     async def BatchPut(self, request_iterator: AsyncIterator[cache_pb2.PutChunk],
                        context) -> cache_pb2.BatchPutResponse:
