@@ -8,9 +8,14 @@ Contract:
   in-place writes to a parameter (loading, `copy_`) land in the fused tensor. `tensor()` returns the fused tensor
   while every member still is its view, else None: after `param.data = …`, `.to(...)` or a device move the owner
   falls back to the per-parameter form, so results stay correct.
+- `ParamGroup(members, dim, pad_multiple)`: with `pad_multiple > 1`, the fused tensor gets zero rows after the
+  members along `dim` up to a multiple of it (the members stay its leading slices; nothing reads the padding but a
+  matmul's extra output columns, which callers drop).
 - `FusedLinear(parts)`: `parts` are groups of bias-free `nn.Linear`s with the same input; `__call__(x)` returns one
   output per part (the members' outputs concatenated on the last dim). Bound, that is one matmul whose output is
-  split (parts are column slices of it, not copies); unbound, one matmul per member.
+  split (parts are column slices of it, not copies); unbound, one matmul per member. Its fused weight is padded to
+  `FUSED_ROWS_MULTIPLE` output rows: on CPU (MKL, AVX2) a [2048, 768] x [768, N] product took 1.45x longer at
+  N = 2,566 than at 2,576 (bench: KDA's fused projections of small-linear, 2,566 wide), and no longer at 32 rows.
 - `bind_fused_weights(model)` binds every `ParamGroup` / `FusedLinear` reachable as a module attribute. The loader
   calls it once the parameters have their final device and dtype, before any weights are read.
 """
@@ -21,11 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+FUSED_ROWS_MULTIPLE = 16  # FusedLinear's output width is padded to a multiple of this (see the module docstring)
+
 
 class ParamGroup:
-    def __init__(self, members: list[tuple[nn.Module, str]], dim: int = 0):
+    def __init__(self, members: list[tuple[nn.Module, str]], dim: int = 0, pad_multiple: int = 1):
         self.members = tuple(members)
         self.dim = dim
+        self.pad_multiple = pad_multiple
         self._fused: torch.Tensor | None = None
         self._ptrs: tuple[int, ...] = ()
 
@@ -34,7 +42,14 @@ class ParamGroup:
         return [getattr(module, name) for module, name in self.members]
 
     def bind(self) -> None:
-        fused = torch.cat([p.data for p in self.params], dim=self.dim)
+        parts = [p.data for p in self.params]
+        total = sum(part.shape[self.dim] for part in parts)
+        padding = -total % self.pad_multiple
+        if padding:
+            shape = list(parts[0].shape)
+            shape[self.dim] = padding
+            parts.append(parts[0].new_zeros(shape))
+        fused = torch.cat(parts, dim=self.dim)
         start = 0
         for p in self.params:
             size = p.shape[self.dim]
@@ -58,12 +73,15 @@ class FusedLinear:
     def __init__(self, parts: list[list[nn.Linear]]):
         self.parts = tuple(tuple(part) for part in parts)
         self.sizes = [sum(lin.out_features for lin in part) for part in self.parts]
-        self.group = ParamGroup([(lin, "weight") for part in self.parts for lin in part], dim=0)
+        self.group = ParamGroup([(lin, "weight") for part in self.parts for lin in part], dim=0,
+                                pad_multiple=FUSED_ROWS_MULTIPLE)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        weight = self.group.tensor()  # [sum(sizes), in]
+        weight = self.group.tensor()  # [sum(sizes) + padding, in]
         if weight is not None:
-            return list(F.linear(x, weight).split(self.sizes, dim=-1))
+            out = F.linear(x, weight)  # [..., sum(sizes) + padding]
+            padding = out.shape[-1] - sum(self.sizes)
+            return list(out.split(self.sizes + [padding], dim=-1))[: len(self.sizes)]
         return [part[0](x) if len(part) == 1 else torch.cat([lin(x) for lin in part], dim=-1)
                 for part in self.parts]
 

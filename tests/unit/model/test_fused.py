@@ -66,3 +66,18 @@ def test_in_place_writes_reach_the_fused_tensor(tmp_path):
     fused = mlp.gate_up.group.tensor()
     assert fused is not None
     assert torch.equal(fused, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+
+
+def test_fused_weight_is_padded_and_the_padding_never_reaches_an_output():
+    torch.manual_seed(0)
+    parts = [[torch.nn.Linear(8, 5, bias=False), torch.nn.Linear(8, 3, bias=False)], [torch.nn.Linear(8, 1, bias=False)]]
+    fused = FusedLinear(parts)
+    fused.group.bind()
+    weight = fused.group.tensor()
+    assert weight is not None and weight.shape == (16, 8)  # 9 rows padded to FUSED_ROWS_MULTIPLE
+    assert torch.count_nonzero(weight[9:]) == 0
+    x = torch.randn(4, 8)
+    first, second = fused(x)
+    assert first.shape == (4, 8) and second.shape == (4, 1)
+    torch.testing.assert_close(first, torch.cat([parts[0][0](x), parts[0][1](x)], dim=-1))
+    torch.testing.assert_close(second, parts[1][0](x))
