@@ -15,6 +15,11 @@ Usage: `python -m bench.bench_engine [--presets small-linear,small-k3] [--thread
 2. Prefix cache: time to first token (`max_tokens=1`) of a `--ttft-len` prompt whose first `--ttft-cached` tokens
    were the whole prompt of an earlier request (their blocks and prompt-end KDA snapshot are cached), vs the same
    prompt on an empty cache.
+   Each throughput table ends with a compute floor: the matmul FLOPs the workload needs at the least (every weight
+   matrix once per token, routed experts at top_k / num_experts, the LM head for sampled positions only, MLA scores
+   over each token's context, four state-sized products per KDA token), divided by this run's single-GEMM rate
+   (a [2048, 768] x [768, 4096] fp32 product, best of 5). No implementation on these threads beats it, so
+   `baseline seconds / floor seconds` bounds the ratio any engine can reach against that baseline here.
 3. Memory: bytes per token of context from the pools' own sizing (`bytes_per_token`, `bytes_per_state`) for a
    preset and the released Kimi K3 and Kimi-Linear-48B configs (bf16), against an all-MLA model of the same shape.
 
@@ -66,8 +71,9 @@ def bench_ours(model_dir: Path, prompts: list[list[int]], output_len: int, dtype
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    flops = workload_flops(llm.engine.model, len(prompts), len(prompts[0]), output_len)
     return {"prompts": len(prompts), "seconds": seconds, "tok_s": tokens / seconds,
-            "first_output": outs[0].outputs[0].token_ids}
+            "first_output": outs[0].outputs[0].token_ids, "workload_gflop": flops / 1e9}
 
 
 def _transformers_model(model_dir: Path, dtype: str):
@@ -134,6 +140,43 @@ def bench_baselines(preset: str, model_dir: Path, prompts: list[list[int]], args
     if args.hf_batch_prompts:
         r[f"{prefix}_batched"] = run(ref, prompts[: args.hf_batch_prompts], args.output_len, batched=True)
     return r
+
+
+def gemm_gflops(threads: int) -> float:
+    """This machine's fp32 matmul rate right now: a [2048, 768] x [768, 4096] product, best of 5 (GFLOP/s)."""
+    x, w = torch.randn(2048, 768), torch.randn(4096, 768)
+    torch.nn.functional.linear(x, w)
+    best = min(_timed(lambda: torch.nn.functional.linear(x, w)) for _ in range(5))
+    return 2 * 2048 * 768 * 4096 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def workload_flops(model, num_prompts: int, input_len: int, output_len: int) -> float:
+    """The fewest matmul FLOPs of the throughput workload on `model` (see the module docstring, item 1)."""
+    config = model.config
+    dense = routed = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or "embed_tokens" in name or "lm_head" in name or name.endswith("gate.weight"):
+            continue
+        if ".experts." in name:
+            routed += p.numel()
+        else:
+            dense += p.numel()
+    moe = config.moe
+    per_token = 2 * dense + (2 * routed * moe.top_k / moe.num_experts if moe else 0)
+    kda = config.kda
+    per_token += 8 * len(config.kda_layer_ids) * kda.num_heads * kda.head_dim * kda.head_dim
+    mla = config.mla
+    attn_per_context = 2 * len(config.mla_layer_ids) * mla.num_heads * (mla.cache_dim + mla.kv_lora_rank)
+    tokens = num_prompts * (input_len + output_len - 1)
+    context = num_prompts * sum(range(1, input_len + output_len))  # Σ over tokens of the positions they attend to
+    lm_head = 2 * config.hidden_size * config.vocab_size * num_prompts * output_len
+    return tokens * per_token + context * attn_per_context + lm_head
 
 
 # -- 2. prefix-cache TTFT ----------------------------------------------------------------------------------------
@@ -213,6 +256,12 @@ def _markdown(result: dict) -> str:
                 v = r[name]
                 lines.append(f"| {label} | {v['prompts']} | {v['seconds']:.1f} | {v['tok_s']:.1f} | "
                              f"{ours / v['tok_s']:.1f}x |")
+        if "floor" in r:
+            f = r["floor"]
+            lines.append(f"\ncompute floor: {f['workload_gflop']:.0f} GFLOP at {f['gemm_gflops']:.1f} GFLOP/s = "
+                         f"{f['seconds']:.1f} s ({tokens_label(result, r, f['seconds'])}); ours takes "
+                         f"{r['ours']['seconds'] / f['seconds']:.2f}x the floor; the better baseline allows at most "
+                         f"{f['best_possible_ratio']:.1f}x")
         if "outputs_match" in r:
             baseline = "the official code's" if "k3ref_single" in r or "k3ref_batched" in r else "transformers'"
             lines.append(f"\nfirst prompt's {result['output_len']} greedy tokens equal {baseline}: "
@@ -233,6 +282,20 @@ def _markdown(result: dict) -> str:
                      f"{pt[4096]:,.0f} | {pt[32768]:,.0f} | {pt[131072]:,.0f} | {pt[1048576]:,.0f} | "
                      f"{v['all_mla_b_per_token']:,} | {100 * v['ratio_long']:.1f}% |")
     return "\n".join(lines)
+
+
+def tokens_label(result: dict, r: dict, seconds: float) -> str:
+    return f"{r['ours']['prompts'] * result['output_len'] / seconds:.0f} output tok/s"
+
+
+def compute_floor(r: dict, threads: int) -> dict:
+    """The workload's compute floor on this machine and the best ratio it leaves against the better baseline."""
+    rate = gemm_gflops(threads)
+    seconds = r["ours"]["workload_gflop"] / rate
+    baselines = [v["tok_s"] for k, v in r.items() if k != "ours" and isinstance(v, dict) and "tok_s" in v]
+    floor_tok_s = r["ours"]["tok_s"] * r["ours"]["seconds"] / seconds
+    return {"workload_gflop": r["ours"]["workload_gflop"], "gemm_gflops": rate, "seconds": seconds,
+            "best_possible_ratio": floor_tok_s / max(baselines) if baselines else float("nan")}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -261,6 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
             model_dir = make_checkpoint(preset, Path(tmp) / preset, seed=0)
             r = {"ours": bench_ours(model_dir, prompts, args.output_len, args.dtype)}
             r.update(bench_baselines(preset, model_dir, prompts, args))
+            r["floor"] = compute_floor(r, args.threads)
             first = (r.get("hf_single") or r.get("hf_batched") or r.get("k3ref_single") or r.get("k3ref_batched")
                      or {}).get("first_output")
             if first is not None:

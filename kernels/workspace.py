@@ -8,7 +8,10 @@ Contract:
 - `scratch(name, shape, dtype, device) -> Tensor`: a tensor of that shape (uninitialised), reused by later calls with
   the same `name` on the same thread. The caller must be done with it before it calls `scratch` with that name
   again, and must never return it (or a view of it) to its own caller: the next call overwrites it.
-- One buffer per (thread, name, dtype, device); it grows to the largest size asked for and never shrinks, so a name
+- `gathered(x, index, name)`: `x.index_select(0, index)`, into the scratch buffer `name` when autograd is off (with
+  autograd on it allocates, as an `out=` gather cannot be differentiated).
+- One buffer per (thread, name, dtype, device, inference mode: inference tensors cannot be written outside it); it
+  grows to the largest size asked for and never shrinks, so a name
   costs at most its largest request. Threads never share buffers (engines stepping in different threads are safe).
 """
 
@@ -24,7 +27,7 @@ _local = threading.local()
 def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     buffers: dict = getattr(_local, "buffers", None) or {}
     _local.buffers = buffers
-    key = (name, dtype, torch.device(device))
+    key = (name, dtype, torch.device(device), torch.is_inference_mode_enabled())
     numel = 1
     for size in shape:
         numel *= size
@@ -33,3 +36,11 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
         buffer = torch.empty(numel, dtype=dtype, device=device)
         buffers[key] = buffer
     return buffer[:numel].view(shape)
+
+
+def gathered(x: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
+    """Rows `index` of `x` ([N, *] -> [len(index), *]), in scratch `name` unless autograd is recording."""
+    if torch.is_grad_enabled():
+        return x.index_select(0, index)
+    out = scratch(name, (index.numel(), *x.shape[1:]), x.dtype, x.device)
+    return torch.index_select(x, 0, index, out=out)

@@ -23,8 +23,9 @@ Contract:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels.linear import linear
 
 FUSED_ROWS_MULTIPLE = 16  # FusedLinear's output width is padded to a multiple of this (see the module docstring)
 
@@ -79,7 +80,7 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         weight = self.group.tensor()  # [sum(sizes) + padding, in]
         if weight is not None:
-            out = F.linear(x, weight)  # [..., sum(sizes) + padding]
+            out = linear(x, weight)  # [..., sum(sizes) + padding]
             padding = out.shape[-1] - sum(self.sizes)
             return list(out.split(self.sizes + [padding], dim=-1))[: len(self.sizes)]
         return [part[0](x) if len(part) == 1 else torch.cat([lin(x) for lin in part], dim=-1)

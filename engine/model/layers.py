@@ -27,6 +27,7 @@ from engine.model.fused import FusedLinear, ParamGroup
 from kernels import get_kernel
 from kernels.attention.torch_paged import write_kv_cache
 from kernels.kda.gate import kda_gate_lower_bound, kda_gate_softplus
+from kernels.linear import linear
 from kernels.moe.activation import GatedActivation
 from kernels.moe.router import route
 from kernels.norm.rms_norm import gated_rms_norm, l2_normalize, rms_norm
@@ -37,8 +38,15 @@ from kernels.norm.rms_norm import gated_rms_norm, l2_normalize, rms_norm
 FUSED_GATE_UP_MAX = 1024
 
 
+class Linear(nn.Linear):
+    """A bias-free `nn.Linear` (same parameter name and layout) whose product runs through `kernels.linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
 def _linear(in_features: int, out_features: int) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=False)
+    return Linear(in_features, out_features, bias=False)
 
 
 class RMSNorm(nn.Module):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.moe.activation import GatedActivation
-from kernels.workspace import scratch
+from kernels.workspace import gathered
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -53,7 +53,7 @@ def moe_experts_grouped(
     k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert, token order within an expert
-    rows = torch.index_select(x, 0, order // k, out=scratch("moe.rows", (T * k, D), x.dtype, x.device))  # [T*k, D]
+    rows = gathered(x, order // k, "moe.rows")  # [T*k, D] source token of each sorted assignment
     counts = torch.bincount(flat_ids, minlength=w1.shape[0])  # [E]
     if _grouped_mm is not None and x.dtype in GROUPED_MM_DTYPES and x.device.type == "cpu":
         out = _experts_grouped_mm(rows, w1, w3, w2, counts, act)
@@ -61,8 +61,7 @@ def moe_experts_grouped(
         out = _experts_loop(rows, w1, w3, w2, counts, act)
     unsorted = torch.empty_like(order)
     unsorted[order] = torch.arange(order.numel(), device=order.device)  # sorted position of each (token, choice)
-    per_choice = scratch("moe.per_choice", (T * k, D), out.dtype, out.device)
-    per_choice = torch.index_select(out, 0, unsorted, out=per_choice).to(torch.float32).view(T, k, D)  # [T, k, D]
+    per_choice = gathered(out, unsorted, "moe.per_choice").to(torch.float32).view(T, k, D)  # [T, k, D]
     weights = topk_weights.to(torch.float32).view(T, 1, k)
     return torch.bmm(weights, per_choice).view(T, D).to(x.dtype)
 

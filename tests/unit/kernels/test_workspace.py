@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from kernels.workspace import scratch
+from kernels.workspace import gathered, scratch
 
 
 def test_same_name_reuses_memory_and_grows_on_demand():
@@ -28,3 +28,20 @@ def test_threads_get_their_own_buffers():
     worker.start()
     worker.join(timeout=10)
     assert seen and seen[0] != mine
+
+
+def test_gathered_uses_scratch_without_autograd_and_allocates_with_it():
+    x = torch.randn(6, 3)
+    index = torch.tensor([5, 0, 0, 2])
+    with torch.no_grad():
+        first = gathered(x, index, "test.gather")
+        assert torch.equal(first, x[index])
+        assert gathered(x, index, "test.gather").data_ptr() == first.data_ptr()
+    with torch.inference_mode():  # inference tensors get their own buffer ...
+        assert torch.equal(gathered(x, index, "test.gather"), x[index])
+    with torch.no_grad():  # ... so the normal one is still writable here
+        assert torch.equal(gathered(x + 1, index, "test.gather"), (x + 1)[index])
+    leaf = torch.randn(6, 3, requires_grad=True)
+    rows = gathered(leaf, index, "test.gather")  # autograd on: a fresh, differentiable tensor
+    rows.sum().backward()
+    assert torch.equal(leaf.grad[:, 0], torch.tensor([2.0, 0, 1, 0, 0, 1]))
