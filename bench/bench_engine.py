@@ -142,7 +142,7 @@ def bench_baselines(preset: str, model_dir: Path, prompts: list[list[int]], args
     return r
 
 
-def gemm_gflops(threads: int) -> float:
+def gemm_gflops() -> float:
     """This machine's fp32 matmul rate right now: a [2048, 768] x [768, 4096] product, best of 5 (GFLOP/s)."""
     x, w = torch.randn(2048, 768), torch.randn(4096, 768)
     torch.nn.functional.linear(x, w)
@@ -259,7 +259,7 @@ def _markdown(result: dict) -> str:
         if "floor" in r:
             f = r["floor"]
             lines.append(f"\ncompute floor: {f['workload_gflop']:.0f} GFLOP at {f['gemm_gflops']:.1f} GFLOP/s = "
-                         f"{f['seconds']:.1f} s ({tokens_label(result, r, f['seconds'])}); ours takes "
+                         f"{f['seconds']:.1f} s ({f['tok_s']:.0f} output tok/s); ours takes "
                          f"{r['ours']['seconds'] / f['seconds']:.2f}x the floor; the better baseline allows at most "
                          f"{f['best_possible_ratio']:.1f}x")
         if "outputs_match" in r:
@@ -284,18 +284,15 @@ def _markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def tokens_label(result: dict, r: dict, seconds: float) -> str:
-    return f"{r['ours']['prompts'] * result['output_len'] / seconds:.0f} output tok/s"
-
-
-def compute_floor(r: dict, threads: int) -> dict:
+def compute_floor(r: dict) -> dict:
     """The workload's compute floor on this machine and the best ratio it leaves against the better baseline."""
-    rate = gemm_gflops(threads)
-    seconds = r["ours"]["workload_gflop"] / rate
+    ours = r["ours"]
+    rate = gemm_gflops()
+    seconds = ours["workload_gflop"] / rate
+    tok_s = ours["tok_s"] * ours["seconds"] / seconds  # the same output tokens in the floor's time
     baselines = [v["tok_s"] for k, v in r.items() if k != "ours" and isinstance(v, dict) and "tok_s" in v]
-    floor_tok_s = r["ours"]["tok_s"] * r["ours"]["seconds"] / seconds
-    return {"workload_gflop": r["ours"]["workload_gflop"], "gemm_gflops": rate, "seconds": seconds,
-            "best_possible_ratio": floor_tok_s / max(baselines) if baselines else float("nan")}
+    return {"workload_gflop": ours["workload_gflop"], "gemm_gflops": rate, "seconds": seconds, "tok_s": tok_s,
+            "best_possible_ratio": tok_s / max(baselines) if baselines else float("nan")}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -324,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
             model_dir = make_checkpoint(preset, Path(tmp) / preset, seed=0)
             r = {"ours": bench_ours(model_dir, prompts, args.output_len, args.dtype)}
             r.update(bench_baselines(preset, model_dir, prompts, args))
-            r["floor"] = compute_floor(r, args.threads)
+            r["floor"] = compute_floor(r)
             first = (r.get("hf_single") or r.get("hf_batched") or r.get("k3ref_single") or r.get("k3ref_batched")
                      or {}).get("first_output")
             if first is not None:

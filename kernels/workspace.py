@@ -11,12 +11,13 @@ Contract:
 - `gathered(x, index, name)`: `x.index_select(0, index)`, into the scratch buffer `name` when autograd is off (with
   autograd on it allocates, as an `out=` gather cannot be differentiated).
 - One buffer per (thread, name, dtype, device, inference mode: inference tensors cannot be written outside it); it
-  grows to the largest size asked for and never shrinks, so a name
-  costs at most its largest request. Threads never share buffers (engines stepping in different threads are safe).
+  grows to the largest size asked for and never shrinks, so a name costs at most its largest request. Threads never
+  share buffers (engines stepping in different threads are safe).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -25,12 +26,9 @@ _local = threading.local()
 
 
 def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    buffers: dict = getattr(_local, "buffers", None) or {}
-    _local.buffers = buffers
+    buffers: dict = _local.__dict__.setdefault("buffers", {})
     key = (name, dtype, torch.device(device), torch.is_inference_mode_enabled())
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < numel:
         buffer = torch.empty(numel, dtype=dtype, device=device)

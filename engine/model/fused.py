@@ -74,15 +74,15 @@ class FusedLinear:
     def __init__(self, parts: list[list[nn.Linear]]):
         self.parts = tuple(tuple(part) for part in parts)
         self.sizes = [sum(lin.out_features for lin in part) for part in self.parts]
+        self.width = sum(self.sizes)  # output columns before the padding
         self.group = ParamGroup([(lin, "weight") for part in self.parts for lin in part], dim=0,
                                 pad_multiple=FUSED_ROWS_MULTIPLE)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         weight = self.group.tensor()  # [sum(sizes) + padding, in]
         if weight is not None:
-            out = linear(x, weight)  # [..., sum(sizes) + padding]
-            padding = out.shape[-1] - sum(self.sizes)
-            return list(out.split(self.sizes + [padding], dim=-1))[: len(self.sizes)]
+            out = linear(x, weight)  # [..., width + padding]
+            return list(out[..., : self.width].split(self.sizes, dim=-1))
         return [part[0](x) if len(part) == 1 else torch.cat([lin(x) for lin in part], dim=-1)
                 for part in self.parts]
 
