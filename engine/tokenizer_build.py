@@ -10,9 +10,17 @@ Contract
   then one rank per merge in training order). Regenerate with `python -m engine.tokenizer_build --rebuild`;
   `--check` verifies that retraining reproduces the asset byte for byte.
 * `write_tokenizer(out_dir, family)` writes a tokenizer in Moonshot's released format (`tiktoken.model`,
-  `tokenizer_config.json`, `special_tokens_map.json`), loadable by `engine.tokenizer.KimiTokenizer` and by the
-  official `tokenization_kimi.TikTokenTokenizer`. `write_tokenizer_json` writes the same vocabulary as an HF
-  `tokenizer.json` instead.
+  `tokenizer_config.json`, `special_tokens_map.json`) plus what `transformers` needs: `tokenizer.json` (the same
+  ranks as a byte-level BPE with Kimi's pre-split regex and the 256 specials as added tokens with `special: true`)
+  and our own `tokenization_kimi.py` (generated from `engine/hf_tokenization_kimi.py`). The folder loads with
+  `engine.tokenizer.KimiTokenizer`, the official `tokenization_kimi.TikTokenTokenizer`, and
+  `transformers.AutoTokenizer.from_pretrained(dir)`: by default the fast tokenizer from `tokenizer.json`
+  (`tokenizer_class: PreTrainedTokenizerFast`), with `trust_remote_code=True` the shipped `TikTokenTokenizer`
+  (`auto_map`). Both give `KimiTokenizer`'s ids: special-token text is a special id by default (transformers'
+  convention, = `encode(text, allow_special=True)`) and ordinary text with `split_special_tokens=True` (=
+  `encode(text)`, the gateway's `/tokenize`); the fast one does not cut runs over 25,000 characters as tiktoken
+  needs, so ids may differ on such runs. `write_tokenizer_json` writes the vocabulary as `tokenizer.json` only.
+* Every written file is a function of the asset, the family and our source: the same bytes on every run.
 * Special tokens sit at the same offsets from `num_base_tokens` as in the released models (`K2_SPECIAL_TOKENS` for
   `kimi_linear`, `K3_SPECIAL_TOKENS` for `kimi_k3`; offset -> content). Offsets not listed are
   `<|reserved_token_{id}|>`.
@@ -35,6 +43,7 @@ Provenance of the tables (base = 163,584 in the released models)
 from __future__ import annotations
 
 import argparse
+import ast
 import base64
 import json
 import sys
@@ -58,6 +67,9 @@ SMALL_NUM_BASE_TOKENS = 7936  # + 256 specials = 8192, the vocab size of generat
 FAMILIES = ("kimi_linear", "kimi_k3")
 DEFAULT_MODEL_MAX_LENGTH = 1_048_576
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+TOKENIZATION_MODULE_FILE = "tokenization_kimi.py"  # what auto_map names; generated from HF_TOKENIZER_TEMPLATE
+HF_TOKENIZER_TEMPLATE = Path(__file__).resolve().parent / "hf_tokenization_kimi.py"
+ENGINE_TOKENIZER_SOURCE = Path(__file__).resolve().parent / "tokenizer.py"
 
 # offset from num_base_tokens -> content
 K2_SPECIAL_TOKENS: dict[int, str] = {
@@ -206,20 +218,23 @@ def _additional_special_tokens(tokens: FamilyTokens) -> list[str]:
 
 
 def tokenizer_config(family: str, num_base_tokens: int, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> dict:
-    """`tokenizer_config.json` in Moonshot's released format (named specials only in `added_tokens_decoder`)."""
+    """`tokenizer_config.json` in Moonshot's released format (named specials only in `added_tokens_decoder`), except
+    `tokenizer_class`: transformers' fast tokenizer over `tokenizer.json`, so `AutoTokenizer` needs no remote code;
+    `auto_map` names the shipped `tokenization_kimi.TikTokenTokenizer` for `trust_remote_code=True`."""
     tokens = family_tokens(family)
+    module = TOKENIZATION_MODULE_FILE.removesuffix(".py")
     return {
         "added_tokens_decoder": {
             str(num_base_tokens + offset): _added_token(name) for offset, name in sorted(tokens.offsets.items())
         },
         "additional_special_tokens": _additional_special_tokens(tokens),
-        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "auto_map": {"AutoTokenizer": [f"{module}.TikTokenTokenizer", None]},
         "bos_token": tokens.bos,
         "clean_up_tokenization_spaces": False,
         "eos_token": tokens.eos,
         "model_max_length": model_max_length,
         "pad_token": tokens.pad,
-        "tokenizer_class": "TikTokenTokenizer",
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": tokens.unk,
     }
 
@@ -245,15 +260,60 @@ def write_tokenizer(
     tiktoken_path: str | Path = SMALL_TIKTOKEN_PATH,
     model_max_length: int = DEFAULT_MODEL_MAX_LENGTH,
 ) -> Path:
-    """Write `tiktoken.model`, `tokenizer_config.json`, `special_tokens_map.json` into `out_dir` (created)."""
+    """Write `tiktoken.model`, `tokenizer.json`, `tokenization_kimi.py`, `tokenizer_config.json` and
+    `special_tokens_map.json` into `out_dir` (created)."""
     family_tokens(family)  # validate before touching the disk
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ranks = load_tiktoken_ranks(tiktoken_path)
     (out / TIKTOKEN_FILE).write_bytes(format_tiktoken_ranks(ranks))
-    _write_json(out / TOKENIZER_CONFIG_FILE, tokenizer_config(family, len(ranks), model_max_length))
-    _write_json(out / SPECIAL_TOKENS_MAP_FILE, special_tokens_map(family))
+    (out / TOKENIZATION_MODULE_FILE).write_text(tokenization_module_source(), encoding="utf-8")
+    _write_hf_files(out, ranks, family, tokenizer_config(family, len(ranks), model_max_length))
     return out
+
+
+def _write_hf_files(out: Path, ranks: dict[bytes, int], family: str, config: dict) -> None:
+    (out / TOKENIZER_JSON_FILE).write_text(ranks_to_tokenizer_json(ranks, family), encoding="utf-8")
+    _write_json(out / TOKENIZER_CONFIG_FILE, config)
+    _write_json(out / SPECIAL_TOKENS_MAP_FILE, special_tokens_map(family))
+
+
+def _defined_names(node: ast.stmt) -> set[str]:
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, ast.Assign):
+        return {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return set()
+
+
+def _statement_lines(lines: list[str], node: ast.stmt) -> str:
+    """A top-level statement's full lines, with its trailing comment and the comment lines right above it."""
+    start = node.lineno - 1
+    while start > 0 and lines[start - 1].startswith("#"):
+        start -= 1
+    return "".join(lines[start : node.end_lineno])
+
+
+def tokenization_module_source() -> str:
+    """The shipped `tokenization_kimi.py`: `HF_TOKENIZER_TEMPLATE` with its `from engine.tokenizer import ...`
+    replaced by the source of those definitions, in their `engine/tokenizer.py` order (no kdamesh import remains)."""
+    template = HF_TOKENIZER_TEMPLATE.read_text(encoding="utf-8")
+    node = next(n for n in ast.parse(template).body if isinstance(n, ast.ImportFrom) and n.module == "engine.tokenizer")
+    wanted = {alias.name for alias in node.names}
+    source = ENGINE_TOKENIZER_SOURCE.read_text(encoding="utf-8")
+    found = [d for d in ast.parse(source).body if _defined_names(d) & wanted]
+    missing = wanted - set().union(*(_defined_names(d) for d in found))
+    if missing:
+        raise ValueError(f"{ENGINE_TOKENIZER_SOURCE} defines no top-level {sorted(missing)}")
+    source_lines, pieces = source.splitlines(keepends=True), []
+    for previous, definition in zip([None, *found], found):
+        functions = isinstance(definition, ast.FunctionDef) or isinstance(previous, ast.FunctionDef)
+        pieces.append(("\n\n" if functions and previous else "") + _statement_lines(source_lines, definition))
+    lines = template.splitlines(keepends=True)
+    header = (f"# Generated by engine/tokenizer_build.py from engine/{HF_TOKENIZER_TEMPLATE.name} and"
+              " engine/tokenizer.py (kdamesh); edit those, not this file.\n")
+    inlined = "# From engine/tokenizer.py:\n" + "".join(pieces) + "\n\n"
+    return header + "".join(lines[: node.lineno - 1]) + inlined + "".join(lines[node.end_lineno :]).lstrip("\n")
 
 
 def _merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
@@ -288,16 +348,14 @@ def ranks_to_tokenizer_json(ranks: dict[bytes, int], family: str) -> str:
 
 
 def write_tokenizer_json(out_dir: str | Path, family: str, tiktoken_path: str | Path = SMALL_TIKTOKEN_PATH) -> Path:
-    """Write the vocabulary as `tokenizer.json` + a matching `tokenizer_config.json` (no `tiktoken.model`)."""
+    """Write the vocabulary as `tokenizer.json` + a matching `tokenizer_config.json` only (no `tiktoken.model`, no
+    `auto_map`): the folder `KimiTokenizer` reads through its `tokenizers` backend."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ranks = load_tiktoken_ranks(tiktoken_path)
-    (out / TOKENIZER_JSON_FILE).write_text(ranks_to_tokenizer_json(ranks, family), encoding="utf-8")
     config = tokenizer_config(family, len(ranks))
     config.pop("auto_map")
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    _write_json(out / TOKENIZER_CONFIG_FILE, config)
-    _write_json(out / SPECIAL_TOKENS_MAP_FILE, special_tokens_map(family))
+    _write_hf_files(out, ranks, family, config)
     return out
 
 

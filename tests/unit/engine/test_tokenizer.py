@@ -269,7 +269,9 @@ def test_asset_is_reproducible():
 
 def test_written_files_are_released_format(folders):
     config = json.loads((folders["kimi_k3"] / "tokenizer_config.json").read_text())
-    assert config["tokenizer_class"] == "TikTokenTokenizer"
+    # tokenizer_class names transformers' fast tokenizer (tokenizer.json), not Moonshot's "TikTokenTokenizer", which
+    # AutoTokenizer can only resolve through remote code; auto_map still names the (shipped) TikTokenTokenizer
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert config["auto_map"]["AutoTokenizer"][0] == "tokenization_kimi.TikTokenTokenizer"
     entry = config["added_tokens_decoder"][str(tb.SMALL_NUM_BASE_TOKENS + 2)]
     assert entry == {"content": "<|end_of_msg|>", "lstrip": False, "normalized": False, "rstrip": False,
