@@ -2,8 +2,10 @@
 
 Contract: `make_checkpoint(preset, out_dir)` writes `config.json` (released layout), `generation_config.json`
 (stopping on the end-of-message token), `*.safetensors` under the official names (sharded with an index above
-`max_shard_bytes`), and the tokenizer (`tiktoken.model` + `tokenizer_config.json`; `kimi_linear` also gets
-`chat_template.jinja`). The same preset and seed give the same bytes. K3 presets can write routed experts as MXFP4 (`experts_format="mxfp4"`), as released.
+`max_shard_bytes`), and the tokenizer (`tiktoken.model` + `tokenizer_config.json` in Moonshot's format, plus
+`tokenizer.json` and our `tokenization_kimi.py`, so `transformers.AutoTokenizer.from_pretrained` loads it with or
+without `trust_remote_code` — see `engine.tokenizer_build`; `kimi_linear` also gets `chat_template.jinja`). The same
+preset and seed give the same bytes. K3 presets can write routed experts as MXFP4 (`experts_format="mxfp4"`), as released.
 """
 
 from __future__ import annotations
