@@ -27,6 +27,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -64,6 +65,13 @@ class ChildChecks:
             assert ok, trace
 
         return test_triton_interpreted
+
+
+def import_interpreted(module_name: str, kernel: str) -> ModuleType:
+    """Child side: imports a Triton backend module, checked to be built for the interpreter (through `kernel`)."""
+    module = importlib.import_module(module_name)
+    assert type(getattr(module, kernel)).__name__ == "InterpretedFunction"
+    return module
 
 
 def run_checks_here(checks: dict[str, Callable[[], None]], result_path: str) -> None:

@@ -1,7 +1,5 @@
 """Causal conv1d + SiLU: torch and Triton (interpreter) paths against the naive oracle, pooled windows in place."""
 
-import importlib
-
 import pytest
 import torch
 
@@ -110,9 +108,7 @@ triton_check = TRITON_CHECKS.check
 
 def _triton_conv():
     """kernels.conv.triton_ops, checked to be built for the Triton interpreter."""
-    mod = importlib.import_module("kernels.conv.triton_ops")
-    assert type(mod._conv_decode_kernel).__name__ == "InterpretedFunction"
-    return mod
+    return triton_child.import_interpreted("kernels.conv.triton_ops", "_conv_decode_kernel")
 
 
 def _triton_prefill_matches_torch(pool_dtype):

@@ -1,8 +1,6 @@
 """MLA attention over a paged latent cache: torch and Triton (interpreter) paths against the naive oracle and a
 dense, non-absorbed multi-head reference."""
 
-import importlib
-
 import pytest
 import torch
 
@@ -152,9 +150,7 @@ triton_check = TRITON_CHECKS.check
 
 def _triton_mla():
     """kernels.attention.triton_paged, checked to be built for the Triton interpreter."""
-    mod = importlib.import_module("kernels.attention.triton_paged")
-    assert type(mod._mla_paged_kernel).__name__ == "InterpretedFunction"
-    return mod
+    return triton_child.import_interpreted("kernels.attention.triton_paged", "_mla_paged_kernel")
 
 
 def _triton_matches_torch(seq_lens, q_lens, H, block_size, dtype=torch.float32, tol=1e-5):
