@@ -4,7 +4,7 @@ One table, `LAYERS`, holds the rule of each top-level package (a folder of the r
 `__init__.py`; `tests/` is not checked). Every import counts, wherever it stands: module-level ones, lazy ones inside
 functions, `importlib.import_module("...")` / `__import__("...")` with a literal name, and the string values of a
 package's `_LAZY` map (engine/__init__.py imports those on attribute access). A package may always import itself;
-nothing but `bench` imports `bench`. Where a rule names third-party roots, anything else outside the standard library
+nothing but `bench` imports `bench` or `tests`. Where a rule names third-party roots, anything else outside the standard library
 is a violation too. A first-party package without a rule fails, so a new package gets one.
 
 A subprocess check adds what static parsing cannot see: importing every module of the torch-free packages loads no
@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ANY = "*"  # in Layer.first_party: every first-party package (but `bench`)
-UNCHECKED = ("tests",)  # first-party (bench may import it) but not checked here
+ANY = "*"  # in Layer.first_party: every first-party package (but those in BENCH_ONLY)
+UNCHECKED = ("tests",)  # first-party but not checked here
+BENCH_ONLY = ("bench", "tests")  # importable by bench alone
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Layer:
     """What one top-level package may import besides itself.
 
     first_party: module prefixes from other first-party packages ("engine.tokenizer" admits that module and its
-    submodules; ANY admits all of them but `bench`). third_party: the roots admitted besides the standard library,
+    submodules; ANY admits all of them but BENCH_ONLY). third_party: the roots admitted besides the standard library,
     or None where the rule leaves third-party imports open. exceptions: (module, roots) pairs, one module's extra
     third-party roots.
     """
@@ -151,7 +152,8 @@ def allowed(package: str, imp: Import, first_party: set[str]) -> bool:
     if root == package:
         return True
     if root in first_party:
-        return root != "bench" and (ANY in layer.first_party or within(imp.target, layer.first_party))
+        bench_only = root in BENCH_ONLY and package != "bench"
+        return not bench_only and (ANY in layer.first_party or within(imp.target, layer.first_party))
     if root in sys.stdlib_module_names or layer.third_party is None:
         return True
     extra = tuple(r for module, roots in layer.exceptions if module == imp.module for r in roots)
@@ -180,11 +182,12 @@ def test_imports_follow_the_layer_rules(package):
     assert not found, (f"{package} may import {LAYERS[package]}, but:\n  " + "\n  ".join(map(str, found)))
 
 
-def test_the_rules_keep_prefill_and_decode_apart_and_nothing_imports_bench():
+def test_the_rules_keep_prefill_and_decode_apart_and_bench_and_tests_on_top():
     first_party = set(LAYERS) | {"tests"}
     for a, b in (("prefill_service", "decode_service"), ("decode_service", "prefill_service")):
         assert not allowed(a, Import(f"{a}.x", 1, f"{b}.server"), first_party)
     assert [p for p in LAYERS if allowed(p, Import(f"{p}.x", 1, "bench.serve"), first_party)] == ["bench"]
+    assert [p for p in LAYERS if allowed(p, Import(f"{p}.x", 1, "tests.model_driver"), first_party)] == ["bench"]
     assert not allowed("gateway", Import("gateway.x", 1, "engine.model.layers"), first_party)
     assert not allowed("cache_service", Import("cache_service.x", 1, "engine.transfer"), first_party)
     assert allowed("protos", Import("protos.build", 1, "grpc_tools.protoc"), first_party)
