@@ -1,6 +1,6 @@
 # kdamesh: two commands on a fresh machine.
 #   make serve   — the whole mesh on localhost with the embedded defaults
-#   make test    — the test suite
+#   make test    — ruff (make lint), then the test suite
 # Both install into .venv first (torch pinned to the CPU wheel 2.13.0, installed before the project).
 
 PY ?= python3
@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LLMC_VERSION ?= 0.14.0.1
 
-.PHONY: install test test-fast serve bench clean protos
+.PHONY: install lint test test-fast serve bench clean protos
 
 install: $(STAMP)
 
@@ -22,7 +22,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps llmcompressor==$(LLMC_VERSION)
 	touch $(STAMP)
 
+# Pyflakes, syntax errors and the size limits; the rule set lives in pyproject.toml's [tool.ruff].
+lint: install
+	$(BIN)/ruff check .
+
 test: install
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests
 
 test-fast: install

@@ -1,16 +1,36 @@
 """Test helper: drives `KimiForCausalLM` for whole sequences without the engine's scheduler.
 
 `SequenceDriver` owns a `CacheTensors` with one contiguous block table per sequence slot and turns
-"prefill these tokens" / "decode this token" into `ForwardBatch` steps. Tests use it to compare our logits
-with reference implementations; it is not part of the engine.
+"prefill these tokens" / "decode this token" (and greedy generation) into `ForwardBatch` steps. Tests use it to
+compare our logits with reference implementations; it is not part of the engine. `rel_err` is the parity tests'
+error measure, `torch_threads` the thread count they run under.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
 from engine.model.batch import CacheTensors, ForwardBatch
 from engine.model.model import KimiForCausalLM
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |ours - ref| / max |ref|."""
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Torch's intra-op thread count set to `n` for the body, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class SequenceDriver:
@@ -58,3 +78,12 @@ class SequenceDriver:
 
     def decode(self, seq: int, token: int) -> torch.Tensor:
         return self.step({seq: [token]})[0]
+
+    def greedy(self, seq: int, prompt: list[int], steps: int) -> list[int]:
+        """`steps` argmax tokens after `prompt` (one prefill, then a decode per token)."""
+        logits = self.prefill(seq, prompt, all_logits=False)[0]
+        tokens = []
+        for _ in range(steps):
+            tokens.append(int(logits.argmax()))
+            logits = self.decode(seq, tokens[-1])
+        return tokens

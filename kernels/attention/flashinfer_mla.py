@@ -36,15 +36,8 @@ def paged_kv_indices(
     return kv_indptr, kv_indices
 
 
-def mla_paged_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    v_dim: int,
-) -> torch.Tensor:
+def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
     import flashinfer  # noqa: PLC0415 - CUDA-only dependency, imported on use
 
     T, H, Dk = q.shape

@@ -24,15 +24,9 @@ def gather_sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_le
     return kv_cache[blocks].reshape(num_blocks * block_size, kv_cache.shape[2])[:seq_len]
 
 
-def mla_paged_attention_naive(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    v_dim: int,
-) -> torch.Tensor:
+def mla_paged_attention_naive(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                              cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                              v_dim: int) -> torch.Tensor:
     T, H, _ = q.shape
     out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)
     bounds = cu_seqlens_q.tolist()

@@ -108,15 +108,8 @@ def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     return torch.bmm(probs, kv[:, :, :v_dim]).div_(total)  # [N, H, v_dim]
 
 
-def mla_paged_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    v_dim: int,
-) -> torch.Tensor:
+def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
     T, H, _ = q.shape
     out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)
     if T == seq_lens.shape[0] and T > 0:  # one query per sequence: batched over sequences, in groups

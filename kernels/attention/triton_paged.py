@@ -97,15 +97,8 @@ def _tile_table(cu_seqlens_q: torch.Tensor, block_m: int, num_tiles: int) -> tup
     return seq.to(torch.int32).contiguous(), start.to(torch.int32).contiguous()
 
 
-def mla_paged_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    v_dim: int,
-) -> torch.Tensor:
+def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
     T, H, Dk = q.shape
     N = seq_lens.numel()
     out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)

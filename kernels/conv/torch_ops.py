@@ -22,13 +22,8 @@ from kernels.indexing import slot_range
 ROW_BLOCK = 256  # rows per block of the prefill taps: [256, C] fp32 stays in L2 for C up to a few thousand
 
 
-def causal_conv1d_prefill(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_state_pool: torch.Tensor,
-    state_indices: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-) -> torch.Tensor:
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor,
+                          state_indices: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     T, C = x.shape
     slots = state_indices.to(torch.int64)
     taps = weight.to(torch.float32).t().contiguous()  # [W, C]
@@ -72,12 +67,8 @@ def _taps_into(u: torch.Tensor, taps: torch.Tensor, out: torch.Tensor) -> None:
         out.addcmul_(u[j : j + rows], taps[j])
 
 
-def causal_conv1d_decode(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_state_pool: torch.Tensor,
-    state_indices: torch.Tensor,
-) -> torch.Tensor:
+def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor,
+                         state_indices: torch.Tensor) -> torch.Tensor:
     rows = slot_range(state_indices)  # consecutive slots: work on the pool's rows in place
     slots = state_indices.to(torch.int64)
     window = conv_state_pool[rows] if rows is not None else conv_state_pool[slots]  # [N, C, W-1]

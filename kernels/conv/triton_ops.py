@@ -113,13 +113,8 @@ def _check(weight: torch.Tensor, conv_state_pool: torch.Tensor) -> int:
     return W
 
 
-def causal_conv1d_prefill(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_state_pool: torch.Tensor,
-    state_indices: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-) -> torch.Tensor:
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor,
+                          state_indices: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     T, C = x.shape
     W = _check(weight, conv_state_pool)
     x = x.contiguous()
@@ -145,12 +140,8 @@ def causal_conv1d_prefill(
     return y
 
 
-def causal_conv1d_decode(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_state_pool: torch.Tensor,
-    state_indices: torch.Tensor,
-) -> torch.Tensor:
+def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor,
+                         state_indices: torch.Tensor) -> torch.Tensor:
     N, C = x.shape
     W = _check(weight, conv_state_pool)
     x = x.contiguous()

@@ -30,6 +30,34 @@ _CHUNK = 32  # tokens per chunk (>= 16 for tl.dot)
 
 
 @triton.jit
+def _decayed_scores(q, k, g, beta, ot, scale, BT: tl.constexpr):
+    """Step 1 for one chunk (q, k, g [BT, BK] fp32, beta [BT], ot = arange(BT)), column by column.
+
+    Returns (M [BT, BT]: the strictly lower part of I + diag(beta) A, scale * Aqk [BT, BT]: lower, with diagonal)."""
+    A = tl.zeros([BT, BT], dtype=tl.float32)
+    Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    for j in range(BT):
+        k_j = tl.sum(tl.where(ot[:, None] == j, k, 0.0), axis=0)  # [BK]
+        since_j = tl.cumsum(tl.where(ot[:, None] > j, g, 0.0), axis=0)  # [BT, BK] sum of g over (j, i]
+        decayed = tl.where(ot[:, None] >= j, tl.exp(since_j), 0.0) * k_j[None, :]
+        A = tl.where(ot[None, :] == j, tl.sum(k * decayed, axis=1)[:, None], A)
+        Aqk = tl.where(ot[None, :] == j, tl.sum(q * decayed, axis=1)[:, None], Aqk)
+    M = tl.where(ot[:, None] > ot[None, :], A, 0.0) * beta[:, None]
+    return M, tl.where(ot[:, None] >= ot[None, :], Aqk, 0.0) * scale
+
+
+@triton.jit
+def _unit_lower_inverse(M, ot, BT: tl.constexpr):
+    """Step 2: X = (I + M)^-1 for a strictly lower M [BT, BT], row i = e_i - sum_{j<i} M[i, j] X[j, :]."""
+    X = tl.where(ot[:, None] == ot[None, :], 1.0, 0.0)
+    for i in range(1, BT):
+        m_i = tl.sum(tl.where(ot[:, None] == i, M, 0.0), axis=0)  # [BT], zero from column i on
+        x_i = tl.where(ot == i, 1.0, 0.0) - tl.sum(m_i[:, None] * X, axis=0)
+        X = tl.where(ot[:, None] == i, x_i[None, :], X)
+    return X
+
+
+@triton.jit
 def _kda_prefill_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, idx_ptr, cu_ptr, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -61,25 +89,8 @@ def _kda_prefill_kernel(
         v = tl.load(v_ptr + v_off, mask=m_tv, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + rows * H + h, mask=mt, other=0.0).to(tl.float32)  # padding: writes nothing
 
-        # 1. decayed scores, column by column
-        A = tl.zeros([BT, BT], dtype=tl.float32)
-        Aqk = tl.zeros([BT, BT], dtype=tl.float32)
-        for j in range(BT):
-            k_j = tl.sum(tl.where(ot[:, None] == j, k, 0.0), axis=0)  # [BK]
-            since_j = tl.cumsum(tl.where(ot[:, None] > j, g, 0.0), axis=0)  # [BT, BK] sum of g over (j, i]
-            decayed = tl.where(ot[:, None] >= j, tl.exp(since_j), 0.0) * k_j[None, :]
-            A = tl.where(ot[None, :] == j, tl.sum(k * decayed, axis=1)[:, None], A)
-            Aqk = tl.where(ot[None, :] == j, tl.sum(q * decayed, axis=1)[:, None], Aqk)
-        M = tl.where(ot[:, None] > ot[None, :], A, 0.0) * beta[:, None]  # strictly lower part of I + diag(beta) A
-        Aqk = tl.where(ot[:, None] >= ot[None, :], Aqk, 0.0) * scale
-
-        # 2. X = (I + M)^-1, row i = e_i - sum_{j<i} M[i, j] X[j, :]
-        X = tl.where(ot[:, None] == ot[None, :], 1.0, 0.0)
-        for i in range(1, BT):
-            m_i = tl.sum(tl.where(ot[:, None] == i, M, 0.0), axis=0)  # [BT], zero from column i on
-            x_i = tl.where(ot == i, 1.0, 0.0) - tl.sum(m_i[:, None] * X, axis=0)
-            X = tl.where(ot[:, None] == i, x_i[None, :], X)
-
+        M, Aqk = _decayed_scores(q, k, g, beta, ot, scale, BT)  # 1.
+        X = _unit_lower_inverse(M, ot, BT)  # 2.
         # 3. chunk output and state update
         G = tl.cumsum(g, axis=0)  # [BT, BK], <= 0
         to_end = tl.cumsum(g, axis=0, reverse=True) - g  # sum of g over (i, end]

@@ -40,15 +40,8 @@ def gate_up_storage(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
     return w1.as_strided((E, 2 * I, D), w1.stride())
 
 
-def moe_experts_grouped(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    act: GatedActivation,
-) -> torch.Tensor:
+def moe_experts_grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor, act: GatedActivation) -> torch.Tensor:
     T, D = x.shape
     k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)  # [T*k]

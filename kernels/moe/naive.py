@@ -13,15 +13,8 @@ import torch
 from kernels.moe.activation import GatedActivation
 
 
-def moe_experts_naive(
-    x: torch.Tensor,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    act: GatedActivation,
-) -> torch.Tensor:
+def moe_experts_naive(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, act: GatedActivation) -> torch.Tensor:
     T, D = x.shape
     y = torch.zeros(T, D, dtype=torch.float32, device=x.device)
     for e in range(w1.shape[0]):

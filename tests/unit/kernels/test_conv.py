@@ -1,7 +1,5 @@
 """Causal conv1d + SiLU: torch and Triton (interpreter) paths against the naive oracle, pooled windows in place."""
 
-import importlib
-
 import pytest
 import torch
 
@@ -80,48 +78,37 @@ def test_torch_prefill_equals_decode_steps():
     _prefill_equals_decode_steps(torch_ops)
 
 
-def test_decode_matches_naive_and_shifts_in_place():
-    x, weight, pool, slots, _ = _batch([1] * 5, 40, pool_dtype=torch.bfloat16)
-    init = torch.randn(5, 40, W - 1).to(torch.bfloat16)
+def _decode_matches_naive_and_shifts_in_place(x, weight, pool, slots, init):
+    """One torch decode step from windows `init` [N, C, W-1] in `slots`: the naive result; other slots untouched."""
     pool[slots] = init
-    y_ref, final_ref = causal_conv1d_naive(x, weight, init, torch.arange(6))
+    y_ref, final_ref = causal_conv1d_naive(x, weight, init, torch.arange(len(slots) + 1))
     y = torch_ops.causal_conv1d_decode(x, weight, pool, slots)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool[slots], final_ref, atol=0, rtol=0)
     assert _untouched(pool, slots)
+
+
+def test_decode_matches_naive_and_shifts_in_place():
+    x, weight, pool, slots, _ = _batch([1] * 5, 40, pool_dtype=torch.bfloat16)
+    _decode_matches_naive_and_shifts_in_place(x, weight, pool, slots, torch.randn(5, 40, W - 1).to(torch.bfloat16))
 
 
 def test_decode_on_consecutive_slots_shifts_the_pool_in_place():
     x, weight, pool, _, _ = _batch([1] * 4, 24)
     slots = torch.tensor([5, 6, 7, 8])  # consecutive: the in-place path
-    init = torch.randn(4, 24, W - 1)
-    pool[slots] = init
-    y_ref, final_ref = causal_conv1d_naive(x, weight, init, torch.arange(5))
-    y = torch_ops.causal_conv1d_decode(x, weight, pool, slots)
-    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(pool[slots], final_ref, atol=0, rtol=0)
-    assert _untouched(pool, slots)
+    _decode_matches_naive_and_shifts_in_place(x, weight, pool, slots, torch.randn(4, 24, W - 1))
 
 
-# --- Triton checks -------------------------------------------------------------------------------------------------
-# Triton reads TRITON_INTERPRET when it is first imported (its `tl` builtins are built for one mode), and other test
-# modules (anything importing transformers) import triton at collection time. So checks register with @triton_check,
-# one subprocess per module started with TRITON_INTERPRET=1 runs them all, and `test_triton_interpreted` reports each
-# check's result.
+# --- Triton checks: run in one TRITON_INTERPRET=1 child per module, reported by `test_triton_interpreted` ----------
+# (tests/triton_child.py says why).
 
-TRITON_CHECKS = {}
-
-
-def triton_check(fn):
-    TRITON_CHECKS[fn.__name__] = fn
-    return fn
+TRITON_CHECKS = triton_child.ChildChecks(__name__)
+triton_check = TRITON_CHECKS.check
 
 
 def _triton_conv():
     """kernels.conv.triton_ops, checked to be built for the Triton interpreter."""
-    mod = importlib.import_module("kernels.conv.triton_ops")
-    assert type(mod._conv_decode_kernel).__name__ == "InterpretedFunction"
-    return mod
+    return triton_child.import_interpreted("kernels.conv.triton_ops", "_conv_decode_kernel")
 
 
 def _triton_prefill_matches_torch(pool_dtype):
@@ -162,17 +149,4 @@ def triton_prefill_equals_decode_steps():
     _prefill_equals_decode_steps(_triton_conv())
 
 
-def _run_checks_here(result_path):
-    """Subprocess entry point (see tests/triton_child.py)."""
-    triton_child.run_checks_here(TRITON_CHECKS, result_path)
-
-
-@pytest.fixture(scope="module")
-def triton_results(tmp_path_factory):
-    return triton_child.run_in_child(__name__, tmp_path_factory.mktemp("triton"))
-
-
-@pytest.mark.parametrize("name", sorted(TRITON_CHECKS))
-def test_triton_interpreted(triton_results, name):
-    ok, trace = triton_results[name]
-    assert ok, trace
+test_triton_interpreted = TRITON_CHECKS.pytest_test()

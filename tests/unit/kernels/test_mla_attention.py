@@ -1,8 +1,6 @@
 """MLA attention over a paged latent cache: torch and Triton (interpreter) paths against the naive oracle and a
 dense, non-absorbed multi-head reference."""
 
-import importlib
-
 import pytest
 import torch
 
@@ -143,25 +141,16 @@ def test_flashinfer_page_layout():
     assert indices.tolist() == [7, 2, 9, 4, 1, 3, 5, 6]
 
 
-# --- Triton checks -------------------------------------------------------------------------------------------------
-# Triton reads TRITON_INTERPRET when it is first imported (its `tl` builtins are built for one mode), and other test
-# modules (anything importing transformers) import triton at collection time. So checks register with @triton_check,
-# one subprocess per module started with TRITON_INTERPRET=1 runs them all, and `test_triton_interpreted` reports each
-# check's result.
+# --- Triton checks: run in one TRITON_INTERPRET=1 child per module, reported by `test_triton_interpreted` ----------
+# (tests/triton_child.py says why).
 
-TRITON_CHECKS = {}
-
-
-def triton_check(fn):
-    TRITON_CHECKS[fn.__name__] = fn
-    return fn
+TRITON_CHECKS = triton_child.ChildChecks(__name__)
+triton_check = TRITON_CHECKS.check
 
 
 def _triton_mla():
     """kernels.attention.triton_paged, checked to be built for the Triton interpreter."""
-    mod = importlib.import_module("kernels.attention.triton_paged")
-    assert type(mod._mla_paged_kernel).__name__ == "InterpretedFunction"
-    return mod
+    return triton_child.import_interpreted("kernels.attention.triton_paged", "_mla_paged_kernel")
 
 
 def _triton_matches_torch(seq_lens, q_lens, H, block_size, dtype=torch.float32, tol=1e-5):
@@ -197,17 +186,4 @@ def triton_bf16():
     _triton_matches_torch(**MIXED, H=2, block_size=16, dtype=torch.bfloat16, tol=2e-2)
 
 
-def _run_checks_here(result_path):
-    """Subprocess entry point (see tests/triton_child.py)."""
-    triton_child.run_checks_here(TRITON_CHECKS, result_path)
-
-
-@pytest.fixture(scope="module")
-def triton_results(tmp_path_factory):
-    return triton_child.run_in_child(__name__, tmp_path_factory.mktemp("triton"))
-
-
-@pytest.mark.parametrize("name", sorted(TRITON_CHECKS))
-def test_triton_interpreted(triton_results, name):
-    ok, trace = triton_results[name]
-    assert ok, trace
+test_triton_interpreted = TRITON_CHECKS.pytest_test()

@@ -22,7 +22,7 @@ import torch
 
 from engine.model.checkpoint import make_checkpoint
 from engine.model.loader import LoadConfig, load_model
-from tests.model_driver import SequenceDriver
+from tests.model_driver import SequenceDriver, rel_err, torch_threads
 from tests.reference import k3_reference
 from tests.reference.k3_reference import (
     load_reference_k3,
@@ -39,42 +39,24 @@ CHECKPOINT_SEEDS = {"tiny-k3": 3, "k3-93-pattern": 1}
 
 @pytest.fixture(scope="module", autouse=True)
 def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    cache: dict[str, object] = {}
+def models(tmp_path_factory):
+    """get(preset, experts_format) -> (ours, reference) on one generated folder, made and loaded once per module."""
+    cache: dict[tuple[str, str], tuple] = {}
 
     def get(preset: str, experts_format: str = "dense"):
         key = (preset, experts_format)
         if key not in cache:
-            cache[key] = make_checkpoint(preset, tmp_path_factory.mktemp(preset), seed=CHECKPOINT_SEEDS[preset],
-                                         experts_format=experts_format)
-        return cache[key]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def models(folders):
-    cache: dict[str, tuple] = {}
-
-    def get(preset: str, experts_format: str = "dense"):
-        key = (preset, experts_format)
-        if key not in cache:
-            folder = folders(preset, experts_format)
+            folder = make_checkpoint(preset, tmp_path_factory.mktemp(preset), seed=CHECKPOINT_SEEDS[preset],
+                                     experts_format=experts_format)
             cache[key] = (load_model(folder, LoadConfig(dtype="float32")), load_reference_k3(folder))
         return cache[key]
 
     return get
-
-
-def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours - ref).abs().max() / ref.abs().max())
 
 
 def _tokens(vocab_size: int, n: int) -> list[int]:
@@ -107,11 +89,11 @@ def test_logits_match_official_reference(models, preset, experts_format, prompt_
 
     driver = SequenceDriver(ours, max_seqs=1, max_len=prompt_len + DECODE_STEPS + 1)
     ours_prompt = driver.prefill(0, tokens[:prompt_len])  # [P, V]
-    assert _rel_err(ours_prompt, ref_all[:prompt_len]) <= REL_TOL
+    assert rel_err(ours_prompt, ref_all[:prompt_len]) <= REL_TOL
 
     for i, token in enumerate(tokens[prompt_len:]):
         step_logits = driver.decode(0, token)
-        err = _rel_err(step_logits, ref_all[prompt_len + i])
+        err = rel_err(step_logits, ref_all[prompt_len + i])
         assert err <= REL_TOL, f"decode step {i}: {err:.3g}"
 
 
@@ -121,7 +103,7 @@ def test_reference_cached_path_matches_its_full_forward(models):
     tokens = _tokens(ref_model.config.text_config.vocab_size, 40)
     full = reference_logits(ref_model, tokens)
     cached = reference_incremental_logits(ref_model, tokens[:30], tokens[30:])
-    assert _rel_err(cached, full[29:]) <= REL_TOL
+    assert rel_err(cached, full[29:]) <= REL_TOL
 
 
 @pytest.mark.parametrize("preset,prompt_len", [("tiny-k3", 60), ("k3-93-pattern", 24)])
@@ -131,10 +113,4 @@ def test_greedy_generation_matches_reference(models, preset, prompt_len):
     ref_tokens = reference_generate(ref_model, prompt, DECODE_STEPS)
 
     driver = SequenceDriver(ours, max_seqs=1, max_len=prompt_len + DECODE_STEPS + 1)
-    logits = driver.prefill(0, prompt, all_logits=False)[0]
-    ours_tokens = []
-    for _ in range(DECODE_STEPS):
-        token = int(logits.argmax())
-        ours_tokens.append(token)
-        logits = driver.decode(0, token)
-    assert ours_tokens == ref_tokens
+    assert driver.greedy(0, prompt, DECODE_STEPS) == ref_tokens

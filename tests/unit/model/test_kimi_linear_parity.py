@@ -13,7 +13,7 @@ import torch
 
 from engine.model.checkpoint import make_checkpoint
 from engine.model.loader import LoadConfig, load_model
-from tests.model_driver import SequenceDriver
+from tests.model_driver import SequenceDriver, rel_err
 
 REL_TOL = 1e-4
 DECODE_STEPS = 32
@@ -31,10 +31,6 @@ def _reference(model_dir):
     return ref.eval()
 
 
-def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours - ref).abs().max() / ref.abs().max())
-
-
 @pytest.mark.parametrize("preset,prompt_len", [("tiny-linear", 100), ("linear-48b-pattern", 70)])
 def test_logits_match_transformers(tmp_path, preset, prompt_len):
     model_dir = make_checkpoint(preset, tmp_path / preset, seed=3)
@@ -49,11 +45,11 @@ def test_logits_match_transformers(tmp_path, preset, prompt_len):
 
     driver = SequenceDriver(ours, max_seqs=1, max_len=prompt_len + DECODE_STEPS + 1)
     ours_prompt = driver.prefill(0, prompt.tolist())  # [P, V]
-    assert _rel_err(ours_prompt, ref_all[:prompt_len]) <= REL_TOL
+    assert rel_err(ours_prompt, ref_all[:prompt_len]) <= REL_TOL
 
     for i, token in enumerate(continuation.tolist()):
         step_logits = driver.decode(0, token)
-        assert _rel_err(step_logits, ref_all[prompt_len + i]) <= REL_TOL, f"decode step {i}"
+        assert rel_err(step_logits, ref_all[prompt_len + i]) <= REL_TOL, f"decode step {i}"
 
 
 def test_reference_incremental_decode_matches_ours(tmp_path):
@@ -68,10 +64,4 @@ def test_reference_incremental_decode_matches_ours(tmp_path):
     ref_tokens = out[0, len(prompt):].tolist()
 
     driver = SequenceDriver(ours, max_seqs=1, max_len=len(prompt) + DECODE_STEPS + 1)
-    logits = driver.prefill(0, prompt, all_logits=False)[0]
-    ours_tokens = []
-    for _ in range(DECODE_STEPS):
-        token = int(logits.argmax())
-        ours_tokens.append(token)
-        logits = driver.decode(0, token)
-    assert ours_tokens == ref_tokens
+    assert driver.greedy(0, prompt, DECODE_STEPS) == ref_tokens
