@@ -357,15 +357,3 @@ def test_role_flags_build_the_service_configs():
     colocated = plan_services(LaunchConfig(model="/m", mode="colocated"), "/m")
     assert [s.role for s in colocated] == ["cache", "decode", "gateway"]
     assert "--prefill-addresses" not in colocated[-1].argv
-
-
-def test_best_prefix_blocks_rule():
-    from prefill_service.worker import best_prefix_blocks
-
-    # 4 full blocks of 16 in a 64-token prompt: block 4 would leave nothing to compute.
-    assert best_prefix_blocks(64, 16, [True] * 4, [True] * 4) == 3
-    assert best_prefix_blocks(65, 16, [True] * 4, [True] * 4) == 4
-    assert best_prefix_blocks(65, 16, [True, True, False, True], [True] * 4) == 2
-    assert best_prefix_blocks(65, 16, [True] * 4, [False, True, False, False]) == 2  # needs a snapshot there
-    assert best_prefix_blocks(65, 16, [True] * 4, None) == 4  # no KDA layers: any cached boundary
-    assert best_prefix_blocks(10, 16, [], []) == 0

@@ -143,13 +143,13 @@ def test_cached_blocks_and_snapshots_move_between_engines(tiny_linear_dir, promp
     source.generate({"prompt_token_ids": prompt}, GREEDY)
     src = source.engine
     hashes = list(src.manager.block_pool._cached)
-    blocks = src.export_cached_blocks(hashes)
-    snapshots = [src.export_snapshot(h) for h in src.snapshot_hashes()]
+    blocks = src.exchange.export_cached_blocks(hashes)
+    snapshots = [src.exchange.export_snapshot(h) for h in src.exchange.snapshot_hashes()]
     assert len(blocks) == len(hashes) >= 2 and snapshots
     dst = target.engine
-    assert not dst.import_snapshot(snapshots[0])  # its blocks are not there yet
-    assert dst.import_cached_blocks(list(blocks.values())) == len(blocks)
-    assert all(dst.import_snapshot(s) for s in snapshots)
+    assert not dst.exchange.import_snapshot(snapshots[0])  # its blocks are not there yet
+    assert dst.exchange.import_cached_blocks(list(blocks.values())) == len(blocks)
+    assert all(dst.exchange.import_snapshot(s) for s in snapshots)
     dst.check_integrity()
     [warm] = target.generate({"prompt_token_ids": prompt}, GREEDY, check_integrity=True)
     assert warm.num_cached_tokens == 32
@@ -157,4 +157,4 @@ def test_cached_blocks_and_snapshots_move_between_engines(tiny_linear_dir, promp
     corrupt = bytearray(next(iter(blocks.values())))
     corrupt[-1] ^= 0xFF
     with pytest.raises(CorruptObjectError):
-        dst.import_cached_blocks([bytes(corrupt)])
+        dst.exchange.import_cached_blocks([bytes(corrupt)])

@@ -9,7 +9,9 @@ Contract:
   `config.cache_address` is set (trace context on its calls), the role's worker built (`make_worker`), then SERVING.
 - `stop(grace)`: NOT_SERVING first, new calls refused (`servicer.stopping`), a load in progress cancelled, running
   calls drained (`drain_calls`, per role), then the worker, the engine, the cache client and `/metrics` closed.
-- The engine gauges and the worker's counters are exported through `servicer.metrics` while a worker exists.
+- The engine gauges (`engine_gauges`: the `EngineStats` the step thread published last, so a scrape never waits
+  for a step) and the worker's counters are exported through `servicer.metrics` while a worker exists;
+  `transfer_samples(op, bytes, seconds)` are the two counters every role keeps per kind of cache-service transfer.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from opentelemetry.trace import TracerProvider
 
 from cache_service.client import CacheClient
 from engine.async_engine import AsyncEngine
-from protos.grpc_server import start_grpc_server
+from telemetry.grpc_server import start_grpc_server
 from telemetry.metrics import CounterSample, EngineGauges, MetricsServer, metrics_host, start_metrics_server
 from telemetry.rpc import client_interceptors, server_interceptors
 
@@ -33,15 +35,22 @@ log = logging.getLogger(__name__)
 
 
 def engine_gauges(engine: AsyncEngine) -> EngineGauges:
-    """The engine's scheduler and pools, read without waiting for the step loop (each number one plain read)."""
-    core = engine.core
-    stats, pool, states = core.stats(), core.manager.block_pool, core.manager.state_pool
-    return EngineGauges(running=stats.num_running, waiting=stats.num_waiting, kv_blocks_total=pool.num_blocks,
+    """The engine's scheduler and pools as of its latest step (published by the step thread; no waiting)."""
+    stats = engine.stats_snapshot()
+    return EngineGauges(running=stats.num_running, waiting=stats.num_waiting, kv_blocks_total=stats.num_blocks,
                         kv_blocks_free=stats.num_free_blocks, kv_blocks_cached=stats.num_cached_blocks,
-                        kv_usage=stats.kv_usage, state_groups_total=states.num_groups,
-                        state_groups_free=states.num_free_groups, snapshots=stats.num_snapshots,
-                        snapshot_slots=states.num_snapshot_slots, prefix_lookup_tokens=stats.prefix_lookup_tokens,
+                        kv_usage=stats.kv_usage, state_groups_total=stats.num_state_groups,
+                        state_groups_free=stats.num_free_state_groups, snapshots=stats.num_snapshots,
+                        snapshot_slots=stats.num_snapshot_slots, prefix_lookup_tokens=stats.prefix_lookup_tokens,
                         prefix_hit_tokens=stats.prefix_hit_tokens, preemptions=stats.num_preemptions)
+
+
+def transfer_samples(op: str, nbytes: int, seconds: float) -> list[CounterSample]:
+    """`transfer_bytes_total{op}` and `transfer_seconds_total{op}` of one kind of transfer to or from the cache."""
+    labels = (("op", op),)
+    return [CounterSample("transfer_bytes", "Payload bytes moved to or from the cache service", nbytes, labels),
+            CounterSample("transfer_seconds", "Wall time of the cache service calls that moved them (seconds)",
+                          seconds, labels)]
 
 
 class WorkerServer:
