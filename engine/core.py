@@ -9,7 +9,7 @@ Contract:
 - `step()` schedules, runs the model once, commits full blocks and snapshots, samples, detokenises, checks stops,
   frees finished requests, and returns one delta `RequestOutput` per request that changed (see engine/outputs.py).
 - `abort(request_id)` ends a request at once (its output finishes with "abort" on the next `step`).
-- Structured output (`params.structured`, engine/structured.py): `add_request` compiles the grammar (cached) and
+- Structured output (`params.structured`, engine/structured/): `add_request` compiles the grammar (cached) and
   gives each sequence a matcher; `step` fills the bitmasks of the constrained rows before the forward, masks their
   logits rows (others untouched) before sampling, and advances each matcher with its sampled token. When no
   unfinished request has a grammar the step does no grammar work at all. An imported request replays its carried
@@ -221,7 +221,7 @@ class EngineCore:
             self._requests[req.request_id] = req
             self.scheduler.add(req)
 
-    # -- structured output (grammar-constrained decoding, engine/structured.py) ---------------------------------
+    # -- structured output (grammar-constrained decoding, engine/structured/) ----------------------------------
 
     def grammar_backend(self) -> GrammarBackend:
         if self._grammar_backend is None:
