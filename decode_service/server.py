@@ -235,6 +235,7 @@ class DecodeServer(WorkerServer):
 
     role = "decode"
     service_name = SERVICE_NAME
+    with_tpot = True
 
     def make_worker(self) -> DecodeWorker:
         return DecodeWorker(self.engine, self.cache, kv_load_failure_policy=self.config.kv_load_failure_policy,
@@ -256,8 +257,5 @@ async def serve(config: DecodeServiceConfig, *, registry: CollectorRegistry | No
                 tracer_provider: TracerProvider | None = None) -> tuple[DecodeServer, int]:
     """Starts the server and begins loading the model -> (server, bound port). Metrics go to `registry` (None: a
     new one, `server.metrics.registry`); spans to `tracer_provider` (None: OpenTelemetry's global provider)."""
-    metrics = WorkerMetrics(registry if registry is not None else CollectorRegistry(), "decode", with_tpot=True)
-    servicer = DecodeServicer(config, metrics)
-    return await start_worker_server(
-        DecodeServer, config, servicer, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
-        tracer_provider)
+    add = decode_pb2_grpc.add_DecodeServiceServicer_to_server
+    return await start_worker_server(DecodeServer, DecodeServicer, config, add, registry, tracer_provider)

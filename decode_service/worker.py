@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -46,6 +45,7 @@ from engine.transfer import (CorruptObjectError, MissingBlockError, ModelMismatc
 from protos import common_pb2
 from telemetry import tracing
 from worker.tenancy import engine_cache_salt, prompt_block_hashes
+from worker.transfers import timed_get
 
 log = logging.getLogger(__name__)
 
@@ -242,12 +242,9 @@ class DecodeWorker:
         keys = [key] + [object_key(key.model_fingerprint, key.tenant_salt, KV_BLOCK, h) for h in hashes]
         with tracing.child_span(self.tracer, "handoff.claim", {tracing.KEYS: len(keys),
                                                                tracing.BLOCKS: len(hashes)}) as span:
-            started = time.perf_counter()
-            got = await self.cache.get_objects(keys)
-            nbytes = sum(len(r.data) for r in got if r.data is not None)
+            got, nbytes, seconds = await timed_get(self.cache, keys, span)
             self.counters.handoff_bytes += nbytes
-            self.counters.handoff_seconds += time.perf_counter() - started
-            span.set_attribute(tracing.BYTES, nbytes)
+            self.counters.handoff_seconds += seconds
             try:
                 if got[0].status != Status.FOUND:
                     raise _LoadFailure(got[0].status.name.lower(), got[0].message or "handoff not found")

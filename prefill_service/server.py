@@ -36,7 +36,7 @@ from prefill_service.worker import (HandoffPublishError, PrefillAbortedError, Pr
                                     PrefillWorker)
 from protos import prefill_pb2, prefill_pb2_grpc
 from telemetry import tracing
-from telemetry.metrics import CounterSample, RequestTimer, WorkerMetrics
+from telemetry.metrics import CounterSample, RequestTimer
 from worker.codec import FINISH_REASONS, logprob_to_proto, sampling_from_proto
 from worker.server import WorkerServer, start_worker_server, transfer_samples
 from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
@@ -147,6 +147,7 @@ class PrefillServer(WorkerServer):
 
     role = "prefill"
     service_name = SERVICE_NAME
+    with_tpot = False
 
     def make_worker(self) -> PrefillWorker:
         return PrefillWorker(self.engine, self.cache, handoff_full_kv=self.config.handoff_full_kv,
@@ -161,8 +162,5 @@ async def serve(config: PrefillServiceConfig, *, registry: CollectorRegistry | N
                 tracer_provider: TracerProvider | None = None) -> tuple[PrefillServer, int]:
     """Starts the server and begins loading the model -> (server, bound port). Metrics go to `registry` (None: a
     new one, `server.metrics.registry`); spans to `tracer_provider` (None: OpenTelemetry's global provider)."""
-    metrics = WorkerMetrics(registry if registry is not None else CollectorRegistry(), "prefill", with_tpot=False)
-    servicer = PrefillServicer(config, metrics)
-    return await start_worker_server(
-        PrefillServer, config, servicer, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
-        tracer_provider)
+    add = prefill_pb2_grpc.add_PrefillServiceServicer_to_server
+    return await start_worker_server(PrefillServer, PrefillServicer, config, add, registry, tracer_provider)

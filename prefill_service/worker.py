@@ -9,12 +9,13 @@ Contract (DESIGN.md "One chat request, end to end", step 3, and "Exactly-once ha
   `engine.memory.manager.resumable_blocks`: every block up to a boundary present **and** a KDA snapshot at that
   boundary, leaving at least one token to compute) when it is longer than what its own prefix cache holds: the
   blocks and the snapshot are imported into the engine's prefix cache, and the engine's ordinary prefix hit then
-  uses them. A load that fails (missing, corrupt, service down) is counted and the prompt is
-  computed instead; it never fails the request.
+  uses them. A load that fails (missing, corrupt, service down) is counted and the prompt is computed instead; it
+  never fails the request.
 - The handoff object is an `engine.transfer.RequestState` (layout `request_state/v1`): the sampler state, the KDA
   state after the whole prompt and, by default, only the KV of the tail partial block (`transfer.lean_handoff`:
-  `kv` holds the last `ceil(N/bs) - N//bs` blocks); the full blocks travel as ordinary content-addressed `KV_BLOCK` objects named by
-  `block_hashes`, which decode fetches with the handoff. `handoff_full_kv=True` puts every block in the handoff.
+  `kv` holds the last `ceil(N/bs) - N//bs` blocks); the full blocks travel as ordinary content-addressed
+  `KV_BLOCK` objects named by `block_hashes`, which decode fetches with the handoff. `handoff_full_kv=True` puts
+  every block in the handoff.
 - When the first token already ends the output (EOS / stop token / stop string, or `max_tokens == 1`) no handoff is
   published and `finish_reason` is set.
 - KDA state snapshots the engine took at this prompt's block boundaries are published after the response, in the
@@ -53,6 +54,7 @@ from engine.transfer import RequestState, TransferError, encode_block, lean_hand
 from protos import common_pb2
 from telemetry import tracing
 from worker.tenancy import engine_cache_salt, prompt_block_hashes
+from worker.transfers import timed_get, timed_put
 
 log = logging.getLogger(__name__)
 
@@ -252,12 +254,9 @@ class PrefillWorker:
 
         with tracing.child_span(self.tracer, "prefix.load", {tracing.BLOCKS: len(wanted), tracing.KEYS: len(keys),
                                                              tracing.HIT_TOKENS: remote * bs}) as span:
-            started = time.perf_counter()
-            got = await self.cache.get_objects(keys)
-            nbytes = sum(len(r.data) for r in got if r.data is not None)
+            got, nbytes, seconds = await timed_get(self.cache, keys, span)
             self.counters.remote_load_bytes += nbytes
-            self.counters.remote_load_seconds += time.perf_counter() - started
-            span.set_attribute(tracing.BYTES, nbytes)
+            self.counters.remote_load_seconds += seconds
             bad = [r for r in got if r.status != Status.FOUND]
             if bad:
                 tracing.mark_error(span, bad[0].status.name, bad[0].message or None)
@@ -300,10 +299,9 @@ class PrefillWorker:
             nbytes = sum(len(o.data) for o in objects)
             tracing.set_attributes(span, {tracing.KEYS: len(objects), tracing.BLOCKS: len(missing),
                                           tracing.BYTES: nbytes, "kdamesh.handoff.bytes": len(handoff)})
-            started = time.perf_counter()
-            results = await self.cache.put_objects(objects)
+            results, _, seconds = await timed_put(self.cache, objects)
             self.counters.published_bytes += nbytes
-            self.counters.publish_seconds += time.perf_counter() - started
+            self.counters.publish_seconds += seconds
             stored = sum(1 for r in results[:len(missing)] if r.status == Status.STORED)
             self.counters.published_blocks += stored
             self.counters.publish_failures += len(missing) - stored
@@ -335,10 +333,9 @@ class PrefillWorker:
         if not snapshots:
             return
         objects = [PutObject(object_key(self.fingerprint, salt, SNAPSHOT, h), data) for h, data in snapshots]
-        started = time.perf_counter()
-        results = await self.cache.put_objects(objects)
-        self.counters.published_bytes += sum(len(o.data) for o in objects)
-        self.counters.publish_seconds += time.perf_counter() - started
+        results, nbytes, seconds = await timed_put(self.cache, objects)
+        self.counters.published_bytes += nbytes
+        self.counters.publish_seconds += seconds
         stored = sum(1 for r in results if r.status == Status.STORED)
         self.counters.published_snapshots += stored
         self.counters.publish_failures += len(results) - stored

@@ -9,6 +9,7 @@ Modules:
 - `worker.codec`: the wire contract (`protos`) <-> the engine's request types (sampling, structured output,
   logprobs, finish reasons).
 - `worker.tenancy`: the one mapping of a tenant salt to the engine's cache salt, and a prompt's block hashes.
+- `worker.transfers`: timed `BatchGet` / `BatchPut` calls for the transfer counters.
 
 Imports (downward only): engine, protos, the cache service's client side, telemetry.
 """

@@ -13,28 +13,23 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.model.checkpoint import make_checkpoint
 from engine.tokenizer import KimiTokenizer
 from gateway.app import GatewayConfig, create_app
 from gateway.mesh_client import MeshClient, MeshError, MeshRequest, PDDecider
 from prefill_service.server import PrefillServiceConfig
 from prefill_service.server import serve as serve_prefill
 from protos import common_pb2, decode_pb2, prefill_pb2
-from tests.integration.mesh_harness import VOCAB, Mesh, engine_args, greedy, prompt_suite
-
-CHECKPOINT_SEED = 3
+from tests.integration.mesh_harness import (VOCAB, Mesh, assert_all_free, engine_args, greedy, run_bounded,
+                                            tiny_k3_checkpoint)
 
 
 @pytest.fixture(scope="module")
 def tiny_k3(tmp_path_factory):
-    return make_checkpoint("tiny-k3", tmp_path_factory.mktemp("tiny-k3"), seed=CHECKPOINT_SEED)
+    return tiny_k3_checkpoint(tmp_path_factory)
 
 
 def run(coro, timeout_s: float = 50.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):
-            return await coro
-    return asyncio.run(bounded())
+    return run_bounded(coro, timeout_s)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -143,14 +138,7 @@ def test_deadlines_abort_and_free_the_request(tiny_k3):
             with pytest.raises(MeshError) as info:
                 await mesh.run(_prompt(40, 3), greedy(5000), "remote", timeout_s=0.5)
             assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            for _ in range(200):
-                stats = await engine.stats()
-                if stats.num_running == 0 and stats.num_waiting == 0:
-                    break
-                await asyncio.sleep(0.02)
-            await engine.check_integrity()
-            pool = engine.core.manager.block_pool
-            assert pool.num_free_blocks == pool.num_blocks
+            await assert_all_free(engine)
     run(main())
 
 
