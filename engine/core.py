@@ -1,7 +1,8 @@
 """`EngineCore`: the synchronous engine — requests in, one step at a time, `RequestOutput` deltas out.
 
 Contract:
-- Not thread-safe: one thread calls everything (`LLM` directly, `AsyncEngine` from its step thread).
+- Not thread-safe: one thread calls everything (`LLM` directly, `AsyncEngine` from its step thread), except
+  `layout` and `validate_prompt`, which read only what is fixed at construction.
 - `add_request(request_id, prompt, params, ...)` validates everything first (`InvalidRequestError`, nothing
   changes) and queues `params.n` sequences. A prompt is a str (tokenised without special tokens), a list of ids,
   or `{"prompt_token_ids": [...]}` / `{"prompt": str}`. Admission rejects requests that can never run: an empty
