@@ -234,10 +234,11 @@ class PrefillWorker:
         if not self.load_remote_prefix or not hashes:
             return
         bs = self.block_size
-        local = await self.engine.prefix_presence(hashes)  # a hint: admission decides what is used
-        local_prefix = resumable_blocks(num_tokens, bs, local.blocks, local.snapshots if self.has_kda else None)
         remote = resumable_blocks(num_tokens, bs, remote_blocks, remote_snaps if self.has_kda else None)
-        if remote <= local_prefix:
+        if remote == 0:
+            return  # nothing to load: no need to ask the engine (between two of its steps)
+        local = await self.engine.prefix_presence(hashes)  # a hint: admission decides what is used
+        if remote <= resumable_blocks(num_tokens, bs, local.blocks, local.snapshots if self.has_kda else None):
             return
         wanted = [i for i in range(remote) if not local.blocks[i]]
         keys = [object_key(self.fingerprint, salt, KV_BLOCK, hashes[i]) for i in wanted]
