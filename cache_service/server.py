@@ -57,7 +57,7 @@ from cache_service.redis_store import DEFAULT_INLINE_BYTES, RedisStore
 from cache_service.shm_arena import SharedArena
 from cache_service.store import GetOutcome, KeyOutcome, PutItem, Store, StoreUnavailableError
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
-from protos.grpc_server import start_grpc_server
+from telemetry.grpc_server import start_grpc_server
 from telemetry import tracing
 from telemetry.metrics import RpcMetrics
 from telemetry.rpc import server_interceptors

@@ -7,7 +7,8 @@ Contract:
 - `Decode` streams `DecodeChunk`s (see protos/decode.proto): every completion token, the last chunk of each choice
   with its finish reason, usage and `used_handoff` on the last chunk of the stream. Cancelling the call or passing
   its deadline aborts the engine request (its blocks and state slot are freed).
-- `Probe` answers the local prefix-cache hit and the load without waiting for the engine's step loop.
+- `Probe` answers the local prefix-cache hit and the load, between two engine steps (at most the step in progress
+  delays it).
 - Errors are statuses with messages: INVALID_ARGUMENT (bad request), NOT_FOUND (another model), UNIMPLEMENTED
   (media), UNAVAILABLE (loading, stopping, engine dead, or the handoff unusable under `--kv-load-failure-policy fail`),
   DEADLINE_EXCEEDED.
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,19 +39,17 @@ from prometheus_client import CollectorRegistry
 from decode_service.worker import (KV_LOAD_FAILURE_POLICIES, DecodeJob, DecodeWorker, Handoff,
                                    HandoffUnavailableError, TokenBatch)
 from engine.config import EngineArgs
-from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
+from engine.errors import InvalidRequestError
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
-from protos.engine_codec import logprob_to_proto, sampling_from_proto
-from protos.worker_server import WorkerServer, start_worker_server
 from telemetry import tracing
-from telemetry.context import bind_request_id, current_request_id
 from telemetry.metrics import CounterSample, RequestTimer, WorkerMetrics
+from worker.codec import FINISH_REASONS, logprob_to_proto, sampling_from_proto
+from worker.server import WorkerServer, start_worker_server, transfer_samples
+from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
-FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
-                  "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
 ABORT_WAIT_S = 2.0  # after the grace period: how long aborted streams get to end before the server cancels them
 DRAINING = "decode worker is draining (shutting down) and takes no new requests; send this one to another worker"
 
@@ -127,47 +125,30 @@ def job_from_proto(request: decode_pb2.DecodeRequest, deadline: float | None) ->
                      tenant_salt=request.tenant_salt, priority=request.priority, deadline=deadline)
 
 
-def _deadline(context) -> float | None:
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
-
-
 # -- the servicer ----------------------------------------------------------------------------------------------
 
 
-class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServiceServicer):
+    """`worker` (a `DecodeWorker`) is set once the model is loaded; while draining, new calls are refused."""
+
+    role = "decode"
+    stopping_message = DRAINING
+    error_statuses = ENGINE_ERROR_STATUSES + ((HandoffUnavailableError, grpc.StatusCode.UNAVAILABLE),)
+
     def __init__(self, config: DecodeServiceConfig, metrics: WorkerMetrics):
-        self.config = config
-        self.metrics = metrics
-        self.worker: DecodeWorker | None = None  # set once the model is loaded
-        self.stopping = False  # draining: new calls are refused
+        super().__init__(config, metrics)
         self._running: dict[object, str] = {}  # Decode calls in progress -> their request ids
         self._aborted: set[object] = set()  # calls aborted because the grace period passed
         self._idle = asyncio.Event()
         self._idle.set()
 
-    async def _check(self, model: str, context) -> DecodeWorker:
-        worker = self.worker
-        if self.stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
-        if worker is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is loading its model")
-        if model and model != self.config.model_name:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here (this worker "
-                                                           f"serves {self.config.model_name!r})")
-        return worker
-
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
         timer = RequestTimer()
-        if current_request_id() is None:
-            bind_request_id(request.request_id)  # this call's task only
-        worker = await self._check(request.model, context)
-        if request.media:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "media in prompts is not supported yet")
+        worker: DecodeWorker = await self.admit(request, context)
         call, last = object(), None
         self._enter(call, request.request_id)
         try:
-            job = job_from_proto(request, _deadline(context))
+            job = job_from_proto(request, call_deadline(context))
             top = job.params.logprobs or 0
             async for batch in worker.decode(job):
                 if batch.finish_reason == "abort" and call in self._aborted:
@@ -176,12 +157,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 timer.add_tokens(len(batch.token_ids))
                 last = batch
                 yield chunk_to_proto(batch, top)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except RequestTimeoutError as exc:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        except (HandoffUnavailableError, EngineDeadError) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except self.handled_errors as exc:
+            await self.fail(context, exc)
         finally:
             self._leave(call)
         if last is not None and last.usage is not None:
@@ -224,22 +201,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return len(calls)
 
     async def Probe(self, request: decode_pb2.ProbeRequest, context) -> decode_pb2.ProbeResponse:
-        worker = await self._check(request.model, context)
-        running, waiting, usage = worker.load()
-        cached = worker.probe(list(request.prompt.ids), request.tenant_salt) if request.prompt.ids else 0
+        worker: DecodeWorker = await self.checked_worker(request.model, context)
+        try:
+            cached, running, waiting, usage = await worker.probe(list(request.prompt.ids), request.tenant_salt)
+        except self.handled_errors as exc:
+            await self.fail(context, exc)
         return decode_pb2.ProbeResponse(cached_tokens=cached, running=running, waiting=waiting, kv_usage=usage)
 
 
-# -- metrics read at scrape time (kept apart from prefill_service's copy) ----------------------------------------
+# -- metrics read at scrape time ---------------------------------------------------------------------------------
 
 
 def worker_counters(worker: DecodeWorker) -> list[CounterSample]:
     c = worker.counters
     samples = [
-        CounterSample("transfer_bytes", "Payload bytes moved to or from the cache service", c.handoff_bytes,
-                      (("op", "handoff_load"),)),
-        CounterSample("transfer_seconds", "Wall time of the cache service calls that moved them (seconds)",
-                      c.handoff_seconds, (("op", "handoff_load"),)),
+        *transfer_samples("handoff_load", c.handoff_bytes, c.handoff_seconds),
         CounterSample("handoffs", "Decode requests by how their handoff went", c.handoff_loaded,
                       (("outcome", "loaded"),)),
         CounterSample("handoffs", "Decode requests by how their handoff went", c.handoff_failures,
@@ -255,10 +231,11 @@ def worker_counters(worker: DecodeWorker) -> list[CounterSample]:
 
 
 class DecodeServer(WorkerServer):
-    """A running decode service (lifecycle: protos/worker_server.py); `stop` drains streams as described above."""
+    """A running decode service (lifecycle: worker/server.py); `stop` drains streams as described above."""
 
     role = "decode"
     service_name = SERVICE_NAME
+    with_tpot = True
 
     def make_worker(self) -> DecodeWorker:
         return DecodeWorker(self.engine, self.cache, kv_load_failure_policy=self.config.kv_load_failure_policy,
@@ -280,8 +257,5 @@ async def serve(config: DecodeServiceConfig, *, registry: CollectorRegistry | No
                 tracer_provider: TracerProvider | None = None) -> tuple[DecodeServer, int]:
     """Starts the server and begins loading the model -> (server, bound port). Metrics go to `registry` (None: a
     new one, `server.metrics.registry`); spans to `tracer_provider` (None: OpenTelemetry's global provider)."""
-    metrics = WorkerMetrics(registry if registry is not None else CollectorRegistry(), "decode", with_tpot=True)
-    servicer = DecodeServicer(config, metrics)
-    return await start_worker_server(
-        DecodeServer, config, servicer, lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
-        tracer_provider)
+    add = decode_pb2_grpc.add_DecodeServiceServicer_to_server
+    return await start_worker_server(DecodeServer, DecodeServicer, config, add, registry, tracer_provider)

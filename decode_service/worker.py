@@ -8,7 +8,8 @@ Contract (DESIGN.md "One chat request, end to end", step 4):
   all N prompt tokens, sampled token N+1 carried as its output) together with the prompt's full KV blocks, which the
   lean handoff names by hash (the worker computes the hashes from the prompt, its model fingerprint and the tenant
   salt, and checks them against the handoff's). The state is verified (prompt, first token, token count, block
-  hashes, fingerprint, shapes) before anything is streamed; then the first token is streamed at once, the handoff is
+  hashes here; fingerprint, block size and shapes by `engine.transfer.stitch_handoff`, which also puts the full
+  blocks back into a lean handoff) before anything is streamed; then the first token is streamed at once, the handoff is
   removed from the cache service (claimed), and the engine continues with continuous batching from token N+1.
 - When the handoff cannot be used (cache service down, handoff expired, missing block, corrupt or mismatched object)
   the worker counts the failure and, with `kv_load_failure_policy="recompute"` (default), prefills the prompt itself
@@ -16,8 +17,9 @@ Contract (DESIGN.md "One chat request, end to end", step 4):
 - Local path (`job.handoff` None, the colocated mode): the engine prefills (using its own prefix cache) and decodes;
   `n > 1` is served here.
 - Leaving the iteration early (client cancel, deadline) aborts the engine request, which frees its blocks and slot.
-- `probe(prompt, salt)` answers how many leading prompt tokens this worker's prefix cache would serve, without waiting
-  for the step loop (a hint for the gateway's P/D decider).
+- `await probe(prompt, salt)` answers how many leading prompt tokens this worker's prefix cache would serve (the
+  engine's prefix hit rule) with the engine's load (running, waiting, KV usage); it runs between two engine steps
+  (a hint for the gateway's P/D decider). The engine is reached only through `AsyncEngine`'s service API.
 - Tracing (the tracer passed in; default the global provider's): a `decode` span per request (path "handoff",
   "local" or "recompute", output tokens, finish reason, cached tokens), with a `handoff.claim` child (objects, blocks
   and bytes fetched; `error.type` = the failure reason when the handoff is unusable). `counters` also counts the bytes
@@ -27,24 +29,23 @@ Contract (DESIGN.md "One chat request, end to end", step 4):
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import torch
 from opentelemetry.trace import Tracer
 
 from cache_service.client import CacheClient
 from cache_service.objects import Status, object_key
 from engine.async_engine import AsyncEngine
-from engine.memory.hashing import BlockHasher, root_hash
 from engine.outputs import PositionLogprobs, RequestOutput
 from engine.sampling import SamplingParams
-from engine.transfer import RequestState, TransferError, decode_block
+from engine.transfer import (CorruptObjectError, MissingBlockError, ModelMismatchError, RequestState,
+                             ShapeMismatchError, TransferError, stitch_handoff)
 from protos import common_pb2
 from telemetry import tracing
+from worker.tenancy import engine_cache_salt, prompt_block_hashes
+from worker.transfers import timed_get
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +56,6 @@ KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 class HandoffUnavailableError(RuntimeError):
     """The handoff could not be loaded and the policy is `fail`."""
-
-
-def engine_cache_salt(tenant_salt: bytes) -> str | None:
-    """The engine's cache salt for a tenant salt (hex); prefill derives it the same way, so block hashes agree."""
-    return tenant_salt.hex() if tenant_salt else None
 
 
 @dataclass(frozen=True)
@@ -123,6 +119,11 @@ class _LoadFailure(Exception):
         self.reason = reason
 
 
+# why a handoff the engine's checks refused is unusable, by the class of the error (first match)
+_REFUSALS = ((MissingBlockError, "missing_block"), (ModelMismatchError, "mismatch"), (ShapeMismatchError, "mismatch"),
+             (CorruptObjectError, "corrupt"), (TransferError, "corrupt"))
+
+
 class DecodeWorker:
     def __init__(self, engine: AsyncEngine, cache: CacheClient | None, *, kv_load_failure_policy: str = "recompute",
                  tracer: Tracer | None = None):
@@ -132,37 +133,18 @@ class DecodeWorker:
         self.tracer = tracer if tracer is not None else tracing.get_tracer("kdamesh.decode")
         self.cache = cache
         self.policy = kv_load_failure_policy
-        core = engine.core
-        self.fingerprint: bytes = core.fingerprint
-        self.block_size: int = core.plan.block_size
-        self.has_kda = core.config.kda is not None
+        self.layout = engine.layout
+        self.fingerprint: bytes = self.layout.fingerprint
         self.counters = DecodeCounters()
         self._claims: set[asyncio.Task] = set()
 
     # -- probe ---------------------------------------------------------------------------------------------------
 
-    def block_hashes(self, ids: list[int] | tuple[int, ...], tenant_salt: bytes) -> list[bytes]:
-        hashes: list[bytes] = []
-        BlockHasher(self.block_size, root_hash(self.fingerprint, engine_cache_salt(tenant_salt))).extend(
-            hashes, list(ids))
-        return hashes
-
-    def probe(self, ids: list[int] | tuple[int, ...], tenant_salt: bytes) -> int:
-        """Leading prompt tokens the local prefix cache holds (the engine's hit rule), read without locking."""
-        manager = self.engine.core.manager
-        best = 0
-        for i, h in enumerate(self.block_hashes(ids, tenant_salt)):
-            end = (i + 1) * self.block_size
-            if end >= len(ids) or manager.block_pool.get_cached(h) is None:
-                break
-            if not self.has_kda or manager.state_pool.has_snapshot(h):
-                best = end
-        return best
-
-    def load(self) -> tuple[int, int, float]:
-        """(running, waiting, kv usage), read without locking."""
-        scheduler = self.engine.core.scheduler
-        return len(scheduler.running), len(scheduler.waiting), self.engine.core.manager.block_pool.usage
+    async def probe(self, ids: list[int] | tuple[int, ...], tenant_salt: bytes) -> tuple[int, int, int, float]:
+        """-> (leading prompt tokens the local prefix cache would serve, running, waiting, KV usage)."""
+        hashes = prompt_block_hashes(self.layout, ids, tenant_salt) if ids else []
+        cached, stats = await self.engine.probe_prefix(hashes, len(ids))
+        return cached, stats.num_running, stats.num_waiting, stats.kv_usage
 
     # -- decode --------------------------------------------------------------------------------------------------
 
@@ -255,18 +237,14 @@ class DecodeWorker:
             raise _LoadFailure("no_cache_service", "this worker has no cache service")
         if job.params.n != 1:
             raise _LoadFailure("n", "a handoff carries one sequence")
-        ids = list(job.prompt_token_ids)
-        hashes = self.block_hashes(ids, job.tenant_salt)
+        hashes = prompt_block_hashes(self.layout, job.prompt_token_ids, job.tenant_salt)
         key = job.handoff.key
         keys = [key] + [object_key(key.model_fingerprint, key.tenant_salt, KV_BLOCK, h) for h in hashes]
         with tracing.child_span(self.tracer, "handoff.claim", {tracing.KEYS: len(keys),
                                                                tracing.BLOCKS: len(hashes)}) as span:
-            started = time.perf_counter()
-            got = await self.cache.get_objects(keys)
-            nbytes = sum(len(r.data) for r in got if r.data is not None)
+            got, nbytes, seconds = await timed_get(self.cache, keys, span)
             self.counters.handoff_bytes += nbytes
-            self.counters.handoff_seconds += time.perf_counter() - started
-            span.set_attribute(tracing.BYTES, nbytes)
+            self.counters.handoff_seconds += seconds
             try:
                 if got[0].status != Status.FOUND:
                     raise _LoadFailure(got[0].status.name.lower(), got[0].message or "handoff not found")
@@ -294,40 +272,13 @@ class DecodeWorker:
         if (state.prompt_token_ids != list(job.prompt_token_ids) or state.num_computed_tokens != n
                 or state.output_token_ids != [job.handoff.first_token_id]):
             raise _LoadFailure("mismatch", "the handoff belongs to another prompt or first token")
-        if state.fingerprint != self.fingerprint or state.block_size != self.block_size:
-            raise _LoadFailure("mismatch", "the handoff comes from another model or block size")
-        if state.block_hashes != hashes[: n // self.block_size]:
+        if state.block_hashes != hashes[: n // self.layout.block_size]:
             raise _LoadFailure("mismatch", "the handoff's block hashes differ from this prompt's")
-        core = self.engine.core
-        (layers, bs, dim), dtype = core.runner.block_shape()
-        total, full = -(-n // bs), n // bs
-        have = state.kv.shape[1] if state.kv.dim() == 4 else -1
-        if have == total - full and full:
-            state = dataclasses.replace(state, kv=torch.cat([self._blocks(hashes[:full], blocks[:full]), state.kv],
-                                                            dim=1))
-        elif have != total:
-            raise _LoadFailure("corrupt", f"the handoff holds {have} KV blocks for {n} tokens")
-        if tuple(state.kv.shape) != (layers, total, bs, dim):
-            raise _LoadFailure("mismatch", f"kv shape {tuple(state.kv.shape)} does not fit this model")
-        for name, (shape, _) in core.runner.state_shapes().items():
-            if name not in state.state or tuple(state.state[name].shape) != shape:
-                raise _LoadFailure("mismatch", f"KDA state {name!r} does not fit this model")
-        return state
-
-    def _blocks(self, hashes: list[bytes], blocks: list[bytes | None]) -> torch.Tensor:
-        """[num_mla_layers, len(hashes), block_size, dim] from the fetched block objects."""
-        tensors = []
-        for i, (h, data) in enumerate(zip(hashes, blocks)):
-            if data is None:
-                raise _LoadFailure("missing_block", f"KV block {i} of the prompt is not in the cache service")
-            try:
-                got_hash, fingerprint, kv = decode_block(data)
-            except TransferError as exc:
-                raise _LoadFailure("corrupt", f"KV block {i}: {exc}") from None
-            if got_hash != h or fingerprint != self.fingerprint:
-                raise _LoadFailure("mismatch", f"KV block {i} is another block")
-            tensors.append(kv)
-        return torch.stack(tensors, dim=1)
+        try:
+            return stitch_handoff(state, blocks[: len(state.block_hashes)], self.layout)
+        except TransferError as exc:
+            reason = next(why for kind, why in _REFUSALS if isinstance(exc, kind))
+            raise _LoadFailure(reason, str(exc)) from None
 
     async def drain(self) -> None:
         """Waits for background handoff removals."""

@@ -12,6 +12,12 @@ Contract:
   raises `RequestTimeoutError`.
 - `abort(request_id)` ends a request from anywhere; its stream finishes with `finish_reason == "abort"`.
 - If the step loop fails, every stream and later call raises `EngineDeadError`.
+- The service API of the worker services (engine/core.py), so that they never touch `EngineCore` from the event
+  loop: `probe_prefix` (cached prompt tokens by the prefix hit rule, with the queues and pool usage, in one
+  command), `prefix_presence`, `import_prefix`, `export_snapshots` run on the step thread between two steps;
+  `stats_snapshot()` returns the `EngineStats` the step thread published after its latest step or command batch
+  (an immutable object: any thread may read it, e.g. a metrics scrape, without waiting); `layout` and
+  `validate_prompt` read only what is fixed when the engine starts.
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine.config import EngineArgs
-from engine.core import EngineCore, PromptInput
+from engine.core import EngineCore, EngineStats, PromptInput
 from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
+from engine.memory.manager import PrefixPresence
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
-from engine.transfer import RequestState
+from engine.transfer import CacheLayout, RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +66,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self._dead: BaseException | None = None
+        self._stats: EngineStats = core.stats()  # replaced (never changed) by the step thread
         self._thread = threading.Thread(target=self._run, name="kdamesh-engine-step", daemon=True)
         self._thread.start()
 
@@ -88,11 +96,13 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._run_commands()
+                self._stats = self.core.stats()
                 if self.core.has_unfinished_requests():
                     for out in self.core.step():
                         stream = self._streams.get(out.request_id)
                         if stream is not None:
                             stream.put(out)
+                    self._stats = self.core.stats()
                 else:
                     self._wakeup.wait(IDLE_POLL_S)
                     self._wakeup.clear()
@@ -151,6 +161,32 @@ class AsyncEngine:
 
     async def check_integrity(self) -> None:
         await self.run_in_engine(self.core.check_integrity)
+
+    # -- the service API (see the module docstring) ------------------------------------------------------------
+
+    @property
+    def layout(self) -> CacheLayout:
+        return self.core.layout
+
+    def validate_prompt(self, prompt: PromptInput, params: SamplingParams) -> tuple[str | None, list[int], int]:
+        return self.core.validate_prompt(prompt, params)
+
+    def stats_snapshot(self) -> EngineStats:
+        return self._stats
+
+    async def probe_prefix(self, block_hashes: list[bytes], num_tokens: int) -> tuple[int, EngineStats]:
+        """-> (prompt tokens the prefix cache would serve now, the engine's stats at that moment)."""
+        return await self.run_in_engine(lambda: (self.core.probe_prefix(block_hashes, num_tokens), self.core.stats()))
+
+    async def prefix_presence(self, block_hashes: list[bytes]) -> PrefixPresence:
+        return await self.run_in_engine(lambda: self.core.prefix_presence(block_hashes))
+
+    async def import_prefix(self, blocks: list[bytes], snapshot: bytes | None) -> bool:
+        """Imports a served prefix (see `CacheExchange.import_prefix`); raises `TransferError` for a bad object."""
+        return await self.run_in_engine(lambda: self.core.exchange.import_prefix(blocks, snapshot))
+
+    async def export_snapshots(self, block_hashes: list[bytes]) -> list[tuple[bytes, bytes]]:
+        return await self.run_in_engine(lambda: self.core.exchange.export_snapshots(block_hashes))
 
     # -- streams ---------------------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """`EngineCore`: the synchronous engine — requests in, one step at a time, `RequestOutput` deltas out.
 
 Contract:
-- Not thread-safe: one thread calls everything (`LLM` directly, `AsyncEngine` from its step thread).
+- Not thread-safe: one thread calls everything (`LLM` directly, `AsyncEngine` from its step thread), except
+  `layout` and `validate_prompt`, which read only what is fixed at construction.
 - `add_request(request_id, prompt, params, ...)` validates everything first (`InvalidRequestError`, nothing
   changes) and queues `params.n` sequences. A prompt is a str (tokenised without special tokens), a list of ids,
   or `{"prompt_token_ids": [...]}` / `{"prompt": str}`. Admission rejects requests that can never run: an empty
@@ -9,15 +10,19 @@ Contract:
 - `step()` schedules, runs the model once, commits full blocks and snapshots, samples, detokenises, checks stops,
   frees finished requests, and returns one delta `RequestOutput` per request that changed (see engine/outputs.py).
 - `abort(request_id)` ends a request at once (its output finishes with "abort" on the next `step`).
-- Structured output (`params.structured`, engine/structured.py): `add_request` compiles the grammar (cached) and
+- Structured output (`params.structured`, engine/structured/): `add_request` compiles the grammar (cached) and
   gives each sequence a matcher; `step` fills the bitmasks of the constrained rows before the forward, masks their
   logits rows (others untouched) before sampling, and advances each matcher with its sampled token. When no
   unfinished request has a grammar the step does no grammar work at all. An imported request replays its carried
   output through a fresh matcher. A finished or aborted request drops its matcher.
 - Export/import (see engine/transfer.py): `add_request(..., export_on_finish=True)` attaches a `RequestState` to
   the final output (the KV and KDA state after every token but the last sampled one, so importing it and
-  continuing feeds that token next); `import_request` queues such a state in this engine; `export_cached_blocks` /
-  `import_cached_blocks` and `export_snapshot` / `import_snapshot` move prefix-cache entries by hash.
+  continuing feeds that token next); `import_request` queues such a state in this engine after the checks of
+  `transfer.check_request_state` against `layout` (the cache shapes, fixed at start-up); `exchange`
+  (engine/exchange.py) moves prefix-cache entries (blocks, snapshots) by hash.
+- The service API (what the worker services use, through `AsyncEngine`): `validate_prompt` (admission's checks; it
+  reads only start-up facts, so any thread may call it), `probe_prefix` (tokens the prefix cache would serve: the
+  prefix hit rule of engine/memory/manager.py), `prefix_presence`, `stats` (queues and pool usage), `layout`.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ import torch
 
 from engine.config import CachePlan, EngineArgs, plan_cache
 from engine.errors import InvalidRequestError
+from engine.exchange import CacheExchange
 from engine.memory.hashing import BlockHasher, MediaSpan, root_hash
-from engine.memory.manager import CacheManager
+from engine.memory.manager import CacheManager, PrefixPresence
 from engine.model.loader import LoadConfig, load_model
 from engine.outputs import RequestOutput
 from engine.request import OutputState, Request, RequestStatus
@@ -42,8 +48,7 @@ from engine.runner import ModelRunner
 from engine.sampling import SampleRow, Sampler, SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured import GrammarBackend
-from engine.transfer import (CorruptObjectError, RequestState, TransferError, decode_block, decode_state,
-                             encode_block, encode_state)
+from engine.transfer import CacheLayout, RequestState, check_request_state
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +65,18 @@ class _Parent:
 
 @dataclass(frozen=True)
 class EngineStats:
+    """The scheduler's queues and the pools' usage at one moment (counters cumulative)."""
+
     num_running: int
     num_waiting: int
-    kv_usage: float
+    kv_usage: float  # fraction of KV blocks owned by requests
+    num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int
+    num_state_groups: int  # KDA running-state slot groups (one per running request)
+    num_free_state_groups: int
     num_snapshots: int
+    num_snapshot_slots: int
     prefix_lookup_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int
@@ -109,6 +120,10 @@ class EngineCore:
         self.manager = CacheManager(self.plan, has_kda=self.config.kda is not None)
         self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.plan, args.max_forward_tokens)
+        (layers, bs, dim), _ = self.runner.block_shape()
+        self.layout = CacheLayout(self.fingerprint, self.plan.block_size, (layers, bs, dim),
+                                  {name: shape for name, (shape, _) in self.runner.state_shapes().items()})
+        self.exchange = CacheExchange(self.manager, self.runner, self.layout)
         self.sampler = Sampler()
         self._seed_rng = random.Random(args.seed)
         self._parents: dict[str, _Parent] = {}
@@ -166,6 +181,15 @@ class EngineCore:
                                       param="max_tokens")
         return max_tokens
 
+    def validate_prompt(self, prompt: PromptInput, params: SamplingParams) -> tuple[str | None, list[int], int]:
+        """Admission's checks -> (prompt text or None, token ids, max_tokens resolved); raises InvalidRequestError.
+        Reads only what is fixed when the engine starts (config, tokenizer, cache plan): any thread may call it."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be SamplingParams", param="params")
+        params.check_vocab(self.config.vocab_size)
+        text, ids = self.tokenize(prompt)
+        return text, ids, self.resolve_max_tokens(len(ids), params)
+
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
                     cache_salt: str | None = None, media: tuple[MediaSpan, ...] = (),
                     export_on_finish: bool = False) -> None:
@@ -175,9 +199,7 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         if export_on_finish and params.n != 1:
             raise InvalidRequestError("export_on_finish needs n == 1", param="n")
-        params.check_vocab(self.config.vocab_size)
-        text, ids = self.tokenize(prompt)
-        max_tokens = self.resolve_max_tokens(len(ids), params)
+        text, ids, max_tokens = self.validate_prompt(prompt, params)
         if params.structured is not None:  # structured output: compile now so a bad grammar queues nothing
             self.grammar_backend().compile(params.structured)
         hasher = BlockHasher(self.plan.block_size, root_hash(self.fingerprint, cache_salt), tuple(media))
@@ -200,7 +222,7 @@ class EngineCore:
             self._requests[req.request_id] = req
             self.scheduler.add(req)
 
-    # -- structured output (grammar-constrained decoding, engine/structured.py) ---------------------------------
+    # -- structured output (grammar-constrained decoding, engine/structured/) ----------------------------------
 
     def grammar_backend(self) -> GrammarBackend:
         if self._grammar_backend is None:
@@ -302,7 +324,7 @@ class EngineCore:
         if status is RequestStatus.FINISHED_ABORTED:
             req.output.abort()
         elif req.export_on_finish:
-            req.exported = self._export_request(req)
+            req.exported = self.exchange.export_request(req)
         self.scheduler.finish(req, status)
         self._requests.pop(req.request_id, None)
         self._touched.append(req)
@@ -332,14 +354,23 @@ class EngineCore:
     # -- observability and checks ----------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        pool = self.manager.block_pool
+        pool, states = self.manager.block_pool, self.manager.state_pool
         return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                           kv_usage=pool.usage, num_free_blocks=pool.num_free_blocks,
-                           num_cached_blocks=pool.num_cached_blocks,
-                           num_snapshots=self.manager.state_pool.num_snapshots,
-                           prefix_lookup_tokens=self.manager.lookup_tokens,
-                           prefix_hit_tokens=self.manager.hit_tokens,
+                           kv_usage=pool.usage, num_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
+                           num_cached_blocks=pool.num_cached_blocks, num_state_groups=states.num_groups,
+                           num_free_state_groups=states.num_free_groups, num_snapshots=states.num_snapshots,
+                           num_snapshot_slots=states.num_snapshot_slots,
+                           prefix_lookup_tokens=self.manager.lookup_tokens, prefix_hit_tokens=self.manager.hit_tokens,
                            num_preemptions=self.scheduler.num_preemptions)
+
+    def probe_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
+        """Leading tokens of a prompt (`num_tokens`, full blocks hashing to `block_hashes`) that admission would
+        serve from the prefix cache now (the prefix hit rule; nothing changes)."""
+        return self.manager.resumable_prefix(block_hashes, num_tokens) * self.plan.block_size
+
+    def prefix_presence(self, block_hashes: list[bytes]) -> PrefixPresence:
+        """Which of these blocks the prefix cache holds, and which have a KDA snapshot (nothing changes)."""
+        return self.manager.presence(block_hashes)
 
     def check_integrity(self) -> None:
         self.manager.check_integrity(self.scheduler.holding())
@@ -351,18 +382,6 @@ class EngineCore:
 
     # -- export / import -------------------------------------------------------------------------------------
 
-    def _export_request(self, req: Request) -> RequestState:
-        computed = req.num_computed_tokens
-        blocks = req.block_ids[: self.manager.blocks_for(computed)]
-        state = self.runner.read_state(self.manager.running_slot(req))
-        gen_state = req.generator.get_state() if req.generator is not None else None
-        return RequestState(prompt_token_ids=list(req.prompt_token_ids), output_token_ids=list(req.output_token_ids),
-                            num_computed_tokens=computed, block_size=self.plan.block_size,
-                            fingerprint=self.fingerprint, kv=self.runner.read_blocks(blocks), state=state,
-                            block_hashes=list(req.block_hashes[: computed // self.plan.block_size]),
-                            generator_state=gen_state, cache_salt=req.cache_salt,
-                            num_cached_tokens=req.num_cached_tokens or 0)
-
     def import_request(self, request_id: str, state: RequestState, params: SamplingParams,
                        priority: int = 0, export_on_finish: bool = False) -> None:
         """Queues a request exported by another engine; it continues from `state.num_computed_tokens`.
@@ -373,10 +392,8 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         if params.n != 1:
             raise InvalidRequestError("an imported request has n == 1", param="n")
-        self._check_import(state)
-        params.check_vocab(self.config.vocab_size)
-        prompt = self._check_ids(state.prompt_token_ids)
-        max_tokens = self.resolve_max_tokens(len(prompt), params)
+        check_request_state(state, self.layout)
+        _, prompt, max_tokens = self.validate_prompt(state.prompt_token_ids, params)
         hasher = BlockHasher(self.plan.block_size, root_hash(self.fingerprint, state.cache_salt))
         req = Request(request_id=request_id, parent_id=request_id, index=0, prompt_token_ids=prompt, params=params,
                       max_tokens=max_tokens, arrival=self._arrivals, hasher=hasher, priority=priority,
@@ -390,73 +407,3 @@ class EngineCore:
         self._attach_grammar(req, list(state.output_token_ids))
         self._arrivals += 1
         self._register(_Parent(request_id, None, prompt, [req]))
-
-    def _check_import(self, state: RequestState) -> None:
-        if state.fingerprint != self.fingerprint:
-            raise TransferError("the request state comes from a different model (fingerprint mismatch)")
-        if state.block_size != self.plan.block_size:
-            raise TransferError(f"block size {state.block_size}, this engine uses {self.plan.block_size}")
-        n = state.num_computed_tokens
-        if not 0 < n < len(state.prompt_token_ids) + len(state.output_token_ids):
-            raise CorruptObjectError(f"num_computed_tokens {n} leaves no token to compute")
-        (layers, bs, dim), _ = self.runner.block_shape()
-        if tuple(state.kv.shape) != (layers, self.manager.blocks_for(n), bs, dim):
-            raise CorruptObjectError(f"kv shape {tuple(state.kv.shape)} does not fit {n} tokens of this model")
-        self._check_state_shapes(state.state)
-
-    def _check_state_shapes(self, state: dict[str, torch.Tensor]) -> None:
-        expected = self.runner.state_shapes()
-        if set(state) != set(expected):
-            raise CorruptObjectError(f"state tensors {sorted(state)}, expected {sorted(expected)}")
-        for name, (shape, _) in expected.items():
-            if tuple(state[name].shape) != shape:
-                raise CorruptObjectError(f"state {name} shape {tuple(state[name].shape)}, expected {shape}")
-
-    def export_cached_blocks(self, hashes: list[bytes]) -> dict[bytes, bytes]:
-        """Serialised cached blocks by hash (hashes not cached here are left out)."""
-        found = [(h, self.manager.block_pool.get_cached(h)) for h in hashes]
-        found = [(h, b) for h, b in found if b is not None]
-        if not found:
-            return {}
-        data = self.runner.read_blocks([b for _, b in found])  # [L, n, bs, dim]
-        return {h: encode_block(data[:, i], h, self.fingerprint) for i, (h, _) in enumerate(found)}
-
-    def import_cached_blocks(self, objects: list[bytes]) -> int:
-        """Adds serialised blocks to the prefix cache (as free, cached blocks); returns how many were added.
-        Objects that fail verification or belong to another model raise `TransferError`."""
-        blocks = {}
-        shape, _ = self.runner.block_shape()
-        for data in objects:
-            h, fingerprint, kv = decode_block(data)
-            if fingerprint != self.fingerprint:
-                raise TransferError("block from a different model (fingerprint mismatch)")
-            if tuple(kv.shape) != shape:
-                raise CorruptObjectError(f"block shape {tuple(kv.shape)}, expected {shape}")
-            blocks[h] = kv
-        reserved = self.manager.reserve_blocks(list(blocks))
-        if reserved:
-            ids = [b for _, b in reserved]
-            self.runner.write_blocks(ids, torch.stack([blocks[h] for h, _ in reserved], dim=1))
-            self.manager.release_blocks(ids)
-        return len(reserved)
-
-    def export_snapshot(self, block_hash: bytes) -> bytes | None:
-        slot = self.manager.state_pool.get_snapshot(block_hash)
-        if slot is None:
-            return None
-        return encode_state(self.runner.read_state(slot), block_hash, self.fingerprint)
-
-    def import_snapshot(self, data: bytes) -> bool:
-        """Adds a serialised snapshot; False when its prefix's last block is not cached here (import blocks first)."""
-        h, fingerprint, state = decode_state(data)
-        if fingerprint != self.fingerprint:
-            raise TransferError("snapshot from a different model (fingerprint mismatch)")
-        self._check_state_shapes(state)
-        slot = self.manager.reserve_snapshot(h)
-        if slot is None:
-            return False
-        self.runner.write_state(slot, state)
-        return True
-
-    def snapshot_hashes(self) -> list[bytes]:
-        return self.manager.state_pool.snapshot_order()

@@ -48,9 +48,7 @@ class LLM:
         for prompt, p in zip(prompt_list, params_list):  # validate all before queueing any
             if not isinstance(p, SamplingParams):
                 raise InvalidRequestError("sampling_params must be SamplingParams", param="sampling_params")
-            p.check_vocab(self.engine.config.vocab_size)
-            _, ids = self.engine.tokenize(prompt)
-            self.engine.resolve_max_tokens(len(ids), p)
+            self.engine.validate_prompt(prompt, p)
         ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
         for request_id, prompt, p, prio in zip(ids, prompt_list, params_list, priorities):
             self.engine.add_request(request_id, prompt, p, priority=prio, export_on_finish=export)

@@ -49,7 +49,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
-    # structured output (grammar-constrained decoding, see engine/structured.py); None: unconstrained
+    # structured output (grammar-constrained decoding, see engine/structured/); None: unconstrained
     structured: StructuredOutputParams | None = None
 
     def __post_init__(self):

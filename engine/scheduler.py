@@ -25,6 +25,10 @@ from engine.memory.manager import CacheManager, StateInit
 from engine.request import Request, RequestStatus
 
 
+class SchedulerInvariantError(RuntimeError):
+    """The pools broke a promise the scheduler relies on (a bug, never a load condition)."""
+
+
 @dataclass
 class ScheduledChunk:
     req: Request
@@ -124,7 +128,8 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             init = self.manager.admit(req, hit)
-            assert self.manager.allocate(req, n)
+            if not self.manager.allocate(req, n):  # can_admit said it would fit: the pools disagree with it
+                raise SchedulerInvariantError(f"request {req.request_id}: admitted but {n} tokens do not fit")
             if hit.imported:  # write the carried KV and state; a later preemption recomputes from tokens
                 num_blocks = self.manager.blocks_for(hit.num_tokens)
                 init = replace(init, load=req.imported, load_blocks=tuple(req.block_ids[:num_blocks]))

@@ -26,6 +26,13 @@ Objects (layout tags):
   tokens (`kv [num_mla_layers, num_blocks, block_size, cache_dim]`, the last block possibly partial), the running
   KDA state after them, the full-block hashes, the sampler's generator state and the cache salt. Importing it
   into another engine with the same fingerprint continues the request exactly where it was.
+
+Handoffs (prefill -> decode): `lean_handoff(state)` keeps only the KV after the last full block (the full blocks
+travel as their own `kv_block/v1` objects, named by `block_hashes`); `stitch_handoff(state, blocks, layout)` puts
+them back and checks the whole state against the receiving engine's `CacheLayout` (`check_request_state`, the
+checks `EngineCore.import_request` makes). A state or object of another model or block size raises
+`ModelMismatchError`, tensors of the wrong shape `ShapeMismatchError` (a `CorruptObjectError`), a full block the
+caller could not fetch `MissingBlockError`.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -62,6 +70,35 @@ class VersionMismatchError(TransferError):
 
 class LayoutMismatchError(TransferError):
     pass
+
+
+class ModelMismatchError(TransferError):
+    """The object belongs to another model (fingerprint) or block size than the engine's."""
+
+
+class ShapeMismatchError(CorruptObjectError):
+    """Tensors whose shapes do not fit the engine's pools."""
+
+
+class MissingBlockError(TransferError):
+    """A full KV block a lean handoff names was not available."""
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The shapes of an engine's caches, fixed when it starts; imported objects must fit them."""
+
+    fingerprint: bytes
+    block_size: int
+    kv_block_shape: tuple[int, int, int]  # one block across MLA layers: [num_mla_layers, block_size, cache_dim]
+    state_shapes: Mapping[str, tuple[int, ...]]  # KDA state tensors by name ({} without KDA layers)
+
+    @property
+    def has_kda(self) -> bool:
+        return bool(self.state_shapes)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -209,6 +246,86 @@ class RequestState:
                        num_cached_tokens=int(meta.get("num_cached_tokens", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptObjectError(f"malformed request state: {exc}") from exc
+
+
+# -- checks against an engine's layout, and handoffs -----------------------------------------------------------
+
+
+def check_model(fingerprint: bytes, layout: CacheLayout, what: str) -> None:
+    if fingerprint != layout.fingerprint:
+        raise ModelMismatchError(f"{what} comes from a different model (fingerprint mismatch)")
+
+
+def check_state_tensors(state: Mapping[str, torch.Tensor], layout: CacheLayout) -> None:
+    """A KDA state ({"conv", "recurrent"}) has exactly the engine's tensors and shapes."""
+    expected = layout.state_shapes
+    if set(state) != set(expected):
+        raise ShapeMismatchError(f"state tensors {sorted(state)}, expected {sorted(expected)}")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise ShapeMismatchError(f"state {name} shape {tuple(state[name].shape)}, expected {shape}")
+
+
+def check_block_tensor(kv: torch.Tensor, layout: CacheLayout) -> None:
+    if tuple(kv.shape) != layout.kv_block_shape:
+        raise ShapeMismatchError(f"block shape {tuple(kv.shape)}, expected {layout.kv_block_shape}")
+
+
+def check_request_state(state: RequestState, layout: CacheLayout) -> None:
+    """The checks an engine makes before importing a request state (model, block size, a token left to compute,
+    KV and KDA state shapes)."""
+    check_model(state.fingerprint, layout, "the request state")
+    if state.block_size != layout.block_size:
+        raise ModelMismatchError(f"block size {state.block_size}, this engine uses {layout.block_size}")
+    n = state.num_computed_tokens
+    if not 0 < n < len(state.prompt_token_ids) + len(state.output_token_ids):
+        raise CorruptObjectError(f"num_computed_tokens {n} leaves no token to compute")
+    layers, bs, dim = layout.kv_block_shape
+    if tuple(state.kv.shape) != (layers, layout.blocks_for(n), bs, dim):
+        raise ShapeMismatchError(f"kv shape {tuple(state.kv.shape)} does not fit {n} tokens of this model")
+    check_state_tensors(state.state, layout)
+
+
+def lean_handoff(state: RequestState) -> RequestState:
+    """`state` with only the KV after its last full block (`kv [layers, ceil(N/bs) - N//bs, bs, dim]`)."""
+    full = state.num_computed_tokens // state.block_size
+    return replace(state, kv=state.kv[:, full:].contiguous())
+
+
+def stitch_handoff(state: RequestState, blocks: Sequence[bytes | None], layout: CacheLayout) -> RequestState:
+    """A handoff made whole and checked (`check_request_state`): a lean one gets its full blocks from `blocks`, the
+    serialised `kv_block/v1` objects named by `state.block_hashes`, in order (None: not available); a full one
+    (every block carried) is only checked."""
+    check_model(state.fingerprint, layout, "the handoff")
+    n, bs = state.num_computed_tokens, layout.block_size
+    total, full = layout.blocks_for(n), n // bs
+    have = state.kv.shape[1] if state.kv.dim() == 4 else -1
+    if have == total - full and full:
+        if len(state.block_hashes) != full or len(blocks) != full:
+            raise CorruptObjectError(f"the handoff names {len(state.block_hashes)} full blocks for {n} tokens")
+        kv = torch.cat([_full_blocks(state.block_hashes, blocks, layout), state.kv], dim=1)
+        state = replace(state, kv=kv)  # [layers, total, bs, dim]
+    elif have != total:
+        raise CorruptObjectError(f"the handoff holds {have} KV blocks for {n} tokens")
+    check_request_state(state, layout)
+    return state
+
+
+def _full_blocks(hashes: Sequence[bytes], blocks: Sequence[bytes | None], layout: CacheLayout) -> torch.Tensor:
+    """[num_mla_layers, len(hashes), block_size, dim] from the serialised blocks named by `hashes`."""
+    tensors = []
+    for i, (h, data) in enumerate(zip(hashes, blocks)):
+        if data is None:
+            raise MissingBlockError(f"KV block {i} of the prompt is not available")
+        try:
+            got_hash, fingerprint, kv = decode_block(data)
+        except TransferError as exc:
+            raise CorruptObjectError(f"KV block {i}: {exc}") from None
+        if got_hash != h or fingerprint != layout.fingerprint:
+            raise ModelMismatchError(f"KV block {i} is another block")
+        check_block_tensor(kv, layout)
+        tensors.append(kv)
+    return torch.stack(tensors, dim=1)
 
 
 def _hex(meta: dict, key: str) -> bytes:

@@ -22,7 +22,6 @@ Contract:
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,22 +31,19 @@ from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from engine.config import EngineArgs
-from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
 from engine.sampling import SamplingParams
 from prefill_service.worker import (HandoffPublishError, PrefillAbortedError, PrefillJob, PrefillResult,
                                     PrefillWorker)
-from protos import common_pb2, prefill_pb2, prefill_pb2_grpc
-from protos.engine_codec import logprob_to_proto, sampling_from_proto
-from protos.worker_server import WorkerServer, start_worker_server
+from protos import prefill_pb2, prefill_pb2_grpc
 from telemetry import tracing
-from telemetry.context import bind_request_id, current_request_id
-from telemetry.metrics import CounterSample, RequestTimer, WorkerMetrics
+from telemetry.metrics import CounterSample, RequestTimer
+from worker.codec import FINISH_REASONS, logprob_to_proto, sampling_from_proto
+from worker.server import WorkerServer, start_worker_server, transfer_samples
+from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
-FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
-                  "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
 
 
 @dataclass(frozen=True)
@@ -96,49 +92,29 @@ def response_to_proto(result: PrefillResult, params: SamplingParams) -> prefill_
     return response
 
 
-def _deadline(context) -> float | None:
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
-
-
 # -- the servicer ----------------------------------------------------------------------------------------------
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, config: PrefillServiceConfig, metrics: WorkerMetrics):
-        self.config = config
-        self.metrics = metrics
-        self.worker: PrefillWorker | None = None  # set once the model is loaded
-        self.stopping = False
+class PrefillServicer(WorkerServicer, prefill_pb2_grpc.PrefillServiceServicer):
+    """`worker` (a `PrefillWorker`) is set once the model is loaded."""
+
+    role = "prefill"
+    stopping_message = "prefill worker is stopping and takes no new requests"
+    error_statuses = ENGINE_ERROR_STATUSES + ((HandoffPublishError, grpc.StatusCode.UNAVAILABLE),
+                                              (PrefillAbortedError, grpc.StatusCode.ABORTED))
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         timer = RequestTimer()
-        if current_request_id() is None:
-            bind_request_id(request.request_id)  # this call's task only
-        worker = self.worker
-        if worker is None or self.stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is loading its model or stopping")
-        if request.model and request.model != self.config.model_name:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"model {request.model!r} is not served here (this worker serves "
-                                f"{self.config.model_name!r})")
-        if request.media:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "media in prompts is not supported yet")
+        worker: PrefillWorker = await self.admit(request, context)
         try:
             params = sampling_from_proto(request.sampling)
             job = PrefillJob(request_id=request.request_id, prompt_token_ids=tuple(request.prompt.ids),
                              params=params, tenant_salt=request.tenant_salt, priority=request.priority,
                              handoff_ttl_s=request.handoff_ttl_ms / 1000 if request.handoff_ttl_ms else None,
-                             deadline=_deadline(context))
+                             deadline=call_deadline(context))
             result = await worker.prefill(job)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except RequestTimeoutError as exc:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        except (HandoffPublishError, EngineDeadError) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except PrefillAbortedError as exc:
-            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        except self.handled_errors as exc:
+            await self.fail(context, exc)
         timer.add_tokens(1)
         self.metrics.serving.observe(timer, ("prefill",), prompt_tokens=result.prompt_tokens, completion_tokens=1,
                                      cached_tokens=result.cached_tokens)
@@ -150,12 +126,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
 def worker_counters(worker: PrefillWorker) -> list[CounterSample]:
     c = worker.counters
-    moved = "Payload bytes moved to or from the cache service"
-    took = "Wall time of the cache service calls that moved them (seconds)"
-    return [CounterSample("transfer_bytes", moved, c.published_bytes, (("op", "publish"),)),
-            CounterSample("transfer_bytes", moved, c.remote_load_bytes, (("op", "prefix_load"),)),
-            CounterSample("transfer_seconds", took, c.publish_seconds, (("op", "publish"),)),
-            CounterSample("transfer_seconds", took, c.remote_load_seconds, (("op", "prefix_load"),)),
+    return [*transfer_samples("publish", c.published_bytes, c.publish_seconds),
+            *transfer_samples("prefix_load", c.remote_load_bytes, c.remote_load_seconds),
             CounterSample("remote_prefix_loads", "Prefixes loaded from the cache service", c.remote_loads),
             CounterSample("remote_prefix_load_tokens", "Prompt tokens of the prefixes loaded from the cache service",
                           c.remote_load_tokens),
@@ -171,10 +143,11 @@ def worker_counters(worker: PrefillWorker) -> list[CounterSample]:
 
 
 class PrefillServer(WorkerServer):
-    """A running prefill service (lifecycle: protos/worker_server.py)."""
+    """A running prefill service (lifecycle: worker/server.py)."""
 
     role = "prefill"
     service_name = SERVICE_NAME
+    with_tpot = False
 
     def make_worker(self) -> PrefillWorker:
         return PrefillWorker(self.engine, self.cache, handoff_full_kv=self.config.handoff_full_kv,
@@ -189,8 +162,5 @@ async def serve(config: PrefillServiceConfig, *, registry: CollectorRegistry | N
                 tracer_provider: TracerProvider | None = None) -> tuple[PrefillServer, int]:
     """Starts the server and begins loading the model -> (server, bound port). Metrics go to `registry` (None: a
     new one, `server.metrics.registry`); spans to `tracer_provider` (None: OpenTelemetry's global provider)."""
-    metrics = WorkerMetrics(registry if registry is not None else CollectorRegistry(), "prefill", with_tpot=False)
-    servicer = PrefillServicer(config, metrics)
-    return await start_worker_server(
-        PrefillServer, config, servicer, lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
-        tracer_provider)
+    add = prefill_pb2_grpc.add_PrefillServiceServicer_to_server
+    return await start_worker_server(PrefillServer, PrefillServicer, config, add, registry, tracer_provider)

@@ -5,19 +5,22 @@ Contract (DESIGN.md "One chat request, end to end", step 3, and "Exactly-once ha
   one `BatchPut` holding the prompt's full KV blocks the service lacks and the handoff object, and returns a
   `PrefillResult` (first token, handoff key, cached tokens, timings). Decode continues from the state after N tokens
   with token N+1 as its first input, so every prompt token is applied to the KDA state exactly once.
-- Before computing, the worker loads the longest prefix the cache service can serve (every block up to a boundary
-  present **and** a KDA snapshot at that boundary, leaving at least one token to compute) when it is longer than what
-  its own prefix cache holds: the blocks and the snapshot are imported into the engine's prefix cache, and the engine's
-  ordinary prefix hit then uses them. A load that fails (missing, corrupt, service down) is counted and the prompt is
-  computed instead; it never fails the request.
+- Before computing, the worker loads the longest prefix the cache service can serve (the engine's prefix hit rule,
+  `engine.memory.manager.resumable_blocks`: every block up to a boundary present **and** a KDA snapshot at that
+  boundary, leaving at least one token to compute) when it is longer than what its own prefix cache holds: the
+  blocks and the snapshot are imported into the engine's prefix cache, and the engine's ordinary prefix hit then
+  uses them. A load that fails (missing, corrupt, service down) is counted and the prompt is computed instead; it
+  never fails the request.
 - The handoff object is an `engine.transfer.RequestState` (layout `request_state/v1`): the sampler state, the KDA
-  state after the whole prompt and, by default, only the KV of the tail partial block (`kv` holds the last
-  `ceil(N/bs) - N//bs` blocks); the full blocks travel as ordinary content-addressed `KV_BLOCK` objects named by
-  `block_hashes`, which decode fetches with the handoff. `handoff_full_kv=True` puts every block in the handoff.
+  state after the whole prompt and, by default, only the KV of the tail partial block (`transfer.lean_handoff`:
+  `kv` holds the last `ceil(N/bs) - N//bs` blocks); the full blocks travel as ordinary content-addressed
+  `KV_BLOCK` objects named by `block_hashes`, which decode fetches with the handoff. `handoff_full_kv=True` puts
+  every block in the handoff.
 - When the first token already ends the output (EOS / stop token / stop string, or `max_tokens == 1`) no handoff is
   published and `finish_reason` is set.
 - KDA state snapshots the engine took at this prompt's block boundaries are published after the response, in the
   background (reading them waits for the engine's next step); `drain()` waits for those publications.
+- The engine is reached only through `AsyncEngine`'s service API (never `EngineCore` from the event loop).
 - Errors: `InvalidRequestError` for a bad request (n > 1, prompt too long, bad parameters) before anything runs;
   `HandoffPublishError` when the handoff could not be stored (the caller should prefill elsewhere or colocate);
   `RequestTimeoutError` past the deadline.
@@ -44,12 +47,14 @@ from cache_service.client import CacheClient, PutObject
 from cache_service.objects import Status, object_key
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
-from engine.memory.hashing import BlockHasher, root_hash
+from engine.memory.manager import resumable_blocks
 from engine.outputs import PositionLogprobs, RequestOutput
 from engine.sampling import SamplingParams
-from engine.transfer import RequestState, TransferError, encode_block
+from engine.transfer import RequestState, TransferError, encode_block, lean_handoff
 from protos import common_pb2
 from telemetry import tracing
+from worker.tenancy import engine_cache_salt, prompt_block_hashes
+from worker.transfers import timed_get, timed_put
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +69,6 @@ class HandoffPublishError(RuntimeError):
 
 class PrefillAbortedError(RuntimeError):
     """The engine ended the request without a first token (aborted, e.g. while shutting down)."""
-
-
-def engine_cache_salt(tenant_salt: bytes) -> str | None:
-    """The engine's cache salt for a tenant salt (hex). Decode derives it the same way, so block hashes agree."""
-    return tenant_salt.hex() if tenant_salt else None
 
 
 @dataclass(frozen=True)
@@ -125,18 +125,6 @@ class PrefillCounters:
     remote_load_seconds: float = 0.0
 
 
-def best_prefix_blocks(num_tokens: int, block_size: int, blocks: list[bool], snapshots: list[bool] | None) -> int:
-    """Blocks of the longest resumable prefix: all blocks up to it present, a snapshot at its last block (when the
-    model has KDA layers, `snapshots` not None), and at least one prompt token left to compute."""
-    best = 0
-    for i, present in enumerate(blocks):
-        if not present or (i + 1) * block_size >= num_tokens:
-            break
-        if snapshots is None or snapshots[i]:
-            best = i + 1
-    return best
-
-
 class PrefillWorker:
     """Runs prefills on an `AsyncEngine` and hands them off through a `CacheClient` (see the module docstring)."""
 
@@ -147,10 +135,10 @@ class PrefillWorker:
         self.cache = cache
         self.handoff_full_kv = handoff_full_kv
         self.load_remote_prefix = load_remote_prefix
-        core = engine.core
-        self.fingerprint: bytes = core.fingerprint
-        self.block_size: int = core.plan.block_size
-        self.has_kda = core.config.kda is not None
+        self.layout = engine.layout
+        self.fingerprint: bytes = self.layout.fingerprint
+        self.block_size: int = self.layout.block_size
+        self.has_kda = self.layout.has_kda
         self.counters = PrefillCounters()
         self._background: set[asyncio.Task] = set()
 
@@ -173,10 +161,9 @@ class PrefillWorker:
         params = job.params
         if params.n != 1:
             raise InvalidRequestError("prefill hands off one sequence (n == 1); serve n > 1 colocated", param="n")
-        max_tokens = self._validate(ids, params)
+        _, _, max_tokens = self.engine.validate_prompt(ids, params)  # before anything runs
         salt = job.tenant_salt
-        hashes: list[bytes] = []
-        BlockHasher(self.block_size, root_hash(self.fingerprint, engine_cache_salt(salt))).extend(hashes, ids)
+        hashes = prompt_block_hashes(self.layout, ids, salt)
 
         remote_blocks, remote_snaps = await self._lookup(hashes, salt, len(ids))
         await self._load_prefix(len(ids), hashes, salt, remote_blocks, remote_snaps)
@@ -203,14 +190,6 @@ class PrefillWorker:
             handoff_bytes=handoff_bytes, published_blocks=published,
             timings=PrefillTimings(load_ms=(t_loaded - t0) * 1e3, compute_ms=(t_computed - t_loaded) * 1e3,
                                    publish_ms=(t_done - t_computed) * 1e3, total_ms=(t_done - t0) * 1e3))
-
-    def _validate(self, ids: list[int], params: SamplingParams) -> int:
-        """The checks `add_request` makes, against the request's real max_tokens -> that max_tokens resolved. They
-        read only the model config and the cache plan (fixed at start-up), so they run without the step loop."""
-        core = self.engine.core
-        params.check_vocab(core.config.vocab_size)
-        _, checked = core.tokenize(ids)
-        return core.resolve_max_tokens(len(checked), params)
 
     async def _compute(self, job: PrefillJob, ids: list[int]) -> RequestOutput:
         """Runs the prompt and samples one token with the request's parameters; returns the final output."""
@@ -243,18 +222,10 @@ class PrefillWorker:
                 return absent, absent
             present = blocks.present or absent
             present_snaps = (snaps.present or absent) if self.has_kda else list(absent)
-            usable = best_prefix_blocks(num_tokens, self.block_size, present,
-                                        present_snaps if self.has_kda else None)
+            usable = resumable_blocks(num_tokens, self.block_size, present, present_snaps if self.has_kda else None)
             tracing.set_attributes(span, {tracing.HIT_BLOCKS: sum(present),
                                           tracing.HIT_TOKENS: usable * self.block_size})
             return present, present_snaps
-
-    def _local_presence(self, hashes: list[bytes]) -> tuple[list[bool], list[bool]]:
-        """This engine's prefix cache, read without waiting for the step loop (a hint; admission decides)."""
-        manager = self.engine.core.manager
-        blocks = [manager.block_pool.get_cached(h) is not None for h in hashes]
-        snaps = [manager.state_pool.has_snapshot(h) for h in hashes]
-        return blocks, snaps
 
     async def _load_prefix(self, num_tokens: int, hashes: list[bytes], salt: bytes, remote_blocks: list[bool],
                            remote_snaps: list[bool]) -> None:
@@ -263,12 +234,13 @@ class PrefillWorker:
         if not self.load_remote_prefix or not hashes:
             return
         bs = self.block_size
-        local_blocks, local_snaps = self._local_presence(hashes)
-        local = best_prefix_blocks(num_tokens, bs, local_blocks, local_snaps if self.has_kda else None)
-        remote = best_prefix_blocks(num_tokens, bs, remote_blocks, remote_snaps if self.has_kda else None)
-        if remote <= local:
+        remote = resumable_blocks(num_tokens, bs, remote_blocks, remote_snaps if self.has_kda else None)
+        if remote == 0:
+            return  # nothing to load: no need to ask the engine (between two of its steps)
+        local = await self.engine.prefix_presence(hashes)  # a hint: admission decides what is used
+        if remote <= resumable_blocks(num_tokens, bs, local.blocks, local.snapshots if self.has_kda else None):
             return
-        wanted = [i for i in range(remote) if not local_blocks[i]]
+        wanted = [i for i in range(remote) if not local.blocks[i]]
         keys = [object_key(self.fingerprint, salt, KV_BLOCK, hashes[i]) for i in wanted]
         if self.has_kda:
             keys.append(object_key(self.fingerprint, salt, SNAPSHOT, hashes[remote - 1]))
@@ -283,26 +255,17 @@ class PrefillWorker:
 
         with tracing.child_span(self.tracer, "prefix.load", {tracing.BLOCKS: len(wanted), tracing.KEYS: len(keys),
                                                              tracing.HIT_TOKENS: remote * bs}) as span:
-            started = time.perf_counter()
-            got = await self.cache.get_objects(keys)
-            nbytes = sum(len(r.data) for r in got if r.data is not None)
+            got, nbytes, seconds = await timed_get(self.cache, keys, span)
             self.counters.remote_load_bytes += nbytes
-            self.counters.remote_load_seconds += time.perf_counter() - started
-            span.set_attribute(tracing.BYTES, nbytes)
+            self.counters.remote_load_seconds += seconds
             bad = [r for r in got if r.status != Status.FOUND]
             if bad:
                 tracing.mark_error(span, bad[0].status.name, bad[0].message or None)
                 return failed(f"{bad[0].status.name} {bad[0].message}".strip())
             block_data = [r.data for r in got[:len(wanted)]]
             snapshot = got[-1].data if self.has_kda else None
-
-            def load() -> bool:
-                core = self.engine.core
-                core.import_cached_blocks(block_data)
-                return snapshot is None or core.import_snapshot(snapshot)
-
             try:
-                loaded = await self.engine.run_in_engine(load)
+                loaded = await self.engine.import_prefix(block_data, snapshot)
             except TransferError as exc:
                 tracing.mark_error(span, "rejected", str(exc))
                 return failed(f"rejected: {exc}")
@@ -328,7 +291,7 @@ class PrefillWorker:
                        for i in missing]
             handoff = b""
             if with_handoff:
-                handoff = self._handoff_state(state).to_bytes()
+                handoff = (state if self.handoff_full_kv else lean_handoff(state)).to_bytes()
                 objects.append(PutObject(handoff_key, handoff, job.handoff_ttl_s))
             return objects, handoff
 
@@ -337,10 +300,9 @@ class PrefillWorker:
             nbytes = sum(len(o.data) for o in objects)
             tracing.set_attributes(span, {tracing.KEYS: len(objects), tracing.BLOCKS: len(missing),
                                           tracing.BYTES: nbytes, "kdamesh.handoff.bytes": len(handoff)})
-            started = time.perf_counter()
-            results = await self.cache.put_objects(objects)
+            results, _, seconds = await timed_put(self.cache, objects)
             self.counters.published_bytes += nbytes
-            self.counters.publish_seconds += time.perf_counter() - started
+            self.counters.publish_seconds += seconds
             stored = sum(1 for r in results[:len(missing)] if r.status == Status.STORED)
             self.counters.published_blocks += stored
             self.counters.publish_failures += len(missing) - stored
@@ -355,12 +317,6 @@ class PrefillWorker:
                 tracing.mark_error(span, "blocks_not_stored", f"{len(missing) - stored} blocks not stored")
         return handoff_key, len(handoff), stored
 
-    def _handoff_state(self, state: RequestState) -> RequestState:
-        if self.handoff_full_kv:
-            return state
-        full = state.num_computed_tokens // self.block_size
-        return dataclasses.replace(state, kv=state.kv[:, full:].contiguous())
-
     def _publish_snapshots_later(self, hashes: list[bytes], remote_snaps: list[bool], salt: bytes) -> None:
         todo = [h for h, present in zip(hashes, remote_snaps) if not present] if self.has_kda else []
         if not todo:
@@ -370,23 +326,17 @@ class PrefillWorker:
         task.add_done_callback(self._background.discard)
 
     async def _publish_snapshots(self, hashes: list[bytes], salt: bytes) -> None:
-        def export() -> list[tuple[bytes, bytes]]:
-            core = self.engine.core
-            found = [(h, core.export_snapshot(h)) for h in hashes if core.manager.state_pool.has_snapshot(h)]
-            return [(h, data) for h, data in found if data is not None]
-
         try:
-            snapshots = await self.engine.run_in_engine(export)
+            snapshots = await self.engine.export_snapshots(hashes)
         except Exception as exc:  # noqa: BLE001 - a background best effort; the engine may be shutting down
             log.debug("snapshot export skipped: %r", exc)
             return
         if not snapshots:
             return
         objects = [PutObject(object_key(self.fingerprint, salt, SNAPSHOT, h), data) for h, data in snapshots]
-        started = time.perf_counter()
-        results = await self.cache.put_objects(objects)
-        self.counters.published_bytes += sum(len(o.data) for o in objects)
-        self.counters.publish_seconds += time.perf_counter() - started
+        results, nbytes, seconds = await timed_put(self.cache, objects)
+        self.counters.published_bytes += nbytes
+        self.counters.publish_seconds += seconds
         stored = sum(1 for r in results if r.status == Status.STORED)
         self.counters.published_snapshots += stored
         self.counters.publish_failures += len(results) - stored

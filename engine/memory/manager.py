@@ -3,9 +3,12 @@
 Contract:
 - A request holds `block_ids` covering at least its `num_computed_tokens` (plus the tokens of the step being
   scheduled) and one running slot group (`state_group`) while it runs; `free(req)` returns both.
-- Prefix hit rule: a request resumes at the longest prefix `p` such that every block up to `p` is cached, a KDA
-  snapshot keyed by the hash of block `p/block_size - 1` exists, and `p < len(token_ids)` (at least one token is
-  computed, to produce logits). Without KDA layers any cached block boundary qualifies.
+- Prefix hit rule (`resumable_blocks`, the one rule: admission, the decode worker's probe and the prefill worker's
+  choice between its own cache and the cache service's all use it): a request resumes at the longest prefix `p`
+  such that every block up to `p` is cached, a KDA snapshot keyed by the hash of block `p/block_size - 1` exists,
+  and `p < len(token_ids)` (at least one token is computed, to produce logits). Without KDA layers any cached block
+  boundary qualifies. `resumable_prefix(hashes, n)` applies it to this cache, `presence(hashes)` says which blocks
+  and snapshots it holds; neither changes anything.
 - Snapshot boundaries of a request: every multiple of `snapshot_interval`, and the prompt-end boundaries
   `floor(P/bs)*bs` and `floor((P-1)/bs)*bs` (the last full block of the prompt, and the last one that leaves a token
   to compute, so an identical prompt shorter than the interval still hits). The scheduler ends prefill chunks at the
@@ -18,7 +21,8 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import CachePlan
@@ -26,6 +30,27 @@ from engine.memory.block_pool import KVBlockPool
 from engine.memory.state_pool import StatePool
 from engine.request import Request
 from engine.transfer import RequestState
+
+
+def resumable_blocks(num_tokens: int, block_size: int, blocks: Iterable[bool], snapshots: Iterable[bool] | None) -> int:
+    """The prefix hit rule, in blocks: all of `blocks` (presence of the full blocks, in order) up to the prefix
+    present, a snapshot at its last block (when `snapshots` is given: the model has KDA layers), and at least one
+    of `num_tokens` tokens left to compute. The iterables are read in step, up to the first absent block."""
+    best = 0
+    for i, (present, snapshot) in enumerate(zip(blocks, itertools.repeat(True) if snapshots is None else snapshots)):
+        if not present or (i + 1) * block_size >= num_tokens:
+            break
+        if snapshot:
+            best = i + 1
+    return best
+
+
+@dataclass(frozen=True)
+class PrefixPresence:
+    """Which of a prompt's full blocks (by hash, in order) a prefix cache holds, and which have a KDA snapshot."""
+
+    blocks: list[bool]
+    snapshots: list[bool]
 
 
 @dataclass(frozen=True)
@@ -74,18 +99,22 @@ class CacheManager:
         """The longest resumable cached prefix of `req.token_ids` (no side effects); an imported request's own."""
         if req.imported is not None:
             return PrefixHit(req.imported.num_computed_tokens, imported=True)
+        hashes = req.block_hashes[: self.resumable_prefix(req.block_hashes, req.num_tokens)]
+        return PrefixHit(len(hashes) * self.block_size, [self.block_pool.get_cached(h) for h in hashes],
+                         hashes[-1] if self.has_kda and hashes else None)
+
+    def resumable_prefix(self, hashes: Sequence[bytes], num_tokens: int) -> int:
+        """Blocks of the longest prefix this cache serves to `num_tokens` tokens whose full blocks hash to
+        `hashes` (the prefix hit rule; 0 with prefix caching off)."""
         if not self.caching:
-            return PrefixHit()
-        bs, n = self.block_size, req.num_tokens
-        best, best_hash = 0, None
-        for i, h in enumerate(req.block_hashes):
-            end = (i + 1) * bs
-            if end >= n or self.block_pool.get_cached(h) is None:
-                break
-            if not self.has_kda or self.state_pool.has_snapshot(h):
-                best, best_hash = end, h
-        blocks = [self.block_pool.get_cached(h) for h in req.block_hashes[: best // bs]]
-        return PrefixHit(best, blocks, best_hash if self.has_kda else None)
+            return 0
+        pool, states = self.block_pool, self.state_pool
+        return resumable_blocks(num_tokens, self.block_size, (pool.get_cached(h) is not None for h in hashes),
+                                (states.has_snapshot(h) for h in hashes) if self.has_kda else None)
+
+    def presence(self, hashes: Sequence[bytes]) -> PrefixPresence:
+        return PrefixPresence([self.block_pool.get_cached(h) is not None for h in hashes],
+                              [self.state_pool.has_snapshot(h) for h in hashes])
 
     def snapshot_boundaries(self, req: Request) -> set[int]:
         p, bs = req.num_prompt_tokens, self.block_size

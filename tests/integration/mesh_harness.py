@@ -4,6 +4,10 @@ event loop (engines in their own threads), plus the gateway's `MeshClient` and d
 `async with Mesh(model_dir, ...) as mesh:` starts everything and waits for the models; leaving stops everything.
 `mesh.run(prompt, sampling, route)` sends one request through the gateway's client: route "remote" forces prefill ->
 decode (P/D threshold 0), "local" the colocated path; it returns a `Run` with the tokens, events and usage.
+`tiny_k3_checkpoint(tmp_path_factory)` generates the tiny K3 checkpoint these tests share (seed 3);
+`run_bounded(coro)` runs a test's coroutine under a time limit (nothing may hang); `await wait_idle(engine)` waits
+until an `AsyncEngine` holds no request, `await assert_all_free(engine)` also checks that its pools got everything
+back.
 """
 
 from __future__ import annotations
@@ -21,12 +25,25 @@ from cache_service.server import serve as serve_cache
 from decode_service.server import DecodeServiceConfig
 from decode_service.server import serve as serve_decode
 from engine.config import EngineArgs
+from engine.model.checkpoint import make_checkpoint
 from gateway.mesh_client import MeshClient, MeshRequest, PDDecider, TokenEvent
 from prefill_service.server import PrefillServiceConfig
 from prefill_service.server import serve as serve_prefill
 from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 VOCAB = 7936  # the generated tokenizer's base tokens
+CHECKPOINT_SEED = 3
+
+
+def tiny_k3_checkpoint(tmp_path_factory):
+    return make_checkpoint("tiny-k3", tmp_path_factory.mktemp("tiny-k3"), seed=CHECKPOINT_SEED)
+
+
+def run_bounded(coro, timeout_s: float = 50.0):
+    async def bounded():
+        async with asyncio.timeout(timeout_s):  # nothing may hang
+            return await coro
+    return asyncio.run(bounded())
 
 
 def engine_args(model_dir, **overrides) -> EngineArgs:
@@ -66,6 +83,22 @@ class Run:
     @property
     def ids(self) -> list[int]:
         return self.tokens.get(0, [])
+
+
+async def wait_idle(engine) -> None:
+    for _ in range(200):
+        stats = await engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the engine still holds requests")
+
+
+async def assert_all_free(engine) -> None:
+    await wait_idle(engine)
+    await engine.check_integrity()
+    pool = engine.core.manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks, "a finished request kept blocks"
 
 
 class Mesh:

@@ -17,24 +17,19 @@ import redis
 
 from cache_service.client import PutObject
 from cache_service.objects import Status
-from engine.model.checkpoint import make_checkpoint
 from engine.transfer import RequestState
 from protos import common_pb2, decode_pb2, prefill_pb2
-from tests.integration.mesh_harness import Mesh, greedy, prompt_suite
-
-CHECKPOINT_SEED = 3
+from tests.integration.mesh_harness import (Mesh, assert_all_free, greedy, prompt_suite, run_bounded,
+                                            tiny_k3_checkpoint, wait_idle)
 
 
 @pytest.fixture(scope="module")
 def tiny_k3(tmp_path_factory):
-    return make_checkpoint("tiny-k3", tmp_path_factory.mktemp("tiny-k3"), seed=CHECKPOINT_SEED)
+    return tiny_k3_checkpoint(tmp_path_factory)
 
 
 def run(coro, timeout_s: float = 50.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):  # nothing may hang
-            return await coro
-    return asyncio.run(bounded())
+    return run_bounded(coro, timeout_s)
 
 
 async def _reset_prefill_cache(mesh: Mesh) -> None:
@@ -343,15 +338,6 @@ def test_fail_policy_reports_unavailable(tiny_k3):
 # -- cancellation, first-token finishes, concurrency -----------------------------------------------------------
 
 
-async def _wait_idle(engine) -> None:
-    for _ in range(200):
-        stats = await engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("the engine still holds requests")
-
-
 def test_cancelled_decode_frees_its_blocks(tiny_k3):
     async def main():
         async with Mesh(tiny_k3) as mesh:
@@ -377,10 +363,7 @@ def test_cancelled_decode_frees_its_blocks(tiny_k3):
                     if received >= 5:
                         break
                 call.cancel()
-                await _wait_idle(engine)
-                await engine.check_integrity()
-                pool = engine.core.manager.block_pool
-                assert pool.num_free_blocks == pool.num_blocks, "a cancelled request kept blocks"
+                await assert_all_free(engine)
                 assert engine.core.manager.state_pool.num_free_groups == engine.core.manager.state_pool.num_groups
     run(main())
 
@@ -415,6 +398,6 @@ def test_32_concurrent_streams_through_prefill_and_decode(tiny_k3):
             for p, b, r in list(zip(prompts, budgets, runs))[::5]:
                 assert (await mesh.run(p, greedy(b), "local")).ids == r.ids
             assert mesh.decode_worker.counters.handoff_loaded == 32
-            await _wait_idle(mesh.decode_server.engine)
+            await wait_idle(mesh.decode_server.engine)
             await mesh.decode_server.engine.check_integrity()
     run(main())

@@ -13,28 +13,23 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.model.checkpoint import make_checkpoint
 from engine.tokenizer import KimiTokenizer
 from gateway.app import GatewayConfig, create_app
 from gateway.mesh_client import MeshClient, MeshError, MeshRequest, PDDecider
 from prefill_service.server import PrefillServiceConfig
 from prefill_service.server import serve as serve_prefill
 from protos import common_pb2, decode_pb2, prefill_pb2
-from tests.integration.mesh_harness import VOCAB, Mesh, engine_args, greedy, prompt_suite
-
-CHECKPOINT_SEED = 3
+from tests.integration.mesh_harness import (VOCAB, Mesh, assert_all_free, engine_args, greedy, run_bounded,
+                                            tiny_k3_checkpoint)
 
 
 @pytest.fixture(scope="module")
 def tiny_k3(tmp_path_factory):
-    return make_checkpoint("tiny-k3", tmp_path_factory.mktemp("tiny-k3"), seed=CHECKPOINT_SEED)
+    return tiny_k3_checkpoint(tmp_path_factory)
 
 
 def run(coro, timeout_s: float = 50.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):
-            return await coro
-    return asyncio.run(bounded())
+    return run_bounded(coro, timeout_s)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -143,14 +138,7 @@ def test_deadlines_abort_and_free_the_request(tiny_k3):
             with pytest.raises(MeshError) as info:
                 await mesh.run(_prompt(40, 3), greedy(5000), "remote", timeout_s=0.5)
             assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            for _ in range(200):
-                stats = await engine.stats()
-                if stats.num_running == 0 and stats.num_waiting == 0:
-                    break
-                await asyncio.sleep(0.02)
-            await engine.check_integrity()
-            pool = engine.core.manager.block_pool
-            assert pool.num_free_blocks == pool.num_blocks
+            await assert_all_free(engine)
     run(main())
 
 
@@ -357,15 +345,3 @@ def test_role_flags_build_the_service_configs():
     colocated = plan_services(LaunchConfig(model="/m", mode="colocated"), "/m")
     assert [s.role for s in colocated] == ["cache", "decode", "gateway"]
     assert "--prefill-addresses" not in colocated[-1].argv
-
-
-def test_best_prefix_blocks_rule():
-    from prefill_service.worker import best_prefix_blocks
-
-    # 4 full blocks of 16 in a 64-token prompt: block 4 would leave nothing to compute.
-    assert best_prefix_blocks(64, 16, [True] * 4, [True] * 4) == 3
-    assert best_prefix_blocks(65, 16, [True] * 4, [True] * 4) == 4
-    assert best_prefix_blocks(65, 16, [True, True, False, True], [True] * 4) == 2
-    assert best_prefix_blocks(65, 16, [True] * 4, [False, True, False, False]) == 2  # needs a snapshot there
-    assert best_prefix_blocks(65, 16, [True] * 4, None) == 4  # no KDA layers: any cached boundary
-    assert best_prefix_blocks(10, 16, [], []) == 0

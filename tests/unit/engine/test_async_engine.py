@@ -1,8 +1,10 @@
-"""`AsyncEngine`: streaming deltas off the event loop, abort, cancellation, deadlines, bad requests beside good ones."""
+"""`AsyncEngine`: streaming deltas off the event loop, abort, cancellation, deadlines, bad requests beside good ones,
+and the service API the worker services use."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -10,6 +12,7 @@ import pytest
 
 from engine import AsyncEngine, EngineArgs, SamplingParams
 from engine.errors import InvalidRequestError, RequestTimeoutError
+from engine.memory.hashing import BlockHasher, root_hash
 from tests.unit.engine.conftest import random_prompts
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -161,4 +164,26 @@ def test_deadline_aborts(engine_args):
                 await asyncio.sleep(0.02)
             assert (await engine.stats()).num_running == 0
 
+    run(main())
+
+
+def test_service_api_answers_from_the_step_thread(engine_args):
+    """The worker services' API: a prefix probe by the admission rule, presence, and a stats snapshot the step
+    thread publishes (read without waiting); `validate_prompt` checks like admission without queueing anything."""
+    async def main():
+        prompt = random_prompts(1, 40, 41, seed=12)[0]
+        async with await AsyncEngine.create(dataclasses.replace(engine_args, snapshot_interval=16)) as engine:
+            layout = engine.layout
+            hashes: list[bytes] = []
+            BlockHasher(layout.block_size, root_hash(layout.fingerprint, None)).extend(hashes, prompt)
+            assert await engine.probe_prefix(hashes, len(prompt)) == (0, engine.stats_snapshot())
+            assert engine.validate_prompt(prompt, SamplingParams(max_tokens=4))[1:] == (prompt, 4)
+            with pytest.raises(InvalidRequestError):
+                engine.validate_prompt(prompt, SamplingParams(max_tokens=10 ** 6))
+            await collect(engine, "warm", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, **GREEDY))
+            cached, stats = await engine.probe_prefix(hashes, len(prompt))
+            assert cached == 32 and stats.num_running == stats.num_waiting == 0  # 2 blocks + their snapshot
+            presence = await engine.prefix_presence(hashes)
+            assert presence.blocks == [True, True] and presence.snapshots == [True, True]
+            assert engine.stats_snapshot().prefix_lookup_tokens == len(prompt)
     run(main())

@@ -11,6 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.memory.hashing import BlockHasher, MediaSpan, block_hash, root_hash
+from engine.memory.manager import resumable_blocks
 from tests.unit.engine.conftest import random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -133,7 +134,7 @@ def test_snapshot_really_carries_the_state(tiny_linear_dir, cold):
     llm = warm_llm(tiny_linear_dir)
     one(llm, prompt)
     engine = llm.engine
-    hashes = engine.snapshot_hashes()
+    hashes = engine.exchange.snapshot_hashes()
     assert hashes, "the first run left snapshots"
     for h in hashes:  # poison every snapshot's recurrent state
         slot = engine.manager.state_pool.get_snapshot(h)
@@ -153,3 +154,14 @@ def test_lru_eviction_under_pressure_keeps_results_exact(tiny_linear_dir, cold):
             assert one(llm, p).outputs[0].token_ids == e
     stats = llm.engine.stats()
     assert llm.engine.manager.block_pool.num_evictions > 0 and stats.num_snapshots <= 3
+
+
+def test_resumable_blocks_rule():
+    """The one prefix hit rule, on presence lists (the prefill worker applies it to the cache service's)."""
+    # 4 full blocks of 16 in a 64-token prompt: block 4 would leave nothing to compute.
+    assert resumable_blocks(64, 16, [True] * 4, [True] * 4) == 3
+    assert resumable_blocks(65, 16, [True] * 4, [True] * 4) == 4
+    assert resumable_blocks(65, 16, [True, True, False, True], [True] * 4) == 2
+    assert resumable_blocks(65, 16, [True] * 4, [False, True, False, False]) == 2  # needs a snapshot there
+    assert resumable_blocks(65, 16, [True] * 4, None) == 4  # no KDA layers: any cached boundary
+    assert resumable_blocks(10, 16, [], []) == 0

@@ -1,4 +1,4 @@
-"""Structured output (engine/structured.py): grammar-constrained decoding on random-weight tiny checkpoints.
+"""Structured output (engine/structured/): grammar-constrained decoding on random-weight tiny checkpoints.
 
 - `json_schema` / `json_object`: the output parses and validates, bare or wrapped in the K3 / K2 message format
   (read back by the gateway's parsers), with and without a reasoning block opened by the prompt;
@@ -8,7 +8,9 @@
   a free-running random model still ends in a valid structure (steered finish);
 - unconstrained requests in the same batch are unaffected (equal to running alone); matchers are released;
 - export/resume replays the carried output through a fresh matcher;
-- invalid schemas and parameters raise `InvalidRequestError`.
+- invalid schemas and parameters raise `InvalidRequestError`; schemas are checked copies of what was given.
+
+(The OpenAI request -> structured output mapping is the gateway's, gateway/chat_service.py, tested there.)
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
-from engine.structured import StructuredOutputParams, ToolSpec, structured_from_openai, tool_specs
+from engine.structured import StructuredOutputParams, ToolSpec
 from gateway.parsers import build_output_parser
 
 PERSON = {
@@ -188,11 +190,9 @@ def test_tool_call_required(llms, model, temperature, reasoning):
 def test_tool_call_named(llms, model, temperature):
     family = FAMILY[model]
     for name in ("move", "get_weather"):
-        structured = structured_from_openai(
-            tools=[{"type": "function", "function": {"name": n, "parameters": s}} for n, s in TOOLS.items()],
-            tool_choice={"type": "function", "function": {"name": name}}, output_format=family,
-            starts_in_reasoning=True, max_reasoning_tokens=3)
-        assert structured.mode == "named" and structured.name == name
+        structured = StructuredOutputParams("tool_call", tools=tuple(ToolSpec(n, s) for n, s in TOOLS.items()),
+                                            mode="named", name=name, output_format=family, starts_in_reasoning=True,
+                                            max_reasoning_tokens=3)
         for out in generate(llms[model], structured, temperature, max_tokens=120 if model == "k3" else 60,
                             ignore_eos=True, min_tokens=3):
             check_calls(family, out, {name}, reasoning=True, exactly_one=True)
@@ -202,9 +202,8 @@ def test_single_call_and_k3_encodings(llms):
     """K3 writes simple arguments as `argument` blocks (strings raw) and others as one `json` block."""
     llm = llms["k3"]
     open_, close, sep = (llm.tokenizer.special_tokens[m] for m in ("<|open|>", "<|close|>", "<|sep|>"))
-    structured = StructuredOutputParams("tool_call", tools=tool_specs(
-        [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in TOOLS.items()]),
-        parallel_tool_calls=False, output_format="kimi_k3")
+    structured = StructuredOutputParams("tool_call", tools=tuple(ToolSpec(n, s) for n, s in TOOLS.items()),
+                                        parallel_tool_calls=False, output_format="kimi_k3")
     outs = generate(llm, structured, 1.0, max_tokens=150, n=8)
     for out in outs:
         check_calls("kimi_k3", out, set(TOOLS), reasoning=False, exactly_one=True)
@@ -330,8 +329,6 @@ def test_n_abort_and_export_resume(llms):
                                    output_format="kimi_k3"),
     lambda: ToolSpec("has space"),
     lambda: ToolSpec("f", {"type": "object", "required": "a"}),
-    lambda: structured_from_openai(tool_choice="required", tools=[], output_format="kimi_k3"),
-    lambda: structured_from_openai(response_format={"type": "yaml"}, output_format=None),
     lambda: SamplingParams(structured={"type": "json_object"}),
 ])
 def test_invalid_requests(make):
@@ -347,7 +344,21 @@ def test_invalid_request_leaves_engine_serving(llms):
         llm.generate(prompts(llm, 1), SamplingParams(structured=StructuredOutputParams(
             "json_object", output_format="kimi_k2")))
     assert not llm.engine.has_unfinished_requests()
-    assert structured_from_openai(tool_choice="none", tools=[{"function": {"name": "f"}}], output_format=None) is None
-    out = generate(llm, structured_from_openai(response_format={"type": "json_object"}, output_format=None), 0.0,
-                   n=1)[0]
+    out = generate(llm, StructuredOutputParams("json_object"), 0.0, n=1)[0]
     assert isinstance(json.loads(out.text), dict)
+
+
+def test_schemas_are_checked_copies():
+    """The grammar reads checked copies taken at construction: changing the caller's dicts later changes nothing."""
+    arguments = {"properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tool = ToolSpec("get_weather", arguments)
+    assert tool.schema == {**arguments, "type": "object"} and "type" not in arguments
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    params = StructuredOutputParams("json_schema", json_schema=schema)
+    key = params.key
+    schema["properties"]["a"]["type"] = "string"
+    arguments["properties"]["city"]["type"] = "integer"
+    assert params.schema["properties"]["a"]["type"] == "integer" and params.key == key
+    assert tool.schema["properties"]["city"]["type"] == "string"
+    calls = StructuredOutputParams("tool_call", tools=[tool], output_format="kimi_k2")  # a list is accepted
+    assert calls.allowed_tools == (tool,) and "get_weather" in calls.key

@@ -7,6 +7,7 @@ the output (a zeroed recurrent state still produces fluent text, so only an exac
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import pytest
@@ -14,8 +15,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
-from engine.transfer import (FORMAT_VERSION, LAYOUT_KV_BLOCK, CorruptObjectError, LayoutMismatchError, RequestState,
-                             TransferError, VersionMismatchError, pack, unpack)
+from engine.transfer import (FORMAT_VERSION, LAYOUT_KV_BLOCK, CorruptObjectError, LayoutMismatchError,
+                             MissingBlockError, ModelMismatchError, RequestState, ShapeMismatchError, TransferError,
+                             VersionMismatchError, lean_handoff, pack, stitch_handoff, unpack)
 from tests.unit.engine.conftest import random_prompts
 
 MAX_TOKENS = 16
@@ -143,13 +145,13 @@ def test_cached_blocks_and_snapshots_move_between_engines(tiny_linear_dir, promp
     source.generate({"prompt_token_ids": prompt}, GREEDY)
     src = source.engine
     hashes = list(src.manager.block_pool._cached)
-    blocks = src.export_cached_blocks(hashes)
-    snapshots = [src.export_snapshot(h) for h in src.snapshot_hashes()]
+    blocks = src.exchange.export_cached_blocks(hashes)
+    snapshots = [src.exchange.export_snapshot(h) for h in src.exchange.snapshot_hashes()]
     assert len(blocks) == len(hashes) >= 2 and snapshots
     dst = target.engine
-    assert not dst.import_snapshot(snapshots[0])  # its blocks are not there yet
-    assert dst.import_cached_blocks(list(blocks.values())) == len(blocks)
-    assert all(dst.import_snapshot(s) for s in snapshots)
+    assert not dst.exchange.import_snapshot(snapshots[0])  # its blocks are not there yet
+    assert dst.exchange.import_cached_blocks(list(blocks.values())) == len(blocks)
+    assert all(dst.exchange.import_snapshot(s) for s in snapshots)
     dst.check_integrity()
     [warm] = target.generate({"prompt_token_ids": prompt}, GREEDY, check_integrity=True)
     assert warm.num_cached_tokens == 32
@@ -157,4 +159,30 @@ def test_cached_blocks_and_snapshots_move_between_engines(tiny_linear_dir, promp
     corrupt = bytearray(next(iter(blocks.values())))
     corrupt[-1] ^= 0xFF
     with pytest.raises(CorruptObjectError):
-        dst.import_cached_blocks([bytes(corrupt)])
+        dst.exchange.import_cached_blocks([bytes(corrupt)])
+
+
+def test_lean_handoff_stitches_back_to_the_whole_state(engines, prompt):
+    """Prefill sends the tail block only (`lean_handoff`); decode puts the full blocks back (`stitch_handoff`), and
+    the result imports like the whole state. Missing, foreign and mis-shaped pieces are refused by kind."""
+    a, b = engines
+    state = handoff(a, prompt, GREEDY)
+    layout = b.engine.layout
+    lean = RequestState.from_bytes(lean_handoff(state).to_bytes())
+    assert lean.kv.shape[1] == 1 and len(lean.block_hashes) == 2  # 45 tokens: 2 full blocks of 16 + the tail
+    blocks = a.engine.exchange.export_cached_blocks(state.block_hashes)
+    whole = stitch_handoff(lean, [blocks[h] for h in lean.block_hashes], layout)
+    assert torch.equal(whole.kv, state.kv)
+    assert stitch_handoff(state, [None, None], layout) is state  # a full handoff needs no block
+    with pytest.raises(MissingBlockError):
+        stitch_handoff(lean, [blocks[lean.block_hashes[0]], None], layout)
+    with pytest.raises(ModelMismatchError):  # the blocks in the wrong order: each names another block
+        stitch_handoff(lean, [blocks[h] for h in reversed(lean.block_hashes)], layout)
+    with pytest.raises(ModelMismatchError, match="fingerprint"):
+        stitch_handoff(lean, [None, None], dataclasses.replace(layout, fingerprint=b"another model"))
+    with pytest.raises(ShapeMismatchError):
+        stitch_handoff(dataclasses.replace(state, state={"conv": state.state["conv"]}), [], layout)
+    with pytest.raises(CorruptObjectError):
+        stitch_handoff(dataclasses.replace(lean, kv=lean.kv[:, :0]), [], layout)
+    [out] = b.resume(whole, GREEDY)
+    assert out.outputs[0].token_ids == a.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids

@@ -33,7 +33,8 @@ from telemetry.metrics import (REQUEST_DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCK
 from telemetry.rpc import client_interceptors, server_interceptors
 
 ROOT = Path(__file__).resolve().parents[3]
-ALLOWED = {"telemetry", "opentelemetry", "prometheus_client", "grpc"} | set(sys.stdlib_module_names)
+ALLOWED = ({"telemetry", "opentelemetry", "prometheus_client", "grpc", "grpc_health", "grpc_reflection"}
+           | set(sys.stdlib_module_names))
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, frozenset], float]:

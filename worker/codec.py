@@ -1,9 +1,10 @@
 """Conversions between the wire contract (`protos`) and the engine's request types, for the worker services.
 
 Contract: pure functions, no I/O. `sampling_from_proto` raises `InvalidRequestError` for values out of range (proto3
-defaults mean vLLM's defaults); `structured_from_proto` raises it for an unusable structured-output spec. Only the
-worker services (prefill_service, decode_service) import this module — it is the one place both may share without
-importing each other; `cache_service` and `sdk` depend on the generated messages alone and never import it.
+defaults mean vLLM's defaults); `structured_from_proto` raises it for an unusable structured-output spec;
+`logprob_to_proto` keeps the sampled token and its top `top` alternatives; `FINISH_REASONS` maps the engine's
+finish reasons to the proto enum. The worker services (prefill_service, decode_service) share it through this
+package; `cache_service` and `sdk` depend on the generated messages alone and never import it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from engine.sampling import SamplingParams
 from engine.structured import (DEFAULT_MAX_REASONING_TOKENS, DEFAULT_MAX_STRING_TOKENS, StructuredOutputParams,
                                ToolSpec)
 from protos import common_pb2
+
+FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
+                  "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:

@@ -1,9 +1,12 @@
-"""The standard gRPC server every kdamesh worker service runs.
+"""The standard gRPC server every kdamesh gRPC service runs (cache, prefill, decode): health and reflection included.
 
 Contract: `start_grpc_server` builds a `grpc.aio` server with the given message-size limit and interceptors, adds
 the service (via `add_servicer`), the standard health service — reporting NOT_SERVING for "" and the service name
 until the caller sets SERVING — and reflection for the service, health and reflection; binds `address` (port 0: a
 free port) and starts it. It raises `OSError` when the address cannot be bound.
+
+It knows no model and no store: it lives in `telemetry` (which every layer may import) so that the cache service
+and the worker services share it without importing each other.
 """
 
 from __future__ import annotations

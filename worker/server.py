@@ -1,15 +1,18 @@
 """The lifecycle the prefill and decode services share: a gRPC server whose model loads in the background.
 
 Contract:
-- `start_worker_server(server_cls, config, servicer, add_servicer, tracer_provider)` binds `config.address` (port
-  0: a free port) with standard health (NOT_SERVING for "" and the service until the model is loaded) and
-  reflection, starts the side `/metrics` server when `config.metrics_port` is set, begins loading the model and
-  returns `(server, port)` at once. `await server.ready()` waits for the load and raises what it raised.
+- `start_worker_server(server_cls, servicer_cls, config, add_servicer, registry, tracer_provider)` makes the role's
+  `WorkerMetrics` (in `registry`; None: a new one) and servicer, binds `config.address` (port 0: a free port) with
+  standard health (NOT_SERVING for "" and the service until the model is loaded) and reflection, starts the side
+  `/metrics` server when `config.metrics_port` is set, begins loading the model and returns `(server, port)` at
+  once. `await server.ready()` waits for the load and raises what it raised.
 - Loading (`WorkerServer._load`): `config.torch_threads` set, the `AsyncEngine` created, a `CacheClient` opened when
   `config.cache_address` is set (trace context on its calls), the role's worker built (`make_worker`), then SERVING.
 - `stop(grace)`: NOT_SERVING first, new calls refused (`servicer.stopping`), a load in progress cancelled, running
   calls drained (`drain_calls`, per role), then the worker, the engine, the cache client and `/metrics` closed.
-- The engine gauges and the worker's counters are exported through `servicer.metrics` while a worker exists.
+- The engine gauges (`engine_gauges`: the `EngineStats` the step thread published last, so a scrape never waits
+  for a step) and the worker's counters are exported through `servicer.metrics` while a worker exists;
+  `transfer_samples(op, bytes, seconds)` are the two counters every role keeps per kind of cache-service transfer.
 """
 
 from __future__ import annotations
@@ -22,26 +25,35 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2
 from opentelemetry.trace import TracerProvider
+from prometheus_client import CollectorRegistry
 
 from cache_service.client import CacheClient
 from engine.async_engine import AsyncEngine
-from protos.grpc_server import start_grpc_server
-from telemetry.metrics import CounterSample, EngineGauges, MetricsServer, metrics_host, start_metrics_server
+from telemetry.grpc_server import start_grpc_server
+from telemetry.metrics import (CounterSample, EngineGauges, MetricsServer, WorkerMetrics, metrics_host,
+                               start_metrics_server)
 from telemetry.rpc import client_interceptors, server_interceptors
 
 log = logging.getLogger(__name__)
 
 
 def engine_gauges(engine: AsyncEngine) -> EngineGauges:
-    """The engine's scheduler and pools, read without waiting for the step loop (each number one plain read)."""
-    core = engine.core
-    stats, pool, states = core.stats(), core.manager.block_pool, core.manager.state_pool
-    return EngineGauges(running=stats.num_running, waiting=stats.num_waiting, kv_blocks_total=pool.num_blocks,
+    """The engine's scheduler and pools as of its latest step (published by the step thread; no waiting)."""
+    stats = engine.stats_snapshot()
+    return EngineGauges(running=stats.num_running, waiting=stats.num_waiting, kv_blocks_total=stats.num_blocks,
                         kv_blocks_free=stats.num_free_blocks, kv_blocks_cached=stats.num_cached_blocks,
-                        kv_usage=stats.kv_usage, state_groups_total=states.num_groups,
-                        state_groups_free=states.num_free_groups, snapshots=stats.num_snapshots,
-                        snapshot_slots=states.num_snapshot_slots, prefix_lookup_tokens=stats.prefix_lookup_tokens,
+                        kv_usage=stats.kv_usage, state_groups_total=stats.num_state_groups,
+                        state_groups_free=stats.num_free_state_groups, snapshots=stats.num_snapshots,
+                        snapshot_slots=stats.num_snapshot_slots, prefix_lookup_tokens=stats.prefix_lookup_tokens,
                         prefix_hit_tokens=stats.prefix_hit_tokens, preemptions=stats.num_preemptions)
+
+
+def transfer_samples(op: str, nbytes: int, seconds: float) -> list[CounterSample]:
+    """`transfer_bytes_total{op}` and `transfer_seconds_total{op}` of one kind of transfer to or from the cache."""
+    labels = (("op", op),)
+    return [CounterSample("transfer_bytes", "Payload bytes moved to or from the cache service", nbytes, labels),
+            CounterSample("transfer_seconds", "Wall time of the cache service calls that moved them (seconds)",
+                          seconds, labels)]
 
 
 class WorkerServer:
@@ -52,6 +64,7 @@ class WorkerServer:
 
     role = ""  # "prefill" | "decode"
     service_name = ""  # the full gRPC service name health reports on
+    with_tpot = False  # whether the role's serving metrics have time per output token
 
     def __init__(self, config, grpc_server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer,
                  servicer, tracer_provider: TracerProvider | None = None):
@@ -131,13 +144,17 @@ class WorkerServer:
         await self.grpc_server.wait_for_termination()
 
 
-async def start_worker_server(server_cls: type[WorkerServer], config, servicer,
-                              add_servicer: Callable[[grpc.aio.Server], None],
+async def start_worker_server(server_cls: type[WorkerServer], servicer_cls: type, config,
+                              add_servicer: Callable[[object, grpc.aio.Server], None],
+                              registry: CollectorRegistry | None = None,
                               tracer_provider: TracerProvider | None = None) -> tuple[WorkerServer, int]:
-    """Starts the server and begins loading the model -> (server, bound port)."""
-    metrics = servicer.metrics
+    """Starts the server and begins loading the model -> (server, bound port). `add_servicer` is the generated
+    `add_<Service>Servicer_to_server`."""
+    metrics = WorkerMetrics(registry if registry is not None else CollectorRegistry(), server_cls.role,
+                            with_tpot=server_cls.with_tpot)
+    servicer = servicer_cls(config, metrics)
     grpc_server, port, health_servicer = await start_grpc_server(
-        config.address, server_cls.service_name, add_servicer, config.max_message_bytes,
+        config.address, server_cls.service_name, lambda s: add_servicer(servicer, s), config.max_message_bytes,
         server_interceptors(server_cls.role, tracer_provider=tracer_provider, metrics=metrics.rpc))
     server = server_cls(config, grpc_server, port, health_servicer, servicer, tracer_provider)
     if config.metrics_port is not None:

@@ -1,0 +1,76 @@
+"""What the prefill and decode servicers share: admission of a call, its deadline and the status of an error.
+
+Contract:
+- `WorkerServicer.admit(request, context)` binds the call's request id for log lines (unless the caller's
+  `x-request-id` already is), then fails the call UNAVAILABLE while stopping (`stopping_message`) or before the
+  model is loaded, NOT_FOUND when `request.model` names another model and UNIMPLEMENTED when the prompt holds media;
+  it returns the worker otherwise. `checked_worker(model, context)` makes the first three checks alone.
+- `fail(context, exc)` ends the call with the status `error_statuses` gives `exc`'s class (first match):
+  INVALID_ARGUMENT for `InvalidRequestError`, DEADLINE_EXCEEDED for `RequestTimeoutError`, UNAVAILABLE for
+  `EngineDeadError`, plus what a role adds; `handled_errors` is the tuple to catch for it.
+- `call_deadline(context)` is the call's gRPC deadline as a `time.monotonic()` instant (None: no deadline), the
+  form engine requests take.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NoReturn
+
+import grpc
+
+from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
+from telemetry.context import bind_request_id, current_request_id
+from telemetry.metrics import WorkerMetrics
+
+ENGINE_ERROR_STATUSES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT), (RequestTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (EngineDeadError, grpc.StatusCode.UNAVAILABLE))
+
+
+def call_deadline(context) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+class WorkerServicer:
+    """The base of a role's servicer: `worker` is set once the model is loaded, `stopping` once draining begins."""
+
+    role = ""  # "prefill" | "decode"
+    stopping_message = "the worker is stopping and takes no new requests"
+    error_statuses = ENGINE_ERROR_STATUSES
+
+    def __init__(self, config, metrics: WorkerMetrics):
+        self.config = config  # a role's service config: `model_name` is the model it serves
+        self.metrics = metrics
+        self.worker = None
+        self.stopping = False
+
+    @property
+    def handled_errors(self) -> tuple[type[Exception], ...]:
+        return tuple(kind for kind, _ in self.error_statuses)
+
+    async def checked_worker(self, model: str, context):
+        worker = self.worker
+        if self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.stopping_message)
+        if worker is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} worker is loading its model")
+        if model and model != self.config.model_name:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here (this worker "
+                                                           f"serves {self.config.model_name!r})")
+        return worker
+
+    async def admit(self, request, context):
+        if current_request_id() is None:
+            bind_request_id(request.request_id)  # this call's task only
+        worker = await self.checked_worker(request.model, context)
+        if request.media:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "media in prompts is not supported yet")
+        return worker
+
+    async def fail(self, context, exc: Exception) -> NoReturn:
+        for kind, code in self.error_statuses:
+            if isinstance(exc, kind):
+                await context.abort(code, str(exc))
+        raise exc
