@@ -39,13 +39,13 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from engine.formats.markers import K2_THINK_OPEN as THINK_OPEN
 from gateway.chat.base import ChatFormatError, Piece, RenderedPrompt, Tokenizer, encode_pieces
 from gateway.chat.conversation import normalize_messages, normalize_tools, options_mapping, plain_json
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 K2_TEMPLATE_ASSET = ("engine", "assets/kimi_k2_chat_template.jinja")  # package, path inside it
-THINK_OPEN = "<think>"
 RESERVED_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token", "unk_token")
 PRIVATE_USE_START = 0xE000  # escape characters are taken from here: U+E000 is the escape, then one per boundary char
 

@@ -37,6 +37,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from engine.formats.markers import (K3_CLOSE as CLOSE, K3_END_OF_MSG as END_OF_MSG, K3_MEDIA_BEGIN as MEDIA_BEGIN,
+                                    K3_MEDIA_CONTENT as MEDIA_CONTENT, K3_MEDIA_END as MEDIA_END,
+                                    K3_MEDIA_PAD as MEDIA_PAD, K3_OPEN as OPEN, K3_SEP as SEP, K3_STRUCTURAL_MARKERS)
 from gateway.chat.base import ChatFormatError, Piece, RenderedPrompt, Tokenizer, encode_pieces, special_id
 from gateway.chat.conversation import (
     arguments_object,
@@ -46,15 +49,7 @@ from gateway.chat.conversation import (
     plain_json,
 )
 
-OPEN = "<|open|>"
-CLOSE = "<|close|>"
-SEP = "<|sep|>"
-END_OF_MSG = "<|end_of_msg|>"
-MEDIA_BEGIN = "<|media_begin|>"
-MEDIA_CONTENT = "<|media_content|>"
-MEDIA_PAD = "<|media_pad|>"
-MEDIA_END = "<|media_end|>"
-STRUCTURAL_TOKENS = (OPEN, CLOSE, SEP, END_OF_MSG, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END)
+STRUCTURAL_TOKENS = K3_STRUCTURAL_MARKERS
 
 THINKING_EFFORTS = ("low", "high", "max")
 DEFAULT_THINKING_EFFORT = "max"  # the official tokenizer's apply_chat_template default

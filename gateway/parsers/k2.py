@@ -23,17 +23,11 @@ from __future__ import annotations
 import json
 import re
 
+from engine.formats.markers import (K2_ARGUMENT_BEGIN as ARGUMENT_BEGIN, K2_CALL_BEGIN as CALL_BEGIN,
+                                    K2_CALL_END as CALL_END, K2_IM_END as IM_END, K2_OUTPUT_MARKERS as MARKERS,
+                                    K2_SECTION_BEGIN as SECTION_BEGIN, K2_SECTION_END as SECTION_END,
+                                    K2_THINK_CLOSE as THINK_CLOSE, K2_THINK_OPEN as THINK_OPEN)
 from gateway.parsers.base import DeltaBuilder, DeltaMessage, MarkerSplitter, ParsedOutput, ParserOptions, parse_with
-
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
-SECTION_BEGIN = "<|tool_calls_section_begin|>"
-SECTION_END = "<|tool_calls_section_end|>"
-CALL_BEGIN = "<|tool_call_begin|>"
-ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
-CALL_END = "<|tool_call_end|>"
-IM_END = "<|im_end|>"
-MARKERS = (THINK_OPEN, THINK_CLOSE, SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END, IM_END)
 CALL_ID_RE = re.compile(r"^(?:functions\.)?(?P<name>\S+):(?P<index>\d+)$")
 
 START, THINK, CONTENT, SECTION, CALL_ID, CALL_ARGS, DONE, RAW_SECTION = (

@@ -26,13 +26,9 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from engine.formats.markers import (K3_CLOSE as CLOSE, K3_CONTROL_MARKERS as MARKERS, K3_END_OF_MSG as END_OF_MSG,
+                                    K3_OPEN as OPEN, K3_SEP as SEP)
 from gateway.parsers.base import DeltaBuilder, DeltaMessage, MarkerSplitter, ParsedOutput, ParserOptions, parse_with
-
-OPEN = "<|open|>"
-CLOSE = "<|close|>"
-SEP = "<|sep|>"
-END_OF_MSG = "<|end_of_msg|>"
-MARKERS = (OPEN, CLOSE, SEP, END_OF_MSG)
 
 THINK, RESPONSE, BETWEEN, TOOLS, CALL, ARG, DONE, RAW_TOOLS = (
     "think", "response", "between", "tools", "call", "arg", "done", "raw_tools"

@@ -19,8 +19,8 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.chat import OUTPUT_FORMATS, read_family
-from gateway.chat_service import GatewayCore
 from gateway.config import GatewayConfig
+from gateway.core import GatewayCore
 from gateway.grpc_api import serve_grpc
 from tests.integration.mesh_harness import Mesh
 

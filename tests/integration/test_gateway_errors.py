@@ -10,8 +10,8 @@ import pytest
 
 from engine.model.checkpoint import make_checkpoint
 from gateway.app import create_app
-from gateway.chat_service import GatewayCore
 from gateway.config import GatewayConfig
+from gateway.core import GatewayCore
 from tests.integration.mesh_harness import Mesh
 
 MODEL = "tiny-k3"

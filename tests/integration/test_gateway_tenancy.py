@@ -145,6 +145,6 @@ def test_open_gateway_without_keys(tiny_k3, caplog):
             reply = await gw.http.post("/v1/chat/completions", json={"model": MODEL, "messages": PROMPT,
                                                                       "max_tokens": 1})
             assert reply.status_code == 200
-    with caplog.at_level("INFO", logger="gateway.chat_service"):
+    with caplog.at_level("INFO", logger="gateway.core"):
         run(main())
     assert any("gateway is open" in r.getMessage() for r in caplog.records)

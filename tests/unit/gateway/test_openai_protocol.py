@@ -13,11 +13,11 @@ import pytest
 
 import sdk
 from engine.tokenizer import KimiTokenizer
-from gateway.chat_service import ChoiceText, TextRules
-from gateway.grpc_api import chat_body, generate_body
+from gateway.grpc_translate import chat_body, generate_body
 from gateway.mesh_client import TokenEvent
-from gateway.openai_protocol import (ApiError, ChatCompletionRequest, mesh_api_error, parse_chat, parse_completion,
-                                     parse_detokenize, parse_tokenize, sampling_from_chat)
+from gateway.protocol import (ApiError, ChatCompletionRequest, mesh_api_error, parse_chat, parse_completion,
+                              parse_detokenize, parse_tokenize, sampling_from_chat)
+from gateway.text import ChoiceText, TextRules
 from protos import common_pb2, gateway_pb2
 from sdk.errors import from_rpc_error
 from sdk.types import (ChatAccumulator, ChatOptions, RetryPolicy, Sampling, chat_chunk, chat_request,
