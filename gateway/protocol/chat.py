@@ -25,13 +25,13 @@ from protos import common_pb2
 __all__ = ["ChatCompletionRequest", "NamedToolChoice", "parse_chat", "sampling_from_chat"]
 
 
-class _FunctionName(RequestModel):
+class FunctionName(RequestModel):
     name: str
 
 
 class NamedToolChoice(RequestModel):
     type: Literal["function"] = "function"
-    function: _FunctionName
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingRequest):
