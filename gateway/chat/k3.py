@@ -205,7 +205,8 @@ def _content(content: str | list[dict] | None, images: _Images) -> list[Piece]:
 # Messages
 
 
-def _xtml_type(value: Any) -> str:
+def xtml_type(value: Any) -> str:
+    """The XTML `type` attribute of an argument value (a JSON value)."""
     if isinstance(value, bool):
         return "boolean"
     if value is None:
@@ -228,7 +229,7 @@ def _tool_call(call: dict, index: int) -> list[Piece]:
     if raw is not None:
         pieces += _open("json", [("type", "object")]) + [Piece(raw)] + _close("json")
     for key, value in args.items():
-        pieces += _open("argument", [("key", key), ("type", _xtml_type(value))])
+        pieces += _open("argument", [("key", key), ("type", xtml_type(value))])
         pieces += [Piece(_xtml_value(value))] + _close("argument")
     return pieces + _close("call")
 
@@ -314,15 +315,9 @@ def _response_format(response_format: Any) -> list[Piece]:
 # The renderer
 
 
-def render_pieces(
-    messages: Any,
-    tools: Any = None,
-    add_generation_prompt: bool = True,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-    tool_choice: Any = None,
-    response_format: Any = None,
-    image_sizes: Sequence[tuple[int, int]] | None = None,
-) -> list[Piece]:
+def render_pieces(messages: Any, tools: Any = None, add_generation_prompt: bool = True,
+                  chat_template_kwargs: Mapping[str, Any] | None = None, tool_choice: Any = None,
+                  response_format: Any = None, image_sizes: Sequence[tuple[int, int]] | None = None) -> list[Piece]:
     """The whole prompt as pieces (see the module docstring); raises ChatFormatError."""
     options = K3Options.from_kwargs(chat_template_kwargs)
     declared = normalize_tools(tools)
@@ -346,17 +341,9 @@ class K3Renderer:
         self._tokenizer = tokenizer
         self._special_ids = {name: special_id(tokenizer, name) for name in STRUCTURAL_TOKENS}
 
-    def render(
-        self,
-        messages: Any,
-        tools: Any = None,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        *,
-        tool_choice: Any = None,
-        response_format: Any = None,
-        image_sizes: Sequence[tuple[int, int]] | None = None,
-    ) -> RenderedPrompt:
+    def render(self, messages: Any, tools: Any = None, add_generation_prompt: bool = True,
+               chat_template_kwargs: Mapping[str, Any] | None = None, *, tool_choice: Any = None,
+               response_format: Any = None, image_sizes: Sequence[tuple[int, int]] | None = None) -> RenderedPrompt:
         pieces = render_pieces(messages, tools, add_generation_prompt, chat_template_kwargs, tool_choice,
                                response_format, image_sizes)
         ids, starts = encode_pieces(self._tokenizer, pieces, self._special_ids)
