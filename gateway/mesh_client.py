@@ -56,8 +56,7 @@ class MeshError(Exception):
 
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
-        self.code = code
-        self.message = message
+        self.code, self.message = code, message
 
 
 @dataclass(frozen=True)

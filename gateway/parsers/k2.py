@@ -96,10 +96,7 @@ class K2Stream:
             self._marker(piece)
 
     def _text(self, text: str) -> None:
-        if self._state == THINK and self._options.separate_reasoning:
-            self._out.reasoning(text)
-        else:
-            self._out.content(text)
+        self._out.text(text, as_reasoning=self._state == THINK and self._options.separate_reasoning)
 
     def _marker(self, marker: str) -> None:
         if self._state == DONE:

@@ -220,10 +220,7 @@ class K3Stream:
             self._in_block(token)
 
     def _text(self, text: str) -> None:
-        if self._state == THINK and self._options.separate_reasoning:
-            self._out.reasoning(text)
-        else:
-            self._out.content(text)
+        self._out.text(text, as_reasoning=self._state == THINK and self._options.separate_reasoning)
 
     def _in_block(self, token: Token) -> None:
         key = (token.kind, token.tag)
