@@ -156,12 +156,20 @@ class OutputStream(Protocol):
     def finish(self) -> list[DeltaMessage]: ...
 
 
-class OutputParser(Protocol):
-    """Immutable parser configuration; `stream()` starts one generation, `parse()` reads a whole one."""
+class OutputParser:
+    """One format's parser with its options. Immutable; `stream()` starts one generation, `parse()` reads a whole
+    one. A format subclasses it naming its `stream_type` (built from the options)."""
 
-    def stream(self) -> OutputStream: ...
+    stream_type: Callable[[ParserOptions], OutputStream]
 
-    def parse(self, text: str) -> ParsedOutput: ...
+    def __init__(self, options: ParserOptions | None = None) -> None:
+        self.options = options or ParserOptions()
+
+    def stream(self) -> OutputStream:
+        return self.stream_type(self.options)
+
+    def parse(self, text: str) -> ParsedOutput:
+        return parse_with(self.stream(), text)
 
 
 def parse_with(stream: OutputStream, text: str) -> ParsedOutput:

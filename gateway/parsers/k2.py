@@ -27,7 +27,8 @@ from engine.formats.markers import (K2_ARGUMENT_BEGIN as ARGUMENT_BEGIN, K2_CALL
                                     K2_CALL_END as CALL_END, K2_IM_END as IM_END, K2_OUTPUT_MARKERS as MARKERS,
                                     K2_SECTION_BEGIN as SECTION_BEGIN, K2_SECTION_END as SECTION_END,
                                     K2_THINK_CLOSE as THINK_CLOSE, K2_THINK_OPEN as THINK_OPEN)
-from gateway.parsers.base import DeltaBuilder, DeltaMessage, MarkerSplitter, ParsedOutput, ParserOptions, parse_with
+from gateway.parsers.base import DeltaBuilder, DeltaMessage, MarkerSplitter, OutputParser, ParserOptions
+
 CALL_ID_RE = re.compile(r"^(?:functions\.)?(?P<name>\S+):(?P<index>\d+)$")
 
 START, THINK, CONTENT, SECTION, CALL_ID, CALL_ARGS, DONE, RAW_SECTION = (
@@ -156,14 +157,7 @@ class K2Stream:
         self._out.content("".join(self._raw))
 
 
-class K2OutputParser:
+class K2OutputParser(OutputParser):
     """`--tool-call-parser kimi_k2` / `--reasoning-parser kimi_k2`. Immutable; `stream()` per generation."""
 
-    def __init__(self, options: ParserOptions | None = None) -> None:
-        self.options = options or ParserOptions()
-
-    def stream(self) -> K2Stream:
-        return K2Stream(self.options)
-
-    def parse(self, text: str) -> ParsedOutput:
-        return parse_with(self.stream(), text)
+    stream_type = K2Stream
