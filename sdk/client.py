@@ -35,8 +35,9 @@ import grpc
 
 from protos import gateway_pb2, gateway_pb2_grpc
 from sdk.errors import KdameshError, from_rpc_error
-from sdk.types import (ChatAccumulator, ChatOptions, CompletionAccumulator, RetryPolicy, Sampling, chat_chunk,
-                       chat_request, completion_chunk, generate_request, message_proto, model_of, tool_proto)
+from sdk.requests import chat_request, generate_request, message_proto, tool_proto
+from sdk.responses import ChatAccumulator, CompletionAccumulator, chat_chunk, completion_chunk, model_of
+from sdk.types import ChatOptions, RetryPolicy, Sampling
 
 DEFAULT_TIMEOUT_S = 600.0
 MAX_MESSAGE_BYTES = 16 << 20

@@ -20,8 +20,9 @@ from gateway.protocol import (ApiError, ChatCompletionRequest, mesh_api_error, p
 from gateway.text import ChoiceText, TextRules
 from protos import common_pb2, gateway_pb2
 from sdk.errors import from_rpc_error
-from sdk.types import (ChatAccumulator, ChatOptions, RetryPolicy, Sampling, chat_chunk, chat_request,
-                       generate_request)
+from sdk.requests import chat_request, generate_request
+from sdk.responses import ChatAccumulator, chat_chunk
+from sdk.types import ChatOptions, RetryPolicy, Sampling
 
 ROOT = Path(__file__).resolve().parents[3]
 SERVED = {"m"}
