@@ -37,11 +37,12 @@ class CompletionRun(Run):
         super().__init__(core, principal, lease, request_id, sum(len(p) for p in job.prompts), api, trace)
         self.job = job
         self.salt = salt
-        self.stream = job.stream
-        self.include_usage = job.include_usage
+        self.n = job.request.n  # choices per prompt
+        self.stream = job.request.stream
+        self.include_usage = job.request.include_usage
         rules = TextRules.of(job.sampling)
-        self.choices = {p * job.n + i: ChoiceText(core.tokenizer, rules) for p in range(len(job.prompts))
-                        for i in range(job.n)}
+        self.choices = {p * self.n + i: ChoiceText(core.tokenizer, rules) for p in range(len(job.prompts))
+                        for i in range(self.n)}
         self.sent_text = {i: 0 for i in self.choices}
         self.echoed: set[int] = set()
         self.done: set[int] = set()
@@ -61,12 +62,12 @@ class CompletionRun(Run):
         job = self.job
         request = MeshRequest(request_id=f"{self.mesh_id}-{p}", prompt_token_ids=tuple(job.prompts[p]),
                               sampling=job.sampling, model=self.model, tenant_salt=self.salt,
-                              priority=job.priority, timeout_s=self.core.config.request_timeout_s)
+                              priority=job.request.priority, timeout_s=self.core.config.request_timeout_s)
         try:
             async with aclosing(self.core.mesh.generate(request)) as events:
                 async for event in events:
                     await queue.put((p, event))
-                    if all(self.choices[p * job.n + i].finished for i in range(job.n)):
+                    if all(self.choices[p * self.n + i].finished for i in range(self.n)):
                         break  # e.g. a stop string matched here: cancel the rest
         except MeshError as exc:
             await queue.put(exc)
@@ -96,7 +97,7 @@ class CompletionRun(Run):
     async def events(self) -> AsyncIterator[CompletionEvent]:
         async for p, event in self._mesh_items():
             self._saw_tokens(event)
-            index = p * self.job.n + event.index
+            index = p * self.n + event.index
             if index in self.choices and index not in self.done:
                 out = self._event(p, index, event)
                 if out is not None:
@@ -113,7 +114,7 @@ class CompletionRun(Run):
         n_before, lp_before = len(choice.token_ids), len(choice.logprobs)
         delta = choice.add(event)
         echo = ""
-        if self.job.echo and index not in self.echoed:
+        if self.job.request.echo and index not in self.echoed:
             self.echoed.add(index)
             echo = self.prompt_echo(p)
             delta = echo + delta

@@ -178,14 +178,15 @@ class GatewayCore:
 
     def complete(self, principal: Principal, job: CompletionJob, *, api: str = "rest",
                  trace: RequestTrace | None = None) -> CompletionRun:
+        request = job.request
         if trace is not None:
-            trace.start_span("text_completion", principal.tenant, job.sampling, job.n, job.stream)
+            trace.start_span("text_completion", principal.tenant, job.sampling, request.n, request.stream)
         for prompt in job.prompts:
             check_prompt_length(len(prompt), job.max_tokens, self.max_model_len, "prompt")
-        lease = self._admit(principal, sum(len(p) for p in job.prompts), job.max_tokens, job.n * len(job.prompts),
+        lease = self._admit(principal, sum(len(p) for p in job.prompts), job.max_tokens, request.n * len(job.prompts),
                             api)
-        salt = self.tenant_salt(principal, job.cache_salt)
-        return CompletionRun(self, principal, lease, job, f"cmpl-{job.request_id or uuid.uuid4().hex}", salt, api,
+        salt = self.tenant_salt(principal, request.cache_salt)
+        return CompletionRun(self, principal, lease, job, f"cmpl-{request.request_id or uuid.uuid4().hex}", salt, api,
                              trace)
 
     # -- tokenizer and models ----------------------------------------------------------------------------------

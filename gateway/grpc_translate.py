@@ -223,7 +223,7 @@ def chat_choice(tokenizer, event: ChatEvent) -> gateway_pb2.ChatChoice:
 
 def completion_choice(tokenizer, event: CompletionEvent, job: CompletionJob) -> gateway_pb2.CompletionChoice:
     choice = gateway_pb2.CompletionChoice(
-        index=event.index, text=event.text, token_ids=event.token_ids if job.return_token_ids else [],
-        logprobs=[logprob_entry(tokenizer, lp) for lp in event.logprobs] if job.logprobs is not None else [])
+        index=event.index, text=event.text, token_ids=event.token_ids if job.request.return_token_ids else [],
+        logprobs=[logprob_entry(tokenizer, lp) for lp in event.logprobs] if job.request.logprobs is not None else [])
     _finish(choice, event)
     return choice

@@ -6,8 +6,9 @@ Contract:
   the iteration early cancels the gRPC calls in flight (decode aborts the request and frees its memory).
 - Disaggregated path (when the P/D decision says so: `gateway.routing.PDDecider`, re-exported here): `Prefill` on
   a prefill worker, then `Decode` from its handoff on a decode worker. When the first token already ends the
-  output, decode is skipped. When prefill fails with UNAVAILABLE / ABORTED / INTERNAL / UNKNOWN (cache service down, worker gone), the
-  request falls back to the colocated path on the decode worker (counted in `stats.prefill_fallbacks`).
+  output, decode is skipped. When prefill fails with UNAVAILABLE / ABORTED / INTERNAL / UNKNOWN (cache service
+  down, worker gone), the request falls back to the colocated path on the decode worker (counted in
+  `stats.prefill_fallbacks`).
 - Colocated path: `Decode` with a local prompt; the decode worker prefills with its own prefix cache.
 - The decision's inputs come from here: the chosen decode worker's prefix hit (asked with `Probe` when
   `PDDecider.needs_probe`; a failed probe counts as no hit), and the prefills this gateway has in flight.

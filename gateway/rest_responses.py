@@ -131,20 +131,20 @@ async def collect_chat(run: ChatRun) -> dict:
 
 
 def completion_chunks(run: CompletionRun, ev: CompletionEvent) -> list[dict]:
-    job = run.job
-    if not (ev.text or ev.finish_reason is not None or (job.return_token_ids and ev.token_ids)):
+    request = run.job.request
+    if not (ev.text or ev.finish_reason is not None or (request.return_token_ids and ev.token_ids)):
         return []
     logprobs = completion_logprobs(run.core.tokenizer, ev.logprobs, ev.logprob_offset) \
-        if job.logprobs is not None else None
+        if request.logprobs is not None else None
     choice = {"index": ev.index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason,
               "stop_reason": ev.stop_reason}
-    if job.return_token_ids:
+    if request.return_token_ids:
         choice["token_ids"] = ev.token_ids
     return [_chunk(run, COMPLETION.chunk_object, [choice])]
 
 
 async def collect_completion(run: CompletionRun) -> dict:
-    job, tokenizer = run.job, run.core.tokenizer
+    request, tokenizer = run.job.request, run.core.tokenizer
     texts = {i: "" for i in run.choices}
     lps: dict[int, list] = {i: [] for i in run.choices}
     offsets = {i: 0 for i in run.choices}
@@ -158,11 +158,11 @@ async def collect_completion(run: CompletionRun) -> dict:
             finish[ev.index] = (ev.finish_reason, ev.stop_reason)
     choices = []
     for index in sorted(texts):
-        logprobs = completion_logprobs(tokenizer, lps[index], offsets[index]) if job.logprobs is not None else None
+        logprobs = completion_logprobs(tokenizer, lps[index], offsets[index]) if request.logprobs is not None else None
         reason, stop_reason = finish.get(index, ("abort", None))
         choice = {"index": index, "text": texts[index], "logprobs": logprobs, "finish_reason": reason,
                   "stop_reason": stop_reason}
-        if job.return_token_ids:
+        if request.return_token_ids:
             choice["token_ids"] = list(run.choices[index].token_ids)
         choices.append(choice)
     return _response(run, "text_completion", choices)

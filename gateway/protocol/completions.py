@@ -80,21 +80,13 @@ class CompletionRequest(SamplingRequest):
 
 @dataclass
 class CompletionJob:
-    """A parsed /v1/completions request: its prompts as token ids and what the pipeline reads of the rest."""
+    """A parsed /v1/completions request: the validated body, its prompts as token ids, the mesh sampling parameters.
+    The completion limit is the sampling's (`max_tokens`: the gRPC API may lift the body's default)."""
 
+    request: CompletionRequest
     prompts: list[list[int]]
     prompt_texts: list[str | None]  # None: given as token ids
     sampling: common_pb2.SamplingParams
-    n: int = 1
-    stream: bool = False
-    include_usage: bool = False
-    echo: bool = False
-    logprobs: int | None = None
-    return_token_ids: bool = False
-    user: str | None = None
-    priority: int = 0
-    cache_salt: str | None = None
-    request_id: str | None = None
 
     @property
     def max_tokens(self) -> int | None:
@@ -110,10 +102,7 @@ def parse_completion(body: Any, tokenizer, served: set[str]) -> CompletionJob:
     structured = _structured(request)
     if structured is not None:
         sampling.structured_output.CopyFrom(structured)
-    return CompletionJob(prompts, texts, sampling, n=request.n, stream=request.stream,
-                         include_usage=request.include_usage, echo=request.echo, logprobs=request.logprobs,
-                         return_token_ids=request.return_token_ids, user=request.user, priority=request.priority,
-                         cache_salt=request.cache_salt, request_id=request.request_id)
+    return CompletionJob(request, prompts, texts, sampling)
 
 
 def _structured(request: CompletionRequest) -> common_pb2.StructuredOutput | None:

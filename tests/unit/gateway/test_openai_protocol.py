@@ -97,7 +97,9 @@ def test_tokenize_detokenize_and_completions_parsing():
 
     job = parse_completion({"model": "m", "prompt": "ab", "priority": 3, "cache_salt": "s", "user": "u",
                             "return_token_ids": True}, Tok(), SERVED)
-    assert (job.priority, job.cache_salt, job.user, job.return_token_ids, job.max_tokens) == (3, "s", "u", True, 16)
+    request = job.request
+    assert (request.priority, request.cache_salt, request.user, request.return_token_ids, job.max_tokens) == \
+           (3, "s", "u", True, 16)
 
 
 def test_mesh_errors_map_to_statuses():
