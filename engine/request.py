@@ -8,8 +8,9 @@ Contract:
   `engine.memory.manager.CacheManager`; `block_hashes` grows as full blocks of `token_ids` become known.
 - A request with `n > 1` is `n` `Request`s (ids `"{i}_{parent}"`) under one `parent_id`.
 - Output state (`OutputState`) turns sampled ids into text deltas with `IncrementalDetokenizer`, matches stop
-  strings on the text (holding back the last `max(len(stop)) - 1` characters of a stream so a stop string is never
-  emitted) and stop token ids, and decides the finish reason.
+  strings on the text with `engine.formats.stop.StopMatcher` (the gateway's rule too: a stream holds back the last
+  `max(len(stop)) - 1` characters so a stop string is never emitted) and stop token ids, and decides the finish
+  reason.
 - `grammar` (structured output only) is the sequence's `engine.structured.GrammarState`: set by `EngineCore` when
   the request is added, advanced with every sampled token, dropped when the request finishes.
 """
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.formats.stop import StopMatcher
 from engine.memory.hashing import BlockHasher
 from engine.outputs import CompletionOutput, Logprob, PositionLogprobs
 from engine.sampling import SampleResult, SamplingParams
@@ -113,7 +115,7 @@ class OutputState:
         self.tokenizer = tokenizer
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.stops = StopMatcher(params.stop, params.include_stop_str_in_output)
         self.text = ""
         self.emitted_chars = 0
         self.token_ids: list[int] = []
@@ -150,22 +152,14 @@ class OutputState:
         if self.detok is not None:
             before = len(self.text)
             self.text += self.detok.push(token)
-            if self.params.stop and min_reached and self._match_stop(before):
-                return self._finish("stop")
+            if self.stops and min_reached:
+                self.text, stop = self.stops.cut(self.text, before)
+                if stop is not None:
+                    self.stop_reason = stop
+                    return self._finish("stop")
         if num_output_tokens >= max_tokens or at_model_limit:
             return self._finish("length")
         return None
-
-    def _match_stop(self, old_len: int) -> bool:
-        start = max(0, old_len - self.holdback)
-        found = [(self.text.find(s, start), s) for s in self.params.stop]
-        found = [(i, s) for i, s in found if i >= 0]
-        if not found:
-            return False
-        i, s = min(found)
-        self.text = self.text[: i + len(s)] if self.params.include_stop_str_in_output else self.text[:i]
-        self.stop_reason = s
-        return True
 
     def _finish(self, reason: str) -> str:
         if reason != "stop" and self.detok is not None:
@@ -189,7 +183,7 @@ class OutputState:
     def take_delta(self, index: int) -> CompletionOutput:
         """A `CompletionOutput` with the cumulative state and the delta since the last call."""
         finished = self.finish_reason is not None
-        visible = len(self.text) if finished else max(self.emitted_chars, len(self.text) - self.holdback)
+        visible = self.stops.visible_end(len(self.text), self.emitted_chars, finished)
         delta_text = self.text[self.emitted_chars:visible]
         delta_ids = self.token_ids[self.emitted_tokens:]
         delta_lp = self.logprobs[self.emitted_tokens:] if self.logprobs is not None else None

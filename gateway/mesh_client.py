@@ -1,17 +1,17 @@
-"""The gateway's client of the mesh: the P/D decision, prefill -> decode orchestration, and token events.
+"""The gateway's client of the mesh: prefill -> decode orchestration (after the P/D decision), and token events.
 
 Contract:
 - `MeshClient.generate(request)` is an async iterator of `TokenEvent`s for one prompt: every completion token of
   every choice in order, a choice's last event with its `finish_reason`, and `usage` on the very last event. Leaving
   the iteration early cancels the gRPC calls in flight (decode aborts the request and frees its memory).
-- Disaggregated path (prefill workers configured, `n == 1`, and the `PDDecider` says so): `Prefill` on a prefill
-  worker, then `Decode` from its handoff on a decode worker. When the first token already ends the output, decode is
-  skipped. When prefill fails with UNAVAILABLE / ABORTED / INTERNAL / UNKNOWN (cache service down, worker gone), the
-  request falls back to the colocated path on the decode worker (counted in `stats.prefill_fallbacks`).
+- Disaggregated path (when the P/D decision says so: `gateway.routing.PDDecider`, re-exported here): `Prefill` on
+  a prefill worker, then `Decode` from its handoff on a decode worker. When the first token already ends the
+  output, decode is skipped. When prefill fails with UNAVAILABLE / ABORTED / INTERNAL / UNKNOWN (cache service
+  down, worker gone), the request falls back to the colocated path on the decode worker (counted in
+  `stats.prefill_fallbacks`).
 - Colocated path: `Decode` with a local prompt; the decode worker prefills with its own prefix cache.
-- `PDDecider`: remote prefill only when at least `min_uncached_tokens` prompt tokens are not in the chosen decode
-  worker's prefix cache (asked with `Probe`, skipped when the prompt itself is shorter than the threshold) and fewer
-  than `max_prefill_inflight` prefills are in flight (0: no limit).
+- The decision's inputs come from here: the chosen decode worker's prefix hit (asked with `Probe` when
+  `PDDecider.needs_probe`; a failed probe counts as no hit), and the prefills this gateway has in flight.
 - Errors: `MeshError` with the gRPC status code and message of the failing call (INVALID_ARGUMENT, NOT_FOUND,
   DEADLINE_EXCEEDED, UNAVAILABLE, ...); the REST layer maps it to an HTTP status.
 - Worker choice (`gateway.routing.Router`, one per pool): the healthy worker of least cost = uncached prompt blocks
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.routing import NoHealthyWorker, Router, RouterConfig, prompt_block_hashes
+from gateway.routing import NoHealthyWorker, PDDecider, Router, RouterConfig, prompt_block_hashes
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from telemetry.rpc import client_interceptors
 
@@ -57,8 +57,7 @@ class MeshError(Exception):
 
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
-        self.code = code
-        self.message = message
+        self.code, self.message = code, message
 
 
 @dataclass(frozen=True)
@@ -82,27 +81,6 @@ class TokenEvent:
     usage: common_pb2.Usage | None = None  # on the last event of the request
     cached_tokens: int | None = None  # prompt tokens served from the cache; on the first event of the request
     route: str = ""  # on the last event: "remote" | "local" | "fallback"
-
-
-@dataclass(frozen=True)
-class PDDecider:
-    """Chooses remote prefill ("remote") or prefill on the decode worker ("local")."""
-
-    min_uncached_tokens: int = 256
-    max_prefill_inflight: int = 0  # 0: no limit
-
-    def needs_probe(self, num_prompt_tokens: int) -> bool:
-        """Whether the decode worker's prefix hit can change the decision (the prompt reaches the threshold)."""
-        return self.min_uncached_tokens > 0 and num_prompt_tokens >= self.min_uncached_tokens
-
-    def decide(self, num_prompt_tokens: int, n: int, cached_tokens: int, prefill_inflight: int,
-               have_prefill: bool) -> str:
-        if not have_prefill or n != 1:
-            return "local"
-        if self.max_prefill_inflight and prefill_inflight >= self.max_prefill_inflight:
-            return "local"
-        uncached = num_prompt_tokens - cached_tokens
-        return "remote" if uncached >= self.min_uncached_tokens else "local"
 
 
 @dataclass
@@ -235,19 +213,24 @@ class MeshClient:
         return any(self.prefill_router.is_healthy(a) for a in self.prefill_router.addresses)
 
     async def _route(self, req: MeshRequest, decoder: _Worker, deadline: float | None) -> str:
-        n = len(req.prompt_token_ids)
-        if self.prefill_router is None or (req.sampling.n or 1) != 1 or not self._any_prefill_healthy():
-            return "local"
+        """The P/D decision for this request ("remote" or "local"), with its inputs gathered here."""
+        n, choices = len(req.prompt_token_ids), req.sampling.n or 1
+        have_prefill = self.prefill_router is not None and self._any_prefill_healthy()
         cached = 0
-        if self.decider.needs_probe(n):
-            try:
-                probe = await decoder.stub.Probe(
-                    decode_pb2.ProbeRequest(model=req.model, prompt=common_pb2.TokenIds(ids=req.prompt_token_ids),
-                                            tenant_salt=req.tenant_salt), timeout=_remaining(deadline, PROBE_TIMEOUT_S))
-                cached = probe.cached_tokens
-            except grpc.aio.AioRpcError as exc:
-                log.debug("probe of %s failed: %s", decoder.address, exc.code().name)
-        return self.decider.decide(n, 1, cached, self._prefill_inflight(), have_prefill=True)
+        if self.decider.needs_probe(n, choices, have_prefill):
+            cached = await self._probe(req, decoder, deadline)
+        inflight = self._prefill_inflight() if have_prefill else 0
+        return self.decider.decide(n, choices, cached, inflight, have_prefill=have_prefill)
+
+    async def _probe(self, req: MeshRequest, decoder: _Worker, deadline: float | None) -> int:
+        """Prompt tokens in the decode worker's prefix cache (0 when the probe fails)."""
+        request = decode_pb2.ProbeRequest(model=req.model, prompt=common_pb2.TokenIds(ids=req.prompt_token_ids),
+                                          tenant_salt=req.tenant_salt)
+        try:
+            return (await decoder.stub.Probe(request, timeout=_remaining(deadline, PROBE_TIMEOUT_S))).cached_tokens
+        except grpc.aio.AioRpcError as exc:
+            log.debug("probe of %s failed: %s", decoder.address, exc.code().name)
+            return 0
 
     async def _prefill(self, req: MeshRequest, hashes: list[bytes],
                        deadline: float | None) -> prefill_pb2.PrefillResponse | None:

@@ -15,8 +15,12 @@ Contract:
   Marking a worker unhealthy forgets its remembered prefixes (it may come back with an empty cache); its in-flight
   count stays until those requests `finish`.
 - Thread-safe; nothing blocks. Unknown addresses raise `KeyError`.
-- `should_prefill_remotely(...)` is the P/D decision: remote prefill unless prefill is saturated or fewer than
-  `min_uncached_tokens` prompt tokens are uncached on the decode worker.
+- The P/D decision (`PDDecider`, used by `gateway.mesh_client.MeshClient` for every request): prefill on the decode
+  worker ("local") when there is no healthy prefill worker, the request has `n > 1`, or prefill is saturated
+  (`max_prefill_inflight` prefills in flight from this gateway; 0: no limit); else remote prefill exactly when at
+  least `min_uncached_tokens` prompt tokens are not in the chosen decode worker's prefix cache
+  (`should_prefill_remotely`). The decode worker is asked what it holds (`Probe`) only when the answer can change
+  the decision (`needs_probe`: the prompt reaches the threshold).
 """
 
 from __future__ import annotations
@@ -186,3 +190,30 @@ def should_prefill_remotely(uncached_tokens: int, min_uncached_tokens: int, pref
     if uncached_tokens < 0:
         raise ValueError(f"uncached_tokens must be >= 0, got {uncached_tokens}")
     return not prefill_saturated and uncached_tokens >= min_uncached_tokens
+
+
+@dataclass(frozen=True)
+class PDDecider:
+    """Chooses remote prefill ("remote") or prefill on the decode worker ("local"); see the module docstring."""
+
+    min_uncached_tokens: int = 256
+    max_prefill_inflight: int = 0  # 0: no limit
+
+    def __post_init__(self):
+        if self.min_uncached_tokens < 0 or self.max_prefill_inflight < 0:
+            raise ValueError("min_uncached_tokens and max_prefill_inflight must be >= 0")
+
+    def needs_probe(self, num_prompt_tokens: int, n: int = 1, have_prefill: bool = True) -> bool:
+        """Whether the decode worker's prefix hit can change the decision (remote prefill is possible and the
+        prompt reaches the threshold)."""
+        return (have_prefill and n == 1 and self.min_uncached_tokens > 0
+                and num_prompt_tokens >= self.min_uncached_tokens)
+
+    def decide(self, num_prompt_tokens: int, n: int, cached_tokens: int, prefill_inflight: int,
+               have_prefill: bool) -> str:
+        """"remote" or "local" for a prompt of which `cached_tokens` are in the decode worker's prefix cache."""
+        if not have_prefill or n != 1:
+            return "local"
+        saturated = bool(self.max_prefill_inflight) and prefill_inflight >= self.max_prefill_inflight
+        uncached = max(0, num_prompt_tokens - cached_tokens)
+        return "remote" if should_prefill_remotely(uncached, self.min_uncached_tokens, saturated) else "local"

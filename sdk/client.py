@@ -16,6 +16,9 @@ Contract (both clients):
   early (`close()` / `aclose()`, leaving a `with`/`async with` block, garbage collection) cancels the call, which
   aborts the request in the mesh.
 - `models()`, `tokenize(...)`, `detokenize(...)` mirror `/v1/models`, `/tokenize`, `/detokenize`.
+- `AsyncClient` has the same methods; each returns an awaitable of what `Client`'s returns (the streams: async
+  iterators). Both are written once (`_Api`: what each call sends and how its replies map); a client only says
+  how a call runs (`_unary`, `_stream`, `_collect`: blocking or asyncio).
 """
 
 from __future__ import annotations
@@ -24,60 +27,152 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from protos import gateway_pb2, gateway_pb2_grpc
 from sdk.errors import KdameshError, from_rpc_error
-from sdk.types import (ChatAccumulator, ChatChunk, ChatCompletion, ChatOptions, Completion, CompletionAccumulator,
-                       CompletionChunk, Model, RetryPolicy, Sampling, chat_chunk, chat_request, completion_chunk,
-                       generate_request, message_proto, model_of, tool_proto)
+from sdk.requests import chat_request, generate_request, message_proto, tool_proto
+from sdk.responses import ChatAccumulator, CompletionAccumulator, chat_chunk, completion_chunk, model_of
+from sdk.types import ChatOptions, RetryPolicy, Sampling
 
 DEFAULT_TIMEOUT_S = 600.0
 MAX_MESSAGE_BYTES = 16 << 20
 _UNSET: Any = object()
+Messages = Iterable[Mapping[str, Any]]
+Tools = Sequence[Mapping[str, Any]] | None
+JsonObject = Mapping[str, Any] | None
 
 
-class _Base:
+@dataclass(frozen=True)
+class _Call:
+    """One API call: the stub method, its request, and how a response message maps to what the caller gets."""
+
+    method: str
+    request: Any
+    reply: Callable[[Any], Any]
+
+
+class _Attempt:
+    """One attempt of a call within its deadline; `retry_wait` decides whether another follows."""
+
+    def __init__(self, number: int, deadline: float | None, retry: RetryPolicy, rng: random.Random):
+        self.number, self.deadline, self.retry, self.rng = number, deadline, retry, rng
+        self.received = False  # a response arrived: the call is never retried
+
+    def timeout(self) -> float | None:
+        return None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
+
+    def retry_wait(self, error: grpc.RpcError) -> float:
+        """Seconds to wait before the next attempt; raises the SDK error when there is none."""
+        if not self.received and error.code() == grpc.StatusCode.UNAVAILABLE and \
+                self.number < self.retry.max_attempts:
+            wait = self.retry.backoff(self.number, self.rng.random())
+            if self.deadline is None or time.monotonic() + wait < self.deadline:
+                return wait
+        raise from_rpc_error(error) from None
+
+    def relay(self, stream: Iterator, reply: Callable[[Any], Any]) -> Iterator:
+        """The mapped messages of a blocking stream; the call is cancelled when the iteration ends."""
+        try:
+            for message in stream:
+                self.received = True
+                yield reply(message)
+        finally:
+            stream.cancel()
+
+
+def _models(reply: gateway_pb2.ListModelsResponse) -> list:
+    return [model_of(card) for card in reply.models]
+
+
+class _Api:
+    """The API of both clients (see the module contract); a subclass runs the calls."""
+
     def __init__(self, target: str, api_key: str | None, timeout: float | None, retry: RetryPolicy):
         self.target = target
         self._api_key = api_key
         self.timeout = timeout
         self.retry = retry
         self._random = random.Random()
+        self._stub: gateway_pb2_grpc.GenerationStub | None = None
 
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self._api_key}"),) if self._api_key else ()
-
-    def _deadline(self, timeout: float | None) -> float | None:
+    def _attempts(self, timeout: float | None) -> Iterator[_Attempt]:
         timeout = self.timeout if timeout is _UNSET else timeout
-        return None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return (_Attempt(n, deadline, self.retry, self._random) for n in range(1, self.retry.max_attempts + 1))
 
-    @staticmethod
-    def _remaining(deadline: float | None) -> float | None:
-        return None if deadline is None else max(0.001, deadline - time.monotonic())
+    def _invoke(self, call: _Call, attempt: _Attempt):
+        metadata = (("authorization", f"Bearer {self._api_key}"),) if self._api_key else ()
+        return getattr(self._stub, call.method)(call.request, timeout=attempt.timeout(), metadata=metadata)
 
-    def _retry_wait(self, error: grpc.RpcError, attempt: int, deadline: float | None) -> float | None:
-        """Seconds to wait before the next attempt, or None when the error must be raised."""
-        if error.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self.retry.max_attempts:
-            return None
-        wait = self.retry.backoff(attempt, self._random.random())
-        if deadline is not None and time.monotonic() + wait >= deadline:
-            return None
-        return wait
+    def _unary(self, call: _Call, timeout: float | None):
+        raise NotImplementedError
 
-    @staticmethod
-    def _chat(model, messages, sampling, tools, tool_choice, parallel_tool_calls, response_format,
-              chat_template_kwargs, add_generation_prompt, cache_salt, user, priority, request_id):
+    def _stream(self, call: _Call, timeout: float | None):
+        raise NotImplementedError
+
+    def _collect(self, stream, accumulator):
+        raise NotImplementedError
+
+    # -- the API -----------------------------------------------------------------------------------------------
+
+    def models(self, *, timeout: float | None = _UNSET):
+        """The served models (`list[Model]`)."""
+        return self._unary(_Call("ListModels", gateway_pb2.ListModelsRequest(), _models), timeout)
+
+    def chat_stream(self, model: str, messages: Messages, *, sampling: Sampling | None = None, tools: Tools = None,
+                    tool_choice: str | Mapping | None = None, parallel_tool_calls: bool = True,
+                    response_format: JsonObject = None, chat_template_kwargs: JsonObject = None,
+                    add_generation_prompt: bool = True, cache_salt: str | None = None, user: str | None = None,
+                    priority: int = 0, request_id: str | None = None, timeout: float | None = _UNSET):
+        """Streams `ChatChunk`s; close the iterator to cancel the request."""
         options = ChatOptions(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
                               response_format=response_format, chat_template_kwargs=chat_template_kwargs,
                               add_generation_prompt=add_generation_prompt)
-        return chat_request(model, messages, sampling or Sampling(), options, cache_salt, user, priority, request_id)
+        request = chat_request(model, messages, sampling or Sampling(), options, cache_salt, user, priority,
+                               request_id)
+        return self._stream(_Call("Chat", request, chat_chunk), timeout)
 
-    @staticmethod
-    def _tokenize(model, prompt, messages, add_generation_prompt, tools, chat_template_kwargs):
+    def chat(self, model: str, messages: Messages, *, sampling: Sampling | None = None, tools: Tools = None,
+             tool_choice: str | Mapping | None = None, parallel_tool_calls: bool = True,
+             response_format: JsonObject = None, chat_template_kwargs: JsonObject = None,
+             add_generation_prompt: bool = True, cache_salt: str | None = None, user: str | None = None,
+             priority: int = 0, request_id: str | None = None, timeout: float | None = _UNSET):
+        """The whole `ChatCompletion` (the stream, folded)."""
+        stream = self.chat_stream(model, messages, sampling=sampling, tools=tools, tool_choice=tool_choice,
+                                  parallel_tool_calls=parallel_tool_calls, response_format=response_format,
+                                  chat_template_kwargs=chat_template_kwargs,
+                                  add_generation_prompt=add_generation_prompt, cache_salt=cache_salt, user=user,
+                                  priority=priority, request_id=request_id, timeout=timeout)
+        return self._collect(stream, ChatAccumulator())
+
+    def generate_stream(self, model: str, prompt: str | Sequence[int], *, sampling: Sampling | None = None,
+                        echo: bool = False, return_token_ids: bool = False, cache_salt: str | None = None,
+                        user: str | None = None, priority: int = 0, request_id: str | None = None,
+                        timeout: float | None = _UNSET):
+        """Streams `CompletionChunk`s; close the iterator to cancel the request."""
+        request = generate_request(model, prompt, sampling or Sampling(), echo, return_token_ids, cache_salt, user,
+                                   priority, request_id)
+        return self._stream(_Call("Generate", request, completion_chunk), timeout)
+
+    def generate(self, model: str, prompt: str | Sequence[int], *, sampling: Sampling | None = None,
+                 echo: bool = False, return_token_ids: bool = False, cache_salt: str | None = None,
+                 user: str | None = None, priority: int = 0, request_id: str | None = None,
+                 timeout: float | None = _UNSET):
+        """The whole `Completion` (the stream, folded)."""
+        stream = self.generate_stream(model, prompt, sampling=sampling, echo=echo, return_token_ids=return_token_ids,
+                                      cache_salt=cache_salt, user=user, priority=priority, request_id=request_id,
+                                      timeout=timeout)
+        return self._collect(stream, CompletionAccumulator())
+
+    def tokenize(self, model: str, *, prompt: str | None = None, messages: Messages | None = None,
+                 add_generation_prompt: bool = True, tools: Tools = None, chat_template_kwargs: JsonObject = None,
+                 timeout: float | None = _UNSET):
+        """The prompt's token ids (`list[int]`): a text as /v1/completions reads it, or a rendered chat."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt and messages")
         request = gateway_pb2.TokenizeRequest(
@@ -88,10 +183,17 @@ class _Base:
             request.prompt = prompt
         else:
             request.messages.CopyFrom(gateway_pb2.ChatMessages(messages=[message_proto(m) for m in messages]))
-        return request
+        return self._unary(_Call("Tokenize", request, lambda reply: list(reply.token_ids)), timeout)
+
+    def detokenize(self, model: str, token_ids: Sequence[int], *, skip_special_tokens: bool = False,
+                   timeout: float | None = _UNSET):
+        """The text of these token ids (`str`)."""
+        request = gateway_pb2.DetokenizeRequest(model=model, token_ids=list(token_ids),
+                                                skip_special_tokens=skip_special_tokens)
+        return self._unary(_Call("Detokenize", request, lambda reply: reply.text), timeout)
 
 
-class Client(_Base):
+class Client(_Api):
     """Blocking client; see the module contract."""
 
     def __init__(self, target: str, *, api_key: str | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
@@ -111,108 +213,28 @@ class Client(_Base):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- plumbing ----------------------------------------------------------------------------------------------
-
-    def _unary(self, method, request, timeout):
-        deadline = self._deadline(timeout)
-        attempt = 0
-        while True:
-            attempt += 1
+    def _unary(self, call: _Call, timeout: float | None):
+        for attempt in self._attempts(timeout):
             try:
-                return method(request, timeout=self._remaining(deadline), metadata=self._metadata())
+                return call.reply(self._invoke(call, attempt))
             except grpc.RpcError as error:
-                wait = self._retry_wait(error, attempt, deadline)
-                if wait is None:
-                    raise from_rpc_error(error) from None
-                time.sleep(wait)
+                time.sleep(attempt.retry_wait(error))
 
-    def _stream(self, method, request, timeout) -> Iterator:
-        deadline = self._deadline(timeout)
-        attempt = 0
-        while True:
-            attempt += 1
-            call = method(request, timeout=self._remaining(deadline), metadata=self._metadata())
-            received = False
+    def _stream(self, call: _Call, timeout: float | None) -> Iterator:
+        for attempt in self._attempts(timeout):
             try:
-                for message in call:
-                    received = True
-                    yield message
+                yield from attempt.relay(self._invoke(call, attempt), call.reply)
                 return
             except grpc.RpcError as error:
-                wait = None if received else self._retry_wait(error, attempt, deadline)
-                if wait is None:
-                    raise from_rpc_error(error) from None
-            finally:
-                call.cancel()
-            time.sleep(wait)
+                time.sleep(attempt.retry_wait(error))
 
-    # -- the API -----------------------------------------------------------------------------------------------
-
-    def models(self, *, timeout: float | None = _UNSET) -> list[Model]:
-        reply = self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest(), timeout)
-        return [model_of(card) for card in reply.models]
-
-    def chat_stream(self, model: str, messages: Iterable[Mapping[str, Any]], *, sampling: Sampling | None = None,
-                    tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str | Mapping | None = None,
-                    parallel_tool_calls: bool = True, response_format: Mapping[str, Any] | None = None,
-                    chat_template_kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True,
-                    cache_salt: str | None = None, user: str | None = None, priority: int = 0,
-                    request_id: str | None = None, timeout: float | None = _UNSET) -> Iterator[ChatChunk]:
-        """Streams `ChatChunk`s; close the iterator to cancel the request."""
-        request = self._chat(model, messages, sampling, tools, tool_choice, parallel_tool_calls, response_format,
-                             chat_template_kwargs, add_generation_prompt, cache_salt, user, priority, request_id)
-        return (chat_chunk(m) for m in self._stream(self._stub.Chat, request, timeout))
-
-    def chat(self, model: str, messages: Iterable[Mapping[str, Any]], *, sampling: Sampling | None = None,
-             tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str | Mapping | None = None,
-             parallel_tool_calls: bool = True, response_format: Mapping[str, Any] | None = None,
-             chat_template_kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True,
-             cache_salt: str | None = None, user: str | None = None, priority: int = 0,
-             request_id: str | None = None, timeout: float | None = _UNSET) -> ChatCompletion:
-        acc = ChatAccumulator()
-        for chunk in self.chat_stream(model, messages, sampling=sampling, tools=tools, tool_choice=tool_choice,
-                                      parallel_tool_calls=parallel_tool_calls, response_format=response_format,
-                                      chat_template_kwargs=chat_template_kwargs,
-                                      add_generation_prompt=add_generation_prompt, cache_salt=cache_salt, user=user,
-                                      priority=priority, request_id=request_id, timeout=timeout):
-            acc.add(chunk)
-        return acc.result()
-
-    def generate_stream(self, model: str, prompt: str | Sequence[int], *, sampling: Sampling | None = None,
-                        echo: bool = False, return_token_ids: bool = False, cache_salt: str | None = None,
-                        user: str | None = None, priority: int = 0, request_id: str | None = None,
-                        timeout: float | None = _UNSET) -> Iterator[CompletionChunk]:
-        request = generate_request(model, prompt, sampling or Sampling(), echo, return_token_ids, cache_salt, user,
-                                   priority, request_id)
-        return (completion_chunk(m) for m in self._stream(self._stub.Generate, request, timeout))
-
-    def generate(self, model: str, prompt: str | Sequence[int], *, sampling: Sampling | None = None,
-                 echo: bool = False, return_token_ids: bool = False, cache_salt: str | None = None,
-                 user: str | None = None, priority: int = 0, request_id: str | None = None,
-                 timeout: float | None = _UNSET) -> Completion:
-        acc = CompletionAccumulator()
-        for chunk in self.generate_stream(model, prompt, sampling=sampling, echo=echo,
-                                          return_token_ids=return_token_ids, cache_salt=cache_salt, user=user,
-                                          priority=priority, request_id=request_id, timeout=timeout):
-            acc.add(chunk)
-        return acc.result()
-
-    def tokenize(self, model: str, *, prompt: str | None = None,
-                 messages: Iterable[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
-                 tools: Sequence[Mapping[str, Any]] | None = None,
-                 chat_template_kwargs: Mapping[str, Any] | None = None,
-                 timeout: float | None = _UNSET) -> list[int]:
-        request = self._tokenize(model, prompt, messages, add_generation_prompt, tools, chat_template_kwargs)
-        return list(self._unary(self._stub.Tokenize, request, timeout).token_ids)
-
-    def detokenize(self, model: str, token_ids: Sequence[int], *, skip_special_tokens: bool = False,
-                   timeout: float | None = _UNSET) -> str:
-        request = gateway_pb2.DetokenizeRequest(model=model, token_ids=list(token_ids),
-                                                skip_special_tokens=skip_special_tokens)
-        return self._unary(self._stub.Detokenize, request, timeout).text
+    def _collect(self, stream: Iterator, accumulator):
+        for chunk in stream:
+            accumulator.add(chunk)
+        return accumulator.result()
 
 
-class AsyncClient(_Base):
+class AsyncClient(_Api):
     """asyncio client (grpc.aio); the same API as `Client` with `await` / `async for`. Create it inside the event
     loop that uses it."""
 
@@ -233,121 +255,34 @@ class AsyncClient(_Base):
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _unary(self, method, request, timeout):
-        deadline = self._deadline(timeout)
-        attempt = 0
-        while True:
-            attempt += 1
+    async def _unary(self, call: _Call, timeout: float | None):
+        for attempt in self._attempts(timeout):
             try:
-                return await method(request, timeout=self._remaining(deadline), metadata=self._metadata())
+                return call.reply(await self._invoke(call, attempt))
             except grpc.RpcError as error:
-                wait = self._retry_wait(error, attempt, deadline)
-                if wait is None:
-                    raise from_rpc_error(error) from None
-            await asyncio.sleep(wait)
+                await asyncio.sleep(attempt.retry_wait(error))
 
-    async def _stream(self, method, request, timeout) -> AsyncIterator:
-        deadline = self._deadline(timeout)
-        attempt = 0
-        while True:
-            attempt += 1
-            call = method(request, timeout=self._remaining(deadline), metadata=self._metadata())
-            received = False
+    async def _stream(self, call: _Call, timeout: float | None) -> AsyncIterator:
+        for attempt in self._attempts(timeout):
+            stream = self._invoke(call, attempt)
             try:
-                async for message in call:
-                    received = True
-                    yield message
+                async for message in stream:
+                    attempt.received = True
+                    yield call.reply(message)
                 return
             except grpc.RpcError as error:
-                wait = None if received else self._retry_wait(error, attempt, deadline)
-                if wait is None:
-                    raise from_rpc_error(error) from None
+                wait = attempt.retry_wait(error)
             finally:
-                call.cancel()
+                stream.cancel()
             await asyncio.sleep(wait)
 
-    async def models(self, *, timeout: float | None = _UNSET) -> list[Model]:
-        reply = await self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest(), timeout)
-        return [model_of(card) for card in reply.models]
-
-    async def chat_stream(self, model: str, messages: Iterable[Mapping[str, Any]], *,
-                          sampling: Sampling | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
-                          tool_choice: str | Mapping | None = None, parallel_tool_calls: bool = True,
-                          response_format: Mapping[str, Any] | None = None,
-                          chat_template_kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True,
-                          cache_salt: str | None = None, user: str | None = None, priority: int = 0,
-                          request_id: str | None = None, timeout: float | None = _UNSET
-                          ) -> AsyncIterator[ChatChunk]:
-        """An async iterator of `ChatChunk`s (`aclose()` it to cancel the request)."""
-        request = self._chat(model, messages, sampling, tools, tool_choice, parallel_tool_calls, response_format,
-                             chat_template_kwargs, add_generation_prompt, cache_salt, user, priority, request_id)
-        stream = self._stream(self._stub.Chat, request, timeout)
-        try:
-            async for message in stream:
-                yield chat_chunk(message)
-        finally:
-            await stream.aclose()
-
-    async def chat(self, model: str, messages: Iterable[Mapping[str, Any]], *, sampling: Sampling | None = None,
-                   tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str | Mapping | None = None,
-                   parallel_tool_calls: bool = True, response_format: Mapping[str, Any] | None = None,
-                   chat_template_kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True,
-                   cache_salt: str | None = None, user: str | None = None, priority: int = 0,
-                   request_id: str | None = None, timeout: float | None = _UNSET) -> ChatCompletion:
-        acc = ChatAccumulator()
-        stream = self.chat_stream(model, messages, sampling=sampling, tools=tools, tool_choice=tool_choice,
-                                  parallel_tool_calls=parallel_tool_calls, response_format=response_format,
-                                  chat_template_kwargs=chat_template_kwargs,
-                                  add_generation_prompt=add_generation_prompt, cache_salt=cache_salt, user=user,
-                                  priority=priority, request_id=request_id, timeout=timeout)
+    async def _collect(self, stream: AsyncIterator, accumulator):
         try:
             async for chunk in stream:
-                acc.add(chunk)
+                accumulator.add(chunk)
         finally:
             await stream.aclose()
-        return acc.result()
-
-    async def generate_stream(self, model: str, prompt: str | Sequence[int], *, sampling: Sampling | None = None,
-                              echo: bool = False, return_token_ids: bool = False, cache_salt: str | None = None,
-                              user: str | None = None, priority: int = 0, request_id: str | None = None,
-                              timeout: float | None = _UNSET) -> AsyncIterator[CompletionChunk]:
-        request = generate_request(model, prompt, sampling or Sampling(), echo, return_token_ids, cache_salt, user,
-                                   priority, request_id)
-        stream = self._stream(self._stub.Generate, request, timeout)
-        try:
-            async for message in stream:
-                yield completion_chunk(message)
-        finally:
-            await stream.aclose()
-
-    async def generate(self, model: str, prompt: str | Sequence[int], *, sampling: Sampling | None = None,
-                       echo: bool = False, return_token_ids: bool = False, cache_salt: str | None = None,
-                       user: str | None = None, priority: int = 0, request_id: str | None = None,
-                       timeout: float | None = _UNSET) -> Completion:
-        acc = CompletionAccumulator()
-        stream = self.generate_stream(model, prompt, sampling=sampling, echo=echo, return_token_ids=return_token_ids,
-                                      cache_salt=cache_salt, user=user, priority=priority, request_id=request_id,
-                                      timeout=timeout)
-        try:
-            async for chunk in stream:
-                acc.add(chunk)
-        finally:
-            await stream.aclose()
-        return acc.result()
-
-    async def tokenize(self, model: str, *, prompt: str | None = None,
-                       messages: Iterable[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
-                       tools: Sequence[Mapping[str, Any]] | None = None,
-                       chat_template_kwargs: Mapping[str, Any] | None = None,
-                       timeout: float | None = _UNSET) -> list[int]:
-        request = self._tokenize(model, prompt, messages, add_generation_prompt, tools, chat_template_kwargs)
-        return list((await self._unary(self._stub.Tokenize, request, timeout)).token_ids)
-
-    async def detokenize(self, model: str, token_ids: Sequence[int], *, skip_special_tokens: bool = False,
-                         timeout: float | None = _UNSET) -> str:
-        request = gateway_pb2.DetokenizeRequest(model=model, token_ids=list(token_ids),
-                                                skip_special_tokens=skip_special_tokens)
-        return (await self._unary(self._stub.Detokenize, request, timeout)).text
+        return accumulator.result()
 
 
 __all__ = ["AsyncClient", "Client", "KdameshError"]

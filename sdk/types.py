@@ -1,30 +1,19 @@
-"""Typed values of the kdamesh SDK: what you pass (`Sampling`, `RetryPolicy`) and what you get back (chunks,
-completions, models), plus the conversions to and from the protos of `protos/gateway.proto`.
+"""Typed values of the kdamesh SDK: what you pass (`Sampling`, `RetryPolicy`, `ChatOptions`) and what you get back
+(chunks, completions, models). The conversions to and from the protos of `protos/gateway.proto` are in
+`sdk.requests` and `sdk.responses`.
 
 Messages, tools, `tool_choice` and `response_format` are given in the OpenAI shape (plain dicts), exactly as to the
-REST API; `chat_request` / `generate_request` turn them into protos and refuse what cannot be expressed
-(`ValueError`, before any network call).
+REST API.
 """
 
 from __future__ import annotations
 
-import base64
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from protos import common_pb2, gateway_pb2
-
-FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-                common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls", common_pb2.FINISH_REASON_ABORT: "abort",
-                common_pb2.FINISH_REASON_ERROR: "error"}
-TOOL_MODES = {"auto": gateway_pb2.ToolChoice.MODE_AUTO, "none": gateway_pb2.ToolChoice.MODE_NONE,
-              "required": gateway_pb2.ToolChoice.MODE_REQUIRED}
-FORMAT_TYPES = {"text": gateway_pb2.ResponseFormat.TYPE_TEXT,
-                "json_object": gateway_pb2.ResponseFormat.TYPE_JSON_OBJECT,
-                "json_schema": gateway_pb2.ResponseFormat.TYPE_JSON_SCHEMA}
-
+from protos import common_pb2
 
 # -- inputs ------------------------------------------------------------------------------------------------------
 
@@ -92,6 +81,18 @@ class RetryPolicy:
         return base * (1 + self.jitter * (2 * rand - 1))
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """Chat-only options (OpenAI shapes)."""
+
+    tools: Sequence[Mapping[str, Any]] | None = None
+    tool_choice: str | Mapping[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    response_format: Mapping[str, Any] | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
 # -- outputs -----------------------------------------------------------------------------------------------------
 
 
@@ -135,6 +136,31 @@ class ToolCall:
         return json.loads(self.arguments)
 
 
+C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class _Chunk(Generic[C]):
+    """One streamed message: its response's id, model and creation time, its choices, and `usage` on the last."""
+
+    id: str
+    model: str
+    created: int
+    choices: tuple[C, ...]
+    usage: Usage | None
+
+
+@dataclass
+class _Whole(Generic[C]):
+    """A whole response: the stream folded (`ChatAccumulator`, `CompletionAccumulator`)."""
+
+    id: str
+    model: str
+    created: int
+    choices: list[C]
+    usage: Usage | None
+
+
 @dataclass(frozen=True)
 class ChatChunkChoice:
     index: int
@@ -148,12 +174,8 @@ class ChatChunkChoice:
 
 
 @dataclass(frozen=True)
-class ChatChunk:
-    id: str
-    model: str
-    created: int
-    choices: tuple[ChatChunkChoice, ...]
-    usage: Usage | None
+class ChatChunk(_Chunk[ChatChunkChoice]):
+    """One message of a chat stream."""
 
 
 @dataclass
@@ -174,12 +196,8 @@ class ChatChoice:
 
 
 @dataclass
-class ChatCompletion:
-    id: str
-    model: str
-    created: int
-    choices: list[ChatChoice]
-    usage: Usage | None
+class ChatCompletion(_Whole[ChatChoice]):
+    """A whole chat completion."""
 
 
 @dataclass(frozen=True)
@@ -193,12 +211,8 @@ class CompletionChunkChoice:
 
 
 @dataclass(frozen=True)
-class CompletionChunk:
-    id: str
-    model: str
-    created: int
-    choices: tuple[CompletionChunkChoice, ...]
-    usage: Usage | None
+class CompletionChunk(_Chunk[CompletionChunkChoice]):
+    """One message of a completion stream."""
 
 
 @dataclass
@@ -212,12 +226,8 @@ class CompletionChoice:
 
 
 @dataclass
-class Completion:
-    id: str
-    model: str
-    created: int
-    choices: list[CompletionChoice]
-    usage: Usage | None
+class Completion(_Whole[CompletionChoice]):
+    """A whole completion."""
 
 
 @dataclass(frozen=True)
@@ -228,213 +238,3 @@ class Model:
     max_model_len: int
     root: str
     family: str
-
-
-# -- requests ----------------------------------------------------------------------------------------------------
-
-
-def _content(content: Any) -> list[gateway_pb2.ContentPart]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [gateway_pb2.ContentPart(text=content)]
-    parts = []
-    for part in content:
-        kind = part.get("type")
-        if kind == "text":
-            parts.append(gateway_pb2.ContentPart(text=part["text"]))
-        elif kind == "image_url":
-            url = part["image_url"]["url"] if isinstance(part["image_url"], Mapping) else part["image_url"]
-            if url.startswith("data:") and ";base64," in url:
-                mime, data = url[5:].split(";base64,", 1)
-                parts.append(gateway_pb2.ContentPart(image_data=base64.b64decode(data), image_mime_type=mime))
-            else:
-                parts.append(gateway_pb2.ContentPart(image_url=url))
-        else:
-            raise ValueError(f"unsupported content part type {kind!r}")
-    return parts
-
-
-def message_proto(message: Mapping[str, Any]) -> gateway_pb2.ChatMessage:
-    """An OpenAI-shaped message dict -> ChatMessage."""
-    out = gateway_pb2.ChatMessage(role=message["role"], content=_content(message.get("content")),
-                                  name=message.get("name") or "", tool_call_id=message.get("tool_call_id") or "",
-                                  reasoning_content=message.get("reasoning_content") or message.get("reasoning")
-                                  or "")
-    for call in message.get("tool_calls") or ():
-        function = call["function"]
-        arguments = function.get("arguments", "{}")
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments)
-        out.tool_calls.append(gateway_pb2.ToolCall(id=call.get("id", ""), type=call.get("type", "function"),
-                                                   function=gateway_pb2.FunctionCall(name=function["name"],
-                                                                                     arguments=arguments)))
-    return out
-
-
-def tool_proto(tool: Mapping[str, Any]) -> gateway_pb2.Tool:
-    function = tool["function"]
-    parameters = function.get("parameters")
-    return gateway_pb2.Tool(type=tool.get("type", "function"), function=gateway_pb2.FunctionDefinition(
-        name=function["name"], description=function.get("description") or "",
-        parameters_json=json.dumps(parameters) if parameters is not None else "",
-        strict=bool(function.get("strict"))))
-
-
-def tool_choice_proto(choice: str | Mapping[str, Any]) -> gateway_pb2.ToolChoice:
-    if isinstance(choice, str):
-        if choice in TOOL_MODES:
-            return gateway_pb2.ToolChoice(mode=TOOL_MODES[choice])
-        return gateway_pb2.ToolChoice(function_name=choice)  # a bare function name
-    return gateway_pb2.ToolChoice(function_name=choice["function"]["name"])
-
-
-def response_format_proto(fmt: Mapping[str, Any]) -> gateway_pb2.ResponseFormat:
-    kind = fmt.get("type")
-    if kind not in FORMAT_TYPES:
-        raise ValueError(f"response_format type must be one of {sorted(FORMAT_TYPES)}, got {kind!r}")
-    out = gateway_pb2.ResponseFormat(type=FORMAT_TYPES[kind])
-    if kind == "json_schema":
-        spec = fmt.get("json_schema") or {}
-        out.json_schema.CopyFrom(gateway_pb2.ResponseFormat.JsonSchema(
-            name=spec.get("name") or "", description=spec.get("description") or "",
-            schema_json=json.dumps(spec.get("schema", {"type": "object"})), strict=bool(spec.get("strict"))))
-    return out
-
-
-@dataclass(frozen=True)
-class ChatOptions:
-    """Chat-only options (OpenAI shapes)."""
-
-    tools: Sequence[Mapping[str, Any]] | None = None
-    tool_choice: str | Mapping[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    response_format: Mapping[str, Any] | None = None
-    chat_template_kwargs: Mapping[str, Any] | None = None
-    add_generation_prompt: bool = True
-
-
-def chat_request(model: str, messages: Iterable[Mapping[str, Any]], sampling: Sampling, options: ChatOptions,
-                 cache_salt: str | None, user: str | None, priority: int,
-                 request_id: str | None) -> gateway_pb2.ChatRequest:
-    request = gateway_pb2.ChatRequest(
-        model=model, messages=[message_proto(m) for m in messages], sampling=sampling.to_proto(),
-        tools=[tool_proto(t) for t in options.tools or ()], parallel_tool_calls=options.parallel_tool_calls,
-        chat_template_kwargs_json=json.dumps(dict(options.chat_template_kwargs))
-        if options.chat_template_kwargs is not None else "",
-        add_generation_prompt=options.add_generation_prompt, cache_salt=cache_salt or "", user=user or "",
-        priority=priority, request_id=request_id or "")
-    if options.tool_choice is not None:
-        request.tool_choice.CopyFrom(tool_choice_proto(options.tool_choice))
-    if options.response_format is not None:
-        request.response_format.CopyFrom(response_format_proto(options.response_format))
-    return request
-
-
-def generate_request(model: str, prompt: str | Sequence[int], sampling: Sampling, echo: bool,
-                     return_token_ids: bool, cache_salt: str | None, user: str | None, priority: int,
-                     request_id: str | None) -> gateway_pb2.GenerateRequest:
-    request = gateway_pb2.GenerateRequest(model=model, sampling=sampling.to_proto(), echo=echo,
-                                          return_token_ids=return_token_ids, cache_salt=cache_salt or "",
-                                          user=user or "", priority=priority, request_id=request_id or "")
-    if isinstance(prompt, str):
-        request.text = prompt
-    else:
-        request.token_ids.CopyFrom(common_pb2.TokenIds(ids=list(prompt)))
-    return request
-
-
-# -- responses ---------------------------------------------------------------------------------------------------
-
-
-def _usage(msg) -> Usage | None:
-    if not msg.HasField("usage"):
-        return None
-    u = msg.usage
-    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
-
-
-def _logprob(entry: gateway_pb2.LogprobEntry) -> Logprob:
-    return Logprob(entry.token, entry.token_bytes, entry.token_id, entry.logprob,
-                   tuple(_logprob(t) for t in entry.top_logprobs))
-
-
-def chat_chunk(msg: gateway_pb2.ChatResponse) -> ChatChunk:
-    choices = tuple(ChatChunkChoice(
-        index=c.index, role=c.delta.role or None, content=c.delta.content,
-        reasoning_content=c.delta.reasoning_content,
-        tool_calls=tuple(ToolCallDelta(t.index, t.id or None, t.name or None, t.arguments) for t in c.delta.tool_calls),
-        logprobs=tuple(_logprob(lp) for lp in c.logprobs), finish_reason=FINISH_NAMES.get(c.finish_reason),
-        stop_reason=c.stop_reason or None) for c in msg.choices)
-    return ChatChunk(msg.id, msg.model, msg.created, choices, _usage(msg))
-
-
-def completion_chunk(msg: gateway_pb2.GenerateResponse) -> CompletionChunk:
-    choices = tuple(CompletionChunkChoice(
-        index=c.index, text=c.text, token_ids=tuple(c.token_ids), logprobs=tuple(_logprob(lp) for lp in c.logprobs),
-        finish_reason=FINISH_NAMES.get(c.finish_reason), stop_reason=c.stop_reason or None) for c in msg.choices)
-    return CompletionChunk(msg.id, msg.model, msg.created, choices, _usage(msg))
-
-
-class ChatAccumulator:
-    """Folds chat chunks into a `ChatCompletion` (what a non-streaming call returns)."""
-
-    def __init__(self) -> None:
-        self.id, self.model, self.created = "", "", 0
-        self.usage: Usage | None = None
-        self._choices: dict[int, ChatChoice] = {}
-        self._calls: dict[int, dict[int, dict]] = {}
-
-    def add(self, chunk: ChatChunk) -> None:
-        self.id, self.model, self.created = chunk.id, chunk.model, chunk.created
-        if chunk.usage is not None:
-            self.usage = chunk.usage
-        for c in chunk.choices:
-            choice = self._choices.setdefault(c.index, ChatChoice(c.index, ChatMessage()))
-            choice.message.content += c.content
-            choice.message.reasoning_content += c.reasoning_content
-            choice.logprobs.extend(c.logprobs)
-            for t in c.tool_calls:
-                call = self._calls.setdefault(c.index, {}).setdefault(t.index, {"id": "", "name": "",
-                                                                                 "arguments": ""})
-                call["id"] = t.id or call["id"]
-                call["name"] = t.name or call["name"]
-                call["arguments"] += t.arguments
-            if c.finish_reason is not None:
-                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
-
-    def result(self) -> ChatCompletion:
-        for index, calls in self._calls.items():
-            self._choices[index].message.tool_calls = [ToolCall(c["id"], c["name"], c["arguments"])
-                                                       for _, c in sorted(calls.items())]
-        return ChatCompletion(self.id, self.model, self.created, [c for _, c in sorted(self._choices.items())],
-                              self.usage)
-
-
-class CompletionAccumulator:
-    """Folds completion chunks into a `Completion`."""
-
-    def __init__(self) -> None:
-        self.id, self.model, self.created = "", "", 0
-        self.usage: Usage | None = None
-        self._choices: dict[int, CompletionChoice] = {}
-
-    def add(self, chunk: CompletionChunk) -> None:
-        self.id, self.model, self.created = chunk.id, chunk.model, chunk.created
-        if chunk.usage is not None:
-            self.usage = chunk.usage
-        for c in chunk.choices:
-            choice = self._choices.setdefault(c.index, CompletionChoice(c.index))
-            choice.text += c.text
-            choice.token_ids.extend(c.token_ids)
-            choice.logprobs.extend(c.logprobs)
-            if c.finish_reason is not None:
-                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
-
-    def result(self) -> Completion:
-        return Completion(self.id, self.model, self.created, [c for _, c in sorted(self._choices.items())],
-                          self.usage)
-
-
-def model_of(card: gateway_pb2.ModelCard) -> Model:
-    return Model(card.id, card.owned_by, card.created, card.max_model_len, card.root, card.family)

@@ -59,8 +59,7 @@ class ChatRenderer:
             raise ValueError("kimi_linear needs the checkpoint's chat template")
         self.family = family
         self.output_format = OUTPUT_FORMATS[family]
-        self._k3 = K3Renderer(tokenizer) if family == "kimi_k3" else None
-        self._k2 = K2Renderer(tokenizer, chat_template) if family == "kimi_linear" else None
+        self._impl = K3Renderer(tokenizer) if family == "kimi_k3" else K2Renderer(tokenizer, chat_template)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, tokenizer: Tokenizer | None = None) -> "ChatRenderer":
@@ -72,43 +71,16 @@ class ChatRenderer:
         template = load_chat_template(folder) if family == "kimi_linear" else None
         return cls(family, tokenizer, template)
 
-    def render(
-        self,
-        messages: Any,
-        tools: Any = None,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        *,
-        tool_choice: Any = None,
-        response_format: Any = None,
-        image_sizes: Sequence[tuple[int, int]] | None = None,
-    ) -> RenderedPrompt:
-        if self._k3 is not None:
-            return self._k3.render(messages, tools, add_generation_prompt, chat_template_kwargs,
-                                   tool_choice=tool_choice, response_format=response_format, image_sizes=image_sizes)
-        self._check_no_images(image_sizes)
-        return self._k2.render(messages, tools, add_generation_prompt, chat_template_kwargs)
+    def render(self, messages: Any, tools: Any = None, add_generation_prompt: bool = True,
+               chat_template_kwargs: Mapping[str, Any] | None = None, *, tool_choice: Any = None,
+               response_format: Any = None, image_sizes: Sequence[tuple[int, int]] | None = None) -> RenderedPrompt:
+        return self._impl.render(messages, tools, add_generation_prompt, chat_template_kwargs,
+                                 tool_choice=tool_choice, response_format=response_format, image_sizes=image_sizes)
 
-    def render_text(
-        self,
-        messages: Any,
-        tools: Any = None,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        *,
-        tool_choice: Any = None,
-        response_format: Any = None,
-        image_sizes: Sequence[tuple[int, int]] | None = None,
-    ) -> str:
+    def render_text(self, messages: Any, tools: Any = None, add_generation_prompt: bool = True,
+                    chat_template_kwargs: Mapping[str, Any] | None = None, *, tool_choice: Any = None,
+                    response_format: Any = None, image_sizes: Sequence[tuple[int, int]] | None = None) -> str:
         """The prompt as text (debugging); equal to `render(...).text`."""
-        if self._k3 is not None:
-            return self._k3.render_text(messages, tools, add_generation_prompt, chat_template_kwargs,
-                                        tool_choice=tool_choice, response_format=response_format,
-                                        image_sizes=image_sizes)
-        self._check_no_images(image_sizes)
-        return self._k2.render_text(messages, tools, add_generation_prompt, chat_template_kwargs)
-
-    @staticmethod
-    def _check_no_images(image_sizes: Sequence[tuple[int, int]] | None) -> None:
-        if image_sizes:
-            raise ChatFormatError("this model is text-only; images are not supported")
+        return self._impl.render_text(messages, tools, add_generation_prompt, chat_template_kwargs,
+                                      tool_choice=tool_choice, response_format=response_format,
+                                      image_sizes=image_sizes)

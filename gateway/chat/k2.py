@@ -39,13 +39,13 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from engine.formats.markers import K2_THINK_OPEN as THINK_OPEN
 from gateway.chat.base import ChatFormatError, Piece, RenderedPrompt, Tokenizer, encode_pieces
 from gateway.chat.conversation import normalize_messages, normalize_tools, options_mapping, plain_json
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 K2_TEMPLATE_ASSET = ("engine", "assets/kimi_k2_chat_template.jinja")  # package, path inside it
-THINK_OPEN = "<think>"
 RESERVED_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token", "unk_token")
 PRIVATE_USE_START = 0xE000  # escape characters are taken from here: U+E000 is the escape, then one per boundary char
 
@@ -244,8 +244,11 @@ class K2Renderer:
             raise ChatFormatError(f"chat template failed: {exc}") from exc
 
     def pieces(self, messages: Any, tools: Any = None, add_generation_prompt: bool = True,
-               chat_template_kwargs: Mapping[str, Any] | None = None) -> list[Piece]:
+               chat_template_kwargs: Mapping[str, Any] | None = None,
+               image_sizes: Sequence[tuple[int, int]] | None = None) -> list[Piece]:
         """The rendered prompt split into the template's special tokens and (unescaped) text."""
+        if image_sizes:
+            raise ChatFormatError("this model is text-only; images are not supported")
         escaped = self._render_escaped(messages, tools, add_generation_prompt, chat_template_kwargs)
         pieces: list[Piece] = []
         at = 0
@@ -259,8 +262,10 @@ class K2Renderer:
         return pieces
 
     def render(self, messages: Any, tools: Any = None, add_generation_prompt: bool = True,
-               chat_template_kwargs: Mapping[str, Any] | None = None) -> RenderedPrompt:
-        pieces = self.pieces(messages, tools, add_generation_prompt, chat_template_kwargs)
+               chat_template_kwargs: Mapping[str, Any] | None = None, *, tool_choice: Any = None,
+               response_format: Any = None, image_sizes: Sequence[tuple[int, int]] | None = None) -> RenderedPrompt:
+        """The prompt (`tool_choice` and `response_format` change nothing: the template has no such messages)."""
+        pieces = self.pieces(messages, tools, add_generation_prompt, chat_template_kwargs, image_sizes)
         ids, _ = encode_pieces(self._tokenizer, pieces, self._special_ids)
         opened_think = bool(pieces) and pieces[-1] == Piece(THINK_OPEN, special=True)
         return RenderedPrompt(
@@ -270,7 +275,8 @@ class K2Renderer:
         )
 
     def render_text(self, messages: Any, tools: Any = None, add_generation_prompt: bool = True,
-                    chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+                    chat_template_kwargs: Mapping[str, Any] | None = None, *, tool_choice: Any = None,
+                    response_format: Any = None, image_sizes: Sequence[tuple[int, int]] | None = None) -> str:
         """The prompt as text (debugging, /tokenize previews); the same text `render` returns."""
-        pieces = self.pieces(messages, tools, add_generation_prompt, chat_template_kwargs)
+        pieces = self.pieces(messages, tools, add_generation_prompt, chat_template_kwargs, image_sizes)
         return "".join(piece.text for piece in pieces)

@@ -37,6 +37,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from engine.formats.markers import (K3_CLOSE as CLOSE, K3_END_OF_MSG as END_OF_MSG, K3_MEDIA_BEGIN as MEDIA_BEGIN,
+                                    K3_MEDIA_CONTENT as MEDIA_CONTENT, K3_MEDIA_END as MEDIA_END,
+                                    K3_MEDIA_PAD as MEDIA_PAD, K3_OPEN as OPEN, K3_SEP as SEP, K3_STRUCTURAL_MARKERS)
 from gateway.chat.base import ChatFormatError, Piece, RenderedPrompt, Tokenizer, encode_pieces, special_id
 from gateway.chat.conversation import (
     arguments_object,
@@ -46,15 +49,7 @@ from gateway.chat.conversation import (
     plain_json,
 )
 
-OPEN = "<|open|>"
-CLOSE = "<|close|>"
-SEP = "<|sep|>"
-END_OF_MSG = "<|end_of_msg|>"
-MEDIA_BEGIN = "<|media_begin|>"
-MEDIA_CONTENT = "<|media_content|>"
-MEDIA_PAD = "<|media_pad|>"
-MEDIA_END = "<|media_end|>"
-STRUCTURAL_TOKENS = (OPEN, CLOSE, SEP, END_OF_MSG, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END)
+STRUCTURAL_TOKENS = K3_STRUCTURAL_MARKERS
 
 THINKING_EFFORTS = ("low", "high", "max")
 DEFAULT_THINKING_EFFORT = "max"  # the official tokenizer's apply_chat_template default
@@ -210,7 +205,8 @@ def _content(content: str | list[dict] | None, images: _Images) -> list[Piece]:
 # Messages
 
 
-def _xtml_type(value: Any) -> str:
+def xtml_type(value: Any) -> str:
+    """The XTML `type` attribute of an argument value (a JSON value)."""
     if isinstance(value, bool):
         return "boolean"
     if value is None:
@@ -233,7 +229,7 @@ def _tool_call(call: dict, index: int) -> list[Piece]:
     if raw is not None:
         pieces += _open("json", [("type", "object")]) + [Piece(raw)] + _close("json")
     for key, value in args.items():
-        pieces += _open("argument", [("key", key), ("type", _xtml_type(value))])
+        pieces += _open("argument", [("key", key), ("type", xtml_type(value))])
         pieces += [Piece(_xtml_value(value))] + _close("argument")
     return pieces + _close("call")
 
@@ -319,15 +315,9 @@ def _response_format(response_format: Any) -> list[Piece]:
 # The renderer
 
 
-def render_pieces(
-    messages: Any,
-    tools: Any = None,
-    add_generation_prompt: bool = True,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-    tool_choice: Any = None,
-    response_format: Any = None,
-    image_sizes: Sequence[tuple[int, int]] | None = None,
-) -> list[Piece]:
+def render_pieces(messages: Any, tools: Any = None, add_generation_prompt: bool = True,
+                  chat_template_kwargs: Mapping[str, Any] | None = None, tool_choice: Any = None,
+                  response_format: Any = None, image_sizes: Sequence[tuple[int, int]] | None = None) -> list[Piece]:
     """The whole prompt as pieces (see the module docstring); raises ChatFormatError."""
     options = K3Options.from_kwargs(chat_template_kwargs)
     declared = normalize_tools(tools)
@@ -351,17 +341,9 @@ class K3Renderer:
         self._tokenizer = tokenizer
         self._special_ids = {name: special_id(tokenizer, name) for name in STRUCTURAL_TOKENS}
 
-    def render(
-        self,
-        messages: Any,
-        tools: Any = None,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        *,
-        tool_choice: Any = None,
-        response_format: Any = None,
-        image_sizes: Sequence[tuple[int, int]] | None = None,
-    ) -> RenderedPrompt:
+    def render(self, messages: Any, tools: Any = None, add_generation_prompt: bool = True,
+               chat_template_kwargs: Mapping[str, Any] | None = None, *, tool_choice: Any = None,
+               response_format: Any = None, image_sizes: Sequence[tuple[int, int]] | None = None) -> RenderedPrompt:
         pieces = render_pieces(messages, tools, add_generation_prompt, chat_template_kwargs, tool_choice,
                                response_format, image_sizes)
         ids, starts = encode_pieces(self._tokenizer, pieces, self._special_ids)

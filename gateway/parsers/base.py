@@ -156,12 +156,20 @@ class OutputStream(Protocol):
     def finish(self) -> list[DeltaMessage]: ...
 
 
-class OutputParser(Protocol):
-    """Immutable parser configuration; `stream()` starts one generation, `parse()` reads a whole one."""
+class OutputParser:
+    """One format's parser with its options. Immutable; `stream()` starts one generation, `parse()` reads a whole
+    one. A format subclasses it naming its `stream_type` (built from the options)."""
 
-    def stream(self) -> OutputStream: ...
+    stream_type: Callable[[ParserOptions], OutputStream]
 
-    def parse(self, text: str) -> ParsedOutput: ...
+    def __init__(self, options: ParserOptions | None = None) -> None:
+        self.options = options or ParserOptions()
+
+    def stream(self) -> OutputStream:
+        return self.stream_type(self.options)
+
+    def parse(self, text: str) -> ParsedOutput:
+        return parse_with(self.stream(), text)
 
 
 def parse_with(stream: OutputStream, text: str) -> ParsedOutput:
@@ -182,20 +190,24 @@ class DeltaBuilder:
         self.num_calls = 0
 
     def reasoning(self, text: str) -> None:
-        if text:
-            last = self._deltas[-1] if self._deltas else None
-            if last is not None and last.reasoning is not None:
-                self._deltas[-1] = DeltaMessage(reasoning=last.reasoning + text)
-            else:
-                self._deltas.append(DeltaMessage(reasoning=text))
+        self._text("reasoning", text)
 
     def content(self, text: str) -> None:
-        if text:
-            last = self._deltas[-1] if self._deltas else None
-            if last is not None and last.content is not None:
-                self._deltas[-1] = DeltaMessage(content=last.content + text)
-            else:
-                self._deltas.append(DeltaMessage(content=text))
+        self._text("content", text)
+
+    def text(self, text: str, as_reasoning: bool) -> None:
+        """Reasoning or content text, as the parser's state says."""
+        self._text("reasoning" if as_reasoning else "content", text)
+
+    def _text(self, kind: str, text: str) -> None:
+        """Appends `text` to the last delta when it holds text of this kind, else starts a delta."""
+        if not text:
+            return
+        before = getattr(self._deltas[-1], kind) if self._deltas else None
+        if before is not None:
+            text = before + text
+            self._deltas.pop()
+        self._deltas.append(DeltaMessage(reasoning=text) if kind == "reasoning" else DeltaMessage(content=text))
 
     def call(self, name: str, arguments: str, call_id: str | None = None) -> None:
         index = self.num_calls

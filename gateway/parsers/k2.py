@@ -23,17 +23,12 @@ from __future__ import annotations
 import json
 import re
 
-from gateway.parsers.base import DeltaBuilder, DeltaMessage, MarkerSplitter, ParsedOutput, ParserOptions, parse_with
+from engine.formats.markers import (K2_ARGUMENT_BEGIN as ARGUMENT_BEGIN, K2_CALL_BEGIN as CALL_BEGIN,
+                                    K2_CALL_END as CALL_END, K2_IM_END as IM_END, K2_OUTPUT_MARKERS as MARKERS,
+                                    K2_SECTION_BEGIN as SECTION_BEGIN, K2_SECTION_END as SECTION_END,
+                                    K2_THINK_CLOSE as THINK_CLOSE, K2_THINK_OPEN as THINK_OPEN)
+from gateway.parsers.base import DeltaBuilder, DeltaMessage, MarkerSplitter, OutputParser, ParserOptions
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
-SECTION_BEGIN = "<|tool_calls_section_begin|>"
-SECTION_END = "<|tool_calls_section_end|>"
-CALL_BEGIN = "<|tool_call_begin|>"
-ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
-CALL_END = "<|tool_call_end|>"
-IM_END = "<|im_end|>"
-MARKERS = (THINK_OPEN, THINK_CLOSE, SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END, IM_END)
 CALL_ID_RE = re.compile(r"^(?:functions\.)?(?P<name>\S+):(?P<index>\d+)$")
 
 START, THINK, CONTENT, SECTION, CALL_ID, CALL_ARGS, DONE, RAW_SECTION = (
@@ -102,10 +97,7 @@ class K2Stream:
             self._marker(piece)
 
     def _text(self, text: str) -> None:
-        if self._state == THINK and self._options.separate_reasoning:
-            self._out.reasoning(text)
-        else:
-            self._out.content(text)
+        self._out.text(text, as_reasoning=self._state == THINK and self._options.separate_reasoning)
 
     def _marker(self, marker: str) -> None:
         if self._state == DONE:
@@ -165,14 +157,7 @@ class K2Stream:
         self._out.content("".join(self._raw))
 
 
-class K2OutputParser:
+class K2OutputParser(OutputParser):
     """`--tool-call-parser kimi_k2` / `--reasoning-parser kimi_k2`. Immutable; `stream()` per generation."""
 
-    def __init__(self, options: ParserOptions | None = None) -> None:
-        self.options = options or ParserOptions()
-
-    def stream(self) -> K2Stream:
-        return K2Stream(self.options)
-
-    def parse(self, text: str) -> ParsedOutput:
-        return parse_with(self.stream(), text)
+    stream_type = K2Stream

@@ -26,13 +26,9 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from gateway.parsers.base import DeltaBuilder, DeltaMessage, MarkerSplitter, ParsedOutput, ParserOptions, parse_with
-
-OPEN = "<|open|>"
-CLOSE = "<|close|>"
-SEP = "<|sep|>"
-END_OF_MSG = "<|end_of_msg|>"
-MARKERS = (OPEN, CLOSE, SEP, END_OF_MSG)
+from engine.formats.markers import (K3_CLOSE as CLOSE, K3_CONTROL_MARKERS as MARKERS, K3_END_OF_MSG as END_OF_MSG,
+                                    K3_OPEN as OPEN, K3_SEP as SEP)
+from gateway.parsers.base import DeltaBuilder, DeltaMessage, MarkerSplitter, OutputParser, ParserOptions
 
 THINK, RESPONSE, BETWEEN, TOOLS, CALL, ARG, DONE, RAW_TOOLS = (
     "think", "response", "between", "tools", "call", "arg", "done", "raw_tools"
@@ -224,10 +220,7 @@ class K3Stream:
             self._in_block(token)
 
     def _text(self, text: str) -> None:
-        if self._state == THINK and self._options.separate_reasoning:
-            self._out.reasoning(text)
-        else:
-            self._out.content(text)
+        self._out.text(text, as_reasoning=self._state == THINK and self._options.separate_reasoning)
 
     def _in_block(self, token: Token) -> None:
         key = (token.kind, token.tag)
@@ -321,14 +314,7 @@ class K3Stream:
         self._out.content(call.text())
 
 
-class K3OutputParser:
+class K3OutputParser(OutputParser):
     """`--tool-call-parser kimi_k3` / `--reasoning-parser kimi_k3`. Immutable; `stream()` per generation."""
 
-    def __init__(self, options: ParserOptions | None = None) -> None:
-        self.options = options or ParserOptions()
-
-    def stream(self) -> K3Stream:
-        return K3Stream(self.options)
-
-    def parse(self, text: str) -> ParsedOutput:
-        return parse_with(self.stream(), text)
+    stream_type = K3Stream

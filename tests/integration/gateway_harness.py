@@ -4,6 +4,10 @@
 `async with running_gateway(mesh, model_dir, ...) as gw:` gives `gw.base_url` (".../v1" is the OpenAI base URL),
 `gw.grpc_address`, `gw.core` (the `GatewayCore`) and `gw.http` (an httpx client over TCP). A real socket (not an
 ASGI transport) is used so that client disconnects reach the server as they would in production.
+
+Also the pieces every gateway test module shares: `checkpoint_fixture(kind, name, seed)` (a module-scoped fixture
+of a generated checkpoint folder named as clients call the model), `run(coro)` (a fresh event loop with a time
+limit), `sse_events`, `wait_idle` and `check_released` (after a drain the engine is intact and holds no block).
 """
 
 from __future__ import annotations
@@ -15,16 +19,34 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
+import pytest
 import uvicorn
 
+from engine.model.checkpoint import make_checkpoint
 from gateway.app import create_app
 from gateway.chat import OUTPUT_FORMATS, read_family
-from gateway.chat_service import GatewayCore
 from gateway.config import GatewayConfig
+from gateway.core import GatewayCore
 from gateway.grpc_api import serve_grpc
 from tests.integration.mesh_harness import Mesh
 
 SALT_SECRET = {"KDAMESH_CACHE_SALT_SECRET": "integration-test-secret-0123456789"}
+
+
+def checkpoint_fixture(kind: str, name: str, seed: int):
+    """A module-scoped fixture: `make_checkpoint(kind)` in a folder called `name` (the served model's name)."""
+    @pytest.fixture(scope="module")
+    def checkpoint(tmp_path_factory):
+        return make_checkpoint(kind, tmp_path_factory.mktemp(kind) / name, seed=seed)
+    return checkpoint
+
+
+def run(coro, timeout_s: float = 80.0):
+    """Runs a test's coroutine in a fresh event loop; fails it after `timeout_s`."""
+    async def bounded():
+        async with asyncio.timeout(timeout_s):
+            return await coro
+    return asyncio.run(bounded())
 
 
 def free_port() -> int:
@@ -85,6 +107,14 @@ async def running_gateway(mesh: Mesh, model_dir, *, parsers: bool = True, api_ke
         await task
         await grpc_server.stop(0)
         await core.close()
+
+
+async def check_released(mesh: Mesh, engine) -> None:
+    """After the mesh drained: the engine's pools are intact and every block is free (cached ones are evictable)."""
+    await mesh.drain()
+    await engine.check_integrity()
+    pool = engine.core.manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
 
 
 async def wait_idle(engine, timeout_s: float = 5.0) -> None:

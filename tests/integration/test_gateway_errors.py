@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-import pytest
 
-from engine.model.checkpoint import make_checkpoint
 from gateway.app import create_app
-from gateway.chat_service import GatewayCore
 from gateway.config import GatewayConfig
+from gateway.core import GatewayCore
+from tests.integration.gateway_harness import checkpoint_fixture
 from tests.integration.mesh_harness import Mesh
 
 MODEL = "tiny-k3"
@@ -118,9 +117,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_k3(tmp_path_factory):
-    return make_checkpoint("tiny-k3", tmp_path_factory.mktemp("tiny-k3") / MODEL, seed=3)
+tiny_k3 = checkpoint_fixture("tiny-k3", MODEL, seed=3)
 
 
 def test_malformed_requests_get_4xx_in_the_openai_envelope(tiny_k3):

@@ -12,9 +12,9 @@ import jsonschema
 import pytest
 
 import sdk
-from engine.model.checkpoint import make_checkpoint
 from gateway.grpc_api import serve_grpc
-from tests.integration.gateway_harness import free_port, running_gateway, sse_events, wait_idle
+from tests.integration.gateway_harness import (check_released, checkpoint_fixture, free_port, run, running_gateway,
+                                              sse_events, wait_idle)
 from tests.integration.mesh_harness import Mesh
 
 MODEL = "tiny-k3"
@@ -24,16 +24,7 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
     "required": ["term", "limit"]}}}
 
 
-@pytest.fixture(scope="module")
-def tiny_k3(tmp_path_factory):
-    return make_checkpoint("tiny-k3", tmp_path_factory.mktemp("tiny-k3") / MODEL, seed=3)
-
-
-def run(coro, timeout_s: float = 80.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):
-            return await coro
-    return asyncio.run(bounded())
+tiny_k3 = checkpoint_fixture("tiny-k3", MODEL, seed=3)
 
 
 async def _rest_chat_text(gw, body: dict) -> tuple[str, str]:
@@ -135,10 +126,7 @@ def test_sdk_errors_deadlines_cancellation(tiny_k3):
                 await stream.aclose()
                 await wait_idle(engine)
                 assert engine.core.num_steps - steps < 250, "decode ran on after the stream was closed"
-                await mesh.drain()
-                await engine.check_integrity()
-                pool = engine.core.manager.block_pool
-                assert pool.num_free_blocks == pool.num_blocks
+                await check_released(mesh, engine)
     run(main())
 
 

@@ -4,16 +4,13 @@ K2 grammar), json_schema output, tokenize parity with the chat template, and a m
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import jsonschema
 import openai
-import pytest
 
-from engine.model.checkpoint import make_checkpoint
 from gateway.chat import ChatRenderer
-from tests.integration.gateway_harness import running_gateway
+from tests.integration.gateway_harness import checkpoint_fixture, run, running_gateway
 from tests.integration.mesh_harness import Mesh
 
 MODEL = "tiny-linear"
@@ -23,9 +20,7 @@ SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
 MESSAGES = [{"role": "user", "content": "Find me three papers about linear attention."}]
 
 
-@pytest.fixture(scope="module")
-def tiny_linear(tmp_path_factory):
-    return make_checkpoint("tiny-linear", tmp_path_factory.mktemp("tiny-linear") / MODEL, seed=4)
+tiny_linear = checkpoint_fixture("tiny-linear", MODEL, seed=4)
 
 
 def test_kimi_linear_chat_tools_and_json(tiny_linear):
@@ -67,7 +62,4 @@ def test_kimi_linear_chat_tools_and_json(tiny_linear):
             assert tokens["tokens"] == rendered.token_ids and tokens["count"] == len(rendered.token_ids)
             await client.close()
 
-    async def bounded():
-        async with asyncio.timeout(80):
-            await main()
-    asyncio.run(bounded())
+    run(main())

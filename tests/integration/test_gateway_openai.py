@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -13,8 +12,8 @@ import jsonschema
 import openai
 import pytest
 
-from engine.model.checkpoint import make_checkpoint
-from tests.integration.gateway_harness import running_gateway, sse_events, wait_idle
+from tests.integration.gateway_harness import (check_released, checkpoint_fixture, run, running_gateway, sse_events,
+                                              wait_idle)
 from tests.integration.mesh_harness import Mesh
 
 MODEL = "tiny-k3"
@@ -31,16 +30,7 @@ QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is the weather in Paris for the next three days?"}]
 
 
-@pytest.fixture(scope="module")
-def tiny_k3(tmp_path_factory):
-    return make_checkpoint("tiny-k3", tmp_path_factory.mktemp("tiny-k3") / MODEL, seed=3)
-
-
-def run(coro, timeout_s: float = 80.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):
-            return await coro
-    return asyncio.run(bounded())
+tiny_k3 = checkpoint_fixture("tiny-k3", MODEL, seed=3)
 
 
 def _client(gw) -> openai.AsyncOpenAI:
@@ -51,78 +41,88 @@ def _schema(tool: dict) -> dict:
     return tool["function"]["parameters"]
 
 
+async def _models_and_a_reply(client) -> str:
+    """/v1/models, then one non-streamed chat reply; returns its reasoning."""
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+    reply = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0)
+    [choice] = reply.choices
+    assert reply.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason == "length" and reply.usage.completion_tokens == 12
+    # K3 thinks first: the reasoning is reported under both names, and no markup leaks into it.
+    reasoning = choice.message.reasoning_content
+    assert reasoning and choice.message.reasoning == reasoning and "<|" not in reasoning
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    return reasoning
+
+
+async def _streamed_like_the_reply(client, reasoning: str) -> None:
+    """Streaming: the same text, role first, finish_reason only on the last chunk, a usage trailer."""
+    stream = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    body = [c for c in chunks if c.choices]
+    assert body[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in body[1:])
+    assert [c.choices[0].finish_reason for c in body] == [None] * (len(body) - 1) + ["length"]
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in body)
+    assert streamed == reasoning
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    # The repeated prompt hit the prefix cache.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+async def _sampling_options(client, reasoning: str) -> None:
+    """Thinking off, n / seed / logprobs, a stop string."""
+    # Thinking off: the generation prompt opens the response block, so the output is content.
+    plain = await client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_completion_tokens=8, temperature=0,
+        extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert plain.choices[0].message.content and not getattr(plain.choices[0].message, "reasoning_content", None)
+    assert plain.usage.completion_tokens == 8
+
+    # n, seed, logprobs.
+    sampled = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, n=2,
+                                                   temperature=1.0, seed=11, logprobs=True, top_logprobs=2)
+    again = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, n=2,
+                                                 temperature=1.0, seed=11, logprobs=True, top_logprobs=2)
+    assert [c.index for c in sampled.choices] == [0, 1]
+    assert [c.message.reasoning_content for c in sampled.choices] == \
+           [c.message.reasoning_content for c in again.choices]
+    content = sampled.choices[0].logprobs.content
+    assert len(content) == 6 and all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in content)
+    assert sampled.usage.completion_tokens == 12
+
+    # A stop string ends the output and is not part of it.
+    cut_at = reasoning[len(reasoning) // 2: len(reasoning) // 2 + 3]
+    stopped = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=400, temperature=0,
+                                                   stop=[cut_at], extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.reasoning_content == reasoning[: reasoning.find(cut_at)]
+    # Cached tokens are known from the first chunk: the stream left early still reports the hit.
+    assert stopped.usage.completion_tokens < 12
+    assert stopped.usage.prompt_tokens_details.cached_tokens > 0
+
+
+async def _legacy_completions(client) -> None:
+    done = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert done.choices[0].text and done.usage.completion_tokens == 5
+    as_json = await client.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=40, temperature=0,
+                                              extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(as_json.choices[0].text), dict)
+
+
 def test_chat_completions_models_and_usage(tiny_k3):
     async def main():
         async with Mesh(tiny_k3) as mesh, running_gateway(mesh, tiny_k3) as gw:
             client = _client(gw)
-            models = await client.models.list()
-            assert [m.id for m in models.data] == [MODEL]
-
-            reply = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12,
-                                                         temperature=0)
-            [choice] = reply.choices
-            assert reply.object == "chat.completion" and choice.message.role == "assistant"
-            assert choice.finish_reason == "length" and reply.usage.completion_tokens == 12
-            # K3 thinks first: the reasoning is reported under both names, and no markup leaks into it.
-            reasoning = choice.message.reasoning_content
-            assert reasoning and choice.message.reasoning == reasoning and "<|" not in reasoning
-            assert reply.usage.prompt_tokens_details.cached_tokens == 0
-
-            # Streaming: the same text, role first, finish_reason only on the last chunk, a usage trailer.
-            stream = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12,
-                                                          temperature=0, stream=True,
-                                                          stream_options={"include_usage": True})
-            chunks = [c async for c in stream]
-            assert all(c.object == "chat.completion.chunk" for c in chunks)
-            body = [c for c in chunks if c.choices]
-            assert body[0].choices[0].delta.role == "assistant"
-            assert all(c.choices[0].delta.role is None for c in body[1:])
-            assert [c.choices[0].finish_reason for c in body] == [None] * (len(body) - 1) + ["length"]
-            streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in body)
-            assert streamed == reasoning
-            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
-            # The repeated prompt hit the prefix cache.
-            assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
-
-            # Thinking off: the generation prompt opens the response block, so the output is content.
-            plain = await client.chat.completions.create(
-                model=MODEL, messages=QUESTION, max_completion_tokens=8, temperature=0,
-                extra_body={"chat_template_kwargs": {"thinking": False}})
-            assert plain.choices[0].message.content and not getattr(plain.choices[0].message,
-                                                                   "reasoning_content", None)
-            assert plain.usage.completion_tokens == 8
-
-            # n, seed, logprobs.
-            sampled = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, n=2,
-                                                           temperature=1.0, seed=11, logprobs=True, top_logprobs=2)
-            again = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, n=2,
-                                                         temperature=1.0, seed=11, logprobs=True, top_logprobs=2)
-            assert [c.index for c in sampled.choices] == [0, 1]
-            assert [c.message.reasoning_content for c in sampled.choices] == \
-                   [c.message.reasoning_content for c in again.choices]
-            content = sampled.choices[0].logprobs.content
-            assert len(content) == 6 and all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in content)
-            assert sampled.usage.completion_tokens == 12
-
-            # A stop string ends the output and is not part of it.
-            cut_at = reasoning[len(reasoning) // 2: len(reasoning) // 2 + 3]
-            stopped = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=400,
-                                                           temperature=0, stop=[cut_at],
-                                                           extra_body={"ignore_eos": True})
-            assert stopped.choices[0].finish_reason == "stop"
-            assert stopped.choices[0].message.reasoning_content == reasoning[: reasoning.find(cut_at)]
-            # Cached tokens are known from the first chunk: the stream left early still reports the hit.
-            assert stopped.usage.completion_tokens < 12
-            assert stopped.usage.prompt_tokens_details.cached_tokens > 0
-
-            # Legacy completions through the same client.
-            done = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5,
-                                                   temperature=0, extra_body={"ignore_eos": True})
-            assert done.choices[0].text and done.usage.completion_tokens == 5
-            as_json = await client.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=40,
-                                                      temperature=0,
-                                                      extra_body={"response_format": {"type": "json_object"}})
-            assert isinstance(json.loads(as_json.choices[0].text), dict)
+            reasoning = await _models_and_a_reply(client)
+            await _streamed_like_the_reply(client, reasoning)
+            await _sampling_options(client, reasoning)
+            await _legacy_completions(client)  # through the same client
 
             # Prometheus metrics of all that.
             metrics = (await gw.http.get("/metrics")).text
@@ -247,10 +247,7 @@ def test_a_client_that_disconnects_aborts_its_request(tiny_k3):
                 with pytest.raises(httpx.TimeoutException):
                     await http.post("/v1/chat/completions", json=body)
             await wait_idle(engine, timeout_s=5)
-            await mesh.drain()
-            await engine.check_integrity()
-            pool = engine.core.manager.block_pool
-            assert pool.num_free_blocks == pool.num_blocks  # every block released (cached ones are evictable)
+            await check_released(mesh, engine)  # every block released (cached ones are evictable)
             stats = await engine.stats()
             assert stats.num_running == 0 and stats.num_waiting == 0
             # The gateway released both tenants' concurrency and counted the requests.

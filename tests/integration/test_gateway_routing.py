@@ -5,14 +5,14 @@ its health checks gets no requests; the gateway reports it)."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import openai
 import pytest
 
 from decode_service.server import DecodeServiceConfig
 from decode_service.server import serve as serve_decode
-from engine.model.checkpoint import make_checkpoint
-from tests.integration.gateway_harness import running_gateway
+from tests.integration.gateway_harness import checkpoint_fixture, run, running_gateway
 from tests.integration.mesh_harness import Mesh, engine_args
 
 MODEL = "tiny-k3"
@@ -23,16 +23,66 @@ def _prompt(topic: str) -> list[dict]:
                                         f"present state and what experts expect of it in the next ten years."}]
 
 
-@pytest.fixture(scope="module")
-def tiny_k3(tmp_path_factory):
-    return make_checkpoint("tiny-k3", tmp_path_factory.mktemp("tiny-k3") / MODEL, seed=3)
+tiny_k3 = checkpoint_fixture("tiny-k3", MODEL, seed=3)
 
 
-def run(coro, timeout_s: float = 80.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):
-            return await coro
-    return asyncio.run(bounded())
+@dataclass
+class Pool:
+    """Two decode workers behind one gateway, and how many requests each has served."""
+
+    gw: object
+    client: openai.AsyncOpenAI
+    servers: dict  # address -> decode server
+    first: str
+    second: str
+
+    def counts(self) -> dict[str, int]:
+        return {a: s.worker.counters.local_requests for a, s in self.servers.items()}
+
+    async def ask(self, topic: str, max_tokens: int = 2):
+        return await self.client.chat.completions.create(model=MODEL, messages=_prompt(topic), max_tokens=max_tokens,
+                                                         temperature=0)
+
+
+async def _load_then_prefix_affinity(pool: Pool) -> None:
+    first, second = pool.first, pool.second
+    await pool.ask("lighthouses")  # both idle and uncached: the first listed worker
+    assert pool.counts() == {first: 1, second: 0}
+    # Load: while a long request runs on the first worker, a new prompt goes to the second (one request in flight
+    # weighs as much as 64 uncached blocks; the prompts share only the template's first blocks).
+    busy = await pool.client.chat.completions.create(model=MODEL, messages=_prompt("lighthouses"), max_tokens=2000,
+                                                     stream=True, extra_body={"ignore_eos": True})
+    await busy.__anext__()
+    assert pool.counts() == {first: 2, second: 0}
+    await pool.ask("glaciers")
+    assert pool.counts() == {first: 2, second: 1}
+    await busy.close()
+    # Prefix affinity: each prompt returns to the worker that has it cached.
+    for _ in range(2):
+        await pool.ask("glaciers")
+        await pool.ask("lighthouses")
+    assert pool.counts() == {first: 4, second: 3}
+    reply = await pool.ask("lighthouses")
+    assert reply.usage.prompt_tokens_details.cached_tokens > 0
+
+
+async def _routes_around_a_dead_worker(pool: Pool) -> None:
+    """The second worker goes away; the gateway notices and routes around it."""
+    first, second, gw = pool.first, pool.second, pool.gw
+    await pool.servers[second].stop(0)
+    for _ in range(100):
+        if not gw.core.mesh.decode_router.is_healthy(second):
+            break
+        await asyncio.sleep(0.05)
+    assert not gw.core.mesh.decode_router.is_healthy(second)
+    for _ in range(3):
+        assert (await pool.ask("glaciers")).choices[0].finish_reason == "length"
+    assert pool.counts()[first] == 8
+    health = await gw.http.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    assert health.json()["workers"] == {first: True, second: False}
+    metrics = (await gw.http.get("/metrics")).text
+    assert f'kdamesh_gateway_worker_healthy{{address="{second}",pool="decode"}} 0.0' in metrics
 
 
 def test_prefix_and_load_aware_routing_skips_unhealthy_workers(tiny_k3):
@@ -42,59 +92,14 @@ def test_prefix_and_load_aware_routing_skips_unhealthy_workers(tiny_k3):
                                                                   cache_address=mesh.cache_address,
                                                                   address="127.0.0.1:0"))
             await second.ready()
-            first_address, second_address = mesh.decode_address, f"127.0.0.1:{port}"
-            workers = {first_address: mesh.decode_server, second_address: second}
-
-            def counts() -> dict[str, int]:
-                return {a: s.worker.counters.local_requests for a, s in workers.items()}
-
+            addresses = (mesh.decode_address, f"127.0.0.1:{port}")
             try:
-                async with running_gateway(mesh, tiny_k3, colocated=True,
-                                           decode_addresses=(first_address, second_address),
+                async with running_gateway(mesh, tiny_k3, colocated=True, decode_addresses=addresses,
                                            health_check_interval_s=0.1, route_load_weight=64.0) as gw:
                     client = openai.AsyncOpenAI(base_url=gw.openai_base_url, api_key="x", max_retries=0)
-
-                    async def ask(topic: str, max_tokens: int = 2):
-                        return await client.chat.completions.create(model=MODEL, messages=_prompt(topic),
-                                                                    max_tokens=max_tokens, temperature=0)
-
-                    await ask("lighthouses")  # both idle and uncached: the first listed worker
-                    assert counts() == {first_address: 1, second_address: 0}
-                    # Load: while a long request runs on the first worker, a new prompt goes to the second (one
-                    # request in flight weighs as much as 64 uncached blocks; the prompts share only the template's
-                    # first blocks).
-                    busy = await client.chat.completions.create(model=MODEL, messages=_prompt("lighthouses"),
-                                                                max_tokens=2000, stream=True,
-                                                                extra_body={"ignore_eos": True})
-                    await busy.__anext__()
-                    assert counts() == {first_address: 2, second_address: 0}
-                    await ask("glaciers")
-                    assert counts() == {first_address: 2, second_address: 1}
-                    await busy.close()
-                    # Prefix affinity: each prompt returns to the worker that has it cached.
-                    for _ in range(2):
-                        await ask("glaciers")
-                        await ask("lighthouses")
-                    assert counts() == {first_address: 4, second_address: 3}
-                    reply = await ask("lighthouses")
-                    assert reply.usage.prompt_tokens_details.cached_tokens > 0
-
-                    # Health: the second worker goes away; the gateway notices and routes around it.
-                    await second.stop(0)
-                    for _ in range(100):
-                        if not gw.core.mesh.decode_router.is_healthy(second_address):
-                            break
-                        await asyncio.sleep(0.05)
-                    assert not gw.core.mesh.decode_router.is_healthy(second_address)
-                    for _ in range(3):
-                        assert (await ask("glaciers")).choices[0].finish_reason == "length"
-                    assert counts()[first_address] == 8
-                    health = await gw.http.get("/health")
-                    assert health.status_code == 200 and health.json()["status"] == "degraded"
-                    assert health.json()["workers"] == {first_address: True, second_address: False}
-                    metrics = (await gw.http.get("/metrics")).text
-                    assert (f'kdamesh_gateway_worker_healthy{{address="{second_address}",pool="decode"}} 0.0'
-                            in metrics)
+                    pool = Pool(gw, client, dict(zip(addresses, (mesh.decode_server, second))), *addresses)
+                    await _load_then_prefix_affinity(pool)
+                    await _routes_around_a_dead_worker(pool)
                     await client.close()
             finally:
                 await second.stop(0)

@@ -11,8 +11,7 @@ import openai
 import pytest
 
 import sdk
-from engine.model.checkpoint import make_checkpoint
-from tests.integration.gateway_harness import running_gateway
+from tests.integration.gateway_harness import checkpoint_fixture, run, running_gateway
 from tests.integration.mesh_harness import Mesh
 
 MODEL = "tiny-k3"
@@ -22,9 +21,7 @@ PROMPT = [{"role": "user", "content": "Summarise the history of the lighthouse o
                                       "lived there, the storms they saw and the ships they saved, in three lines."}]
 
 
-@pytest.fixture(scope="module")
-def tiny_k3(tmp_path_factory):
-    return make_checkpoint("tiny-k3", tmp_path_factory.mktemp("tiny-k3") / MODEL, seed=3)
+tiny_k3 = checkpoint_fixture("tiny-k3", MODEL, seed=3)
 
 
 @pytest.fixture
@@ -33,13 +30,6 @@ def keys_file(tmp_path):
     path.write_text(json.dumps({"key-c": {"tenant": "tenant-c", "rpm": 2},
                                 "key-d": {"tenant": "tenant-d", "max_concurrency": 1}}))
     return str(path)
-
-
-def run(coro, timeout_s: float = 80.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):
-            return await coro
-    return asyncio.run(bounded())
 
 
 def _client(gw, key: str | None) -> openai.AsyncOpenAI:
@@ -145,6 +135,6 @@ def test_open_gateway_without_keys(tiny_k3, caplog):
             reply = await gw.http.post("/v1/chat/completions", json={"model": MODEL, "messages": PROMPT,
                                                                       "max_tokens": 1})
             assert reply.status_code == 200
-    with caplog.at_level("INFO", logger="gateway.chat_service"):
+    with caplog.at_level("INFO", logger="gateway.core"):
         run(main())
     assert any("gateway is open" in r.getMessage() for r in caplog.records)

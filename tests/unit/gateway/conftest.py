@@ -13,6 +13,7 @@ import pytest
 from engine import tokenizer_build as tb
 from engine.tokenizer import KimiTokenizer
 from gateway.chat import write_k2_chat_template
+from tests.reference.k3_reference import official_dir, stubbed_modules
 
 OFFICIAL_MODULES = ("encoding_k3", "tokenization_kimi")  # tokenization_kimi falls back to `import encoding_k3`
 
@@ -39,32 +40,16 @@ def k2_tok(k2_dir) -> KimiTokenizer:
     return KimiTokenizer.from_pretrained(k2_dir)
 
 
-def _official_dir() -> Path:
-    spec = importlib.util.find_spec("llmcompressor")  # locates the package without importing it
-    assert spec is not None and spec.submodule_search_locations, "llmcompressor (official K3 code) is not installed"
-    folder = Path(list(spec.submodule_search_locations)[0]) / "modeling" / "kimi_k3"
-    assert (folder / "encoding_k3.py").is_file(), f"{folder} has no encoding_k3.py"
-    return folder
-
-
 @pytest.fixture(scope="session")
 def official_k3():
     """(encoding_k3 module, TikTokenTokenizer class), loaded by path; sys.modules restored afterwards."""
-    folder = _official_dir()
-    saved = {name: sys.modules.get(name) for name in OFFICIAL_MODULES}
-    try:
+    folder = official_dir()  # llmcompressor/modeling/kimi_k3 of the installed wheel, found without importing it
+    with stubbed_modules(dict.fromkeys(OFFICIAL_MODULES)):
         for name in OFFICIAL_MODULES:
             spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
+            sys.modules[name] = module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         yield sys.modules["encoding_k3"], sys.modules["tokenization_kimi"].TikTokenTokenizer
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
 
 
 @pytest.fixture(scope="session")

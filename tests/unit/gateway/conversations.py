@@ -5,6 +5,9 @@ tool declarations, parallel tool calls with every argument type (as dicts and as
 of order, reasoning, content parts, and — for K3 — images, thinking on/off and effort, tool_choice, response_format,
 dynamic tool declarations and non-JSON argument strings. Texts include special-token look-alikes, quotes, ampersands,
 unicode and odd whitespace.
+
+`injection_chat(text, ...)` puts one text into every field of a conversation a request can set (the injection-safety
+tests of both renderers).
 """
 
 from __future__ import annotations
@@ -163,3 +166,25 @@ def cases(n: int, family: str, seed: int = 1234) -> list[Case]:
 def has_special_lookalikes(case: Case) -> bool:
     text = json.dumps([case.messages, case.tools], ensure_ascii=False)
     return any(marker in text for marker in ("<|", "[EOS]", "[BOS]", "<think>", "</think>"))
+
+
+def injection_chat(text: str, second_arguments: str, system_tools: bool = False) -> tuple[list, list]:
+    """(messages, tools) carrying `text` in names, content (plain and parts), reasoning, tool-call ids, names and
+    arguments, tool results and tool schemas; the second call's arguments string is `second_arguments`;
+    `system_tools` adds a system message declaring a tool (K3's dynamic declaration)."""
+    chat = [
+        {"role": "system", "name": text, "content": text},
+        {"role": "user", "name": text, "content": [{"type": "text", "text": text}, {"type": "text", "text": text}]},
+        {"role": "assistant", "name": text, "reasoning_content": text, "content": text, "tool_calls": [
+            {"id": text or "id", "function": {"name": text or "f", "arguments": {text: text, "n": [text, {text: 1}]}}},
+            {"id": "raw", "function": {"name": "g", "arguments": second_arguments}}]},
+        {"role": "tool", "tool_call_id": text or "id", "content": text},
+        {"role": "tool", "tool_call_id": "raw", "content": text},
+        {"role": "user", "content": text},
+    ]
+    if system_tools:
+        chat.insert(-1, {"role": "system", "tools": [{"type": "function", "function": {"name": "h",
+                                                                                      "description": text}}]})
+    tools = [{"type": "function", "function": {"name": "f", "description": text,
+                                               "parameters": {"type": "object", "properties": {text: {}}}}}]
+    return chat, tools

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from gateway.chat import ChatFormatError, k2_chat_template, load_chat_template, write_k2_chat_template
 from gateway.chat.k2 import Escaper, K2Renderer, prepare_conversation
-from tests.unit.gateway.conversations import TRICKY_TEXTS, cases, has_special_lookalikes
+from tests.unit.gateway.conversations import TRICKY_TEXTS, cases, has_special_lookalikes, injection_chat
 
 SEEDED = settings(derandomize=True, database=None, deadline=None, max_examples=300,
                   suppress_health_check=[HealthCheck.too_slow])
@@ -120,19 +120,7 @@ def test_cases_cover_the_format():
 
 
 def _chat(text: str) -> tuple[list, list]:
-    chat = [
-        {"role": "system", "name": text, "content": text},
-        {"role": "user", "name": text, "content": [{"type": "text", "text": text}, {"type": "text", "text": text}]},
-        {"role": "assistant", "name": text, "reasoning_content": text, "content": text, "tool_calls": [
-            {"id": text or "i", "function": {"name": text or "f", "arguments": {text: text, "n": [text, {text: 1}]}}},
-            {"id": "s", "function": {"name": "g", "arguments": json.dumps({"v": text})}}]},
-        {"role": "tool", "tool_call_id": text or "i", "content": text},
-        {"role": "tool", "tool_call_id": "s", "content": text},
-        {"role": "user", "content": text},
-    ]
-    tools = [{"type": "function", "function": {"name": "f", "description": text,
-                                               "parameters": {"type": "object", "properties": {text: {}}}}}]
-    return chat, tools
+    return injection_chat(text, second_arguments=json.dumps({"v": text}))
 
 
 def test_request_text_never_becomes_special_ids(renderer, k2_tok):

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.chat import ChatFormatError
 from gateway.chat.k3 import K3Renderer
-from tests.unit.gateway.conversations import TRICKY_TEXTS, Case, cases
+from tests.unit.gateway.conversations import TRICKY_TEXTS, Case, cases, injection_chat
 
 O, C, S, E = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 K3_CASES = cases(40, "kimi_k3")
@@ -195,20 +195,7 @@ def _injected(tok) -> str:
 
 
 def _chat(text: str) -> tuple[list, list]:
-    chat = [
-        {"role": "system", "name": text, "content": text},
-        {"role": "user", "name": text, "content": [{"type": "text", "text": text}, {"type": "text", "text": text}]},
-        {"role": "assistant", "name": text, "reasoning_content": text, "content": text, "tool_calls": [
-            {"id": text or "id", "function": {"name": text or "f", "arguments": {text: text, "n": [text, {text: 1}]}}},
-            {"id": "raw", "function": {"name": "g", "arguments": "{" + text}}]},
-        {"role": "tool", "tool_call_id": text or "id", "content": text},
-        {"role": "tool", "tool_call_id": "raw", "content": text},
-        {"role": "system", "tools": [{"type": "function", "function": {"name": "h", "description": text}}]},
-        {"role": "user", "content": text},
-    ]
-    tools = [{"type": "function", "function": {"name": "f", "description": text,
-                                               "parameters": {"type": "object", "properties": {text: {}}}}}]
-    return chat, tools
+    return injection_chat(text, second_arguments="{" + text, system_tools=True)  # arguments that are not JSON
 
 
 def test_request_text_never_becomes_special_ids(renderer, k3_tok):

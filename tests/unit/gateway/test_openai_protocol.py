@@ -4,6 +4,7 @@ translation, per-choice text (stop strings, stop tokens, special tokens), error 
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +14,16 @@ import pytest
 
 import sdk
 from engine.tokenizer import KimiTokenizer
-from gateway.chat_service import ChoiceText, TextRules
-from gateway.grpc_api import chat_body, generate_body
+from gateway.grpc_translate import chat_body, generate_body
 from gateway.mesh_client import TokenEvent
-from gateway.openai_protocol import (ApiError, ChatCompletionRequest, mesh_api_error, parse_chat, parse_completion,
-                                     parse_detokenize, parse_tokenize, sampling_from_chat)
+from gateway.protocol import (ApiError, ChatCompletionRequest, ClientGone, failure_of, mesh_api_error, parse_chat,
+                              parse_completion, parse_detokenize, parse_tokenize, sampling_from_chat)
+from gateway.text import ChoiceText, TextRules
 from protos import common_pb2, gateway_pb2
 from sdk.errors import from_rpc_error
-from sdk.types import (ChatAccumulator, ChatOptions, RetryPolicy, Sampling, chat_chunk, chat_request,
-                       generate_request)
+from sdk.requests import chat_request, generate_request
+from sdk.responses import ChatAccumulator, chat_chunk
+from sdk.types import ChatOptions, RetryPolicy, Sampling
 
 ROOT = Path(__file__).resolve().parents[3]
 SERVED = {"m"}
@@ -96,7 +98,9 @@ def test_tokenize_detokenize_and_completions_parsing():
 
     job = parse_completion({"model": "m", "prompt": "ab", "priority": 3, "cache_salt": "s", "user": "u",
                             "return_token_ids": True}, Tok(), SERVED)
-    assert (job.priority, job.cache_salt, job.user, job.return_token_ids, job.max_tokens) == (3, "s", "u", True, 16)
+    request = job.request
+    assert (request.priority, request.cache_salt, request.user, request.return_token_ids, job.max_tokens) == \
+           (3, "s", "u", True, 16)
 
 
 def test_mesh_errors_map_to_statuses():
@@ -107,6 +111,43 @@ def test_mesh_errors_map_to_statuses():
     assert mesh_api_error(grpc.StatusCode.DEADLINE_EXCEEDED, "slow").status == 504
     assert ApiError(429, "x").grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert ApiError(401, "x").grpc_code == grpc.StatusCode.UNAUTHENTICATED
+
+
+class _Tok:
+    vocab_size = 100
+
+    def encode(self, text):
+        return [ord(c) % 100 for c in text]
+
+
+@pytest.mark.parametrize("field, value", [("top_p", 0), ("temperature", -1), ("n", 0), ("stop", [""]),
+                                          ("seed", 1 << 64), ("presence_penalty", 3), ("logit_bias", {"1": 2})])
+def test_completions_validate_sampling_fields_as_chat_does(field, value):
+    with pytest.raises(ApiError) as chat:
+        parse_chat({"model": "m", "messages": MSG, field: value}, SERVED)
+    with pytest.raises(ApiError) as completion:
+        parse_completion({"model": "m", "prompt": "hi", field: value}, _Tok(), SERVED)
+    assert completion.value.status == chat.value.status == 400
+    assert completion.value.param == chat.value.param == field
+
+
+def test_completion_nulls_take_defaults_and_prompts_are_checked():
+    job = parse_completion({"model": "m", "prompt": [[1, 2], [3]], "max_tokens": None, "n": None, "stream": None},
+                           _Tok(), SERVED)
+    assert job.max_tokens == 16 and job.request.n == 1 and not job.request.stream
+    assert job.prompts == [[1, 2], [3]] and job.prompt_texts == [None, None]
+    for prompt in ("", [], [[]], [1, "a"], [True], [[1], "a"], [100]):
+        with pytest.raises(ApiError) as info:
+            parse_completion({"model": "m", "prompt": prompt}, _Tok(), SERVED)
+        assert info.value.param == "prompt", prompt
+
+
+def test_one_failure_mapping():
+    assert failure_of(ApiError(429, "slow down", code="rate_limit_exceeded")) == ("rate_limit_exceeded", 429)
+    assert failure_of(ApiError(400, "bad")) == ("invalid_request_error", 400)
+    assert failure_of(ClientGone()) == ("cancelled", 499)
+    assert failure_of(asyncio.CancelledError()) == ("cancelled", 499)
+    assert failure_of(KeyError("x")) == ("KeyError", 500)
 
 
 def test_grpc_requests_become_the_same_rest_requests():

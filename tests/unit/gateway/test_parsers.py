@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.tokenizer import IncrementalDetokenizer
+from gateway.chat.k3 import xtml_type
 from gateway.parsers import K2OutputParser, K3OutputParser, ParsedOutput, ParserOptions, ToolCall, fold
 from gateway.parsers import k2 as k2p
 from gateway.parsers import k3 as k3p
@@ -109,19 +110,9 @@ def _escape_attr(value: str) -> str:
 
 
 def _xtml_argument(key: str, value) -> str:
-    kind = k3p_type(value)
+    kind = xtml_type(value)
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     return f'<|open|>argument key="{_escape_attr(key)}" type="{kind}"<|sep|>{text}<|close|>argument<|sep|>'
-
-
-def k3p_type(value) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if value is None:
-        return "null"
-    if isinstance(value, (int, float)):
-        return "number"
-    return {str: "string", dict: "object", list: "array"}[type(value)]
 
 
 def k3_call(name: str, arguments: dict, index: int) -> str:
@@ -205,30 +196,6 @@ def test_k3_thinking_off(k3_tok, plan, cuts):
     text = k3_output(plan, thinking=False)
     parsed = check_streaming(K3_NO_THINK, k3_tok, text, cuts)
     assert parsed == ParsedOutput(None, plan.content or None, expected_calls(plan, _ids))
-
-
-K3_SOUP = st.lists(st.one_of(st.sampled_from(list(k3p.MARKERS) + [
-    "think", "response", "tools", "message", "argument", "call", 'call tool="f"', 'argument key="k" type="number"',
-    'argument key="k" type="string"', 'json type="object"', "json", "1", '{"a": 1}', "x y", "\n"]), free_text),
-    max_size=40).map("".join)
-
-
-@SEEDED
-@given(text=K3_SOUP, cuts=cut_points)
-def test_k3_arbitrary_output_never_raises(k3_tok, text, cuts):
-    for parser in (K3, K3_NO_THINK):
-        check_streaming(parser, k3_tok, text, cuts)
-
-
-@SEEDED
-@given(plan=plans_with_calls, cut=st.integers(0, 10_000), cuts=cut_points)
-def test_k3_truncated_output(k3_tok, plan, cut, cuts):
-    """An output cut anywhere (max_tokens) parses consistently; a call is either complete or content."""
-    full = k3_output(plan)
-    text = full[: cut % (len(full) + 1)]
-    parsed = check_streaming(K3, k3_tok, text, cuts)
-    complete = text.count("<|close|>call<|sep|>")
-    assert len(parsed.tool_calls) == complete
 
 
 def test_k3_every_split():
@@ -316,27 +283,6 @@ def test_k2_well_formed(k2_tok, plan, think, end, first, cuts):
     assert [json.loads(c.arguments) for c in parsed.tool_calls] == [args for _, args in plan.calls]
 
 
-K2_SOUP = st.lists(st.one_of(st.sampled_from(list(k2p.MARKERS) + [
-    "functions.f:0", "functions.g:1", "f:2", "functions.bad", '{"a": 1}', "{oops", "[1]", " ", "\n"]), free_text),
-    max_size=40).map("".join)
-
-
-@SEEDED
-@given(text=K2_SOUP, cuts=cut_points)
-def test_k2_arbitrary_output_never_raises(k2_tok, text, cuts):
-    for parser in (K2, K2_IN_THINK):
-        check_streaming(parser, k2_tok, text, cuts)
-
-
-@SEEDED
-@given(plan=plans_with_calls, cut=st.integers(0, 10_000), cuts=cut_points)
-def test_k2_truncated_output(k2_tok, plan, cut, cuts):
-    full = k2_output(plan)
-    text = full[: cut % (len(full) + 1)]
-    parsed = check_streaming(K2, k2_tok, text, cuts)
-    assert len(parsed.tool_calls) == text.count("<|tool_call_end|>")
-
-
 def test_k2_every_split():
     plan = Plan("Let me <think about it.", "Sure, checking: ",
                 [("get_weather", {"city": "Paris"}), ("search", {"q": "中文", "n": [1, None]})], " Done.")
@@ -373,6 +319,56 @@ def test_k2_disabled_parts():
     assert no_reasoning.parse(text).reasoning is None and no_reasoning.parse(text).content == "rc"
     no_tools = K2OutputParser(ParserOptions(parse_tool_calls=False))
     assert no_tools.parse(text) == ParsedOutput("r", "c" + text[text.index("<|tool_calls_section_begin|>"):])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Both formats: arbitrary and truncated outputs
+
+
+@dataclass(frozen=True)
+class Format:
+    parsers: tuple  # every parser configuration to try on arbitrary text
+    words: tuple[str, ...]  # besides the markers, what arbitrary outputs are made of
+    output: object  # Plan -> a well-formed output
+    call_end: str  # what ends a complete call
+
+
+FORMATS = {
+    "k3": Format((K3, K3_NO_THINK), tuple(k3p.MARKERS) + (
+        "think", "response", "tools", "message", "argument", "call", 'call tool="f"', 'argument key="k" type="number"',
+        'argument key="k" type="string"', 'json type="object"', "json", "1", '{"a": 1}', "x y", "\n"),
+        k3_output, "<|close|>call<|sep|>"),
+    "k2": Format((K2, K2_IN_THINK), tuple(k2p.MARKERS) + (
+        "functions.f:0", "functions.g:1", "f:2", "functions.bad", '{"a": 1}', "{oops", "[1]", " ", "\n"),
+        k2_output, "<|tool_call_end|>"),
+}
+
+
+@pytest.fixture(scope="module")
+def toks(k3_tok, k2_tok) -> dict:
+    return {"k3": k3_tok, "k2": k2_tok}
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+@SEEDED
+@given(data=st.data(), cuts=cut_points)
+def test_arbitrary_output_never_raises(toks, family, data, cuts):
+    fmt = FORMATS[family]
+    text = data.draw(st.lists(st.one_of(st.sampled_from(fmt.words), free_text), max_size=40).map("".join))
+    for parser in fmt.parsers:
+        check_streaming(parser, toks[family], text, cuts)
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+@SEEDED
+@given(plan=plans_with_calls, cut=st.integers(0, 10_000), cuts=cut_points)
+def test_truncated_output(toks, family, plan, cut, cuts):
+    """An output cut anywhere (max_tokens) parses consistently; a call is either complete or content."""
+    fmt = FORMATS[family]
+    full = fmt.output(plan)
+    text = full[: cut % (len(full) + 1)]
+    parsed = check_streaming(fmt.parsers[0], toks[family], text, cuts)
+    assert len(parsed.tool_calls) == text.count(fmt.call_end)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
-"""Routing: cost = uncached blocks + load_weight × in-flight requests, over healthy workers, with pinned choices."""
+"""Routing: cost = uncached blocks + load_weight × in-flight requests, over healthy workers, with pinned choices;
+and the P/D decision (`PDDecider`: remote prefill only for enough uncached tokens, with room in the prefill pool)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.routing import (NoHealthyWorker, Router, RouterConfig, parse_worker_list, prompt_block_hashes,
-                             should_prefill_remotely)
+from gateway.routing import (NoHealthyWorker, PDDecider, Router, RouterConfig, parse_worker_list,
+                             prompt_block_hashes, should_prefill_remotely)
 
 A, B, C = "a:1", "b:1", "c:1"
 BS = 16
@@ -146,3 +147,29 @@ def test_should_prefill_remotely(uncached, minimum, saturated, remote):
 def test_should_prefill_remotely_rejects_negative():
     with pytest.raises(ValueError):
         should_prefill_remotely(-1, 0, False)
+
+
+@pytest.mark.parametrize("decider, prompt_tokens, n, cached, inflight, have_prefill, route", [
+    (PDDecider(256), 512, 1, 0, 0, True, "remote"),
+    (PDDecider(256), 512, 1, 256, 0, True, "remote"),  # exactly the threshold uncached
+    (PDDecider(256), 512, 1, 257, 0, True, "local"),  # the decode worker holds most of it
+    (PDDecider(256), 100, 1, 0, 0, True, "local"),  # too short to be worth a transfer
+    (PDDecider(256), 512, 2, 0, 0, True, "local"),  # n > 1 prefills where it decodes
+    (PDDecider(256), 512, 1, 0, 0, False, "local"),  # no healthy prefill worker
+    (PDDecider(256, max_prefill_inflight=2), 512, 1, 0, 1, True, "remote"),
+    (PDDecider(256, max_prefill_inflight=2), 512, 1, 0, 2, True, "local"),  # prefill saturated
+    (PDDecider(256, max_prefill_inflight=0), 512, 1, 0, 10_000, True, "remote"),  # 0: no limit
+    (PDDecider(0), 1, 1, 1, 0, True, "remote"),  # threshold 0: always remote when possible
+    (PDDecider(0), 4, 1, 9, 0, True, "remote"),  # a probe claiming more than the prompt counts as all cached
+])
+def test_pd_decider(decider, prompt_tokens, n, cached, inflight, have_prefill, route):
+    assert decider.decide(prompt_tokens, n, cached, inflight, have_prefill=have_prefill) == route
+
+
+def test_pd_decider_probes_only_when_the_answer_matters():
+    decider = PDDecider(min_uncached_tokens=40)
+    assert not decider.needs_probe(39) and decider.needs_probe(40)
+    assert not decider.needs_probe(400, n=2) and not decider.needs_probe(400, have_prefill=False)
+    assert not PDDecider(0).needs_probe(10_000)  # always remote: nothing to ask
+    with pytest.raises(ValueError):
+        PDDecider(min_uncached_tokens=-1)

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from gateway.app import SHUTTING_DOWN, ShutdownClock, _until_shutdown
-from gateway.openai_protocol import ApiError
+from gateway.protocol import ApiError
+from gateway.rest_io import SHUTTING_DOWN, ShutdownClock, until_shutdown
 
 
 async def _slow_events(n: int, delay: float):
@@ -18,7 +18,7 @@ async def _slow_events(n: int, delay: float):
 
 def test_events_pass_through_without_shutdown():
     async def run():
-        return [e async for e in _until_shutdown(_slow_events(5, 0.001), ShutdownClock(grace_s=5))]
+        return [e async for e in until_shutdown(_slow_events(5, 0.001), ShutdownClock(grace_s=5))]
     assert asyncio.run(run()) == [0, 1, 2, 3, 4]
 
 
@@ -28,7 +28,7 @@ def test_shutdown_deadline_ends_a_long_stream_with_503():
         seen = []
         clock.begin()
         with pytest.raises(ApiError) as err:
-            async for e in _until_shutdown(_slow_events(1000, 0.01), clock):
+            async for e in until_shutdown(_slow_events(1000, 0.01), clock):
                 seen.append(e)
         return seen, err.value
     seen, error = asyncio.run(asyncio.wait_for(run(), timeout=5))
@@ -40,5 +40,5 @@ def test_short_stream_finishes_within_the_grace():
     async def run():
         clock = ShutdownClock(grace_s=2.0, margin_s=0.5)
         clock.begin()
-        return [e async for e in _until_shutdown(_slow_events(10, 0.01), clock)]
+        return [e async for e in until_shutdown(_slow_events(10, 0.01), clock)]
     assert asyncio.run(run()) == list(range(10))

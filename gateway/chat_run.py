@@ -1,0 +1,125 @@
+"""One chat completion request (all its `n` choices) through the mesh, as `ChatEvent`s.
+
+Contract (the lifecycle is `gateway.run.Run`'s):
+- `events()` yields, per choice, a first event with the role, then the output parsers' deltas (`gateway.parsers`,
+  chosen by the plan; without parsers the text is the content), each carrying the logprobs of the tokens since the
+  previous event of that choice, and a last event with the finish reason — "tool_calls" when a turn that stopped
+  held parsed calls.
+- A choice ends at its stop string, stop token, length or the mesh's finish; once every choice ended the mesh call
+  is left (a stop string matched: what the mesh still generates is cancelled). A choice the mesh never finished
+  ends with "abort".
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING
+
+from engine.tokenizer import KimiTokenizer
+from gateway.events import ChatEvent
+from gateway.mesh_client import MeshRequest, TokenEvent
+from gateway.parsers import DeltaMessage, build_output_parser
+from gateway.plan import ChatPlan
+from gateway.ratelimit import Lease
+from gateway.request_trace import RequestTrace
+from gateway.run import Run
+from gateway.tenancy import Principal
+from gateway.text import ChoiceText, TextRules
+from protos import common_pb2
+
+if TYPE_CHECKING:
+    from gateway.core import GatewayCore
+
+
+class _ChatChoice:
+    def __init__(self, index: int, tokenizer: KimiTokenizer, plan: ChatPlan, markers: frozenset[int]):
+        self.index = index
+        self.text = ChoiceText(tokenizer, TextRules.of(plan.sampling, markers))
+        parser = build_output_parser(plan.tool_parser, plan.reasoning_parser,
+                                     start_in_reasoning=plan.prompt.starts_in_reasoning)
+        self.stream = parser.stream() if parser is not None else None
+        self.pending_logprobs: list[common_pb2.TokenLogprob] = []
+        self.has_tool_calls = False
+        self.done = False  # the last event was produced
+
+    def feed(self, text: str, finished: bool) -> list[DeltaMessage]:
+        if self.stream is None:
+            deltas = [DeltaMessage(content=text)] if text else []
+        else:
+            deltas = self.stream.feed(text) if text else []
+            if finished:
+                deltas += self.stream.finish()
+        if any(d.tool_calls for d in deltas):
+            self.has_tool_calls = True
+        return deltas
+
+    def finish_reason(self) -> str:
+        reason = self.text.finish_reason or "abort"
+        return "tool_calls" if reason == "stop" and self.has_tool_calls else reason
+
+
+class ChatRun(Run):
+    """One chat completion request (all its choices) through the mesh."""
+
+    endpoint = "chat"
+    prompt_param = "messages"
+
+    def __init__(self, core: "GatewayCore", principal: Principal, lease: Lease, plan: ChatPlan, request_id: str,
+                 salt: bytes, api: str, trace: RequestTrace | None = None):
+        super().__init__(core, principal, lease, request_id, len(plan.prompt_ids), api, trace)
+        self.plan = plan
+        self.salt = salt
+        self.stream = plan.request.stream
+        self.include_usage = plan.request.include_usage
+        self.choices = [_ChatChoice(i, core.tokenizer, plan, core.marker_ids) for i in range(plan.request.n)]
+
+    def choice_token_counts(self) -> list[int]:
+        return [len(c.text.token_ids) for c in self.choices]
+
+    def finish_reasons(self) -> list[str]:
+        return [c.finish_reason() for c in self.choices if c.done]
+
+    async def _items(self) -> AsyncIterator[TokenEvent]:
+        request = MeshRequest(request_id=self.mesh_id, prompt_token_ids=tuple(self.plan.prompt_ids),
+                              sampling=self.plan.sampling, model=self.model, tenant_salt=self.salt,
+                              priority=self.plan.request.priority, timeout_s=self.core.config.request_timeout_s)
+        async with aclosing(self.core.mesh.generate(request)) as events:
+            async for event in events:
+                yield event
+
+    async def events(self) -> AsyncIterator[ChatEvent]:
+        for choice in self.choices:
+            yield ChatEvent(choice.index, role="assistant")
+        async for event in self._mesh_items():
+            self._saw_tokens(event)
+            if not 0 <= event.index < len(self.choices) or self.choices[event.index].done:
+                continue
+            choice = self.choices[event.index]
+            text = choice.text.add(event)
+            choice.pending_logprobs.extend(event.logprobs[: len(event.token_ids)])
+            finished = choice.text.finished
+            for item in self._choice_events(choice, choice.feed(text, finished), finished):
+                yield item
+            if all(c.done for c in self.choices):
+                break  # e.g. a stop string matched: cancel what the mesh still generates
+        for choice in self.choices:  # the mesh ended without finishing a choice (should not happen): abort it
+            if not choice.done:
+                if choice.text.finish_reason is None:
+                    choice.text.finish_reason = "abort"
+                for item in self._choice_events(choice, choice.feed("", True), True):
+                    yield item
+
+    def _choice_events(self, choice: _ChatChoice, deltas: list[DeltaMessage], finished: bool):
+        if self.plan.request.logprobs:
+            logprobs, choice.pending_logprobs = choice.pending_logprobs, []
+        else:
+            logprobs = []
+        for i, delta in enumerate(deltas):
+            yield ChatEvent(choice.index, deltas=[delta], logprobs=logprobs if i == 0 else [])
+        if finished:
+            choice.done = True
+            yield ChatEvent(choice.index, logprobs=logprobs if not deltas else [],
+                            finish_reason=choice.finish_reason(), stop_reason=choice.text.stop_reason)
+        elif not deltas and logprobs:
+            choice.pending_logprobs = logprobs + choice.pending_logprobs  # no event now: keep them for the next

@@ -1,0 +1,205 @@
+"""The gateway's request pipeline (`GatewayCore`), shared by the REST API (gateway/app.py) and the gRPC API
+(gateway/grpc_api.py).
+
+One chat request: authenticate (API key -> tenant) -> validate (gateway.protocol) -> plan: render the chat template,
+sampling, structured output, parsers (gateway.plan) -> derive the tenant's cache salt -> admit (per-tenant rate and
+concurrency limits) -> a run through the mesh (gateway.run: P/D decision, prefill -> decode; incremental
+detokenisation and stop strings, gateway.text; reasoning / tool-call parsers) -> transport-neutral events
+(gateway.events) -> usage and metrics.
+
+Contract:
+- `GatewayCore(config, ...)` owns the tokenizer, chat renderer, mesh client, tenant directory, cache salter, rate
+  limiter and metrics. `start()` loads what was not given, logs whether the gateway is open, and starts the periodic
+  worker health checks; `close()` stops them (and closes a mesh it created).
+- `authenticate(authorization)` -> `Principal`, or `ApiError` 401 (open mode: every request is anonymous).
+- `plan_chat(request)` -> `ChatPlan` (gateway.plan); `ApiError` 400 for what cannot be served.
+- `chat(principal, plan, ...)` / `complete(principal, job, ...)` admit the request (`ApiError` 429 with a
+  `Retry-After` header when over a limit; 400 for a completion prompt beyond the context) and return a run
+  (`ChatRun` / `CompletionRun`; its lifecycle is `gateway.run.Run`'s). With a `RequestTrace` (`trace(...)`) the
+  run opens its root span here and finishes it on `close()`.
+- The cache salt passed to the mesh is derived from the authenticated principal (`CacheSalter`); a client's
+  `cache_salt` is only mixed in. Tenants therefore never share prefix-cache entries.
+- `tokenize` / `detokenize` / `model_cards` answer vLLM's /tokenize, /detokenize and /v1/models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+from engine.formats.markers import OUTPUT_MARKERS
+from engine.tokenizer import KimiTokenizer
+from gateway.chat import ChatRenderer, read_family
+from gateway.chat_run import ChatRun
+from gateway.completion_run import CompletionRun
+from gateway.config import GatewayConfig
+from gateway.mesh_client import MeshClient
+from gateway.metrics import GatewayMetrics
+from gateway.plan import ChatPlan, ChatPlanner, check_prompt_length
+from gateway.protocol import (ApiError, ChatCompletionRequest, CompletionJob, TokenizeChatRequest,
+                              TokenizeCompletionRequest)
+from gateway.ratelimit import Lease, RateLimiter, RateLimitExceeded
+from gateway.request_trace import RequestTrace
+from gateway.tenancy import AuthError, CacheSalter, Principal, TenantDirectory
+from telemetry import tracing
+
+log = logging.getLogger(__name__)
+
+
+def model_max_len(model_dir: str | Path) -> int:
+    """The context length a checkpoint declares (config.json, or its text_config)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config") or config
+    return int(text.get("model_max_length") or text.get("max_position_embeddings") or 1 << 20)
+
+
+class GatewayCore:
+    def __init__(self, config: GatewayConfig, *, mesh: MeshClient | None = None,
+                 tokenizer: KimiTokenizer | None = None, tenants: TenantDirectory | None = None,
+                 salter: CacheSalter | None = None, metrics: GatewayMetrics | None = None,
+                 env: Mapping[str, str] | None = None):
+        self.config = config
+        self.mesh = mesh
+        self.tokenizer = tokenizer
+        self.renderer: ChatRenderer | None = None
+        self.planner: ChatPlanner | None = None
+        self.marker_ids: frozenset[int] = frozenset()  # special ids the output parsers read (others are dropped)
+        self.metrics = metrics or GatewayMetrics()
+        self.tracer = tracing.get_tracer("kdamesh.gateway")
+        env = os.environ if env is None else env
+        self.tenants = tenants if tenants is not None else TenantDirectory.from_config(
+            config.api_keys, config.api_keys_file, config.tenant_limits())
+        self.salter = salter if salter is not None else CacheSalter.from_env(env)
+        self.limiter = RateLimiter(self.tenants.limits())
+        self.family = read_family(config.model)
+        self.max_model_len = config.max_model_len or model_max_len(config.model)
+        self.created = int(time.time())
+        self._own_mesh = mesh is None
+        self._health_task: asyncio.Task | None = None
+        self._started = False
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        if self.tokenizer is None:
+            self.tokenizer = KimiTokenizer.from_pretrained(self.config.model)
+        self.renderer = ChatRenderer.from_pretrained(self.config.model, self.tokenizer)
+        self.planner = ChatPlanner(self.renderer, self.config, self.max_model_len)
+        specials = self.tokenizer.special_tokens
+        self.marker_ids = frozenset(specials[m] for m in OUTPUT_MARKERS if m in specials)
+        if self.mesh is None:
+            self.mesh = self.config.make_mesh()
+        self.mesh.on_health_change = self._health_changed
+        for address in list(self.mesh.decoders) + list(self.mesh.prefillers):
+            self._health_changed(address, True)
+        self._health_task = asyncio.create_task(self.mesh.run_health_checks(self.config.health_check_interval_s))
+        self._log_start()
+
+    def _log_start(self) -> None:
+        log.info(self.tenants.describe())
+        if self.salter.ephemeral:
+            log.info("cache salts use a per-process secret (set KDAMESH_CACHE_SALT_SECRET to share prefix-cache "
+                     "hits across gateway replicas and restarts)")
+        parsers = self.config.tool_call_parser or self.config.reasoning_parser
+        expected = self.renderer.output_format
+        if parsers and parsers != expected:
+            log.warning("the configured output parser %r does not match this model's output format %r", parsers,
+                        expected)
+        log.info("gateway serving %s (%s, %s mode) over decode %s, prefill %s", self.config.model_name, self.family,
+                 self.config.mode, list(self.config.decode_addresses), list(self.config.prefill_addresses))
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+            self._health_task = None
+        if self._own_mesh and self.mesh is not None:
+            await self.mesh.close()
+            self.mesh = None
+        self._started = False
+
+    def _health_changed(self, address: str, healthy: bool) -> None:
+        pool = "decode" if address in self.mesh.decoders else "prefill"
+        self.metrics.worker_healthy.labels(pool, address).set(1 if healthy else 0)
+
+    @property
+    def served(self) -> set[str]:
+        return self.config.served_names
+
+    def trace(self, endpoint: str, request_id: str, headers: Mapping[str, str] | None = None) -> RequestTrace:
+        """The telemetry of one API request to `endpoint` (see gateway.request_trace)."""
+        return RequestTrace(self.tracer, self.config.model_name, endpoint, request_id, headers)
+
+    # -- tenancy -----------------------------------------------------------------------------------------------
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        try:
+            return self.tenants.authenticate(authorization)
+        except AuthError as exc:
+            raise ApiError(401, exc.message, code="invalid_api_key" if exc.kind == "invalid_key" else
+                           "missing_api_key", type_="authentication_error",
+                           headers={"WWW-Authenticate": "Bearer"}) from None
+
+    def tenant_salt(self, principal: Principal, client_salt: str | None) -> bytes:
+        return bytes.fromhex(self.salter.cache_salt(principal, client_salt))
+
+    def _admit(self, principal: Principal, prompt_tokens: int, max_tokens: int | None, n: int, api: str) -> Lease:
+        budget = max_tokens if max_tokens is not None else max(0, self.max_model_len - prompt_tokens)
+        try:
+            lease = self.limiter.acquire(principal.tenant, prompt_tokens, budget * n)
+        except RateLimitExceeded as exc:
+            self.metrics.rate_limited.labels(principal.tenant, exc.limit_kind).inc()
+            raise ApiError(429, str(exc), code="rate_limit_exceeded", type_="rate_limit_error",
+                           headers={"Retry-After": exc.retry_after_header()}) from None
+        self.metrics.running.labels(api).inc()
+        return lease
+
+    # -- runs --------------------------------------------------------------------------------------------------
+
+    def plan_chat(self, request: ChatCompletionRequest) -> ChatPlan:
+        return self.planner.plan(request)
+
+    def chat(self, principal: Principal, plan: ChatPlan, *, api: str = "rest",
+             trace: RequestTrace | None = None) -> ChatRun:
+        request = plan.request
+        if trace is not None:
+            trace.start_span("chat", principal.tenant, plan.sampling, request.n, request.stream)
+        lease = self._admit(principal, len(plan.prompt_ids), request.completion_limit, request.n, api)
+        salt = self.tenant_salt(principal, request.cache_salt)
+        return ChatRun(self, principal, lease, plan, f"chatcmpl-{request.request_id or uuid.uuid4().hex}", salt,
+                       api, trace)
+
+    def complete(self, principal: Principal, job: CompletionJob, *, api: str = "rest",
+                 trace: RequestTrace | None = None) -> CompletionRun:
+        request = job.request
+        if trace is not None:
+            trace.start_span("text_completion", principal.tenant, job.sampling, request.n, request.stream)
+        for prompt in job.prompts:
+            check_prompt_length(len(prompt), job.max_tokens, self.max_model_len, "prompt")
+        lease = self._admit(principal, sum(len(p) for p in job.prompts), job.max_tokens, request.n * len(job.prompts),
+                            api)
+        salt = self.tenant_salt(principal, request.cache_salt)
+        return CompletionRun(self, principal, lease, job, f"cmpl-{request.request_id or uuid.uuid4().hex}", salt, api,
+                             trace)
+
+    # -- tokenizer and models ----------------------------------------------------------------------------------
+
+    def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
+        if isinstance(request, TokenizeCompletionRequest):
+            return self.tokenizer.encode(request.prompt)  # what /v1/completions feeds the model
+        return self.planner.render(request).token_ids
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def model_cards(self) -> list[dict]:
+        return [{"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "kdamesh",
+                 "root": self.config.model, "parent": None, "max_model_len": self.max_model_len,
+                 "family": self.family}]

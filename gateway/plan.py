@@ -1,0 +1,139 @@
+"""Everything decided about a chat request before it reaches the mesh (`ChatPlan`), and the prompt-length rule.
+
+Contract:
+- `ChatPlanner(renderer, config, max_model_len).plan(request)` renders a validated chat request and decides: the
+  prompt ids; the sampling parameters with structured output (`tool_choice` "required" / named and
+  `response_format` json kinds become the engine's grammar, wrapped in the model's output format); which output
+  parsers read the text (the configured ones; with a grammar, the family's own, since its wrapping must be read
+  back). Raises `ApiError` 400 for images, a malformed conversation (naming the field: `messages`, `tools`, ...),
+  a prompt beyond the context, and "auto" tool choice without `--enable-auto-tool-choice`.
+- `render(request)` renders a chat (or /tokenize chat) request with the same checks, nothing else decided.
+- `check_prompt_length(prompt_tokens, max_tokens, limit, param)`: 400 `context_length_exceeded` when the prompt
+  (plus `max_tokens` when given) does not fit in `limit` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gateway.chat import ChatFormatError, ChatRenderer, RenderedPrompt
+from gateway.config import GatewayConfig
+from gateway.protocol import ApiError, ChatCompletionRequest, TokenizeChatRequest, sampling_from_chat
+from protos import common_pb2
+
+CHAT_FIELDS = ("messages", "tools", "tool_choice", "response_format", "chat_template_kwargs")
+IMAGE_PARTS = ("image_url", "image", "input_image")
+StructuredOutput = common_pb2.StructuredOutput
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """Everything decided about a chat request before it reaches the mesh."""
+
+    request: ChatCompletionRequest
+    prompt: RenderedPrompt
+    sampling: common_pb2.SamplingParams
+    tool_parser: str | None  # parser names (gateway.parsers); both None: the text is the content
+    reasoning_parser: str | None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt.token_ids
+
+
+def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limit: int, param: str) -> None:
+    if prompt_tokens >= limit or prompt_tokens + (max_tokens or 0) > limit:
+        asked = f" + {max_tokens} completion tokens" if max_tokens else ""
+        raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request has "
+                            f"{prompt_tokens} prompt tokens{asked}", param=param, code="context_length_exceeded")
+
+
+class ChatPlanner:
+    def __init__(self, renderer: ChatRenderer, config: GatewayConfig, max_model_len: int):
+        self.renderer = renderer
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def render(self, request: ChatCompletionRequest | TokenizeChatRequest, tool_choice=None,
+               response_format: dict | None = None) -> RenderedPrompt:
+        if _has_images(request.messages):
+            raise ApiError(400, "image inputs are not supported by this deployment yet", param="messages")
+        try:
+            return self.renderer.render(request.messages, request.tools_json(), request.add_generation_prompt,
+                                        request.chat_template_kwargs, tool_choice=tool_choice,
+                                        response_format=response_format)
+        except ChatFormatError as exc:
+            raise ApiError(400, str(exc), param=_chat_param(str(exc))) from None
+
+    def plan(self, request: ChatCompletionRequest) -> ChatPlan:
+        tool_choice = request.effective_tool_choice
+        if tool_choice == "auto" and not (self.config.enable_auto_tool_choice and self.config.tool_call_parser):
+            raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                                "set", param="tool_choice")
+        response_format = request.response_format_json()
+        prompt = self.render(request, tool_choice, response_format)
+        check_prompt_length(len(prompt.token_ids), request.completion_limit, self.max_model_len, "messages")
+        tool_parser, reasoning_parser = self._parsers(request, tool_choice, response_format)
+        parsed = tool_parser is not None or reasoning_parser is not None
+        sampling = sampling_from_chat(request, skip_special_tokens=False if parsed else request.skip_special_tokens)
+        structured = _structured(request, tool_choice, response_format, self.renderer.output_format,
+                                 prompt.starts_in_reasoning)
+        if structured is not None:
+            sampling.structured_output.CopyFrom(structured)
+        return ChatPlan(request, prompt, sampling, tool_parser, reasoning_parser)
+
+    def _parsers(self, request: ChatCompletionRequest, tool_choice, response_format: dict | None):
+        """(tool-call parser, reasoning parser) names that read this request's output."""
+        family_format = self.renderer.output_format
+        forced = tool_choice == "required" or isinstance(tool_choice, dict)
+        json_kind = response_format is not None and response_format["type"] in ("json_object", "json_schema")
+        tool_parser = None
+        if request.tools and tool_choice != "none":
+            tool_parser = self.config.tool_call_parser if tool_choice == "auto" else (
+                self.config.tool_call_parser or family_format)
+        reasoning_parser = self.config.reasoning_parser
+        if (forced or json_kind) and reasoning_parser is None:
+            reasoning_parser = tool_parser or family_format  # the grammar's wrapping must be read back
+        if tool_parser is not None and reasoning_parser is not None and tool_parser != reasoning_parser:
+            reasoning_parser = tool_parser
+        return tool_parser, reasoning_parser
+
+
+def _structured(request: ChatCompletionRequest, tool_choice, response_format: dict | None, output_format: str,
+                starts_in_reasoning: bool) -> StructuredOutput | None:
+    common = dict(output_format=output_format, starts_in_reasoning=starts_in_reasoning)
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        tools = [StructuredOutput.Tool(name=t.function.name, parameters_json=json.dumps(t.function.parameters)
+                                       if t.function.parameters is not None else "") for t in request.tools]
+        if tool_choice == "required":
+            out = StructuredOutput(kind=StructuredOutput.KIND_TOOL_CALL, tools=tools,
+                                   tool_mode=StructuredOutput.TOOL_MODE_REQUIRED, **common)
+            if request.parallel_tool_calls is not None:
+                out.parallel_tool_calls = request.parallel_tool_calls
+            return out
+        return StructuredOutput(kind=StructuredOutput.KIND_TOOL_CALL, tools=tools,
+                                tool_mode=StructuredOutput.TOOL_MODE_NAMED,
+                                tool_name=tool_choice["function"]["name"], **common)
+    if response_format is None or response_format["type"] == "text":
+        return None
+    if response_format["type"] == "json_object":
+        return StructuredOutput(kind=StructuredOutput.KIND_JSON_OBJECT, **common)
+    schema = response_format["json_schema"]["schema"]
+    return StructuredOutput(kind=StructuredOutput.KIND_JSON_SCHEMA, json_schema=json.dumps(schema), **common)
+
+
+def _chat_param(message: str) -> str | None:
+    head = message.split(":", 1)[0].split("[", 1)[0].split(".", 1)[0].strip()
+    return head if head in CHAT_FIELDS else "messages"
+
+
+def _has_images(messages: list) -> bool:
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, Mapping) and part.get("type") in IMAGE_PARTS:
+                    return True
+    return False

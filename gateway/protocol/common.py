@@ -1,0 +1,209 @@
+"""What the two OpenAI generation requests share: the pydantic base, tools and response formats, and the sampling
+fields with their checks (`SamplingRequest`), validated once here for chat and completions alike.
+
+Contract:
+- `validate_body(model_type, body)` validates a decoded JSON body with a pydantic model: `ApiError` 400 for a body
+  that is not an object or a bad field (the first one, as `param`). Unknown top-level fields are ignored (as vLLM
+  does).
+- `check_served(model, served)`: `ApiError` 404 `model_not_found` for a model this gateway does not serve.
+- `SamplingRequest` holds vLLM's sampling fields with their ranges; `check()` raises `ApiError` for what spans
+  fields (`stream_options` without `stream`, `min_tokens` above the completion limit) and for fields this gateway
+  cannot honour when set to something that matters (`UNSUPPORTED`); `sampling_params(logprobs,
+  skip_special_tokens)` builds the mesh `SamplingParams` (`seed` taken modulo 2^64; `logprobs` None: none, k: the
+  sampled token's plus the top k).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Literal, TypeVar, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gateway.protocol.errors import ApiError, not_found_model, validation_error
+from protos import common_pb2
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+M = TypeVar("M", bound=BaseModel)
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+def validate_body(model_type: type[M], body: Any) -> M:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model_type.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def check_served(model: str | None, served: set[str]) -> None:
+    if model is not None and model not in served:
+        raise not_found_model(model)
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class FunctionDefinition(RequestModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+def tools_json(tools: list[ToolDefinition] | None) -> list[dict] | None:
+    """The tools as the chat renderer takes them (plain JSON, unset fields left out)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+class JsonSchemaSpec(RequestModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format type 'json_schema' needs json_schema.schema")
+        return self
+
+
+class SamplingRequest(RequestModel):
+    """The fields `/v1/chat/completions` and `/v1/completions` share (vLLM's sampling extras included)."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    echo: bool = False
+    user: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+    logit_bias: dict[str, float] | None = None  # accepted by the OpenAI API, not honoured here (refused when set)
+
+    # (field, whether its value changes the result): refused with 400 `unsupported_parameter` when it does
+    UNSUPPORTED: ClassVar[tuple] = (("logit_bias", bool),)
+
+    @field_validator("model")
+    @classmethod
+    def _model_not_empty(cls, v: str) -> str:
+        if not v:
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty")
+    @classmethod
+    def _finite(cls, v):
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if isinstance(v, str):
+            v = [v]
+        if v is not None and not all(s for s in v):
+            raise ValueError("stop strings must not be empty")
+        if v is not None and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v):
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):
+        if v is not None and not -(1 << 63) <= v < (1 << 64):
+            raise ValueError("must fit in 64 bits")
+        return v
+
+    @field_validator("priority")
+    @classmethod
+    def _priority(cls, v):
+        if not -(1 << 31) <= v < (1 << 31):
+            raise ValueError("must fit in 32 bits")
+        return v
+
+    @property
+    def completion_limit(self) -> int | None:
+        """The most tokens a choice may generate (None: up to the context length)."""
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check(self) -> None:
+        """Checks across fields (`ApiError` naming the field)."""
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "'stream_options' needs 'stream': true", param="stream_options")
+        limit = self.completion_limit
+        if limit is not None and self.min_tokens > limit:
+            raise ApiError(400, f"'min_tokens' {self.min_tokens} is larger than max_tokens {limit}",
+                           param="min_tokens")
+        for name, matters in self.UNSUPPORTED:
+            if matters(getattr(self, name)):
+                raise ApiError(400, f"'{name}' is not supported by this server", param=name,
+                               code="unsupported_parameter")
+
+    def sampling_params(self, logprobs: int | None, skip_special_tokens: bool) -> common_pb2.SamplingParams:
+        """The mesh sampling parameters (structured output is added by the caller)."""
+        sampling = common_pb2.SamplingParams(
+            n=self.n, min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs is not None, top_logprobs=logprobs or 0, skip_special_tokens=skip_special_tokens)
+        if self.completion_limit is not None:
+            sampling.max_tokens = self.completion_limit
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(sampling, name, float(value))
+        if self.top_k is not None:
+            sampling.top_k = self.top_k
+        if self.seed is not None:
+            sampling.seed = self.seed % (1 << 64)
+        return sampling

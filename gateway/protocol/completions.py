@@ -1,0 +1,128 @@
+"""`/v1/completions` requests: OpenAI legacy completions with vLLM's extra sampling fields, validated by the same
+pydantic fields and checks as chat (`gateway.protocol.common.SamplingRequest`).
+
+Contract:
+- `parse_completion(body, tokenizer, served)` validates a decoded body with `CompletionRequest` and returns a
+  `CompletionJob` (the prompts as token ids, the mesh `SamplingParams` filled in), or raises `ApiError` (400 naming
+  the first bad field as `param`; 404 `model_not_found`).
+- `prompt` is a text, a list of texts, a list of token ids or a list of such lists; texts are encoded with the
+  gateway's tokenizer, ids must lie in its vocabulary, no prompt may be empty.
+- As in OpenAI's legacy API, a field given as null takes its default (`max_tokens`: 16). `suffix` is refused,
+  `best_of` only equal to `n`; `logprobs` k returns the sampled token's logprob and the top k; `response_format`
+  (vLLM's) makes the whole output that JSON, with no chat format around it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from gateway.protocol.common import MAX_LOGPROBS, SamplingRequest, check_served, validate_body
+from gateway.protocol.errors import ApiError
+from protos import common_pb2
+
+DEFAULT_MAX_TOKENS = 16
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of such lists"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _prompt_shape(prompt: Any) -> None:
+    """Raises ValueError unless `prompt` is one of the accepted shapes with nothing empty in it."""
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                  or all(isinstance(p, list) for p in prompt)):
+        prompts = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return
+    else:
+        raise ValueError(f"must be {PROMPT_SHAPES}")
+    if not all(prompts):
+        raise ValueError("a prompt must not be empty")
+    if any(isinstance(p, list) and not all(_is_int(t) for t in p) for p in prompts):
+        raise ValueError(f"must be {PROMPT_SHAPES}")
+
+
+class CompletionRequest(SamplingRequest):
+    """OpenAI legacy completions request, with vLLM's extra sampling fields."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None  # not supported: refused unless null
+    return_token_ids: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_take_defaults(cls, body: Any) -> Any:
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v):
+        _prompt_shape(v)
+        return v
+
+    def check(self) -> None:
+        if self.suffix is not None:
+            raise ApiError(400, "'suffix' is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, "'best_of' other than n is not supported", param="best_of")
+        super().check()
+
+
+@dataclass
+class CompletionJob:
+    """A parsed /v1/completions request: the validated body, its prompts as token ids, the mesh sampling parameters.
+    The completion limit is the sampling's (`max_tokens`: the gRPC API may lift the body's default)."""
+
+    request: CompletionRequest
+    prompts: list[list[int]]
+    prompt_texts: list[str | None]  # None: given as token ids
+    sampling: common_pb2.SamplingParams
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling.max_tokens if self.sampling.HasField("max_tokens") else None
+
+
+def parse_completion(body: Any, tokenizer, served: set[str]) -> CompletionJob:
+    request = validate_body(CompletionRequest, body)
+    check_served(request.model, served)
+    request.check()
+    prompts, texts = _encode_prompts(request.prompt, tokenizer)
+    sampling = request.sampling_params(request.logprobs, request.skip_special_tokens)
+    structured = _structured(request)
+    if structured is not None:
+        sampling.structured_output.CopyFrom(structured)
+    return CompletionJob(request, prompts, texts, sampling)
+
+
+def _structured(request: CompletionRequest) -> common_pb2.StructuredOutput | None:
+    """vLLM's `response_format` on completions: the whole output is the JSON (no chat format around it)."""
+    fmt, kinds = request.response_format, common_pb2.StructuredOutput
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return kinds(kind=kinds.KIND_JSON_OBJECT)
+    return kinds(kind=kinds.KIND_JSON_SCHEMA, json_schema=json.dumps(fmt.json_schema.schema_))
+
+
+def _encode_prompts(prompt, tokenizer) -> tuple[list[list[int]], list[str | None]]:
+    """(token ids, text or None) per prompt of a validated `prompt` field."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)], [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return [tokenizer.encode(p) for p in prompt], list(prompt)
+    prompts = [list(prompt)] if all(_is_int(t) for t in prompt) else [list(p) for p in prompt]
+    vocab = tokenizer.vocab_size
+    if not all(0 <= t < vocab for p in prompts for t in p):
+        raise ApiError(400, f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+    return prompts, [None] * len(prompts)

@@ -1,0 +1,126 @@
+"""The REST API's plumbing around a request: its JSON body, its client's disconnect, the shutdown deadline, SSE.
+
+Contract:
+- `read_json(request)`: the decoded body; `ApiError` 413 `request_too_large` past `MAX_REQUEST_BYTES` (declared or
+  actual: refused before it is parsed), 400 `invalid_json` when it does not decode.
+- `unless_disconnected(request, work)` runs `work` and cancels it when the client disconnects first (`ClientGone`).
+- `ShutdownClock`: when the HTTP server was told to stop, streams still running near the end of its grace period
+  end with an OpenAI error event (503 `shutting_down`) and `[DONE]` instead of being cut off mid-stream
+  (`until_shutdown(events, clock)` raises that `ApiError` once the deadline passes).
+- `sse_stream(run, fmt, clock)`: a run's Server-Sent Events — its chunks (`gateway.rest_responses`), the usage
+  trailer when asked, `data: [DONE]`; an error after the first chunk becomes a final `data: {"error": …}` before
+  `[DONE]`. The run is closed when the stream ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+
+from fastapi import Request
+
+from gateway.protocol import ApiError, ClientGone, bad_json
+from gateway.rest_responses import RestFormat, usage_chunk
+from gateway.run import Run
+
+MAX_REQUEST_BYTES = 32 << 20  # a JSON body larger than this is refused with 413 before it is parsed
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_DONE = "data: [DONE]\n\n"
+SHUTTING_DOWN = "the server is shutting down; the stream ended before its output was complete"
+
+
+async def read_json(request: Request):
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+        raise ApiError(413, f"the request body is {declared} bytes; the limit is {MAX_REQUEST_BYTES}",
+                       code="request_too_large")
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_REQUEST_BYTES:  # a body without (or lying about) its length
+            raise ApiError(413, f"the request body exceeds {MAX_REQUEST_BYTES} bytes", code="request_too_large")
+    try:
+        return json.loads(bytes(raw))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_json(exc) from None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable):
+    """Runs `work`; cancels it when the client disconnects first (raises `ClientGone`)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone()
+
+
+class ShutdownClock:
+    """When the HTTP server was told to stop (see the module docstring)."""
+
+    def __init__(self, grace_s: float, margin_s: float = 1.0):
+        self.grace_s, self.margin_s = grace_s, margin_s
+        self.deadline = asyncio.Event()  # set when streams must wrap up
+
+    def begin(self) -> None:
+        asyncio.get_running_loop().call_later(max(0.0, self.grace_s - self.margin_s), self.deadline.set)
+
+
+async def until_shutdown(events: AsyncIterator, clock: ShutdownClock | None) -> AsyncIterator:
+    """Yields `events` until they end, or raises a 503 `ApiError` once the shutdown deadline passes."""
+    if clock is None:
+        async for item in events:
+            yield item
+        return
+    iterator = events.__aiter__()
+    deadline = asyncio.ensure_future(clock.deadline.wait())
+    try:
+        while True:
+            step = asyncio.ensure_future(iterator.__anext__())
+            await asyncio.wait({step, deadline}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+                raise ApiError(503, SHUTTING_DOWN, code="shutting_down")
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        deadline.cancel()
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def sse_stream(run: Run, fmt: RestFormat, clock: ShutdownClock | None = None) -> AsyncIterator[str]:
+    try:
+        async for event in until_shutdown(run.events(), clock):
+            for body in fmt.chunks(run, event):
+                yield sse(body)
+        if run.include_usage:
+            yield sse(usage_chunk(run, fmt))
+        yield SSE_DONE
+    except ApiError as exc:
+        yield sse(exc.body())
+        yield SSE_DONE
+    finally:
+        await run.close()

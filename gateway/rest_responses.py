@@ -1,0 +1,172 @@
+"""The OpenAI response bodies of a run: streamed chunks and whole responses, for chat and completions.
+
+Contract:
+- `CHAT` and `COMPLETION` (`RestFormat`) say how a run's events become response bodies: `chunks(run, event)` the
+  chunk bodies of one event (streaming; `chunk_object` names them), `collect(run)` the whole response (it consumes
+  `run.events()`). `usage_chunk(run, fmt)` is the `choices: []` trailer of `stream_options.include_usage`.
+- Chat chunks: the role (with empty content) in a choice's first delta, one chunk per parser delta (the logprobs of
+  its tokens on the first), `finish_reason` (and vLLM's `stop_reason`) only in a choice's last chunk, with an empty
+  delta. A chat response folds each choice's deltas into one message (`content` "" rather than null when there is
+  neither content nor a tool call); reasoning appears as both `reasoning_content` and `reasoning`.
+- Completion chunks: a chunk per event with text, a finish reason or (with `return_token_ids`) token ids;
+  `logprobs` in the legacy shape (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
+- Every chunk carries `usage` (null until the trailer) when the client asked for usage; usage counts
+  `prompt_tokens_details.cached_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from gateway.chat_run import ChatRun
+from gateway.completion_run import CompletionRun
+from gateway.events import ChatEvent, CompletionEvent, Usage
+from gateway.parsers import fold
+from gateway.run import Run
+from protos import common_pb2
+
+
+@dataclass(frozen=True)
+class RestFormat:
+    chunk_object: str
+    chunks: Callable[[Run, object], list[dict]]
+    collect: Callable[[Run], Awaitable[dict]]
+
+
+def usage_dict(usage: Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def chat_logprobs_entry(tokenizer, lp: common_pb2.TokenLogprob) -> dict:
+    """One `choices[].logprobs.content[]` entry of a chat completion."""
+    def one(token_id: int, logprob: float) -> dict:
+        raw = tokenizer.id_to_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(logprob, -9999.0),
+                "bytes": list(raw)}
+
+    entry = one(lp.token_id, lp.logprob)
+    entry["top_logprobs"] = [one(t.token_id, t.logprob) for t in lp.top_logprobs]
+    return entry
+
+
+def completion_logprobs(tokenizer, logprobs: list[common_pb2.TokenLogprob], offset: int) -> dict:
+    """OpenAI completions `logprobs` for these tokens (text offsets counted from `offset`)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in logprobs:
+        piece = tokenizer.decode([lp.token_id])
+        tokens.append(piece)
+        token_lps.append(lp.logprob)
+        tops.append({tokenizer.decode([t.token_id]): t.logprob for t in lp.top_logprobs})
+        offsets.append(offset)
+        offset += len(piece)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chunk(run: Run, obj: str, choices: list[dict], usage: dict | None = None) -> dict:
+    body = {"id": run.id, "object": obj, "created": run.created, "model": run.model, "choices": choices}
+    if run.include_usage:
+        body["usage"] = usage
+    return body
+
+
+def usage_chunk(run: Run, fmt: RestFormat) -> dict:
+    return _chunk(run, fmt.chunk_object, [], usage_dict(run.usage()))
+
+
+def _response(run: Run, obj: str, choices: list[dict]) -> dict:
+    return {"id": run.id, "object": obj, "created": run.created, "model": run.model, "choices": choices,
+            "usage": usage_dict(run.usage())}
+
+
+# -- chat --------------------------------------------------------------------------------------------------------
+
+
+def chat_chunks(run: ChatRun, event: ChatEvent) -> list[dict]:
+    tokenizer, obj = run.core.tokenizer, CHAT.chunk_object
+    logprobs = {"content": [chat_logprobs_entry(tokenizer, lp) for lp in event.logprobs]} if event.logprobs else None
+
+    def choice(delta: dict, lp, finish: str | None = None) -> dict:
+        out = {"index": event.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        if finish is not None:
+            out["stop_reason"] = event.stop_reason
+        return out
+
+    if event.role is not None:
+        return [_chunk(run, obj, [choice({"role": event.role, "content": ""}, logprobs)])]
+    chunks = []
+    for delta in event.deltas:
+        chunks.append(_chunk(run, obj, [choice(delta.to_openai(), logprobs)]))
+        logprobs = None
+    if event.finish_reason is not None:
+        chunks.append(_chunk(run, obj, [choice({}, logprobs, event.finish_reason)]))
+    return chunks
+
+
+async def collect_chat(run: ChatRun) -> dict:
+    deltas: dict[int, list] = {c.index: [] for c in run.choices}
+    logprobs: dict[int, list] = {c.index: [] for c in run.choices}
+    finish: dict[int, tuple] = {}
+    tokenizer = run.core.tokenizer
+    async for event in run.events():
+        deltas[event.index].extend(event.deltas)
+        logprobs[event.index].extend(chat_logprobs_entry(tokenizer, lp) for lp in event.logprobs)
+        if event.finish_reason is not None:
+            finish[event.index] = (event.finish_reason, event.stop_reason)
+    choices = []
+    for index in sorted(deltas):
+        message = fold(deltas[index]).to_openai_message()
+        if message["content"] is None and "tool_calls" not in message:
+            message["content"] = ""
+        reason, stop_reason = finish.get(index, ("abort", None))
+        choices.append({"index": index, "message": message,
+                        "logprobs": {"content": logprobs[index]} if run.plan.request.logprobs else None,
+                        "finish_reason": reason, "stop_reason": stop_reason})
+    return {**_response(run, "chat.completion", choices), "system_fingerprint": None}
+
+
+# -- completions -------------------------------------------------------------------------------------------------
+
+
+def completion_chunks(run: CompletionRun, ev: CompletionEvent) -> list[dict]:
+    request = run.job.request
+    if not (ev.text or ev.finish_reason is not None or (request.return_token_ids and ev.token_ids)):
+        return []
+    logprobs = completion_logprobs(run.core.tokenizer, ev.logprobs, ev.logprob_offset) \
+        if request.logprobs is not None else None
+    choice = {"index": ev.index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason,
+              "stop_reason": ev.stop_reason}
+    if request.return_token_ids:
+        choice["token_ids"] = ev.token_ids
+    return [_chunk(run, COMPLETION.chunk_object, [choice])]
+
+
+async def collect_completion(run: CompletionRun) -> dict:
+    request, tokenizer = run.job.request, run.core.tokenizer
+    texts = {i: "" for i in run.choices}
+    lps: dict[int, list] = {i: [] for i in run.choices}
+    offsets = {i: 0 for i in run.choices}
+    finish: dict[int, tuple] = {}
+    async for ev in run.events():
+        if not texts[ev.index] and ev.logprob_offset:
+            offsets[ev.index] = ev.logprob_offset
+        texts[ev.index] += ev.text
+        lps[ev.index].extend(ev.logprobs)
+        if ev.finish_reason is not None:
+            finish[ev.index] = (ev.finish_reason, ev.stop_reason)
+    choices = []
+    for index in sorted(texts):
+        logprobs = completion_logprobs(tokenizer, lps[index], offsets[index]) if request.logprobs is not None else None
+        reason, stop_reason = finish.get(index, ("abort", None))
+        choice = {"index": index, "text": texts[index], "logprobs": logprobs, "finish_reason": reason,
+                  "stop_reason": stop_reason}
+        if request.return_token_ids:
+            choice["token_ids"] = list(run.choices[index].token_ids)
+        choices.append(choice)
+    return _response(run, "text_completion", choices)
+
+
+CHAT = RestFormat("chat.completion.chunk", chat_chunks, collect_chat)
+COMPLETION = RestFormat("text_completion", completion_chunks, collect_completion)

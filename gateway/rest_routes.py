@@ -1,0 +1,139 @@
+"""The REST API's route handlers (FastAPI), one small function per endpoint; `gateway/app.py` mounts them.
+
+Contract (the endpoints are listed in gateway/app.py):
+- A handler finds the `GatewayCore` at `request.app.state.core` (and the `ShutdownClock`, if any, at
+  `request.app.state.shutdown`) and raises or returns `ApiError` for every refusal (the OpenAI envelope).
+- `/v1/chat/completions` and `/v1/completions` differ only in how they start a run (`_start_chat`,
+  `_start_completion`); both then go through `gateway.handler.open_run` and `_respond`: a stream as Server-Sent
+  Events, else one JSON body; every response names the request id (`X-Request-Id`). A client that disconnects
+  before its response started cancels the run (499, nothing sent).
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from gateway.core import GatewayCore
+from gateway.handler import Start, open_run
+from gateway.protocol import (ApiError, ClientGone, failure_of, not_found_model, parse_chat, parse_completion,
+                              parse_detokenize, parse_tokenize)
+from gateway.request_trace import RequestTrace
+from gateway.rest_io import SSE_HEADERS, read_json, sse_stream, unless_disconnected
+from gateway.rest_responses import CHAT, COMPLETION, RestFormat
+from gateway.run import Run
+from gateway.tenancy import Principal
+from telemetry.context import REQUEST_ID_HEADER, request_id_from_headers
+
+
+def error_response(exc: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers={**exc.headers, **(headers or {})})
+
+
+def _refusal(exc: ApiError | ClientGone, headers: dict[str, str]) -> Response:
+    if isinstance(exc, ClientGone):
+        return Response(status_code=499, headers=headers)
+    return error_response(exc, headers)
+
+
+def _core(request: Request) -> GatewayCore:
+    return request.app.state.core
+
+
+def _principal(request: Request) -> Principal:
+    return _core(request).authenticate(request.headers.get("authorization"))
+
+
+async def health(request: Request):
+    core = _core(request)
+    workers = await core.mesh.health()
+    if all(workers.values()):
+        status = "ok"
+    elif any(ok for address, ok in workers.items() if address in core.mesh.decoders):
+        status = "degraded"  # requests are routed around the failing workers
+    else:
+        status = "unavailable"
+    return JSONResponse({"status": status, "workers": workers}, status_code=503 if status == "unavailable" else 200)
+
+
+async def prometheus(request: Request):
+    body, content_type = _core(request).metrics.render()
+    return Response(body, media_type=content_type)
+
+
+async def models(request: Request):
+    core = _core(request)
+    try:
+        _principal(request)
+    except ApiError as exc:
+        core.metrics.count_request("rest", "models", exc.status)
+        raise
+    core.metrics.count_request("rest", "models", 200)
+    return {"object": "list", "data": core.model_cards()}
+
+
+async def model(model_id: str, request: Request):
+    _principal(request)
+    cards = [c for c in _core(request).model_cards() if model_id in (c["id"], c["root"])]
+    if not cards:
+        raise not_found_model(model_id)
+    return cards[0]
+
+
+async def tokenize(request: Request):
+    core = _core(request)
+    _principal(request)
+    body = parse_tokenize(await read_json(request), core.served)
+    tokens = core.tokenize(body)
+    reply = {"tokens": tokens, "count": len(tokens), "max_model_len": core.max_model_len}
+    if body.return_token_strs:
+        reply["token_strs"] = core.tokenizer.convert_ids_to_tokens(tokens)
+    return reply
+
+
+async def detokenize(request: Request):
+    core = _core(request)
+    _principal(request)
+    body = parse_detokenize(await read_json(request), core.served, core.tokenizer.vocab_size)
+    return {"prompt": core.detokenize(body.tokens)}
+
+
+async def chat_completions(request: Request):
+    async def start(principal: Principal, trace: RequestTrace) -> Run:
+        core = _core(request)
+        chat = parse_chat(await read_json(request), core.served)
+        return core.chat(principal, core.plan_chat(chat), trace=trace)
+
+    return await _respond(request, "chat", start, CHAT)
+
+
+async def completions(request: Request):
+    async def start(principal: Principal, trace: RequestTrace) -> Run:
+        core = _core(request)
+        job = parse_completion(await read_json(request), core.tokenizer, core.served)
+        return core.complete(principal, job, trace=trace)
+
+    return await _respond(request, "completions", start, COMPLETION)
+
+
+async def _respond(request: Request, endpoint: str, start: Start, fmt: RestFormat) -> Response:
+    """Opens the run (`open_run`) and answers with its stream or its whole response."""
+    core = _core(request)
+    trace = core.trace(request.url.path, request_id_from_headers(request.headers), request.headers)
+    ids = {REQUEST_ID_HEADER: trace.request_id}
+    try:
+        run = await open_run(core, trace, "rest", endpoint, request.headers.get("authorization"), start,
+                             lambda opening: unless_disconnected(request, opening))
+    except (ApiError, ClientGone) as exc:
+        return _refusal(exc, ids)
+    if run.stream:
+        return StreamingResponse(sse_stream(run, fmt, request.app.state.shutdown), media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, **ids}, background=BackgroundTask(run.close))
+    try:
+        return JSONResponse(await unless_disconnected(request, fmt.collect(run)), headers=ids)
+    except (ApiError, ClientGone) as exc:
+        trace.fail(*failure_of(exc))
+        return _refusal(exc, ids)
+    finally:
+        await run.close()

@@ -1,0 +1,160 @@
+"""The lifecycle of one admitted request through the mesh (a "run"), shared by chat and completions.
+
+Contract:
+- A run is made by `GatewayCore.chat` / `GatewayCore.complete` after admission (it holds the rate-limit lease and
+  counts as running). It must be `open()`ed — which starts the mesh request and waits for its first item, so errors
+  before any output (context length from a worker, no healthy worker) still surface as plain `ApiError`s — then
+  iterated with `events()` (the subclass: `ChatRun`, `CompletionRun`), and always `close()`d.
+- Errors: every mesh item is taken by `_step`, the one place a `MeshError` becomes an `ApiError`
+  (`mesh_api_error`, naming `prompt_param` in a context-length error) and a failure is recorded on the trace
+  (`failure_of`); a failure in `open()` also records its status (499 when cancelled: the client went away) and
+  closes the run.
+- `close()` is idempotent: it cancels the mesh call if still running (decode aborts the request and frees its
+  memory), releases the lease with the tokens actually used, updates the metrics and finishes the trace.
+- While the mesh works (each `_step`) the trace's span and request id are current, so gRPC calls and tasks started
+  there carry them; they are attached and detached within one step, never across a `yield`.
+- `stream` / `include_usage`: how the client asked for the response; `choices` has one entry per choice.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+from gateway.events import Usage
+from gateway.mesh_client import MeshError, TokenEvent
+from gateway.protocol import failure_of, mesh_api_error
+from gateway.ratelimit import Lease
+from gateway.request_trace import RequestTrace
+from gateway.tenancy import Principal
+
+if TYPE_CHECKING:
+    from gateway.core import GatewayCore
+
+
+class Run:
+    """Common lifecycle of one admitted request: open (first mesh item), events, close (accounting)."""
+
+    endpoint = ""  # the metrics label: "chat" | "completions"
+    prompt_param = "prompt"  # the request field a context-length error names
+
+    def __init__(self, core: "GatewayCore", principal: Principal, lease: Lease, request_id: str,
+                 prompt_tokens: int, api: str, trace: RequestTrace | None = None):
+        self.core = core
+        self.trace = trace
+        self.principal = principal
+        self.lease = lease
+        self.id = request_id
+        # the mesh's request id: unique even when a client reuses its own `request_id`
+        self.mesh_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        self.created = int(time.time())
+        self.model = core.config.model_name
+        self.api = api
+        self.prompt_tokens = prompt_tokens
+        self.stream = False
+        self.include_usage = False
+        self.start = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.cached_tokens = 0
+        self.route = ""
+        self._source: AsyncIterator | None = None
+        self._first = None
+        self._closed = False
+
+    # -- what a subclass provides --------------------------------------------------------------------------------
+
+    def _items(self) -> AsyncIterator:
+        """The mesh items of this request (started by `open`)."""
+        raise NotImplementedError
+
+    def choice_token_counts(self) -> list[int]:
+        """Completion tokens of each choice so far."""
+        raise NotImplementedError
+
+    def finish_reasons(self) -> list[str]:
+        """The finish reasons of the choices that finished, by choice index."""
+        raise NotImplementedError
+
+    # -- the lifecycle -------------------------------------------------------------------------------------------
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, sum(self.choice_token_counts()), self.cached_tokens)
+
+    async def _step(self):
+        """The next mesh item (see the module docstring); a `MeshError` becomes its `ApiError` here."""
+        try:
+            with self.trace.scope() if self.trace is not None else nullcontext():
+                return await self._source.__anext__()
+        except StopAsyncIteration:
+            raise
+        except BaseException as exc:
+            error = mesh_api_error(exc.code, exc.message, self.prompt_param) if isinstance(exc, MeshError) else exc
+            self._fail(failure_of(error)[0])
+            if error is exc:
+                raise
+            raise error from None
+
+    def _fail(self, error: str, status: int | None = None) -> None:
+        if self.trace is not None:
+            self.trace.fail(error, status)
+
+    async def open(self) -> None:
+        """Starts the mesh request and waits for its first item; raises ApiError when it fails before any."""
+        self._source = self._items()
+        try:
+            self._first = await self._step()
+        except StopAsyncIteration:
+            self._first = None
+        except BaseException as exc:
+            self._fail(*failure_of(exc))
+            await self.close()
+            raise
+
+    async def _mesh_items(self) -> AsyncIterator:
+        """The items after `open()`: the peeked first one, then the rest."""
+        if self._source is None:
+            raise RuntimeError("open() the run first")
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        while True:
+            try:
+                item = await self._step()
+            except StopAsyncIteration:
+                return
+            yield item
+
+    def _saw_tokens(self, event: TokenEvent) -> None:
+        if event.token_ids:
+            now = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+        if event.cached_tokens is not None:  # the first event: known even if the stream is left early
+            self.cached_tokens = event.cached_tokens
+        if event.usage is not None:
+            self.cached_tokens = event.usage.cached_tokens
+            if event.route:
+                self.route = event.route
+                self.core.metrics.routes.labels(event.route).inc()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._source is not None:
+            await self._source.aclose()
+        usage = self.usage()
+        self.lease.release(usage.prompt_tokens + usage.completion_tokens)
+        metrics = self.core.metrics
+        metrics.running.labels(self.api).dec()
+        metrics.observe_tokens(self.principal.tenant, usage.prompt_tokens, usage.completion_tokens,
+                               usage.cached_tokens)
+        metrics.observe_timing(self.endpoint, self.start, self.first_token_at, self.last_token_at,
+                               max(self.choice_token_counts(), default=0))
+        if self.trace is not None:
+            self.trace.finish(self)
