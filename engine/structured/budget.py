@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.structured.grammar import (K2_ARGUMENT_BEGIN, K2_CALL_BEGIN, K2_CALL_END, K2_SECTION_BEGIN,
-                                       K2_SECTION_END, K2_THINK_CLOSE, K2_THINK_OPEN, K3_CLOSE, K3_OPEN, K3_SEP)
+from engine.formats.markers import (K2_ARGUMENT_BEGIN, K2_CALL_BEGIN, K2_CALL_END, K2_SECTION_BEGIN,
+                                    K2_SECTION_END, K2_THINK_CLOSE, K2_THINK_OPEN, K3_CLOSE, K3_OPEN, K3_SEP)
 
 if TYPE_CHECKING:  # xgrammar (and the transformers it imports) loads only when a structured request arrives
     import torch

@@ -25,17 +25,14 @@ from typing import Any
 from engine.errors import InvalidRequestError
 from engine.structured.params import StructuredOutputParams, ToolSpec
 from engine.structured.schema import argument_plan, json_safe_schema
+from engine.formats.markers import (K2_ARGUMENT_BEGIN, K2_CALL_BEGIN, K2_CALL_END, K2_SECTION_BEGIN,
+                                    K2_SECTION_END, K2_THINK_CLOSE, K2_THINK_OPEN, K3_CLOSE, K3_OPEN, K3_SEP)
 
 JSON_MAX_WHITESPACE = 1
 K3_INDEX_PATTERN = r"[1-9][0-9]{0,2}"
 K2_INDEX_PATTERN = r"(0|[1-9][0-9]{0,3})"
 
 # the family's control markers (special tokens), matched by id only
-K3_OPEN, K3_CLOSE, K3_SEP = "<|open|>", "<|close|>", "<|sep|>"
-K2_SECTION_BEGIN, K2_SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-K2_CALL_BEGIN, K2_ARGUMENT_BEGIN = "<|tool_call_begin|>", "<|tool_call_argument_begin|>"
-K2_CALL_END = "<|tool_call_end|>"
-K2_THINK_OPEN, K2_THINK_CLOSE = "<think>", "</think>"
 FAMILY_MARKERS = {
     "kimi_k3": (K3_OPEN, K3_CLOSE, K3_SEP),
     "kimi_k2": (K2_SECTION_BEGIN, K2_SECTION_END, K2_CALL_BEGIN, K2_ARGUMENT_BEGIN, K2_CALL_END, K2_THINK_OPEN,
