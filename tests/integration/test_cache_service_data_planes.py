@@ -17,10 +17,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from cache_service import server as server_module
+from cache_service import servicer as servicer_module
 from cache_service.client import CacheClient, PutObject
+from cache_service.config import CacheServiceConfig
+from cache_service.holds import PIN, RESERVATION
 from cache_service.objects import Checksum, ChecksumAlgorithm, Status, encode_object_key, object_key
-from cache_service.server import CacheServiceConfig, serve
+from cache_service.server import serve
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
 
 KV, HANDOFF = common_pb2.OBJECT_KIND_KV_BLOCK, common_pb2.OBJECT_KIND_HANDOFF
@@ -181,8 +183,8 @@ def test_a_client_that_cannot_reach_redis_uses_grpc_and_says_so_once(redis_url, 
         answer.redis.url = f"redis://127.0.0.1:{closed_port}/0"  # reachable by the service, not by this client
         return answer
 
-    describe = server_module.describe_data_plane
-    monkeypatch.setattr(server_module, "describe_data_plane", unreachable)
+    describe = servicer_module.describe_data_plane
+    monkeypatch.setattr(servicer_module, "describe_data_plane", unreachable)
 
     async def body():
         async with service(redis_url) as (_, direct, grpc_only):
@@ -214,7 +216,7 @@ def test_the_shm_plane_round_trips_like_grpc_and_paths_read_each_other():
             stats = await grpc_only.stats()
             assert (stats.puts, stats.hits, stats.misses) == (14, 14, 0)  # invalid keys never reach the store
             await asyncio.sleep(0.2)  # Locate pins are released in the background
-            assert not server.store._read_pins and not server.store._reservations
+            assert not server.store._holds.count(PIN) and not server.store._holds.count(RESERVATION)
 
     run(body())
 
@@ -253,7 +255,7 @@ def test_an_uncommitted_reservation_expires_and_frees_its_extent():
             await asyncio.sleep(0.2)  # a client that crashed before Commit
             commit = await stub.Commit(cache_pb2.CommitRequest(reservation_id=reply.reservation_id,
                                                                checksums=[Checksum.of(b"").to_proto()]), timeout=5)
-            assert not commit.found and not server.store._reservations
+            assert not commit.found and not server.store._holds.count(RESERVATION)
             assert statuses(await direct.put_objects([PutObject(key("a"), os.urandom(MIB))])) == [Status.STORED]
             located = await stub.Locate(cache_pb2.LocateRequest(keys=[key("a")], pin_ttl_ms=100), timeout=5)
             assert located.locations[0].offset == reply.results[0].offset  # the freed extent, first fit
@@ -283,8 +285,8 @@ def test_a_client_whose_mapping_holds_another_token_uses_grpc(monkeypatch, caplo
         answer.shm.token = bytes(16)  # as a client on another host, whose /dev/shm holds something else, sees it
         return answer
 
-    describe = server_module.describe_data_plane
-    monkeypatch.setattr(server_module, "describe_data_plane", elsewhere)
+    describe = servicer_module.describe_data_plane
+    monkeypatch.setattr(servicer_module, "describe_data_plane", elsewhere)
 
     async def body():
         async with service("memory", byte_budget=64 * MIB) as (server, direct, _grpc):

@@ -103,10 +103,10 @@ def test_pinned_and_reserved_objects_are_never_evicted(store, arena):
 def test_an_uncommitted_reservation_expires_and_frees_its_extent(store, clock):
     grant = store.reserve([ReserveItem(b"r", 2 * K), ReserveItem(b"big", 9 * K)], ttl_s=5)
     assert [o.status for o in grant.outcomes] == [Status.RESERVED, Status.TOO_LARGE]
-    assert store._allocator.free_extents() == []  # backed: 2 pages, both reserved
+    assert store._space.free_extents() == []  # backed: 2 pages, both reserved
     clock.now += 5
     assert store.stats().objects == 0  # any call ends due reservations
-    assert store._allocator.free_extents() == [(0, 2 * K)]
+    assert store._space.free_extents() == [(0, 2 * K)]
     assert store.commit(grant.reservation_id, [Checksum.of(b"", XXH3)]) is None
     assert put(store, item("a")) == [Status.STORED] and pages(store) == {"a": 0}
 
@@ -123,7 +123,7 @@ def test_commit_verifies_every_object_over_the_arena_bytes(store, arena):
     outcomes, stored = store.commit(grant.reservation_id, checksums)
     assert [o.status for o in outcomes] == [Status.STORED, Status.CORRUPT, Status.INVALID] and stored == K
     assert store.get_many([b"good"])[0].data == payload("good", K)
-    assert store._allocator.free_extents() == [(K, 2 * K)]  # the refused objects' extents are free again
+    assert store._space.free_extents() == [(K, 2 * K)]  # the refused objects' extents are free again
     assert store.commit(grant.reservation_id, checksums) is None  # committed once
 
 
@@ -166,7 +166,7 @@ def test_a_corrupted_arena_byte_is_corrupt_on_read_counted_and_removed(store, ar
     assert [g.status for g in got] == [Status.CORRUPT, Status.FOUND]
     stats = store.stats()
     assert (stats.counters.corrupt_reads, stats.objects) == (1, 1)
-    assert store._allocator.free_extents() == [(0, K)]
+    assert store._space.free_extents() == [(0, K)]
 
 
 def test_watermark_eviction_applies_as_on_the_heap(arena, clock):
@@ -183,7 +183,7 @@ def test_release_ends_leases_pins_and_reservations(store):
     for hold_id in (lease.lease_id, pin.pin_id, reservation.reservation_id):
         assert store.release(hold_id) == (True, 1)
         assert store.release(hold_id) == (False, 0)
-    assert store._allocator.free_extents() == [(K, K)] and store._entries[b"a"].readers == 0
+    assert store._space.free_extents() == [(K, K)] and store._entries[b"a"].readers == 0
 
 
 def test_a_heap_store_has_no_arena_calls():
