@@ -24,6 +24,7 @@ from cache_service.holds import PIN, RESERVATION
 from cache_service.objects import Checksum, ChecksumAlgorithm, Status, encode_object_key, object_key
 from cache_service.server import serve
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
+from tests.fake_clock import FakeClock
 
 KV, HANDOFF = common_pb2.OBJECT_KIND_KV_BLOCK, common_pb2.OBJECT_KIND_HANDOFF
 FP, SALT = b"model-fingerprint", b"tenant-a"
@@ -44,10 +45,10 @@ def statuses(results) -> list[Status]:
 
 
 @contextlib.asynccontextmanager
-async def service(backend: str, tracer_provider=None, **overrides):
+async def service(backend: str, tracer_provider=None, clock=time.monotonic, **overrides):
     """-> (server, client on the direct plane, client on gRPC only)."""
     server, port = await serve(CacheServiceConfig(address="127.0.0.1:0", backend=backend, **overrides),
-                               tracer_provider=tracer_provider)
+                               tracer_provider=tracer_provider, clock=clock)
     direct = CacheClient(f"127.0.0.1:{port}", timeout_s=10)
     grpc_only = CacheClient(f"127.0.0.1:{port}", timeout_s=10, data_plane="grpc")
     try:
@@ -246,13 +247,15 @@ def test_shm_calls_have_spans_and_count_their_bytes():
 
 
 def test_an_uncommitted_reservation_expires_and_frees_its_extent():
+    clock = FakeClock()
+
     async def body():
-        async with service("memory", byte_budget=64 * MIB) as (server, direct, _grpc):
+        async with service("memory", clock=clock, byte_budget=64 * MIB) as (server, direct, _grpc):
             stub = cache_pb2_grpc.CacheServiceStub(direct._channel)
             reply = await stub.Reserve(cache_pb2.ReserveRequest(
                 ttl_ms=100, objects=[cache_pb2.ReserveObject(key=key("r"), size_bytes=MIB)]), timeout=5)
             assert reply.results[0].status == Status.RESERVED and reply.reservation_id
-            await asyncio.sleep(0.2)  # a client that crashed before Commit
+            clock.advance(0.2)  # a client that crashed before Commit
             commit = await stub.Commit(cache_pb2.CommitRequest(reservation_id=reply.reservation_id,
                                                                checksums=[Checksum.of(b"").to_proto()]), timeout=5)
             assert not commit.found and not server.store._holds.count(RESERVATION)

@@ -3,21 +3,13 @@ reserved objects never evicted), reservations (commit verifies, expiry frees), l
 
 import pytest
 
-from cache_service.memory_store import MemoryStore, ReserveItem
+from cache_service.memory_store import MemoryStore
 from cache_service.objects import Checksum, ChecksumAlgorithm, Status
 from cache_service.shm_arena import HEADER_BYTES, SharedArena
-from cache_service.store import PutItem
+from cache_service.store import PutItem, ReserveItem
 
 K = 4096
 XXH3 = ChecksumAlgorithm.XXH3_64
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def payload(name: str, size: int) -> bytes:
@@ -36,11 +28,6 @@ def put(store: MemoryStore, *items: PutItem) -> list[Status]:
 def pages(store: MemoryStore) -> dict[str, int]:
     """Stored object -> first page of its extent in the data area."""
     return {k.decode(): e.offset // K for k, e in store._entries.items()}
-
-
-@pytest.fixture
-def clock():
-    return FakeClock()
 
 
 @pytest.fixture
