@@ -96,7 +96,7 @@ def _log(message: str) -> None:
 
 async def bench_serve(flags: list[str]) -> dict:
     """One `kdamesh bench serve` run in this process (its summary goes to stderr); the result dict."""
-    from bench.serve.cli import build_parser, main_async
+    from servebench.cli import build_parser, main_async
 
     with contextlib.redirect_stdout(sys.stderr):
         return await main_async(build_parser().parse_args(flags))
@@ -130,9 +130,9 @@ async def rate_sweep(base_url: str, mode: str, args: argparse.Namespace, data_di
 
 
 async def prefix_sweep(base_url: str, mode: str, model: Path, args: argparse.Namespace) -> list[dict]:
-    from bench.serve.client import fetch_first_model, make_client, request_completions
-    from bench.serve.datasets import sample_prefix_repetition
-    from bench.serve.runner import RunConfig, run_requests
+    from servebench.client import fetch_first_model, make_client, request_completions
+    from servebench.datasets import sample_prefix_repetition
+    from servebench.runner import RunConfig, run_requests
     from engine.tokenizer import KimiTokenizer
 
     tokenizer = KimiTokenizer.from_pretrained(model)

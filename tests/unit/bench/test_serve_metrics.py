@@ -14,14 +14,14 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.serve import results
-from bench.serve.cli import build_parser
-from bench.serve.client import (REQUEST_FUNCS, RequestInput, SSEDecoder, request_chat_completions,
+from servebench import results
+from servebench.cli import build_parser
+from servebench.client import (REQUEST_FUNCS, RequestInput, SSEDecoder, request_chat_completions,
                                 request_completions, request_func_for)
-from bench.serve.datasets import (length_range, sample_custom, sample_prefix_repetition, sample_random,
+from servebench.datasets import (length_range, sample_custom, sample_prefix_repetition, sample_random,
                                   text_of_length, ordinary_ids)
-from bench.serve.metrics import RequestOutput, calculate_metrics, parse_goodput, percentile_key, tpot_of
-from bench.serve.runner import RunConfig, arrival_times, run_requests
+from servebench.metrics import RequestOutput, calculate_metrics, parse_goodput, percentile_key, tpot_of
+from servebench.runner import RunConfig, arrival_times, run_requests
 
 # The documented field names of `vllm bench serve --save-result` (vllm/benchmarks/serve.py), for the default
 # --percentile-metrics ttft,tpot,itl and --metric-percentiles 99.
@@ -305,7 +305,7 @@ def test_runner_caps_concurrency_and_keeps_order():
         in_flight["now"] -= 1
         return ok(started, 0.01, [0.01], 2, text=inp.request_id)
 
-    from bench.serve.datasets import SampleRequest
+    from servebench.datasets import SampleRequest
 
     requests = [SampleRequest("p", 1, 2, f"r{i}") for i in range(4)]
     config = RunConfig(api_url="http://x/v1/completions", model_id="m", model_name=None, request_func=fake,

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.serve.metrics import BenchmarkMetrics, RequestOutput, percentile_key, stats_ms
+from servebench.metrics import BenchmarkMetrics, RequestOutput, percentile_key, stats_ms
 
 DETAILED_FIELDS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times",
                    "generated_texts", "errors")
