@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import statistics
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import redis
 
+from bench.common import write_rows
 from cache_service.client import CacheClient, PutObject
 from cache_service.malloc_tuning import tune_malloc
 from cache_service.objects import Status, object_key
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = asyncio.run(run(args))
     print(table(rows, args))
     if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+        write_rows(args.out, args, rows)
     return 0
 
 

@@ -37,24 +37,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import model_folder
+
 MODES = ("colocated", "disaggregated")
 PLOTS = ("rate", "prefix", "decode")
 STARTUP_TIMEOUT_S = 600
-
-
-def checkpoint(args: argparse.Namespace) -> Path:
-    if args.model:
-        return Path(args.model)
-    from deploy.launcher import kdamesh_home
-
-    folder = kdamesh_home() / "checkpoints" / args.preset
-    if not (folder / "config.json").is_file():
-        from engine.model.checkpoint import make_checkpoint
-
-        tmp = folder.with_name(folder.name + ".tmp")
-        make_checkpoint(args.preset, tmp)
-        tmp.rename(folder)
-    return folder
 
 
 @contextlib.contextmanager
@@ -331,7 +318,7 @@ def measure(args: argparse.Namespace, data_dir: Path) -> dict:
     started = time.monotonic()
     load_start = os.getloadavg()[0]
     if only & {"rate", "prefix"}:
-        model = checkpoint(args)
+        model = model_folder(args)
         data["model"] = model.name
         for mode in MODES:
             with mesh(model, mode, args.threads, data_dir) as base_url:

@@ -90,15 +90,15 @@ def kdamesh_home() -> Path:
     return Path(os.environ.get("KDAMESH_HOME") or Path.home() / ".cache" / "kdamesh")
 
 
-def default_model_dir() -> Path:
-    """The generated default checkpoint, created on first use."""
-    folder = kdamesh_home() / "checkpoints" / DEFAULT_PRESET
+def default_model_dir(preset: str = DEFAULT_PRESET) -> Path:
+    """The generated checkpoint of `preset` under $KDAMESH_HOME, created on first use."""
+    folder = kdamesh_home() / "checkpoints" / preset
     if not (folder / "config.json").is_file():
         from engine.model.checkpoint import make_checkpoint
 
-        print(f"kdamesh: generating the {DEFAULT_PRESET} checkpoint in {folder} (first run only)…", flush=True)
+        print(f"kdamesh: generating the {preset} checkpoint in {folder} (first run only)…", flush=True)
         tmp = folder.with_name(folder.name + ".tmp")
-        make_checkpoint(DEFAULT_PRESET, tmp)
+        make_checkpoint(preset, tmp)
         tmp.rename(folder)  # a half-written checkpoint is never mistaken for a whole one
     return folder
 

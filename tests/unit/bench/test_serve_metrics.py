@@ -25,22 +25,22 @@ def test_metrics_on_a_known_timeline(timeline):
     assert m.output_throughput == pytest.approx(4.0)
     assert m.total_token_throughput == pytest.approx((70 + 8) / 2.0)
     # TTFT over successful requests: 100, 200, 300 ms
-    assert m.mean_ttft_ms == pytest.approx(200.0)
-    assert m.median_ttft_ms == pytest.approx(200.0)
-    assert m.std_ttft_ms == pytest.approx(math.sqrt((100**2 + 0 + 100**2) / 3))  # population std
-    assert dict(m.percentiles_ttft_ms) == pytest.approx({50: 200.0, 99: 298.0})  # linear interpolation
+    assert m.ttft_ms.mean == pytest.approx(200.0)
+    assert m.ttft_ms.median == pytest.approx(200.0)
+    assert m.ttft_ms.std == pytest.approx(math.sqrt((100**2 + 0 + 100**2) / 3))  # population std
+    assert dict(m.ttft_ms.percentiles) == pytest.approx({50: 200.0, 99: 298.0})  # linear interpolation
     # TPOT = (E2EL - TTFT) / (output - 1): A (0.2-0.1)/3, D (0.32-0.3)/2; B (single token) has none
     tpots = [(0.2 - 0.1) / 3 * 1e3, (0.32 - 0.3) / 2 * 1e3]
-    assert m.mean_tpot_ms == pytest.approx(statistics.mean(tpots))
-    assert m.median_tpot_ms == pytest.approx(statistics.median(tpots))
-    assert m.std_tpot_ms == pytest.approx(statistics.pstdev(tpots))
+    assert m.tpot_ms.mean == pytest.approx(statistics.mean(tpots))
+    assert m.tpot_ms.median == pytest.approx(statistics.median(tpots))
+    assert m.tpot_ms.std == pytest.approx(statistics.pstdev(tpots))
     # ITL pooled over all chunks of all requests
     itls = [20.0, 30.0, 50.0, 10.0, 10.0]
-    assert m.mean_itl_ms == pytest.approx(24.0)
-    assert m.median_itl_ms == pytest.approx(20.0)
-    assert dict(m.percentiles_itl_ms)[99] == pytest.approx(np.percentile(itls, 99))
-    assert m.mean_e2el_ms == pytest.approx((200 + 200 + 320) / 3)
-    assert m.median_e2el_ms == pytest.approx(200.0)
+    assert m.itl_ms.mean == pytest.approx(24.0)
+    assert m.itl_ms.median == pytest.approx(20.0)
+    assert dict(m.itl_ms.percentiles)[99] == pytest.approx(np.percentile(itls, 99))
+    assert m.e2el_ms.mean == pytest.approx((200 + 200 + 320) / 3)
+    assert m.e2el_ms.median == pytest.approx(200.0)
     # all 8 chunks fall in the first second; A and B overlap, D starts exactly when A ends (half-open)
     assert m.max_output_tokens_per_s == 8
     assert m.max_concurrent_requests == 2
@@ -50,9 +50,9 @@ def test_tpot_excludes_single_token_outputs():
     only_single = [ok(0.0, 0.1, [], 1), ok(0.0, 0.3, [], 1)]
     m, lens = calculate_metrics(only_single, dur_s=1.0, selected_percentiles=[99])
     assert lens == [1, 1]
-    assert m.mean_tpot_ms == m.median_tpot_ms == m.std_tpot_ms == 0.0  # no TPOT sample: zeros, as vLLM
-    assert m.mean_itl_ms == 0.0
-    assert m.mean_ttft_ms == pytest.approx(200.0)
+    assert m.tpot_ms.mean == m.tpot_ms.median == m.tpot_ms.std == 0.0  # no TPOT sample: zeros, as vLLM
+    assert m.itl_ms.mean == 0.0
+    assert m.ttft_ms.mean == pytest.approx(200.0)
     assert tpot_of(only_single[0], 1) is None
     assert tpot_of(ok(0, 0.1, [0.1, 0.1], 3), 3) == pytest.approx(0.1)
 
@@ -62,8 +62,8 @@ def test_usage_count_beats_chunk_count_for_tpot():
     bundled = ok(0.0, 0.1, [0.2], output_tokens=5, latency=0.3)  # 2 chunks, 5 tokens
     m, lens = calculate_metrics([bundled], dur_s=1.0, selected_percentiles=[99])
     assert lens == [5]
-    assert m.mean_tpot_ms == pytest.approx(0.2 / 4 * 1e3)
-    assert m.mean_itl_ms == pytest.approx(200.0)
+    assert m.tpot_ms.mean == pytest.approx(0.2 / 4 * 1e3)
+    assert m.itl_ms.mean == pytest.approx(200.0)
 
 
 def test_all_requests_failed():
@@ -73,7 +73,7 @@ def test_all_requests_failed():
     assert any("All requests failed" in str(w.message) for w in caught)
     assert (m.completed, m.failed, m.total_input, m.total_output) == (0, 2, 0, 0)
     assert lens == [0, 0]
-    assert m.request_throughput == m.mean_ttft_ms == m.max_output_tokens_per_s == 0.0
+    assert m.request_throughput == m.ttft_ms.mean == m.max_output_tokens_per_s == 0.0
     assert m.max_concurrent_requests == 0
 
 
