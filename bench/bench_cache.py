@@ -37,7 +37,7 @@ from pathlib import Path
 
 import redis
 
-from bench.common import write_rows
+from bench.common import report
 from cache_service.client import CacheClient, PutObject
 from cache_service.malloc_tuning import tune_malloc
 from cache_service.objects import Status, object_key
@@ -224,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tune_malloc()  # before any payload is allocated; raw redis-py gets it too (same process)
     rows = asyncio.run(run(args))
-    print(table(rows, args))
-    if args.out:
-        write_rows(args.out, args, rows)
-    return 0
+    return report(table(rows, args), args, rows)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import model_folder, write_rows
+from bench.common import model_folder, report
 from deploy.launcher import Service, free_port, wait_ready
 from gateway.mesh_client import MeshClient, MeshRequest, PDDecider
 from protos import common_pb2
@@ -169,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in reversed(services):
             s.stop(15)
-    print(table(rows, args))
-    if args.out:
-        write_rows(args.out, args, rows)
-    return 0
+    return report(table(rows, args), args, rows)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: timing a call, the generated checkpoint of a preset, the JSON they write."""
+"""What the benchmark scripts share: timing a call, the generated checkpoint of a preset, the table and JSON they
+report."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def model_folder(args: argparse.Namespace) -> Path:
     return Path(args.model) if args.model else default_model_dir(args.preset)
 
 
-def write_rows(path: Path, args: argparse.Namespace, rows: dict | list) -> None:
-    """The run's flags (as strings) and its rows, as JSON."""
-    path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+def report(table: str, args: argparse.Namespace, rows: dict | list) -> int:
+    """Prints the run's markdown table; with `--out`, writes the run's flags (as strings) and rows as JSON there.
+    -> 0, the exit status."""
+    print(table)
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    return 0
