@@ -11,4 +11,6 @@ service, so any layer may use it):
   side HTTP `/metrics` server of the gRPC services.
 - `telemetry.logs`: text or JSON log lines carrying the request id and trace id, and the gateway's one-line-per-request
   `log_request`.
+- `telemetry.units`: `parse_bytes`, the one byte-size rule of every command line and config (`4GiB`, `512M`, `2GB`);
+  here because every layer may import this package.
 """
