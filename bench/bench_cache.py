@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import statistics
@@ -38,11 +37,13 @@ from pathlib import Path
 
 import redis
 
+from bench.common import report
 from cache_service.client import CacheClient, PutObject
 from cache_service.malloc_tuning import tune_malloc
 from cache_service.objects import Status, object_key
-from cache_service.server import CacheServer, CacheServiceConfig, parse_bytes, serve
+from cache_service.server import CacheServer, CacheServiceConfig, serve
 from protos import common_pb2
+from telemetry.units import byte_size
 
 PREFIX = "kdamesh-bench:"
 FINGERPRINT = b"bench-fingerprint"
@@ -215,7 +216,7 @@ async def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_cache", description=__doc__.splitlines()[0])
     parser.add_argument("--objects", type=int, default=64)
-    parser.add_argument("--object-bytes", type=parse_bytes, default=1 << 20)
+    parser.add_argument("--object-bytes", type=byte_size, default=1 << 20)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--in-process", action="store_true", help="run the service in this process")
@@ -223,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tune_malloc()  # before any payload is allocated; raw redis-py gets it too (same process)
     rows = asyncio.run(run(args))
-    print(table(rows, args))
-    if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
-    return 0
+    return report(table(rows, args), args, rows)
 
 
 if __name__ == "__main__":

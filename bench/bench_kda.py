@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 
 from kernels.kda.chunked import chunk_kda, kda_prefill_pooled
 from bench.baselines.kda_chunked_fp64 import chunk_kda as chunk_kda_previous
+from bench.common import best_time
 from kernels.kda.naive import kda_naive
 from kernels.kda.recurrent import fused_recurrent_kda, kda_decode_pooled
 
@@ -73,26 +73,16 @@ def make_inputs(T: int, H: int, D: int, generator: torch.Generator, strong: bool
     return q, k, v, g, beta
 
 
-def time_call(fn, repeats: int = 1) -> float:
-    """Best wall time of `repeats` calls, in seconds."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def time_baseline(fn, inputs, scale, probe_tokens: int, max_seconds: float) -> tuple[float, bool]:
     """Best of 2 runs of `fn` over all tokens, or over a prefix scaled linearly when a full run would exceed
     `max_seconds`; returns (seconds, extrapolated)."""
     T = inputs[0].shape[0]
     probe = min(T, probe_tokens)
-    probe_s = time_call(lambda: fn(*(x[:probe] for x in inputs), scale), repeats=2)
+    probe_s = best_time(lambda: fn(*(x[:probe] for x in inputs), scale), repeats=2)
     if probe == T:
         return probe_s, False
     if probe_s * T / probe <= max_seconds:
-        return time_call(lambda: fn(*inputs, scale), repeats=2), False
+        return best_time(lambda: fn(*inputs, scale), repeats=2), False
     return probe_s * T / probe, True
 
 
@@ -102,7 +92,7 @@ def time_interleaved(fns, repeats: int) -> list[float]:
     best = [float("inf")] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
-            best[i] = min(best[i], time_call(fn))
+            best[i] = min(best[i], best_time(fn))
     return best
 
 
@@ -145,7 +135,7 @@ def bench_decode(args, generator) -> list[DecodeRow]:
 def _best_ms(fn, steps: int) -> float:
     """Fastest of `steps` calls, in ms (the decode step is short enough for the minimum to be the clean number)."""
     fn()
-    return time_call(fn, repeats=steps) * 1e3
+    return best_time(fn, repeats=steps) * 1e3
 
 
 def render(args, prefill: list[PrefillRow], decode: list[DecodeRow]) -> str:

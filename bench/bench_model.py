@@ -19,24 +19,16 @@ from pathlib import Path
 
 import torch
 
+from bench.common import best_time
 from engine.model.checkpoint import make_checkpoint
 from engine.model.loader import LoadConfig, load_model
 from tests.model_driver import SequenceDriver
 
 
-def _time(fn, repeats: int = 1) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def bench_ours(model_dir: Path, tokens: list[int], decode_steps: int) -> dict:
     model = load_model(model_dir, LoadConfig(dtype="float32"))
     driver = SequenceDriver(model, max_seqs=1, max_len=len(tokens) + decode_steps + 16)
-    prefill_s = _time(lambda: driver.prefill(0, tokens, all_logits=False))
+    prefill_s = best_time(lambda: driver.prefill(0, tokens, all_logits=False))
     start = time.perf_counter()
     for i in range(decode_steps):
         driver.decode(0, tokens[i])

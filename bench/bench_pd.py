@@ -29,26 +29,15 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from deploy.launcher import Service, free_port, kdamesh_home, wait_ready
+from bench.common import model_folder, report
+from deploy.launcher import Service, free_port, wait_ready
 from gateway.mesh_client import MeshClient, MeshRequest, PDDecider
 from protos import common_pb2
 
 VOCAB_FOR_PROMPTS = 7900
-
-
-def checkpoint(args: argparse.Namespace) -> Path:
-    if args.model:
-        return Path(args.model)
-    folder = kdamesh_home() / "checkpoints" / args.preset
-    if not (folder / "config.json").is_file():
-        from engine.model.checkpoint import make_checkpoint
-
-        make_checkpoint(args.preset, folder)
-    return folder
 
 
 def start_workers(model: Path, args: argparse.Namespace) -> tuple[list[Service], dict[str, str]]:
@@ -173,17 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the numbers as JSON")
     args = parser.parse_args(argv)
     args.num_requests = args.num_requests or args.concurrency
-    model = checkpoint(args)
+    model = model_folder(args)
     services, ports = start_workers(model, args)
     try:
         rows = asyncio.run(run(args, ports))
     finally:
         for s in reversed(services):
             s.stop(15)
-    print(table(rows, args))
-    if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
-    return 0
+    return report(table(rows, args), args, rows)
 
 
 if __name__ == "__main__":

@@ -37,24 +37,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import model_folder
+
 MODES = ("colocated", "disaggregated")
 PLOTS = ("rate", "prefix", "decode")
 STARTUP_TIMEOUT_S = 600
-
-
-def checkpoint(args: argparse.Namespace) -> Path:
-    if args.model:
-        return Path(args.model)
-    from deploy.launcher import kdamesh_home
-
-    folder = kdamesh_home() / "checkpoints" / args.preset
-    if not (folder / "config.json").is_file():
-        from engine.model.checkpoint import make_checkpoint
-
-        tmp = folder.with_name(folder.name + ".tmp")
-        make_checkpoint(args.preset, tmp)
-        tmp.rename(folder)
-    return folder
 
 
 @contextlib.contextmanager
@@ -96,7 +83,7 @@ def _log(message: str) -> None:
 
 async def bench_serve(flags: list[str]) -> dict:
     """One `kdamesh bench serve` run in this process (its summary goes to stderr); the result dict."""
-    from bench.serve.cli import build_parser, main_async
+    from servebench.cli import build_parser, main_async
 
     with contextlib.redirect_stdout(sys.stderr):
         return await main_async(build_parser().parse_args(flags))
@@ -130,9 +117,9 @@ async def rate_sweep(base_url: str, mode: str, args: argparse.Namespace, data_di
 
 
 async def prefix_sweep(base_url: str, mode: str, model: Path, args: argparse.Namespace) -> list[dict]:
-    from bench.serve.client import fetch_first_model, make_client, request_completions
-    from bench.serve.datasets import sample_prefix_repetition
-    from bench.serve.runner import RunConfig, run_requests
+    from servebench.client import fetch_first_model, make_client, request_completions
+    from servebench.datasets import sample_prefix_repetition
+    from servebench.runner import RunConfig, run_requests
     from engine.tokenizer import KimiTokenizer
 
     tokenizer = KimiTokenizer.from_pretrained(model)
@@ -188,100 +175,106 @@ def decode_sweep(args: argparse.Namespace) -> list[dict]:
 # -- drawing -------------------------------------------------------------------------------------------------------
 
 
+COLORS = {"colocated": "tab:blue", "disaggregated": "tab:orange"}
+
+
 def draw(data: dict, img_dir: Path) -> list[Path]:
+    """The figures of the measured parts of `data` -> the files written (PNG, in `img_dir`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    plain = FuncFormatter(lambda v, _: f"{v:g}")
-
-    def log_y(ax) -> None:
-        ax.set_yscale("log")
-        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(NullFormatter())
 
     img_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    colors = {"colocated": "tab:blue", "disaggregated": "tab:orange"}
-    footer = f"{data['model']} · {data['machine']}"
-
-    if data.get("rate"):
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-        for mode in MODES:
-            rows = sorted((r for r in data["rate"] if r["mode"] == mode), key=lambda r: r["rate"])
-            if not rows:
-                continue
-            x = [r["rate"] for r in rows]
-            for ax, metric in zip(axes, ("ttft", "itl")):
-                ax.plot(x, [r[f"median_{metric}_ms"] for r in rows], "o-", color=colors[mode], label=f"{mode} p50")
-                ax.plot(x, [r[f"p90_{metric}_ms"] for r in rows], "s--", color=colors[mode], alpha=0.6,
-                        label=f"{mode} p90")
-        spec = data["rate_spec"]
-        for ax, title in zip(axes, ("Time to first token", "Inter-token latency")):
-            ax.set_xlabel("request rate (req/s, Poisson)")
-            ax.set_ylabel("ms")
-            ax.set_title(title)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(data["rates"], [f"{r:g}" for r in data["rates"]])
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
-        for ax in axes:
-            log_y(ax)
-        fig.suptitle(f"kdamesh bench serve: random {spec['input_len']} in / {spec['output_len']} out, "
-                     f"colocated vs disaggregated", fontsize=11)
-        fig.text(0.01, 0.01, footer, fontsize=7, alpha=0.7)
-        fig.tight_layout(rect=(0, 0.03, 1, 1))
-        written.append(_save(fig, img_dir / "serve_ttft_itl_vs_rate.png"))
-
-    if data.get("prefix"):
-        fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for mode in MODES:
-            rows = sorted((r for r in data["prefix"] if r["mode"] == mode), key=lambda r: r["prefix_len"])
-            if not rows:
-                continue
-            x = [r["prefix_len"] for r in rows]
-            ax.plot(x, [r["cold_ttft_ms"] for r in rows], "o-", color=colors[mode], label=f"{mode}, cold")
-            ax.plot(x, [r["warm_ttft_ms"] for r in rows], "s--", color=colors[mode], label=f"{mode}, warm (cached)")
-        misses = sorted({r["prefix_len"] for r in data["prefix"] if not any(r["warm_cached_tokens"] or [])})
-        if misses:
-            ax.text(0.02, 0.04, f"no hit at {', '.join(map(str, misses))}: shorter than\nthe KDA state snapshot "
-                    "interval", transform=ax.transAxes, fontsize=7, alpha=0.8)
-        ax.set_xscale("log", base=2)
-        log_y(ax)
-        lens = sorted({r["prefix_len"] for r in data["prefix"]})
-        ax.set_xticks(lens, [str(p) for p in lens])
-        ax.set_xlabel("shared prefix length (tokens; + 32 new tokens)")
-        ax.set_ylabel("TTFT (ms)")
-        ax.set_title("Prefix cache: TTFT cold vs warm")
-        ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-        fig.text(0.01, 0.01, footer, fontsize=7, alpha=0.7)
-        fig.tight_layout(rect=(0, 0.03, 1, 1))
-        written.append(_save(fig, img_dir / "prefix_cache_ttft.png"))
-
-    if data.get("decode"):
-        rows = sorted(data["decode"], key=lambda r: r["context"])
-        x = [r["context"] for r in rows]
-        fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        ax.plot(x, [r["kda_step_ms"] for r in rows], "o-", label="KDA layer (state 32×128×128, fp32)")
-        ax.plot(x, [r["mla_paged_step_ms"] for r in rows], "s-", label="MLA layer, paged (H=32, Dk=576, bf16)")
-        ax.plot(x, [r["softmax_attention_step_ms"] for r in rows], "^--", alpha=0.7,
-                label="softmax attention (H=32, D=128, fp32)")
-        ax.set_xscale("log", base=2)
-        log_y(ax)
-        ax.set_xticks(x, [f"{c // 1024}K" for c in x])
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("decode step (ms, one sequence)")
-        ax.set_title("Decode step vs context: KDA is flat, attention grows")
-        ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-        fig.text(0.01, 0.01, f"{data['machine']} · torch threads {data['threads']}", fontsize=7, alpha=0.7)
-        fig.tight_layout(rect=(0, 0.03, 1, 1))
-        written.append(_save(fig, img_dir / "decode_step_vs_context.png"))
+    for part, figure, name in (("rate", _rate_figure, "serve_ttft_itl_vs_rate.png"),
+                               ("prefix", _prefix_figure, "prefix_cache_ttft.png"),
+                               ("decode", _decode_figure, "decode_step_vs_context.png")):
+        if data.get(part):
+            fig = figure(plt, data)
+            fig.tight_layout(rect=(0, 0.03, 1, 1))
+            written.append(_save(fig, img_dir / name))
     return written
+
+
+def _log_y(ax) -> None:
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _label(ax, title: str, xlabel: str, ylabel: str, grid_which: str = "major") -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3, which=grid_which)
+    ax.legend(fontsize=8)
+
+
+def _rate_figure(plt, data: dict):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode in MODES:
+        rows = sorted((r for r in data["rate"] if r["mode"] == mode), key=lambda r: r["rate"])
+        if not rows:
+            continue
+        x = [r["rate"] for r in rows]
+        for ax, metric in zip(axes, ("ttft", "itl")):
+            ax.plot(x, [r[f"median_{metric}_ms"] for r in rows], "o-", color=COLORS[mode], label=f"{mode} p50")
+            ax.plot(x, [r[f"p90_{metric}_ms"] for r in rows], "s--", color=COLORS[mode], alpha=0.6,
+                    label=f"{mode} p90")
+    spec = data["rate_spec"]
+    for ax, title in zip(axes, ("Time to first token", "Inter-token latency")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(data["rates"], [f"{r:g}" for r in data["rates"]])
+        _label(ax, title, "request rate (req/s, Poisson)", "ms")
+        _log_y(ax)
+    fig.suptitle(f"kdamesh bench serve: random {spec['input_len']} in / {spec['output_len']} out, "
+                 f"colocated vs disaggregated", fontsize=11)
+    fig.text(0.01, 0.01, f"{data['model']} · {data['machine']}", fontsize=7, alpha=0.7)
+    return fig
+
+
+def _prefix_figure(plt, data: dict):
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for mode in MODES:
+        rows = sorted((r for r in data["prefix"] if r["mode"] == mode), key=lambda r: r["prefix_len"])
+        if not rows:
+            continue
+        x = [r["prefix_len"] for r in rows]
+        ax.plot(x, [r["cold_ttft_ms"] for r in rows], "o-", color=COLORS[mode], label=f"{mode}, cold")
+        ax.plot(x, [r["warm_ttft_ms"] for r in rows], "s--", color=COLORS[mode], label=f"{mode}, warm (cached)")
+    misses = sorted({r["prefix_len"] for r in data["prefix"] if not any(r["warm_cached_tokens"] or [])})
+    if misses:
+        ax.text(0.02, 0.04, f"no hit at {', '.join(map(str, misses))}: shorter than\nthe KDA state snapshot "
+                "interval", transform=ax.transAxes, fontsize=7, alpha=0.8)
+    ax.set_xscale("log", base=2)
+    _log_y(ax)
+    lens = sorted({r["prefix_len"] for r in data["prefix"]})
+    ax.set_xticks(lens, [str(p) for p in lens])
+    _label(ax, "Prefix cache: TTFT cold vs warm", "shared prefix length (tokens; + 32 new tokens)", "TTFT (ms)",
+           "both")
+    fig.text(0.01, 0.01, f"{data['model']} · {data['machine']}", fontsize=7, alpha=0.7)
+    return fig
+
+
+def _decode_figure(plt, data: dict):
+    rows = sorted(data["decode"], key=lambda r: r["context"])
+    x = [r["context"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ax.plot(x, [r["kda_step_ms"] for r in rows], "o-", label="KDA layer (state 32×128×128, fp32)")
+    ax.plot(x, [r["mla_paged_step_ms"] for r in rows], "s-", label="MLA layer, paged (H=32, Dk=576, bf16)")
+    ax.plot(x, [r["softmax_attention_step_ms"] for r in rows], "^--", alpha=0.7,
+            label="softmax attention (H=32, D=128, fp32)")
+    ax.set_xscale("log", base=2)
+    _log_y(ax)
+    ax.set_xticks(x, [f"{c // 1024}K" for c in x])
+    _label(ax, "Decode step vs context: KDA is flat, attention grows", "context length (tokens)",
+           "decode step (ms, one sequence)", "both")
+    fig.text(0.01, 0.01, f"{data['machine']} · torch threads {data['threads']}", fontsize=7, alpha=0.7)
+    return fig
 
 
 def _save(fig, path: Path) -> Path:
@@ -331,7 +324,7 @@ def measure(args: argparse.Namespace, data_dir: Path) -> dict:
     started = time.monotonic()
     load_start = os.getloadavg()[0]
     if only & {"rate", "prefix"}:
-        model = checkpoint(args)
+        model = model_folder(args)
         data["model"] = model.name
         for mode in MODES:
             with mesh(model, mode, args.threads, data_dir) as base_url:

@@ -2,12 +2,17 @@
 
 Modules:
 - `objects`: per-key `Status`, `Checksum`, and the byte encoding of an `ObjectKey`.
-- `store`: the `Store` interface every backend implements, with its contract.
+- `store`: the `Store` interface every backend implements, with its contract and value types.
 - `memory_store`: the embedded default (byte budget, watermark LRU eviction skipping leases, TTLs), its payloads in
-  the heap or in a shared-memory arena local clients copy in and out of (Reserve / Commit / Locate).
+  the heap or in a shared-memory arena local clients copy in and out of (Reserve / Commit / Locate); `holds` (its
+  leases, locate pins and reservations) and `arena_space` (its extents in the arena) serve it.
 - `shm_arena`: the arena file under /dev/shm (header with a per-instance token) and its first-fit extent allocator.
-- `redis_store`: a real Redis server (`redis://host:port/db`), pipelined, chunked, checksummed, counters in Redis.
-- `server`: the `grpc.aio` servicer, health and reflection; `serve(config)` and `main(argv)`.
+- `redis_store`: a real Redis server (`redis://host:port/db`), pipelined, chunked, checksummed, counters in Redis;
+  `redis_layout`: its key names and manifest format.
+- `config`: `CacheServiceConfig`; `store_factory`: the store it names and the data plane that store offers.
+- `servicer`: the gRPC servicer (one metrics/span wrapper for every RPC), with `put_assembler` (BatchPut framing)
+  and `batch_writer` (BatchPut's batched store writes).
+- `server`: `serve(config)` and the running `CacheServer` (health, reflection, /metrics); `cli`: `main(argv)`.
 - `client`: `CacheClient`, the asyncio client the prefill and decode workers use (`client_types`: its value types).
 - `data_plane`: the client's direct data planes (the service's Redis, or its arena), found with the DataPlane RPC.
 - `malloc_tuning`: `tune_malloc()`, which keeps MiB-sized buffers in the malloc heap (call it in process entry points).

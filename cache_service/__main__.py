@@ -1,7 +1,7 @@
-"""`python -m cache_service [flags]`: runs one cache service until SIGINT/SIGTERM (see `server.build_parser`)."""
+"""`python -m cache_service [flags]`: runs one cache service until SIGINT/SIGTERM (see `cli.build_parser`)."""
 
 import sys
 
-from cache_service.server import main
+from cache_service.cli import main
 
 sys.exit(main())

@@ -14,17 +14,16 @@ Contract (in addition to `store.Store`'s):
 - `clock` is injectable (monotonic seconds) so tests control time.
 
 With an `arena` (`shm_arena.SharedArena`), payloads live in its data area, in extents of an `ExtentAllocator`:
-- A put reserves an extent first, copies the payload in outside the lock, then publishes it. When no free extent
-  fits, the arena's backed memory grows (`SharedArena.grow`); when it cannot (all of it backed, or the tmpfs full),
-  unpinned objects are evicted in LRU order until an extent fits; TOO_LARGE when pinned and reserved objects leave
-  no room.
+- A put reserves an extent first (`arena_space`: growing the arena's backed memory, else evicting unpinned objects
+  in LRU order until one fits; TOO_LARGE when pinned and reserved objects leave no room), copies the payload in
+  outside the lock, then publishes it.
 - Local clients do the copying themselves: `reserve(items, ttl_s)` answers per object RESERVED with a file offset
   (or a refusal) under a reservation id; `commit(id, checksums)` publishes the objects, each atomically (the index
   switches from the old extent to the new one under the lock). The client computed each checksum from the bytes it
   wrote into the arena, and every read verifies it, so by default commit does not read the payloads again (a wrong
   write is CORRUPT at its first read: counted, removed, a miss); with `verify_commits` it verifies each object over
-  the arena first and refuses a mismatch as CORRUPT. An uncommitted reservation ends at `release(id)` or its TTL and its extents
-  are freed; `commit` then answers None.
+  the arena first and refuses a mismatch as CORRUPT. An uncommitted reservation ends at `release(id)` or its TTL
+  and its extents are freed; `commit` then answers None.
 - `locate(keys, ttl_s)` answers file offset, size and checksum of present objects (counted as hits and misses, like
   `get_many`) and pins them under a pin id until `release(pin_id)` or the TTL; the client copies and verifies.
 - An extent is never freed, handed out again or written by the store while it is reserved or its object is pinned
@@ -36,22 +35,21 @@ With an `arena` (`shm_arena.SharedArena`), payloads live in its data area, in ex
 from __future__ import annotations
 
 import heapq
-import logging
 import threading
 import time
-import uuid
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from cache_service.arena_space import ArenaSpace
+from cache_service.holds import LEASE, PIN, RESERVATION, Hold, Holds
 from cache_service.objects import Checksum, Status
-from cache_service.shm_arena import ExtentAllocator, SharedArena
-from cache_service.store import (GetOutcome, KeyOutcome, LeaseGrant, LookupOutcome, PutItem, Store, StoreCounters,
-                                 StoreStats, prefix_length)
+from cache_service.shm_arena import SharedArena
+from cache_service.store import (GetOutcome, KeyOutcome, LeaseGrant, LocateGrant, Location, LookupOutcome, PutItem,
+                                 ReservationGrant, ReserveItem, ReserveOutcome, Store, StoreCounters, StoreStats,
+                                 prefix_length)
 
 _CORRUPT_ON_ARRIVAL = KeyOutcome(Status.CORRUPT, "checksum mismatch on arrival")
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -77,60 +75,6 @@ class _Pending:
     offset: int = 0  # arena store: the reserved extent in the data area
 
 
-@dataclass(frozen=True)
-class _Lease:
-    keys: tuple[bytes, ...]
-    expires_at: float
-
-
-@dataclass(frozen=True)
-class _ReadPin:
-    entries: tuple[_Entry, ...]
-    expires_at: float
-
-
-@dataclass(frozen=True)
-class _Reservation:
-    pending: tuple[_Pending, ...]
-    expires_at: float
-
-
-@dataclass(frozen=True)
-class ReserveItem:
-    key: bytes
-    size: int  # payload bytes
-    ttl_s: float | None = None  # from commit; None: no expiry
-
-
-@dataclass(frozen=True)
-class ReserveOutcome:
-    status: Status  # RESERVED, TOO_LARGE
-    offset: int = 0  # when RESERVED: file offset of the payload's first byte
-    message: str = ""
-
-
-@dataclass(frozen=True)
-class ReservationGrant:
-    reservation_id: str  # "" when nothing was reserved
-    outcomes: list[ReserveOutcome]
-    ttl_s: float
-
-
-@dataclass(frozen=True)
-class Location:
-    status: Status  # FOUND or MISSING
-    offset: int = 0  # when FOUND: file offset of the payload's first byte
-    size: int = 0  # payload bytes
-    checksum: Checksum | None = None
-
-
-@dataclass(frozen=True)
-class LocateGrant:
-    pin_id: str  # "" when nothing was found
-    locations: list[Location]
-    ttl_s: float
-
-
 class MemoryStore(Store):
     backend = "memory"
 
@@ -146,8 +90,7 @@ class MemoryStore(Store):
         self.low_watermark = low_watermark
         self.arena = arena
         self.verify_commits = verify_commits
-        self._allocator = ExtentAllocator(arena.backed) if arena is not None else None  # grows with the arena
-        self._arena_full_logged = False
+        self._space = ArenaSpace(arena) if arena is not None else None  # None: payloads in the heap
         self._clock = clock
         self._sweep_interval_s = sweep_interval_s
         self._lock = threading.Lock()
@@ -155,11 +98,7 @@ class MemoryStore(Store):
         self._bytes = 0
         self._expiry_heap: list[tuple[float, bytes]] = []  # (expires_at, key); stale entries are skipped
         self._last_sweep = float("-inf")
-        self._leases: dict[str, _Lease] = {}
-        self._read_pins: dict[str, _ReadPin] = {}
-        self._reservations: dict[str, _Reservation] = {}
-        self._hold_heap: list[tuple[float, str]] = []  # (expires_at, lease / pin / reservation id)
-        self._pins: Counter[bytes] = Counter()  # key -> number of active leases holding it
+        self._holds = Holds()  # leases, locate pins, reservations
         self._counters = StoreCounters()
 
     # -- Store API ----------------------------------------------------------------------------------------------
@@ -170,7 +109,7 @@ class MemoryStore(Store):
             self._tick()
             slots = [self._reserve_one(item.key, len(item.data), item.checksum, item.ttl_s, item.data) if ok
                      else _CORRUPT_ON_ARRIVAL for item, ok in zip(items, verified)]
-        if self.arena is not None:
+        if self._space is not None:
             self._copy_in(slots, items)  # outside the lock: the extents are this call's alone
         with self._lock:
             now = self._tick()
@@ -178,12 +117,7 @@ class MemoryStore(Store):
 
     def get_many(self, keys: Sequence[bytes]) -> list[GetOutcome]:
         with self._lock:
-            now = self._tick()
-            entries = [self._visible(key, now) for key in keys]
-            for key, entry in zip(keys, entries):
-                if entry is not None:
-                    self._entries.move_to_end(key)
-                    entry.readers += 1  # pinned while copied and verified outside the lock
+            entries = self._read_pinned(keys, self._tick())  # pinned while copied and verified outside the lock
         try:
             payloads = [None if entry is None else self._payload(entry) for entry in entries]
             verified = [p is not None and e.checksum.matches(p) for e, p in zip(entries, payloads)]
@@ -212,8 +146,7 @@ class MemoryStore(Store):
             now = self._tick()
             found = [self._visible(key, now) is not None for key in keys]
             pinned = tuple(dict.fromkeys(k for k, ok in zip(keys, found) if ok))
-            lease_id = self._hold(self._leases, _Lease(pinned, now + ttl_s)) if pinned else ""
-            self._pins.update(pinned)
+            lease_id = self._holds.add(LEASE, pinned, now + ttl_s) if pinned else ""
             outcomes = [KeyOutcome(Status.FOUND) if ok else KeyOutcome(Status.MISSING) for ok in found]
             return LeaseGrant(lease_id, outcomes, ttl_s)
 
@@ -221,7 +154,11 @@ class MemoryStore(Store):
         """Ends a lease, a locate pin or a reservation -> (whether it was active, keys it held)."""
         with self._lock:
             self._tick()
-            return self._end_hold(lease_id)
+            hold = self._holds.end(lease_id)
+            if hold is None:
+                return False, 0
+            self._let_go(hold)
+            return True, len(hold.items)
 
     def remove(self, keys: Sequence[bytes], force: bool = False) -> list[KeyOutcome]:
         with self._lock:
@@ -231,9 +168,9 @@ class MemoryStore(Store):
     def stats(self) -> StoreStats:
         with self._lock:
             self._tick()
-            leased = sum(1 for key in self._pins if key in self._entries)
+            leased = sum(1 for key in self._holds.leased_keys() if key in self._entries)
             return StoreStats(self.backend, len(self._entries), self._bytes, self.byte_budget, leased,
-                              len(self._leases), StoreCounters(**vars(self._counters)), self.high_watermark,
+                              self._holds.count(LEASE), StoreCounters(**vars(self._counters)), self.high_watermark,
                               self.low_watermark)
 
     def expire(self) -> int:
@@ -250,75 +187,77 @@ class MemoryStore(Store):
 
     def reserve(self, items: Sequence[ReserveItem], ttl_s: float) -> ReservationGrant:
         """Reserves an extent per object for `ttl_s` seconds (see the module docstring)."""
-        arena = self._require_arena()
+        space = self._require_space()
         with self._lock:
             now = self._tick()
             slots = [self._reserve_one(item.key, item.size, None, item.ttl_s) for item in items]
-            pending = tuple(slot for slot in slots if isinstance(slot, _Pending))
-            reservation_id = self._hold(self._reservations, _Reservation(pending, now + ttl_s)) if pending else ""
-        outcomes = [ReserveOutcome(Status.RESERVED, arena.data_offset + slot.offset) if isinstance(slot, _Pending)
+            pending = [slot for slot in slots if isinstance(slot, _Pending)]
+            reservation_id = self._holds.add(RESERVATION, pending, now + ttl_s) if pending else ""
+        outcomes = [ReserveOutcome(Status.RESERVED, space.file_offset(slot.offset)) if isinstance(slot, _Pending)
                     else ReserveOutcome(slot.status, message=slot.message) for slot in slots]
         return ReservationGrant(reservation_id, outcomes, ttl_s)
 
     def commit(self, reservation_id: str,
                checksums: Sequence[Checksum | None]) -> tuple[list[KeyOutcome], int] | None:
         """Publishes a reservation's objects with their `checksums` (one per reserved object, in reserve order; None:
-        an unusable one), with `verify_commits` only those whose arena bytes match -> (per reserved object: STORED, CORRUPT, INVALID or TOO_LARGE;
-        payload bytes stored), or None when the reservation is unknown (expired, released or committed already).
-        Raises ValueError, keeping the reservation, when the number of checksums is wrong."""
-        arena = self._require_arena()
+        an unusable one), with `verify_commits` only those whose arena bytes match -> (per reserved object: STORED,
+        CORRUPT, INVALID or TOO_LARGE; payload bytes stored), or None when the reservation is unknown (expired,
+        released or committed already). Raises ValueError, keeping the reservation, when the number of checksums is
+        wrong."""
+        self._require_space()
         with self._lock:
             self._tick()
-            reservation = self._reservations.get(reservation_id)
-            if reservation is not None and len(checksums) != len(reservation.pending):
-                raise ValueError(f"{len(checksums)} checksums for {len(reservation.pending)} reserved objects")
-            self._reservations.pop(reservation_id, None)  # the extents are this call's alone now
-        if reservation is None:
-            return None
-        for p, checksum in zip(reservation.pending, checksums):
+            reservation = self._holds.get(reservation_id, RESERVATION)
+            if reservation is None:
+                return None
+            if len(checksums) != len(reservation.items):
+                raise ValueError(f"{len(checksums)} checksums for {len(reservation.items)} reserved objects")
+            self._holds.end(reservation_id)  # the extents are this call's alone now
+        pending = reservation.items
+        for p, checksum in zip(pending, checksums):
             p.checksum = checksum
-        verified = []
-        try:
-            for p in reservation.pending:
-                if not self.verify_commits or p.checksum is None:
-                    verified.append(p.checksum is not None)
-                    continue
-                with arena.view(arena.data_offset + p.offset, p.size) as payload:
-                    verified.append(p.checksum.matches(payload))
-        finally:
-            if len(verified) < len(reservation.pending):
-                with self._lock:
-                    for p in reservation.pending:
-                        self._discard(p)
+        verified = self._verify_reserved(pending)
         with self._lock:
             now = self._tick()
-            outcomes = [self._publish(p, now) if ok else self._refuse_corrupt(p)
-                        for p, ok in zip(reservation.pending, verified)]
-        stored = sum(p.size for p, o in zip(reservation.pending, outcomes) if o.status == Status.STORED)
+            outcomes = [self._publish(p, now) if ok else self._refuse_corrupt(p) for p, ok in zip(pending, verified)]
+        stored = sum(p.size for p, o in zip(pending, outcomes) if o.status == Status.STORED)
         return outcomes, stored
 
     def locate(self, keys: Sequence[bytes], ttl_s: float) -> LocateGrant:
         """Where present objects lie, pinned for `ttl_s` seconds under one pin id (see the module docstring)."""
-        arena = self._require_arena()
+        space = self._require_space()
         with self._lock:
             now = self._tick()
-            entries = [self._visible(key, now) for key in keys]
-            for key, entry in zip(keys, entries):
-                if entry is not None:
-                    self._entries.move_to_end(key)
-                    entry.readers += 1
-            found = tuple(e for e in entries if e is not None)
+            entries = self._read_pinned(keys, now)
+            found = [e for e in entries if e is not None]
             self._counters.hits += len(found)
             self._counters.misses += len(keys) - len(found)
-            pin_id = self._hold(self._read_pins, _ReadPin(found, now + ttl_s)) if found else ""
+            pin_id = self._holds.add(PIN, found, now + ttl_s) if found else ""
         locations = [Location(Status.MISSING) if e is None else
-                     Location(Status.FOUND, arena.data_offset + e.offset, e.size, e.checksum) for e in entries]
+                     Location(Status.FOUND, space.file_offset(e.offset), e.size, e.checksum) for e in entries]
         return LocateGrant(pin_id, locations, ttl_s)
 
-    def _require_arena(self) -> SharedArena:
-        if self.arena is None:
+    def _require_space(self) -> ArenaSpace:
+        if self._space is None:
             raise RuntimeError("this memory store keeps payloads in the heap: no shared-memory arena")
-        return self.arena
+        return self._space
+
+    def _verify_reserved(self, pending: Sequence[_Pending]) -> list[bool]:
+        """Per reserved object: a usable checksum (that matches the arena bytes, with `verify_commits`)?"""
+        verified = []
+        try:
+            for p in pending:
+                if not self.verify_commits or p.checksum is None:
+                    verified.append(p.checksum is not None)
+                    continue
+                with self._space.view(p.offset, p.size) as payload:
+                    verified.append(p.checksum.matches(payload))
+        finally:
+            if len(verified) < len(pending):
+                with self._lock:
+                    for p in pending:
+                        self._discard(p)
+        return verified
 
     # -- internals (call with the lock held) -------------------------------------------------------------------
 
@@ -330,57 +269,41 @@ class MemoryStore(Store):
             self._sweep(now)
         return now
 
+    def _read_pinned(self, keys: Sequence[bytes], now: float) -> list[_Entry | None]:
+        """The visible entries (None: missing), each made most recent and pinned by one more reader."""
+        entries = [self._visible(key, now) for key in keys]
+        for key, entry in zip(keys, entries):
+            if entry is not None:
+                self._entries.move_to_end(key)
+                entry.readers += 1
+        return entries
+
     def _reserve_one(self, key: bytes, size: int, checksum: Checksum, ttl_s: float | None,
                      data: bytes | None = None) -> _Pending | KeyOutcome:
         """Space for one object (arena: an extent, evicting for it if need be), or why not."""
         if size > self.byte_budget:
             return KeyOutcome(Status.TOO_LARGE, f"object of {size} bytes exceeds the byte budget {self.byte_budget}")
-        if self.arena is None:
+        if self._space is None:
             return _Pending(key, size, checksum, ttl_s, data=data)
-        offset = self._allocate(size)
+        offset = self._space.allocate(size, self._evictable_bytes, self._evict_least_recent)
         if offset is None:
             return KeyOutcome(Status.TOO_LARGE, "no room: leased, pinned or reserved objects fill the arena")
         return _Pending(key, size, checksum, ttl_s, offset=offset)
 
-    def _allocate(self, size: int) -> int | None:
-        """An extent for `size` bytes: grows the arena, else evicts unpinned objects in LRU order, until one fits.
-        Evicts nothing when even evicting every unpinned object could not free enough bytes."""
-        offset = self._allocator.allocate(size)
-        if offset is None and not self._could_fit(size):
-            return None
-        while offset is None:
-            if self._grow_arena(size):
-                offset = self._allocator.allocate(size)
-                continue
-            victim = next((k for k, e in self._entries.items() if self._pins[k] == 0 and e.readers == 0), None)
-            if victim is None:
-                return None
-            self._drop(victim)
-            self._counters.evictions += 1
-            offset = self._allocator.allocate(size)
-        return offset
+    def _evictable(self):
+        """(key, entry) of the objects eviction may drop (not leased, not being read), least recent first."""
+        return ((k, e) for k, e in self._entries.items() if not self._holds.leased(k) and e.readers == 0)
 
-    def _could_fit(self, size: int) -> bool:
-        """Whether free, unbacked and unpinned objects' space add up to `size` bytes (contiguity aside)."""
-        allocator = self._allocator
-        evictable = sum(allocator.extent_bytes(e.size) for k, e in self._entries.items()
-                        if self._pins[k] == 0 and e.readers == 0)
-        unbacked = self.arena.capacity - allocator.capacity
-        return allocator.free_bytes + unbacked + evictable >= allocator.extent_bytes(size)
+    def _evictable_bytes(self) -> int:
+        return sum(self._space.extent_bytes(e.size) for _, e in self._evictable())
 
-    def _grow_arena(self, size: int) -> bool:
-        """Backs more of the arena, enough for `size` more bytes at its end -> whether it grew."""
-        allocator = self._allocator
-        if allocator.capacity >= self.arena.capacity:
+    def _evict_least_recent(self) -> bool:
+        """Drops the least recently used evictable object -> whether there was one."""
+        victim = next(self._evictable(), None)
+        if victim is None:
             return False
-        backed = self.arena.grow(allocator.capacity + allocator.extent_bytes(size))
-        if backed <= allocator.capacity:
-            if not self._arena_full_logged:
-                log.warning("shared-memory arena %s stops at %d of %d bytes (tmpfs full): evicting instead",
-                            self.arena.path, backed, self.arena.capacity)
-                self._arena_full_logged = True
-            return False
-        allocator.extend(backed)
+        self._drop(victim[0])
+        self._counters.evictions += 1
         return True
 
     def _copy_in(self, slots: list, items: Sequence[PutItem]) -> None:
@@ -388,7 +311,7 @@ class MemoryStore(Store):
         try:
             for slot, item in zip(slots, items):
                 if isinstance(slot, _Pending):
-                    self.arena.write(self.arena.data_offset + slot.offset, item.data)
+                    self._space.write(slot.offset, item.data)
         except BaseException:
             with self._lock:
                 for slot in slots:
@@ -414,8 +337,8 @@ class MemoryStore(Store):
 
     def _discard(self, pending: _Pending) -> None:
         """Frees a reservation's extent: the object is never published."""
-        if self._allocator is not None:
-            self._allocator.free(pending.offset, pending.size)
+        if self._space is not None:
+            self._space.free(pending.offset, pending.size)
 
     def _refuse_corrupt(self, pending: _Pending) -> KeyOutcome:
         self._discard(pending)
@@ -428,10 +351,10 @@ class MemoryStore(Store):
         if self._bytes <= self.high_watermark * self.byte_budget:
             return
         target = self.low_watermark * self.byte_budget
-        for key, entry in list(self._entries.items()):
+        for key, _ in list(self._evictable()):
             if self._bytes <= target:
                 break
-            if key == protect or self._pins[key] > 0 or entry.readers > 0:
+            if key == protect:
                 continue
             self._drop(key)
             self._counters.evictions += 1
@@ -441,7 +364,7 @@ class MemoryStore(Store):
         entry = self._entries.get(key)
         if entry is None:
             return None
-        if entry.expires_at is not None and now >= entry.expires_at and self._pins[key] == 0:
+        if entry.expires_at is not None and now >= entry.expires_at and not self._holds.leased(key):
             self._drop(key)
             self._counters.expirations += 1
             return None
@@ -449,9 +372,9 @@ class MemoryStore(Store):
 
     def _payload(self, entry: _Entry):
         """The payload's bytes (arena: a copy; called outside the lock with the entry pinned)."""
-        if self.arena is None:
+        if self._space is None:
             return entry.data
-        return self.arena.read(self.arena.data_offset + entry.offset, entry.size)
+        return self._space.read(entry.offset, entry.size)
 
     def _get_result(self, key: bytes, entry: _Entry | None, payload, verified: bool) -> GetOutcome:
         if entry is None:
@@ -469,7 +392,7 @@ class MemoryStore(Store):
     def _remove_one(self, key: bytes, now: float, force: bool) -> KeyOutcome:
         if self._visible(key, now) is None:
             return KeyOutcome(Status.MISSING)
-        if self._pins[key] > 0 and not force:
+        if self._holds.leased(key) and not force:
             return KeyOutcome(Status.LEASED, "object is leased; pass force to remove it")
         self._drop(key)
         self._counters.removes += 1
@@ -491,8 +414,8 @@ class MemoryStore(Store):
             self._free(entry)
 
     def _free(self, entry: _Entry) -> None:
-        if self._allocator is not None:
-            self._allocator.free(entry.offset, entry.size)
+        if self._space is not None:
+            self._space.free(entry.offset, entry.size)
 
     def _sweep(self, now: float) -> int:
         """Drops expired unleased objects; leased ones stay queued until a later sweep."""
@@ -503,7 +426,7 @@ class MemoryStore(Store):
             entry = self._entries.get(key)
             if entry is None or entry.expires_at != expires_at:
                 continue  # stale: removed or replaced since
-            if self._pins[key] > 0:
+            if self._holds.leased(key):
                 deferred.append((expires_at, key))
                 continue
             self._drop(key)
@@ -513,36 +436,15 @@ class MemoryStore(Store):
             heapq.heappush(self._expiry_heap, item)
         return dropped
 
-    # -- leases, locate pins and reservations: "holds" that end at release or at their deadline ----------------
-
-    def _hold(self, table: dict, hold) -> str:
-        hold_id = uuid.uuid4().hex
-        table[hold_id] = hold
-        heapq.heappush(self._hold_heap, (hold.expires_at, hold_id))
-        return hold_id
-
     def _end_due_holds(self, now: float) -> None:
-        while self._hold_heap and self._hold_heap[0][0] <= now:
-            _, hold_id = heapq.heappop(self._hold_heap)
-            self._end_hold(hold_id)
+        for hold in self._holds.end_due(now):
+            self._let_go(hold)
 
-    def _end_hold(self, hold_id: str) -> tuple[bool, int]:
-        """Ends a lease, pin or reservation -> (whether it was active, number of keys it held)."""
-        if (lease := self._leases.pop(hold_id, None)) is not None:
-            self._unpin(lease.keys)
-            return True, len(lease.keys)
-        if (pin := self._read_pins.pop(hold_id, None)) is not None:
-            for entry in pin.entries:
+    def _let_go(self, hold: Hold) -> None:
+        """Releases what an ended pin or reservation held (a lease's keys are unpinned by `Holds` itself)."""
+        if hold.kind == PIN:
+            for entry in hold.items:
                 self._unread(entry)
-            return True, len(pin.entries)
-        if (reservation := self._reservations.pop(hold_id, None)) is not None:
-            for pending in reservation.pending:
+        elif hold.kind == RESERVATION:
+            for pending in hold.items:
                 self._discard(pending)
-            return True, len(reservation.pending)
-        return False, 0
-
-    def _unpin(self, keys: tuple[bytes, ...]) -> None:
-        self._pins.subtract(keys)
-        for key in keys:
-            if self._pins[key] <= 0:
-                del self._pins[key]

@@ -8,7 +8,7 @@ Series (all prefixed `kdamesh_cache_`):
 - from the servicer: `transfer_bytes_total{direction="put"|"get"}` (payload bytes through BatchPut / BatchGet, and
   through the shared-memory plane: committed, located), `transfer_seconds_total{direction}` (wall time of the calls
   that moved them; the shm plane's client-side copies are not in it; the direct Redis plane is in neither),
-  `keys_total{method, status}` (per-key results), `rpc_seconds{method}` (histogram of handler latency).
+  `keys_total{method, status}` (per-key results), `rpc_seconds{method}` (histogram of every handler's latency).
 """
 
 from __future__ import annotations

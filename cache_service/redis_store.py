@@ -1,17 +1,6 @@
 """The Redis store: objects in a real Redis server (`redis://host:port/db`), pipelined, chunked, checksummed.
 
-Layout under `key_prefix` (default `kdamesh:`), for an object with store key K:
-- manifest `{prefix}o:{K}` = header (`_HEADER`: magic `KDC1`, format version, checksum algorithm, checksum length,
-  payload size, number of chunks) + checksum + the payload itself when it is at most `inline_bytes` (16 KiB by
-  default; `num_chunks == 0`).
-- chunks `{prefix}c:{algorithm}{checksum}{i:u32}{K}` of at most `chunk_bytes` each for larger payloads. Chunk values
-  are the caller's bytes sent as they are (no join with a header: a 1 MiB payload is never copied to be stored).
-  Chunk keys are named by the checksum, so two writers of the same content write the same keys and a writer of other
-  content never overwrites chunks a reader is using. Readers follow `num_chunks`, whatever chunk size wrote them.
-- leases: `{prefix}p:{K}` is a sorted set of lease ids scored by deadline (Unix ms; pinned while any score is in the
-  future); `{prefix}l:{lease_id}` is the set of keys a lease pins (expires with the lease).
-- counters: the hash `{prefix}stats` (fields hits, misses, corrupt_reads, puts, removes, errors; HINCRBY), shared by
-  every store on the prefix: the service's and those of clients on the direct Redis data plane.
+The layout of objects, leases and counters in Redis is `redis_layout`'s.
 
 Contract (in addition to `store.Store`'s):
 - Atomic visibility: an object without a TTL is one MSET of its chunks and manifest (they appear together); one
@@ -33,69 +22,31 @@ Contract (in addition to `store.Store`'s):
 - `raise_when_unavailable=True` (the direct data plane client): `put_many` / `get_many` raise StoreUnavailableError
   instead of answering ERROR per key when Redis cannot be reached (nothing is counted), so the caller can retry
   over gRPC. A put that failed mid-pipeline may have stored some objects whole; none is visible half-written.
-- `stats` scans the prefix (O(objects)) and reads the counter hash. Leases' deadlines use this host's wall clock.
+- `stats` scans the prefix (O(objects)) and reads the counter hash. Leases' deadlines use `clock` (Unix seconds,
+  this host's wall clock by default; injectable): Redis's own expiries run on Redis's clock.
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from cache_service.objects import CHECKSUM_BYTES, Checksum, ChecksumAlgorithm, Status
+from cache_service.objects import Status
+from cache_service.redis_layout import (COUNTED, DEFAULT_INLINE_BYTES, HEADER, MAX_HEADER_BYTES, CorruptManifest,
+                                        Manifest, RedisKeys, decode_manifest, encode_manifest, stored_size)
 from cache_service.store import (GetOutcome, KeyOutcome, LeaseGrant, LookupOutcome, PutItem, Store, StoreCounters,
                                  StoreStats, StoreUnavailableError, prefix_length)
 
-_MAGIC = b"KDC1"
-_VERSION = 1
-_HEADER = struct.Struct(">4sBBBxQI")  # magic, version, checksum algorithm, checksum length, pad, size, num_chunks
-_MAX_HEADER_BYTES = _HEADER.size + max(CHECKSUM_BYTES.values())
 _REDIS_ERRORS = (redis.RedisError, OSError)
-_COUNTED = ("hits", "misses", "corrupt_reads", "puts", "removes", "errors")  # the fields of {prefix}stats
-DEFAULT_INLINE_BYTES = 16 << 10
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Manifest:
-    size: int
-    num_chunks: int  # 0: the payload is inline
-    checksum: Checksum
-    inline: bytes  # the payload when num_chunks == 0
-
-
-class _CorruptManifest(ValueError):
-    pass
-
-
-def _encode_manifest(checksum: Checksum, size: int, num_chunks: int, inline: bytes) -> bytes:
-    header = _HEADER.pack(_MAGIC, _VERSION, int(checksum.algorithm), len(checksum.value), size, num_chunks)
-    return b"".join([header, checksum.value, inline])
-
-
-def _decode_manifest(raw: bytes, header_only: bool = False) -> _Manifest:
-    if len(raw) < _HEADER.size:
-        raise _CorruptManifest("manifest shorter than its header")
-    magic, version, algorithm, checksum_len, size, num_chunks = _HEADER.unpack_from(raw)
-    if magic != _MAGIC or version != _VERSION:
-        raise _CorruptManifest(f"bad manifest magic/version {magic!r}/{version}")
-    if algorithm not in CHECKSUM_BYTES or CHECKSUM_BYTES[ChecksumAlgorithm(algorithm)] != checksum_len:
-        raise _CorruptManifest(f"bad checksum algorithm {algorithm} / length {checksum_len}")
-    start = _HEADER.size + checksum_len
-    if len(raw) < start:
-        raise _CorruptManifest("manifest truncated in its checksum")
-    checksum = Checksum(ChecksumAlgorithm(algorithm), bytes(raw[_HEADER.size:start]))
-    inline = b"" if header_only or num_chunks else raw[start:]
-    return _Manifest(size, num_chunks, checksum, inline)
 
 
 class RedisStore(Store):
@@ -104,7 +55,8 @@ class RedisStore(Store):
     def __init__(self, url: str, chunk_bytes: int = 1 << 20, key_prefix: bytes = b"kdamesh:",
                  socket_timeout_s: float = 2.0, connect_timeout_s: float = 0.5, max_connections: int = 64,
                  socket_read_bytes: int = 1 << 20, inline_bytes: int = DEFAULT_INLINE_BYTES,
-                 verify_puts: bool = True, raise_when_unavailable: bool = False):
+                 verify_puts: bool = True, raise_when_unavailable: bool = False,
+                 clock: Callable[[], float] = time.time):
         if chunk_bytes <= 0 or inline_bytes < 0:
             raise ValueError(f"need chunk_bytes > 0 and inline_bytes >= 0, got {chunk_bytes}, {inline_bytes}")
         self.url = url
@@ -113,7 +65,8 @@ class RedisStore(Store):
         self.key_prefix = key_prefix
         self.socket_timeout_s = socket_timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self._prefix = key_prefix
+        self._keys = RedisKeys(key_prefix)
+        self._clock = clock  # Unix seconds: lease deadlines
         self._verify_puts = verify_puts
         self._raise_when_unavailable = raise_when_unavailable
         self._redis = redis.Redis.from_url(
@@ -121,28 +74,7 @@ class RedisStore(Store):
             retry=Retry(NoBackoff(), 1), retry_on_error=[redis.ConnectionError], max_connections=max_connections,
             socket_read_size=socket_read_bytes)  # large reads: payloads are MiBs, redis-py's default is 32 KiB
         self._lock = threading.Lock()
-        self._pending = dict.fromkeys(_COUNTED, 0)  # counts not yet in {prefix}stats (under _lock)
-
-    # -- key names ----------------------------------------------------------------------------------------------
-
-    def _manifest_key(self, key: bytes) -> bytes:
-        return self._prefix + b"o:" + key
-
-    def _chunk_key(self, key: bytes, checksum: Checksum, index: int) -> bytes:
-        return b"".join([self._prefix, b"c:", bytes([checksum.algorithm]), checksum.value, struct.pack(">I", index),
-                         key])
-
-    def _chunk_keys(self, key: bytes, manifest: _Manifest) -> list[bytes]:
-        return [self._chunk_key(key, manifest.checksum, i) for i in range(manifest.num_chunks)]
-
-    def _pins_key(self, key: bytes) -> bytes:
-        return self._prefix + b"p:" + key
-
-    def _lease_key(self, lease_id: str) -> bytes:
-        return self._prefix + b"l:" + lease_id.encode()
-
-    def _stats_key(self) -> bytes:
-        return self._prefix + b"stats"
+        self._pending = dict.fromkeys(COUNTED, 0)  # counts not yet in {prefix}stats (under _lock)
 
     # -- Store API ----------------------------------------------------------------------------------------------
 
@@ -182,7 +114,7 @@ class RedisStore(Store):
         try:
             pipe = self._redis.pipeline(transaction=False)
             for key in keys:
-                pipe.exists(self._manifest_key(key))
+                pipe.exists(self._keys.manifest(key))
             present = [bool(n) for n in pipe.execute()]
         except _REDIS_ERRORS as exc:
             self._count(errors=len(keys))
@@ -198,13 +130,13 @@ class RedisStore(Store):
 
     def release(self, lease_id: str) -> tuple[bool, int]:
         try:
-            members = self._redis.smembers(self._lease_key(lease_id))
+            members = self._redis.smembers(self._keys.lease(lease_id))
             if not members:
                 return False, 0
             pipe = self._redis.pipeline(transaction=False)
             for key in members:
-                pipe.zrem(self._pins_key(key), lease_id)
-            pipe.delete(self._lease_key(lease_id))
+                pipe.zrem(self._keys.pins(key), lease_id)
+            pipe.delete(self._keys.lease(lease_id))
             pipe.execute()
             return True, len(members)
         except _REDIS_ERRORS as exc:
@@ -225,13 +157,13 @@ class RedisStore(Store):
         try:
             self._flush_counters(raise_on_failure=True)
             objects, stored = self._scan_objects()
-            leases = sum(1 for _ in self._redis.scan_iter(match=_glob(self._prefix + b"l:") + b"*", count=1000))
+            leases = sum(1 for _ in self._redis.scan_iter(match=self._keys.pattern(b"l:"), count=1000))
             leased = self._count_leased()
             evicted = int(self._redis.info("stats").get("evicted_keys", 0))
-            counted = self._redis.hgetall(self._stats_key())
+            counted = self._redis.hgetall(self._keys.stats)
         except _REDIS_ERRORS as exc:
             raise StoreUnavailableError(f"redis at {self.url}: {_describe(exc)}") from exc
-        counters = StoreCounters(**{name: int(counted.get(name.encode(), 0)) for name in _COUNTED})
+        counters = StoreCounters(**{name: int(counted.get(name.encode(), 0)) for name in COUNTED})
         counters.evictions = evicted
         return StoreStats(self.backend, objects, stored, 0, leased, leases, counters)
 
@@ -249,19 +181,19 @@ class RedisStore(Store):
         px = None if item.ttl_s is None else max(1, int(item.ttl_s * 1000))
         size, step = len(item.data), self.chunk_bytes
         if size <= self.inline_bytes:
-            pipe.set(self._manifest_key(item.key), _encode_manifest(item.checksum, size, 0, item.data), px=px)
+            pipe.set(self._keys.manifest(item.key), encode_manifest(item.checksum, size, 0, item.data), px=px)
             return 1
         num_chunks = -(-size // step)
         view = memoryview(item.data)  # slices share the payload's memory: sent as they are, no copy
-        chunks = {self._chunk_key(item.key, item.checksum, i): view[i * step:(i + 1) * step]
+        chunks = {self._keys.chunk(item.key, item.checksum, i): view[i * step:(i + 1) * step]
                   for i in range(num_chunks)}
-        manifest = _encode_manifest(item.checksum, size, num_chunks, b"")
+        manifest = encode_manifest(item.checksum, size, num_chunks, b"")
         if px is None:  # one MSET: chunks and manifest appear together (and one command, one reply per object)
-            pipe.mset({**chunks, self._manifest_key(item.key): manifest})
+            pipe.mset({**chunks, self._keys.manifest(item.key): manifest})
             return 1
         for name, chunk in chunks.items():  # with a TTL: SET PX each, the manifest last
             pipe.set(name, chunk, px=px)
-        pipe.set(self._manifest_key(item.key), manifest, px=px)
+        pipe.set(self._keys.manifest(item.key), manifest, px=px)
         return num_chunks + 1
 
     # -- get ----------------------------------------------------------------------------------------------------
@@ -269,9 +201,9 @@ class RedisStore(Store):
     def _get_many(self, keys: Sequence[bytes]) -> list[GetOutcome]:
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
-            pipe.get(self._manifest_key(key))
+            pipe.get(self._keys.manifest(key))
         raws = pipe.execute()
-        manifests: list[_Manifest | None | str] = [self._parse(raw) for raw in raws]
+        manifests: list[Manifest | None | str] = [self._parse(raw) for raw in raws]
         chunks = self._fetch_chunks(keys, manifests)
         outcomes = [self._assemble(key, m, chunks.get(i)) for i, (key, m) in enumerate(zip(keys, manifests))]
         pipe = self._redis.pipeline(transaction=False)
@@ -286,18 +218,18 @@ class RedisStore(Store):
         return outcomes
 
     @staticmethod
-    def _parse(raw: bytes | None) -> _Manifest | None | str:
+    def _parse(raw: bytes | None) -> Manifest | None | str:
         """The manifest, None when absent, or the reason it is corrupt."""
         if raw is None:
             return None
         try:
-            return _decode_manifest(raw)
-        except _CorruptManifest as exc:
+            return decode_manifest(raw)
+        except CorruptManifest as exc:
             return str(exc)
 
     def _fetch_chunks(self, keys: Sequence[bytes], manifests: list) -> dict[int, list[bytes | None]]:
-        wanted = [(i, self._chunk_keys(keys[i], m)) for i, m in enumerate(manifests)
-                  if isinstance(m, _Manifest) and m.num_chunks]
+        wanted = [(i, self._keys.chunks(keys[i], m)) for i, m in enumerate(manifests)
+                  if isinstance(m, Manifest) and m.num_chunks]
         if not wanted:
             return {}
         pipe = self._redis.pipeline(transaction=False)
@@ -326,26 +258,26 @@ class RedisStore(Store):
         lookups."""
         for i, (m, o) in enumerate(zip(manifests, outcomes)):
             if o.status == Status.CORRUPT or (o.status == Status.MISSING and m is not None):
-                chunk_keys = self._chunk_keys(keys[i], m) if isinstance(m, _Manifest) else []
-                pipe.delete(self._manifest_key(keys[i]), *chunk_keys)
+                chunk_keys = self._keys.chunks(keys[i], m) if isinstance(m, Manifest) else []
+                pipe.delete(self._keys.manifest(keys[i]), *chunk_keys)
 
     # -- lease / remove -----------------------------------------------------------------------------------------
 
-    def _headers(self, keys: Sequence[bytes], with_pttl: bool) -> list[tuple[_Manifest | None, int]]:
+    def _headers(self, keys: Sequence[bytes], with_pttl: bool) -> list[tuple[Manifest | None, int]]:
         """Per key: (manifest header or None when absent/corrupt, manifest PTTL in ms or -1)."""
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
-            pipe.getrange(self._manifest_key(key), 0, _MAX_HEADER_BYTES - 1)
+            pipe.getrange(self._keys.manifest(key), 0, MAX_HEADER_BYTES - 1)
             if with_pttl:
-                pipe.pttl(self._manifest_key(key))
+                pipe.pttl(self._keys.manifest(key))
         replies = pipe.execute()
         step = 2 if with_pttl else 1
         out = []
         for j in range(len(keys)):
             raw, pttl = replies[j * step], (replies[j * step + 1] if with_pttl else -1)
             try:
-                out.append((_decode_manifest(raw, header_only=True) if raw else None, pttl))
-            except _CorruptManifest:
+                out.append((decode_manifest(raw, header_only=True) if raw else None, pttl))
+            except CorruptManifest:
                 out.append((None, pttl))
         return out
 
@@ -355,19 +287,19 @@ class RedisStore(Store):
         if not any(found):
             return LeaseGrant("", [KeyOutcome(Status.MISSING)] * len(keys), ttl_s)
         lease_id, ttl_ms = uuid.uuid4().hex, max(1, int(ttl_s * 1000))
-        deadline_ms = int(time.time() * 1000) + ttl_ms
+        deadline_ms = int(self._clock() * 1000) + ttl_ms
         pipe = self._redis.pipeline(transaction=False)
         for key, (manifest, pttl) in zip(keys, headers):
             if manifest is None:
                 continue
-            pipe.zadd(self._pins_key(key), {lease_id: deadline_ms})
-            pipe.pexpire(self._pins_key(key), ttl_ms, gt=True)  # extends a volatile pin set ...
-            pipe.pexpire(self._pins_key(key), ttl_ms, nx=True)  # ... or bounds a new one
+            pipe.zadd(self._keys.pins(key), {lease_id: deadline_ms})
+            pipe.pexpire(self._keys.pins(key), ttl_ms, gt=True)  # extends a volatile pin set ...
+            pipe.pexpire(self._keys.pins(key), ttl_ms, nx=True)  # ... or bounds a new one
             if 0 <= pttl < ttl_ms:  # a TTL'd object must outlive the lease
-                for name in [self._manifest_key(key), *self._chunk_keys(key, manifest)]:
+                for name in [self._keys.manifest(key), *self._keys.chunks(key, manifest)]:
                     pipe.pexpire(name, ttl_ms)
-        pipe.sadd(self._lease_key(lease_id), *[k for k, ok in zip(keys, found) if ok])
-        pipe.pexpire(self._lease_key(lease_id), ttl_ms)
+        pipe.sadd(self._keys.lease(lease_id), *[k for k, ok in zip(keys, found) if ok])
+        pipe.pexpire(self._keys.lease(lease_id), ttl_ms)
         pipe.execute()
         return LeaseGrant(lease_id, [KeyOutcome(Status.FOUND if ok else Status.MISSING) for ok in found], ttl_s)
 
@@ -379,8 +311,8 @@ class RedisStore(Store):
         for i, (key, (manifest, _)) in enumerate(zip(keys, headers)):
             if pinned[i]:
                 continue
-            chunk_keys = self._chunk_keys(key, manifest) if manifest is not None else []
-            pipe.delete(self._manifest_key(key), *chunk_keys)
+            chunk_keys = self._keys.chunks(key, manifest) if manifest is not None else []
+            pipe.delete(self._keys.manifest(key), *chunk_keys)
             queued.append(i)
         deleted = dict(zip(queued, pipe.execute() if queued else []))
         return [KeyOutcome(Status.LEASED, "object is leased; pass force to remove it") if pinned[i]
@@ -388,32 +320,32 @@ class RedisStore(Store):
                 for i in range(len(keys))]
 
     def _pinned(self, keys: Sequence[bytes]) -> list[bool]:
-        now_ms = int(time.time() * 1000)
+        now_ms = int(self._clock() * 1000)
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
-            pipe.zcount(self._pins_key(key), f"({now_ms}", "+inf")
+            pipe.zcount(self._keys.pins(key), f"({now_ms}", "+inf")
         return [n > 0 for n in pipe.execute()]
 
     # -- stats --------------------------------------------------------------------------------------------------
 
     def _scan_objects(self) -> tuple[int, int]:
         objects = stored = 0
-        names = list(self._redis.scan_iter(match=_glob(self._prefix + b"o:") + b"*", count=1000))
+        names = list(self._redis.scan_iter(match=self._keys.pattern(b"o:"), count=1000))
         for start in range(0, len(names), 1000):
             pipe = self._redis.pipeline(transaction=False)
             for name in names[start:start + 1000]:
-                pipe.getrange(name, 0, _HEADER.size - 1)
-            for raw in pipe.execute():
-                if len(raw) == _HEADER.size:
+                pipe.getrange(name, 0, HEADER.size - 1)
+            for size in map(stored_size, pipe.execute()):
+                if size is not None:
                     objects += 1
-                    stored += _HEADER.unpack(raw)[4]
+                    stored += size
         return objects, stored
 
     def _count_leased(self) -> int:
-        names = list(self._redis.scan_iter(match=_glob(self._prefix + b"p:") + b"*", count=1000))
+        names = list(self._redis.scan_iter(match=self._keys.pattern(b"p:"), count=1000))
         if not names:
             return 0
-        keys = [name[len(self._prefix) + 2:] for name in names]
+        keys = [self._keys.store_key_of_pins(name) for name in names]
         return sum(self._pinned(keys))
 
     # -- counters (in {prefix}stats) -----------------------------------------------------------------------------
@@ -426,7 +358,7 @@ class RedisStore(Store):
 
     def _take_pending(self) -> dict[str, int]:
         with self._lock:
-            taken, self._pending = self._pending, dict.fromkeys(_COUNTED, 0)
+            taken, self._pending = self._pending, dict.fromkeys(COUNTED, 0)
         return taken
 
     def _execute_counted(self, pipe: redis.client.Pipeline, deltas: dict[str, int]) -> tuple[list, str]:
@@ -435,10 +367,10 @@ class RedisStore(Store):
         counts wait on; `deltas` are dropped (the caller counts what happened instead)."""
         own = len(pipe)
         taken = self._take_pending()
-        for name in _COUNTED:
+        for name in COUNTED:
             delta = taken[name] + deltas.get(name, 0)
             if delta:
-                pipe.hincrby(self._stats_key(), name, delta)
+                pipe.hincrby(self._keys.stats, name, delta)
         if not len(pipe):
             return [], ""
         try:
@@ -461,13 +393,3 @@ def _put_outcome(replies: list) -> KeyOutcome:
 
 def _describe(exc: BaseException) -> str:
     return f"redis unavailable: {type(exc).__name__}: {exc}"
-
-
-def _glob(literal: bytes) -> bytes:
-    """Escapes Redis glob metacharacters in a literal prefix."""
-    out = bytearray()
-    for b in literal:
-        if b in b"*?[]\\":
-            out.append(ord("\\"))
-        out.append(b)
-    return bytes(out)

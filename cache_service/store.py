@@ -1,4 +1,5 @@
-"""The store interface behind the cache service, and the value types it speaks.
+"""The store interface behind the cache service, and the value types it speaks (the shared-memory data plane's
+too: `reserve` / `commit` / `locate` of an arena store, see `memory_store`).
 
 Contract every backend keeps (DESIGN.md, "Cache service contract"):
 - Keys are opaque bytes (`objects.encode_key`); values are immutable payloads with a `Checksum`.
@@ -89,6 +90,45 @@ class StoreStats:
     counters: StoreCounters
     high_watermark: float = 0.0
     low_watermark: float = 0.0
+
+
+# -- the shared-memory data plane (memory stores with an arena) -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReserveItem:
+    key: bytes
+    size: int  # payload bytes
+    ttl_s: float | None = None  # from commit; None: no expiry
+
+
+@dataclass(frozen=True)
+class ReserveOutcome:
+    status: Status  # RESERVED, TOO_LARGE
+    offset: int = 0  # when RESERVED: file offset of the payload's first byte
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ReservationGrant:
+    reservation_id: str  # "" when nothing was reserved
+    outcomes: list[ReserveOutcome]
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class Location:
+    status: Status  # FOUND or MISSING
+    offset: int = 0  # when FOUND: file offset of the payload's first byte
+    size: int = 0  # payload bytes
+    checksum: Checksum | None = None
+
+
+@dataclass(frozen=True)
+class LocateGrant:
+    pin_id: str  # "" when nothing was found
+    locations: list[Location]
+    ttl_s: float
 
 
 def prefix_length(present: Sequence[bool]) -> int:

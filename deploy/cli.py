@@ -2,7 +2,7 @@
 
 Subcommands: `make-checkpoint` (a generated checkpoint in the official layout), `up` (the whole mesh on localhost,
 deploy/launcher.py) and `serve --role cache|prefill|decode|gateway` (one service, deploy/serve.py: each role parses
-its own flags, `kdamesh serve --role R --help` lists them) and `bench serve` (bench/serve: `vllm bench serve`'s flags,
+its own flags, `kdamesh serve --role R --help` lists them) and `bench serve` (servebench/: `vllm bench serve`'s flags,
 metrics and result JSON). Each subcommand calls one function; no logic lives here.
 
 Global flags (before the subcommand): `--log-level`, `--log-format text|json` (telemetry/logs.py: JSON lines carry
@@ -50,14 +50,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from bench.serve.cli import run
+    from servebench.cli import run
 
     return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.model.presets import PRESETS
-
     parser = argparse.ArgumentParser(prog="kdamesh", description="Serve Kimi K3 and Kimi Linear models.")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -66,6 +64,24 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve (and every service `up` starts): where spans go; auto: OTLP when "
                              "OTEL_EXPORTER_OTLP_ENDPOINT is set, else none")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_make_checkpoint(sub)
+    _add_up(sub)
+    sv = sub.add_parser("serve", help="run one service: --role cache|prefill|decode|gateway [its flags]",
+                        add_help=False)
+    sv.add_argument("--role", required=True, choices=["cache", "prefill", "decode", "gateway"])
+    sv.set_defaults(func=_serve)
+    from servebench.cli import add_cli_args  # argparse only: cheap to import
+
+    bench = sub.add_parser("bench", help="benchmarks: `bench serve` (the flags and metrics of `vllm bench serve`)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bs = bench_sub.add_parser("serve", help="online serving benchmark against an OpenAI-compatible endpoint")
+    add_cli_args(bs).set_defaults(func=_bench_serve)
+    return parser
+
+
+def _add_make_checkpoint(sub) -> None:
+    from engine.model.presets import PRESETS
+
     mk = sub.add_parser("make-checkpoint", help="write a random, seeded checkpoint in the official layout")
     mk.add_argument("--preset", required=True, choices=sorted(PRESETS))
     mk.add_argument("out_dir")
@@ -75,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--experts-format", default="dense", choices=["dense", "mxfp4"])
     mk.set_defaults(func=_make_checkpoint)
 
+
+def _add_up(sub) -> None:
     u = sub.add_parser("up", help="start cache, prefill, decode and gateway on localhost; Ctrl-C stops them")
     u.add_argument("--model", default=None, help="checkpoint folder (default: small-k3, generated on first run)")
     u.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
@@ -87,14 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--pd-min-uncached-tokens", type=int, default=256,
                    help="prefill remotely only when at least this many prompt tokens are uncached")
     u.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
-    u.add_argument("--max-num-seqs", type=int, default=None)
-    u.add_argument("--max-num-batched-tokens", type=int, default=None)
-    u.add_argument("--kv-cache-memory", default=None, help="per worker, e.g. 1GiB")
-    u.add_argument("--max-model-len", type=int, default=None)
-    u.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    u.add_argument("--device", default=None)
-    u.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    u.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
+    _add_up_engine_flags(u)
     u.add_argument("--served-model-name", default=None)
     u.add_argument("--metrics-port", type=int, default=None,
                    help="first of three consecutive Prometheus /metrics ports for the cache, prefill and decode "
@@ -106,26 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the gateway's public gRPC API (default: --grpc-port + 3, or a free port)")
     u.add_argument("--api-keys-file", default=None,
                    help="JSON object of API key -> tenant for the gateway (KDAMESH_API_KEYS is passed through too)")
-    u.add_argument("--tool-call-parser", default="auto",
-                   help="'auto' (the model family's format), 'none', kimi_k3 or kimi_k2")
-    u.add_argument("--reasoning-parser", default="auto",
-                   help="'auto' (the model family's format), 'none', kimi_k3 or kimi_k2")
+    for flag in ("--tool-call-parser", "--reasoning-parser"):
+        u.add_argument(flag, default="auto", help="'auto' (the model family's format), 'none', kimi_k3 or kimi_k2")
     u.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
                    help='tool_choice "auto" (needs a tool-call parser)')
     u.set_defaults(func=_up)
 
-    sv = sub.add_parser("serve", help="run one service: --role cache|prefill|decode|gateway [its flags]",
-                        add_help=False)
-    sv.add_argument("--role", required=True, choices=["cache", "prefill", "decode", "gateway"])
-    sv.set_defaults(func=_serve)
 
-    from bench.serve.cli import add_cli_args  # argparse only: cheap to import
-
-    bench = sub.add_parser("bench", help="benchmarks: `bench serve` (the flags and metrics of `vllm bench serve`)")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    bs = bench_sub.add_parser("serve", help="online serving benchmark against an OpenAI-compatible endpoint")
-    add_cli_args(bs).set_defaults(func=_bench_serve)
-    return parser
+def _add_up_engine_flags(u: argparse.ArgumentParser) -> None:
+    """The engine options `up` passes to both workers (unset: the engine's defaults)."""
+    u.add_argument("--max-num-seqs", type=int, default=None)
+    u.add_argument("--max-num-batched-tokens", type=int, default=None)
+    u.add_argument("--kv-cache-memory", default=None, help="per worker, e.g. 1GiB")
+    u.add_argument("--max-model-len", type=int, default=None)
+    u.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    u.add_argument("--device", default=None)
+    u.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    u.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,15 +90,15 @@ def kdamesh_home() -> Path:
     return Path(os.environ.get("KDAMESH_HOME") or Path.home() / ".cache" / "kdamesh")
 
 
-def default_model_dir() -> Path:
-    """The generated default checkpoint, created on first use."""
-    folder = kdamesh_home() / "checkpoints" / DEFAULT_PRESET
+def default_model_dir(preset: str = DEFAULT_PRESET) -> Path:
+    """The generated checkpoint of `preset` under $KDAMESH_HOME, created on first use."""
+    folder = kdamesh_home() / "checkpoints" / preset
     if not (folder / "config.json").is_file():
         from engine.model.checkpoint import make_checkpoint
 
-        print(f"kdamesh: generating the {DEFAULT_PRESET} checkpoint in {folder} (first run only)…", flush=True)
+        print(f"kdamesh: generating the {preset} checkpoint in {folder} (first run only)…", flush=True)
         tmp = folder.with_name(folder.name + ".tmp")
-        make_checkpoint(DEFAULT_PRESET, tmp)
+        make_checkpoint(preset, tmp)
         tmp.rename(folder)  # a half-written checkpoint is never mistaken for a whole one
     return folder
 
@@ -181,30 +181,11 @@ class _Stop(Exception):
 def plan_services(config: LaunchConfig, model: str) -> list[Service]:
     """The processes to start, in start order, with their flags."""
     host = config.host
-    if config.grpc_port is not None:
-        ports = [config.grpc_port, config.grpc_port + 1, config.grpc_port + 2]
-    else:
-        ports = [free_port(host) for _ in range(3)]
-    cache, prefill, decode = (f"{host}:{p}" for p in ports)
-    if config.metrics_port is not None:
-        mports = [config.metrics_port, config.metrics_port + 1, config.metrics_port + 2]
-    else:
-        mports = [free_port(host) for _ in range(3)]
-    metrics = {role: (port, f"http://{host}:{port}/metrics") for role, port in zip(("cache", "prefill", "decode"),
-                                                                                   mports)}
-    engine = ["--model", model]
-    for flag, value in (("--max-num-seqs", config.max_num_seqs),
-                        ("--max-num-batched-tokens", config.max_num_batched_tokens),
-                        ("--kv-cache-memory", config.kv_cache_memory), ("--max-model-len", config.max_model_len),
-                        ("--dtype", config.dtype), ("--device", config.device),
-                        ("--torch-threads", config.torch_threads),
-                        ("--served-model-name", config.served_model_name)):
-        if value is not None:
-            engine += [flag, str(value)]
-    if not config.enable_prefix_caching:
-        engine.append("--no-enable-prefix-caching")
+    cache, prefill, decode = (f"{host}:{p}" for p in _ports(host, config.grpc_port))
+    metrics = {role: (port, f"http://{host}:{port}/metrics")
+               for role, port in zip(("cache", "prefill", "decode"), _ports(host, config.metrics_port))}
     grace = [] if config.grace_s is None else ["--grace-s", str(config.grace_s)]
-    engine += grace
+    engine = _engine_argv(config, model) + grace
     cache_argv = ["--address", cache, "--cache-backend", config.cache_backend,
                   "--metrics-port", str(metrics["cache"][0]), *grace]
     if config.cache_byte_budget:
@@ -218,31 +199,57 @@ def plan_services(config: LaunchConfig, model: str) -> list[Service]:
                                                "--kv-load-failure-policy", config.kv_load_failure_policy,
                                                "--metrics-port", str(metrics["decode"][0]), *engine],
                             metrics=metrics["decode"][1]))
-    gateway = ["--model", model, "--host", host, "--http-port", str(config.http_port), "--mode", config.mode,
-               "--decode-addresses", decode, "--pd-min-uncached-tokens", str(config.pd_min_uncached_tokens), *grace]
+    services.append(_gateway(config, model, decode, prefill, grace))
+    return services
+
+
+def _ports(host: str, first: int | None) -> list[int]:
+    """Three ports: `first` and the next two, or three free ones."""
+    return [first, first + 1, first + 2] if first is not None else [free_port(host) for _ in range(3)]
+
+
+def _engine_argv(config: LaunchConfig, model: str) -> list[str]:
+    """The engine flags of both workers (only those set)."""
+    argv = ["--model", model]
+    for flag, value in (("--max-num-seqs", config.max_num_seqs),
+                        ("--max-num-batched-tokens", config.max_num_batched_tokens),
+                        ("--kv-cache-memory", config.kv_cache_memory), ("--max-model-len", config.max_model_len),
+                        ("--dtype", config.dtype), ("--device", config.device),
+                        ("--torch-threads", config.torch_threads),
+                        ("--served-model-name", config.served_model_name)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if not config.enable_prefix_caching:
+        argv.append("--no-enable-prefix-caching")
+    return argv
+
+
+def _gateway(config: LaunchConfig, model: str, decode: str, prefill: str, grace: list[str]) -> Service:
+    host = config.host
+    argv = ["--model", model, "--host", host, "--http-port", str(config.http_port), "--mode", config.mode,
+            "--decode-addresses", decode, "--pd-min-uncached-tokens", str(config.pd_min_uncached_tokens), *grace]
     if config.mode == "disaggregated":
-        gateway += ["--prefill-addresses", prefill]
+        argv += ["--prefill-addresses", prefill]
     if config.served_model_name:
-        gateway += ["--served-model-name", config.served_model_name]
+        argv += ["--served-model-name", config.served_model_name]
     if config.gateway_grpc_port is not None:
         grpc_api_port = config.gateway_grpc_port
     else:
         grpc_api_port = config.grpc_port + 3 if config.grpc_port is not None else free_port(host)
-    gateway += ["--grpc-port", str(grpc_api_port)]
+    argv += ["--grpc-port", str(grpc_api_port)]
     tool_parser = _parser_flag(config.tool_call_parser, model)
     reasoning_parser = _parser_flag(config.reasoning_parser, model)
     if tool_parser:
-        gateway += ["--tool-call-parser", tool_parser]
+        argv += ["--tool-call-parser", tool_parser]
         if config.enable_auto_tool_choice:
-            gateway.append("--enable-auto-tool-choice")
+            argv.append("--enable-auto-tool-choice")
     if reasoning_parser:
-        gateway += ["--reasoning-parser", reasoning_parser]
+        argv += ["--reasoning-parser", reasoning_parser]
     if config.api_keys_file:
-        gateway += ["--api-keys-file", config.api_keys_file]
+        argv += ["--api-keys-file", config.api_keys_file]
     env = {API_KEYS_ENV: config.api_keys} if config.api_keys is not None else None
-    services.append(Service("gateway", f"http://{host}:{config.http_port}", gateway, env=env,
-                            grpc_api=f"{host}:{grpc_api_port}", metrics=f"http://{host}:{config.http_port}/metrics"))
-    return services
+    return Service("gateway", f"http://{host}:{config.http_port}", argv, env=env,
+                   grpc_api=f"{host}:{grpc_api_port}", metrics=f"http://{host}:{config.http_port}/metrics")
 
 
 def _parser_flag(value: str, model: str) -> str | None:

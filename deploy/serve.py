@@ -3,7 +3,7 @@
 Contract:
 - Each role parses its own flags (`role_parser(role)`); engine flags follow `vllm serve` (`--model`,
   `--max-num-seqs`, `--kv-cache-memory`, `--enable-prefix-caching`, ...). The cache role is the cache service's own
-  command line (`cache_service.server.build_parser`).
+  command line (`cache_service.cli.build_parser`).
 - `run_role(role, argv)` prints one line `kdamesh <role> service listening on HOST:PORT` once the service is ready
   (for prefill and decode: once the model is loaded; a model that fails to load exits 1), then serves until SIGINT
   or SIGTERM, when it stops gracefully (`--grace-s` seconds for calls in flight) and returns 0.
@@ -76,7 +76,7 @@ def _addresses(text: str) -> tuple[str, ...]:
 
 def role_parser(role: str) -> argparse.ArgumentParser:
     if role == "cache":
-        from cache_service.server import build_parser
+        from cache_service.cli import build_parser
 
         return build_parser()
     p = argparse.ArgumentParser(prog=f"kdamesh serve --role {role}")
@@ -200,7 +200,7 @@ def run_role(role: str, argv: list[str], log_level: str = "INFO") -> int:
     if role not in ROLES:
         raise SystemExit(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
     if role == "cache":
-        from cache_service.server import main
+        from cache_service.cli import main
 
         return main(argv)
     ns = role_parser(role).parse_args(argv)

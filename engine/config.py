@@ -14,30 +14,24 @@ Contract:
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from engine.errors import EngineConfigError
 from engine.model.batch import bytes_per_state, bytes_per_token
 from engine.model.config import ModelConfig
+from telemetry import units
 
 MAX_AUTO_INTERVAL_BLOCKS = 4096
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000 ** 4,
-          "tib": 1 << 40}
 
 
 def parse_bytes(value: int | str) -> int:
-    """`4096`, `"512MiB"`, `"2GB"`, `"1.5g"` -> bytes."""
-    if isinstance(value, bool):
-        raise EngineConfigError(f"kv_cache_memory {value!r} is not a byte count")
-    if isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match[2].lower() not in _UNITS:
-        raise EngineConfigError(f"kv_cache_memory {value!r} is not a byte count (e.g. 4096, 512MiB, 2GB)")
-    return int(float(match[1]) * _UNITS[match[2].lower()])
+    """`4096`, `"512MiB"`, `"2GB"`, `"1.5g"` -> bytes, by the one unit rule (`telemetry.units.parse_bytes`); an
+    unusable value raises EngineConfigError naming kv_cache_memory, the engine option it sizes."""
+    try:
+        return units.parse_bytes(value)
+    except ValueError:
+        raise EngineConfigError(f"kv_cache_memory {value!r} is not a byte count (e.g. 4096, 512MiB, 2GB)") from None
 
 
 @dataclass(frozen=True)

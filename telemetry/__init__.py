@@ -13,4 +13,6 @@ standard library — never the engine or a service, so any layer may use it):
   the service says otherwise) and reflection.
 - `telemetry.logs`: text or JSON log lines carrying the request id and trace id, and the gateway's one-line-per-request
   `log_request`.
+- `telemetry.units`: `parse_bytes`, the one byte-size rule of every command line and config (`4GiB`, `512M`, `2GB`);
+  here because every layer may import this package.
 """

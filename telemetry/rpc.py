@@ -215,7 +215,7 @@ def client_interceptors(tracer_provider: TracerProvider | None = None) -> list[g
     files each interceptor under the first kind it implements only). `tracer_provider` is accepted for symmetry with
     `server_interceptors`; the trace context sent is the caller's current one."""
     del tracer_provider
-    return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]
+    return [_context_interceptor(kind, method) for kind, method in _CLIENT_KINDS]
 
 
 class _MetadataSetter:
@@ -237,21 +237,15 @@ def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDet
                                       details.wait_for_ready)
 
 
-class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(_with_context(client_call_details), request)
+_CLIENT_KINDS = ((grpc.aio.UnaryUnaryClientInterceptor, "intercept_unary_unary"),
+                 (grpc.aio.UnaryStreamClientInterceptor, "intercept_unary_stream"),
+                 (grpc.aio.StreamUnaryClientInterceptor, "intercept_stream_unary"),
+                 (grpc.aio.StreamStreamClientInterceptor, "intercept_stream_stream"))
 
 
-class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(_with_context(client_call_details), request)
+def _context_interceptor(kind: type, method: str) -> grpc.aio.ClientInterceptor:
+    """An interceptor of one call kind that adds `_with_context` to every call's metadata."""
+    async def intercept(self, continuation, client_call_details, request_or_iterator):
+        return await continuation(_with_context(client_call_details), request_or_iterator)
 
-
-class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_context(client_call_details), request_iterator)
-
-
-class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_context(client_call_details), request_iterator)
+    return type(f"_Context{kind.__name__}", (kind,), {method: intercept})()

@@ -1,11 +1,2 @@
-"""`kdamesh bench serve`: the online serving benchmark of `vllm bench serve` — its flags, metric definitions and
-result JSON field names — against any OpenAI-compatible endpoint (a kdamesh gateway or another server).
-
-Modules: `cli` (flags, one run), `datasets` (random / prefix_repetition / custom JSONL prompts), `client` (streamed
-httpx requests, SSE parsing, timing), `runner` (arrival schedule, concurrency cap), `metrics` (TTFT, TPOT, ITL, E2EL,
-throughput, goodput), `results` (the printed summary and the JSON). `python -m bench.serve --help` lists the flags.
-"""
-
-from bench.serve.cli import add_cli_args, main, run_cli
-
-__all__ = ["add_cli_args", "main", "run_cli"]
+"""`python -m bench.serve`: kept for old command lines; the serving benchmark lives in `servebench/` (a package the
+`kdamesh` command line may import, which `bench/` may not be)."""

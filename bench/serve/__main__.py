@@ -1,7 +1,7 @@
-"""`python -m bench.serve [flags]`: the same as `kdamesh bench serve [flags]`."""
+"""`python -m bench.serve [flags]`: the same as `kdamesh bench serve [flags]` and `python -m servebench [flags]`."""
 
 import sys
 
-from bench.serve.cli import run_cli
+from servebench.cli import run_cli
 
 sys.exit(run_cli())

@@ -4,19 +4,11 @@ run completes with zero failures and writes a result file with `vllm bench serve
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from deploy.launcher import free_port
-from engine.model.checkpoint import make_checkpoint
-
-STARTUP_TIMEOUT_S = 150
+from tests.e2e.launched import kdamesh, launch, stop
 
 # `vllm bench serve --save-result` field names (vllm/benchmarks/serve.py) for the flags used below.
 RUN_FIELDS = {"date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
@@ -28,43 +20,19 @@ DETAILED_FIELDS = {"input_lens", "output_lens", "ttfts", "itls", "latencies", "s
                    "generated_texts", "errors"}
 
 
-def _kdamesh() -> list[str]:
-    script = Path(sys.executable).with_name("kdamesh")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "deploy.cli"]
-
-
 def percentile_fields(metrics, percentiles):
     return {f"{s}_{m}_ms" for m in metrics for s in ("mean", "median", "std", *(f"p{p}" for p in percentiles))}
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench-e2e")
-    model = make_checkpoint("tiny-k3", root / "tiny-k3", seed=3)
-    port = free_port()
-    log_path = root / "up.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KDAMESH_HOME": str(root / "home")}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([*_kdamesh(), "up", "--model", str(model), "--http-port", str(port),
-                                 "--pd-min-uncached-tokens", "0", "--max-num-seqs", "8", "--kv-cache-memory", "32MiB",
-                                 "--torch-threads", "1"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not any(line.startswith("endpoints ") for line in log_path.read_text().splitlines()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"kdamesh up did not come up (exit {proc.poll()}):\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.2)
-    yield {"port": port, "model": model, "root": root}
-    proc.send_signal(signal.SIGTERM)  # the launcher stops its services (which also die with it: PR_SET_PDEATHSIG)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    launched = launch(tmp_path_factory.mktemp("bench-e2e"), "endpoints ")
+    yield {"port": launched.port, "model": launched.model, "root": launched.root}
+    stop(launched.proc)
 
 
 def bench(mesh, *flags, timeout=300):
-    cmd = [*_kdamesh(), "bench", "serve", "--base-url", f"http://127.0.0.1:{mesh['port']}", "--disable-tqdm",
+    cmd = [*kdamesh(), "bench", "serve", "--base-url", f"http://127.0.0.1:{mesh['port']}", "--disable-tqdm",
            "--save-result", "--result-dir", str(mesh["root"] / "results"), *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=mesh["root"])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]

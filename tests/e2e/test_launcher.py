@@ -6,25 +6,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import openai
 import pytest
 
-from engine.model.checkpoint import make_checkpoint
+from tests.e2e.launched import launch, stop
 
-STARTUP_TIMEOUT_S = 150
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who told stories every night."
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -51,39 +41,14 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _kdamesh() -> list[str]:
-    script = Path(sys.executable).with_name("kdamesh")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "deploy.cli"]
-
-
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e")
-    model = make_checkpoint("tiny-k3", root / "tiny-k3", seed=3)
-    port = _free_port()
-    log_path = root / "up.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KDAMESH_HOME": str(root / "home")}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([*_kdamesh(), "up", "--model", str(model), "--http-port", str(port),
-                                 "--pd-min-uncached-tokens", "0", "--max-num-seqs", "8", "--kv-cache-memory", "32MiB",
-                                 "--torch-threads", "1"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    endpoints = None
-    while endpoints is None:
-        text = log_path.read_text()
-        for line in text.splitlines():
-            if line.startswith("endpoints "):
-                endpoints = json.loads(line[len("endpoints "):])
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"kdamesh up did not come up (exit {proc.poll()}):\n{text[-4000:]}")
-        time.sleep(0.2)
-    info = {"proc": proc, "port": port, "model": model, "endpoints": endpoints, "log": log_path,
-            "children": _children(proc.pid)}
+    launched = launch(tmp_path_factory.mktemp("e2e"), "endpoints ")
+    proc = launched.proc
+    info = {"proc": proc, "port": launched.port, "model": launched.model, "endpoints": json.loads(launched.line),
+            "log": launched.log, "children": _children(proc.pid)}
     yield info
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    stop(proc)
     for child in info["children"]:
         if _alive(child):
             os.kill(child, signal.SIGKILL)

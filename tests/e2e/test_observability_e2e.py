@@ -15,24 +15,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.model.checkpoint import make_checkpoint
+from tests.e2e.launched import MODEL, launch, stop
 
-STARTUP_TIMEOUT_S = 150
-MODEL = "tiny-k3"
 TRACE_ID, PARENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 REQUEST_ID = "e2e-observability-1"
 SERVICES = ("kdamesh-gateway", "kdamesh-prefill", "kdamesh-cache", "kdamesh-decode")
@@ -60,17 +54,6 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def of_trace(self, trace_id: str) -> list[tuple[str, object]]:
         with self.lock:
             return [(svc, s) for svc, s in self.spans if s.trace_id.hex() == trace_id]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _kdamesh() -> list[str]:
-    script = Path(sys.executable).with_name("kdamesh")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "deploy.cli"]
 
 
 def _attrs(span) -> dict:
@@ -116,58 +99,36 @@ def chat_stream(base: str, max_tokens: int, headers: dict | None = None):
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e-observability")
-    model = make_checkpoint(MODEL, root / MODEL, seed=3)
     receiver = Receiver()
     otlp = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, otlp)
     otlp_port = otlp.add_insecure_port("127.0.0.1:0")
     otlp.start()
-    port = _free_port()
-    log_path = root / "up.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env.update(OMP_NUM_THREADS="1", KDAMESH_HOME=str(root / "home"),
-               OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp_port}", OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp_port}", OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
                OTEL_EXPORTER_OTLP_INSECURE="true", OTEL_BSP_SCHEDULE_DELAY="100")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([*_kdamesh(), "--log-format", "json", "--trace-exporter", "otlp", "up",
-                                 "--model", str(model), "--http-port", str(port), "--pd-min-uncached-tokens", "0",
-                                 "--max-num-seqs", "8", "--kv-cache-memory", "32MiB", "--torch-threads", "1",
-                                 "--grace-s", "30"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    metrics = None
-    while metrics is None:
-        text = log_path.read_text()
-        for line in text.splitlines():
-            if line.startswith("metrics "):
-                metrics = json.loads(line[len("metrics "):])
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            otlp.stop(0)
-            pytest.fail(f"kdamesh up did not come up (exit {proc.poll()}):\n{text[-4000:]}")
-        time.sleep(0.2)
-    yield {"proc": proc, "base": f"http://127.0.0.1:{port}", "metrics": metrics, "receiver": receiver,
-           "log": log_path}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    try:
+        launched = launch(tmp_path_factory.mktemp("e2e-observability"), "metrics ", env=env,
+                          global_flags=["--log-format", "json", "--trace-exporter", "otlp"],
+                          up_flags=["--grace-s", "30"])
+    except BaseException:
+        otlp.stop(0)
+        raise
+    yield {"proc": launched.proc, "base": f"http://127.0.0.1:{launched.port}", "metrics": json.loads(launched.line),
+           "receiver": receiver, "log": launched.log}
+    stop(launched.proc)
     otlp.stop(0)
 
 
-def test_one_request_is_traced_metered_and_logged_across_the_launched_mesh(mesh):
+@pytest.fixture(scope="module")
+def traced(mesh):
+    """One streamed chat request with a W3C `traceparent` and an `X-Request-Id`: its reply and payloads, the spans of
+    its trace once all four services exported theirs, and every service's /metrics before and after."""
     assert set(mesh["metrics"]) == {"gateway", "cache", "prefill", "decode"}
     before = {role: scrape(url) for role, url in mesh["metrics"].items()}
-
     reply, events = chat_stream(mesh["base"], 8, {"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN}-01",
                                                   "X-Request-Id": REQUEST_ID})
     payloads = list(events)
-    assert reply.headers["X-Request-Id"] == REQUEST_ID
-    assert payloads[-1] == "[DONE]"
-    usage = json.loads(payloads[-2])["usage"]
-    assert usage["completion_tokens"] == 8
-
-    # -- traces: all four services under the caller's trace id, parent links intact ------------------------------
     receiver = mesh["receiver"]
     deadline = time.monotonic() + 30
     while True:
@@ -178,7 +139,20 @@ def test_one_request_is_traced_metered_and_logged_across_the_launched_mesh(mesh)
         assert time.monotonic() < deadline, f"spans of the trace: {sorted((svc, s.name) for svc, s in got)}"
         time.sleep(0.2)
     time.sleep(1.0)  # late spans of the same trace (background handoff removal, snapshot publication)
-    got = receiver.of_trace(TRACE_ID)
+    after = {role: scrape(url) for role, url in mesh["metrics"].items()}
+    return {"reply": reply, "payloads": payloads, "spans": receiver.of_trace(TRACE_ID), "before": before,
+            "after": after}
+
+
+def test_the_request_streams_with_its_request_id(traced):
+    payloads = traced["payloads"]
+    assert traced["reply"].headers["X-Request-Id"] == REQUEST_ID
+    assert payloads[-1] == "[DONE]"
+    assert json.loads(payloads[-2])["usage"]["completion_tokens"] == 8
+
+
+def test_all_four_services_trace_under_the_callers_trace_id(traced):
+    got = traced["spans"]
     by_id = {s.span_id: (svc, s) for svc, s in got}
     roots = [s for svc, s in got if s.name == "chat tiny-k3"]
     assert len(roots) == 1 and by_id  # one root span
@@ -209,6 +183,10 @@ def test_one_request_is_traced_metered_and_logged_across_the_launched_mesh(mesh)
     assert {f"kdamesh.v1.CacheService/{m}" for m in PAYLOAD_METHODS} <= names or \
         {"kdamesh.v1.CacheService/BatchPut", "kdamesh.v1.CacheService/BatchGet"} <= names
 
+
+def test_the_root_span_has_the_genai_attributes(traced):
+    (root,) = [s for _, s in traced["spans"] if s.name == "chat tiny-k3"]
+    usage = json.loads(traced["payloads"][-2])["usage"]
     a = _attrs(root)
     assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == MODEL
     assert a["gen_ai.request.max_tokens"] == 8 and a["gen_ai.request.temperature"] == 0.0
@@ -217,8 +195,9 @@ def test_one_request_is_traced_metered_and_logged_across_the_launched_mesh(mesh)
     assert a["gen_ai.response.finish_reasons"] == ["length"]
     assert a["kdamesh.request_id"] == REQUEST_ID and "error.type" not in a
 
-    # -- metrics: every service's /metrics parses, has its series and moved -------------------------------------
-    after = {role: scrape(url) for role, url in mesh["metrics"].items()}
+
+def test_every_service_metrics_parse_and_move(traced):
+    before, after = traced["before"], traced["after"]
     g0, g1 = before["gateway"], after["gateway"]
     assert value(g1, "kdamesh_gateway_requests_total", api="rest", endpoint="chat", status="200") - \
         value(g0, "kdamesh_gateway_requests_total", api="rest", endpoint="chat", status="200") == 1
@@ -258,7 +237,8 @@ def test_one_request_is_traced_metered_and_logged_across_the_launched_mesh(mesh)
     for name in ("kdamesh_cache_objects", "kdamesh_cache_evictions_total", "kdamesh_cache_corrupt_reads_total"):
         assert has(c1, name), name
 
-    # -- logs: JSON lines with the request id, in the gateway and in every worker ---------------------------------
+
+def test_json_log_lines_carry_the_request_id_in_every_service(traced, mesh):
     lines = [json.loads(x) for x in mesh["log"].read_text().splitlines() if x.startswith("{")]
     mine = [x for x in lines if x.get("request_id") == REQUEST_ID]
     (access,) = [x for x in mine if x.get("logger") == "kdamesh.request"]

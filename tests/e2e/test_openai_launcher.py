@@ -7,19 +7,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
 import sdk
-from engine.model.checkpoint import make_checkpoint
+from tests.e2e.launched import launch, stop
 
-STARTUP_TIMEOUT_S = 150
 MODEL = "tiny-k3"
 MESSAGES = [{"role": "user", "content": "Plan a weekend trip to the mountains for two friends who like hiking, "
                                         "photography and good food; list what to pack."}]
@@ -29,50 +24,12 @@ TOOL = {"type": "function", "function": {"name": "book_hut", "parameters": {
     "required": ["nights", "name"]}}}
 
 
-def _kdamesh() -> list[str]:
-    script = Path(sys.executable).with_name("kdamesh")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "deploy.cli"]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e-openai")
-    model = make_checkpoint("tiny-k3", root / MODEL, seed=3)
-    port = _free_port()
-    log_path = root / "up.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KDAMESH_HOME": str(root / "home"),
-           "KDAMESH_API_KEYS": "key-a=tenant-a,key-b=tenant-b"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([*_kdamesh(), "up", "--model", str(model), "--http-port", str(port),
-                                 "--pd-min-uncached-tokens", "0", "--max-num-seqs", "8", "--kv-cache-memory", "32MiB",
-                                 "--torch-threads", "1"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    grpc_address = None
-    while grpc_address is None:
-        text = log_path.read_text()
-        for line in text.splitlines():
-            if line.startswith("gateway_grpc "):
-                grpc_address = line.split()[1]
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"kdamesh up did not come up (exit {proc.poll()}):\n{text[-4000:]}")
-        time.sleep(0.2)
-    yield {"proc": proc, "port": port, "grpc": grpc_address, "log": log_path}
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    launched = launch(tmp_path_factory.mktemp("e2e-openai"), "gateway_grpc ",
+                      env={**os.environ, "KDAMESH_API_KEYS": "key-a=tenant-a,key-b=tenant-b"})
+    yield {"proc": launched.proc, "port": launched.port, "grpc": launched.line.split()[0], "log": launched.log}
+    stop(launched.proc)
 
 
 def _client(mesh, key: str) -> openai.OpenAI:

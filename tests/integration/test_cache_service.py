@@ -14,8 +14,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cache_service.client import CacheClient, PutObject
 from cache_service.objects import Status, encode_object_key, object_key
-from cache_service.server import SERVICE_NAME, CacheServiceConfig, serve
+from cache_service.config import CacheServiceConfig
+from cache_service.server import SERVICE_NAME, serve
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
+from tests.fake_clock import FakeClock
 
 KV, SNAPSHOT, HANDOFF = (common_pb2.OBJECT_KIND_KV_BLOCK, common_pb2.OBJECT_KIND_STATE_SNAPSHOT,
                          common_pb2.OBJECT_KIND_HANDOFF)
@@ -34,9 +36,9 @@ def run(coro, timeout_s: float = 30):
 
 
 @contextlib.asynccontextmanager
-async def service(backend: str, **overrides):
+async def service(backend: str, clock=time.monotonic, **overrides):
     config = CacheServiceConfig(address="127.0.0.1:0", backend=backend, **overrides)
-    server, port = await serve(config)
+    server, port = await serve(config, clock=clock)
     client = CacheClient(f"127.0.0.1:{port}", timeout_s=10)
     try:
         yield server, client
@@ -120,17 +122,40 @@ def test_stats_count_objects_bytes_hits_and_misses(backend):
     run(body())
 
 
-def test_unclaimed_handoffs_expire_and_leases_hold_them(backend):
+HANDOFFS = [PutObject(key("h1", HANDOFF), b"handoff 1"), PutObject(key("h2", HANDOFF), b"handoff 2"),
+            PutObject(key("h3", HANDOFF), b"no expiry", ttl_s=0), PutObject(key("block"), b"kv")]
+
+
+def test_unclaimed_handoffs_expire_and_leases_hold_them():
+    """The memory backend on a fake clock: the service's handoff TTL passes without sleeping."""
+    clock = FakeClock()
+
     async def body():
-        async with service(backend, handoff_ttl_s=0.3) as (_, client):
-            await client.put_objects([PutObject(key("h1", HANDOFF), b"handoff 1"),
-                                      PutObject(key("h2", HANDOFF), b"handoff 2"),
-                                      PutObject(key("h3", HANDOFF), b"no expiry", ttl_s=0),
-                                      PutObject(key("block"), b"kv")])
+        async with service("memory", clock=clock, handoff_ttl_s=0.3) as (_, client):
+            await client.put_objects(HANDOFFS)
             lease = await client.lease([key("h2", HANDOFF)], ttl_s=5)
-            await asyncio.sleep(0.6)
-            got = await client.get_objects([key("h1", HANDOFF), key("h2", HANDOFF), key("h3", HANDOFF),
-                                            key("block")])
+            clock.advance(0.6)
+            got = await client.get_objects([o.key for o in HANDOFFS])
+            assert statuses(got) == [Status.MISSING, Status.FOUND, Status.FOUND, Status.FOUND]
+            assert lease.lease_id
+
+    run(body())
+
+
+def test_unclaimed_handoffs_expire_in_redis_and_leases_hold_them(redis_url, redis_client):
+    """Redis expires keys on its own clock: the TTLs the service set are read back (PTTL, no race with time), then
+    the expiry itself is awaited."""
+    async def body():
+        async with service(redis_url, handoff_ttl_s=1.0) as (_, client):
+            await client.put_objects(HANDOFFS)
+            lease = await client.lease([key("h2", HANDOFF)], ttl_s=5)
+            ttl_ms = [redis_client.pttl(PREFIX + b"o:" + encode_object_key(o.key)) for o in HANDOFFS]
+            assert 0 < ttl_ms[0] <= 1000 and ttl_ms[1] > 1000 and ttl_ms[2:] == [-1, -1]  # -1: no expiry
+            deadline = time.monotonic() + 10
+            while statuses(await client.get_objects([key("h1", HANDOFF)])) != [Status.MISSING]:
+                assert time.monotonic() < deadline, "the unclaimed handoff never expired"
+                await asyncio.sleep(0.05)
+            got = await client.get_objects([o.key for o in HANDOFFS])
             assert statuses(got) == [Status.MISSING, Status.FOUND, Status.FOUND, Status.FOUND]
             assert lease.lease_id
 

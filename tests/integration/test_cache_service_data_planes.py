@@ -17,11 +17,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from cache_service import server as server_module
+from cache_service import servicer as servicer_module
 from cache_service.client import CacheClient, PutObject
+from cache_service.config import CacheServiceConfig
+from cache_service.holds import PIN, RESERVATION
 from cache_service.objects import Checksum, ChecksumAlgorithm, Status, encode_object_key, object_key
-from cache_service.server import CacheServiceConfig, serve
+from cache_service.server import serve
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
+from tests.fake_clock import FakeClock
 
 KV, HANDOFF = common_pb2.OBJECT_KIND_KV_BLOCK, common_pb2.OBJECT_KIND_HANDOFF
 FP, SALT = b"model-fingerprint", b"tenant-a"
@@ -42,10 +45,10 @@ def statuses(results) -> list[Status]:
 
 
 @contextlib.asynccontextmanager
-async def service(backend: str, tracer_provider=None, **overrides):
+async def service(backend: str, tracer_provider=None, clock=time.monotonic, **overrides):
     """-> (server, client on the direct plane, client on gRPC only)."""
     server, port = await serve(CacheServiceConfig(address="127.0.0.1:0", backend=backend, **overrides),
-                               tracer_provider=tracer_provider)
+                               tracer_provider=tracer_provider, clock=clock)
     direct = CacheClient(f"127.0.0.1:{port}", timeout_s=10)
     grpc_only = CacheClient(f"127.0.0.1:{port}", timeout_s=10, data_plane="grpc")
     try:
@@ -181,8 +184,8 @@ def test_a_client_that_cannot_reach_redis_uses_grpc_and_says_so_once(redis_url, 
         answer.redis.url = f"redis://127.0.0.1:{closed_port}/0"  # reachable by the service, not by this client
         return answer
 
-    describe = server_module.describe_data_plane
-    monkeypatch.setattr(server_module, "describe_data_plane", unreachable)
+    describe = servicer_module.describe_data_plane
+    monkeypatch.setattr(servicer_module, "describe_data_plane", unreachable)
 
     async def body():
         async with service(redis_url) as (_, direct, grpc_only):
@@ -214,7 +217,7 @@ def test_the_shm_plane_round_trips_like_grpc_and_paths_read_each_other():
             stats = await grpc_only.stats()
             assert (stats.puts, stats.hits, stats.misses) == (14, 14, 0)  # invalid keys never reach the store
             await asyncio.sleep(0.2)  # Locate pins are released in the background
-            assert not server.store._read_pins and not server.store._reservations
+            assert not server.store._holds.count(PIN) and not server.store._holds.count(RESERVATION)
 
     run(body())
 
@@ -244,16 +247,18 @@ def test_shm_calls_have_spans_and_count_their_bytes():
 
 
 def test_an_uncommitted_reservation_expires_and_frees_its_extent():
+    clock = FakeClock()
+
     async def body():
-        async with service("memory", byte_budget=64 * MIB) as (server, direct, _grpc):
+        async with service("memory", clock=clock, byte_budget=64 * MIB) as (server, direct, _grpc):
             stub = cache_pb2_grpc.CacheServiceStub(direct._channel)
             reply = await stub.Reserve(cache_pb2.ReserveRequest(
                 ttl_ms=100, objects=[cache_pb2.ReserveObject(key=key("r"), size_bytes=MIB)]), timeout=5)
             assert reply.results[0].status == Status.RESERVED and reply.reservation_id
-            await asyncio.sleep(0.2)  # a client that crashed before Commit
+            clock.advance(0.2)  # a client that crashed before Commit
             commit = await stub.Commit(cache_pb2.CommitRequest(reservation_id=reply.reservation_id,
                                                                checksums=[Checksum.of(b"").to_proto()]), timeout=5)
-            assert not commit.found and not server.store._reservations
+            assert not commit.found and not server.store._holds.count(RESERVATION)
             assert statuses(await direct.put_objects([PutObject(key("a"), os.urandom(MIB))])) == [Status.STORED]
             located = await stub.Locate(cache_pb2.LocateRequest(keys=[key("a")], pin_ttl_ms=100), timeout=5)
             assert located.locations[0].offset == reply.results[0].offset  # the freed extent, first fit
@@ -283,8 +288,8 @@ def test_a_client_whose_mapping_holds_another_token_uses_grpc(monkeypatch, caplo
         answer.shm.token = bytes(16)  # as a client on another host, whose /dev/shm holds something else, sees it
         return answer
 
-    describe = server_module.describe_data_plane
-    monkeypatch.setattr(server_module, "describe_data_plane", elsewhere)
+    describe = servicer_module.describe_data_plane
+    monkeypatch.setattr(servicer_module, "describe_data_plane", elsewhere)
 
     async def body():
         async with service("memory", byte_budget=64 * MIB) as (server, direct, _grpc):

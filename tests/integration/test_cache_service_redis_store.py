@@ -2,12 +2,14 @@
 in Redis)."""
 
 import os
+import time
 
 import pytest
 
 from cache_service.objects import Checksum, Status, encode_key
 from cache_service.redis_store import RedisStore
 from cache_service.store import PutItem
+from tests.fake_clock import FakeClock
 
 MIB = 1 << 20
 
@@ -103,6 +105,22 @@ def test_a_lease_outlives_the_objects_ttl_and_blocks_removal(store, redis_client
     assert store.release(grant.lease_id) == (True, 1)
     assert store.remove([h.key])[0].status == Status.REMOVED
     assert names(redis_client, OBJECT_KEYS) == []
+
+
+def test_a_lease_pins_until_its_deadline_on_the_stores_clock(redis_url):
+    clock = FakeClock(time.time())  # lease deadlines are Unix seconds
+    store = RedisStore(redis_url, clock=clock)
+    try:
+        a, b = item(b"a", b"A"), item(b"b", b"B")
+        store.put_many([a, b])
+        store.lease([a.key, b.key], ttl_s=5)
+        clock.advance(4.9)
+        assert [o.status for o in store.remove([a.key])] == [Status.LEASED]
+        clock.advance(0.2)  # past the deadline: Redis still holds the pin set (its own expiry), it pins nothing
+        assert store.stats().leased_objects == 0
+        assert [o.status for o in store.remove([a.key, b.key])] == [Status.REMOVED] * 2
+    finally:
+        store.close()
 
 
 def test_prefixes_isolate_stores(redis_url, store):

@@ -16,11 +16,14 @@ import pytest
 import redis
 
 from cache_service.client import PutObject
+from cache_service.config import CacheServiceConfig
 from cache_service.objects import Status
+from cache_service.server import serve as serve_cache
 from engine.transfer import RequestState
 from protos import common_pb2, decode_pb2, prefill_pb2
 from tests.integration.mesh_harness import (Mesh, assert_all_free, greedy, prompt_suite, run_bounded,
                                             tiny_k3_checkpoint, wait_idle)
+from tests.fake_clock import FakeClock
 
 
 @pytest.fixture(scope="module")
@@ -295,19 +298,23 @@ def test_redis_stopped_mid_run(tiny_k3, private_redis):
 
 
 def test_unclaimed_handoff_expires_and_decode_recomputes(tiny_k3):
+    clock = FakeClock()  # the cache service's: the handoff's TTL passes without sleeping
+
     async def main():
-        async with Mesh(tiny_k3) as mesh:
+        cache, port = await serve_cache(CacheServiceConfig(address="127.0.0.1:0"), clock=clock)
+        async with Mesh(tiny_k3, cache_address=f"127.0.0.1:{port}") as mesh:
             prompt = prompt_suite()[8]
             sampling = greedy(6)
             response = await _prefill(mesh, prompt, sampling, "ttl", ttl_ms=300)
             [found] = await mesh.cache.get_objects([response.handoff_key])
             assert found.status == Status.FOUND
-            await asyncio.sleep(0.6)
+            clock.advance(0.6)
             [gone] = await mesh.cache.get_objects([response.handoff_key])
             assert gone.status == Status.MISSING
             tokens, last = await _decode(mesh, prompt, sampling, response, "ttl")
             assert tokens == (await mesh.run(prompt, sampling, "local")).ids and not last.used_handoff
             assert mesh.decode_worker.counters.failure_reasons == {"missing": 1}
+        await cache.stop(1.0)
     run(main())
 
 

@@ -3,21 +3,13 @@ reserved objects never evicted), reservations (commit verifies, expiry frees), l
 
 import pytest
 
-from cache_service.memory_store import MemoryStore, ReserveItem
+from cache_service.memory_store import MemoryStore
 from cache_service.objects import Checksum, ChecksumAlgorithm, Status
 from cache_service.shm_arena import HEADER_BYTES, SharedArena
-from cache_service.store import PutItem
+from cache_service.store import PutItem, ReserveItem
 
 K = 4096
 XXH3 = ChecksumAlgorithm.XXH3_64
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def payload(name: str, size: int) -> bytes:
@@ -36,11 +28,6 @@ def put(store: MemoryStore, *items: PutItem) -> list[Status]:
 def pages(store: MemoryStore) -> dict[str, int]:
     """Stored object -> first page of its extent in the data area."""
     return {k.decode(): e.offset // K for k, e in store._entries.items()}
-
-
-@pytest.fixture
-def clock():
-    return FakeClock()
 
 
 @pytest.fixture
@@ -103,10 +90,10 @@ def test_pinned_and_reserved_objects_are_never_evicted(store, arena):
 def test_an_uncommitted_reservation_expires_and_frees_its_extent(store, clock):
     grant = store.reserve([ReserveItem(b"r", 2 * K), ReserveItem(b"big", 9 * K)], ttl_s=5)
     assert [o.status for o in grant.outcomes] == [Status.RESERVED, Status.TOO_LARGE]
-    assert store._allocator.free_extents() == []  # backed: 2 pages, both reserved
+    assert store._space.free_extents() == []  # backed: 2 pages, both reserved
     clock.now += 5
     assert store.stats().objects == 0  # any call ends due reservations
-    assert store._allocator.free_extents() == [(0, 2 * K)]
+    assert store._space.free_extents() == [(0, 2 * K)]
     assert store.commit(grant.reservation_id, [Checksum.of(b"", XXH3)]) is None
     assert put(store, item("a")) == [Status.STORED] and pages(store) == {"a": 0}
 
@@ -123,7 +110,7 @@ def test_commit_verifies_every_object_over_the_arena_bytes(store, arena):
     outcomes, stored = store.commit(grant.reservation_id, checksums)
     assert [o.status for o in outcomes] == [Status.STORED, Status.CORRUPT, Status.INVALID] and stored == K
     assert store.get_many([b"good"])[0].data == payload("good", K)
-    assert store._allocator.free_extents() == [(K, 2 * K)]  # the refused objects' extents are free again
+    assert store._space.free_extents() == [(K, 2 * K)]  # the refused objects' extents are free again
     assert store.commit(grant.reservation_id, checksums) is None  # committed once
 
 
@@ -166,7 +153,7 @@ def test_a_corrupted_arena_byte_is_corrupt_on_read_counted_and_removed(store, ar
     assert [g.status for g in got] == [Status.CORRUPT, Status.FOUND]
     stats = store.stats()
     assert (stats.counters.corrupt_reads, stats.objects) == (1, 1)
-    assert store._allocator.free_extents() == [(0, K)]
+    assert store._space.free_extents() == [(0, K)]
 
 
 def test_watermark_eviction_applies_as_on_the_heap(arena, clock):
@@ -183,7 +170,7 @@ def test_release_ends_leases_pins_and_reservations(store):
     for hold_id in (lease.lease_id, pin.pin_id, reservation.reservation_id):
         assert store.release(hold_id) == (True, 1)
         assert store.release(hold_id) == (False, 0)
-    assert store._allocator.free_extents() == [(K, K)] and store._entries[b"a"].readers == 0
+    assert store._space.free_extents() == [(K, K)] and store._entries[b"a"].readers == 0
 
 
 def test_a_heap_store_has_no_arena_calls():

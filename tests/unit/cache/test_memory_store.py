@@ -9,17 +9,6 @@ from cache_service.objects import Checksum, ChecksumAlgorithm, Status
 from cache_service.store import PutItem
 
 
-class FakeClock:
-    def __init__(self, now: float = 1000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def item(name: str, size: int = 100, ttl_s: float | None = None) -> PutItem:
     data = (name.encode() * size)[:size]
     return PutItem(name.encode(), data, Checksum.of(data), ttl_s)
@@ -31,11 +20,6 @@ def keys(*names: str) -> list[bytes]:
 
 def stored(store: MemoryStore) -> list[str]:
     return sorted(k.decode() for k in store._entries)
-
-
-@pytest.fixture
-def clock():
-    return FakeClock()
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 import pytest
 
 from cache_service.objects import Checksum, Status, object_key
-from cache_service.server import PutAssembler, ProtocolError
+from cache_service.put_assembler import ProtocolError, PutAssembler
 from protos import cache_pb2, common_pb2
 
 KV, HANDOFF = common_pb2.OBJECT_KIND_KV_BLOCK, common_pb2.OBJECT_KIND_HANDOFF

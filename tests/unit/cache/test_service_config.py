@@ -1,22 +1,29 @@
-"""Service configuration, byte-size parsing, and how the client spreads a batch over streams."""
+"""Service configuration, its command line's byte sizes, and how the client spreads a batch over streams."""
 
 import argparse
 
 import pytest
 
 from cache_service.client import _split_by_bytes
-from cache_service.server import CacheServiceConfig, build_parser, config_from_args, make_store, parse_bytes
+from cache_service.cli import build_parser, config_from_args
+from cache_service.config import CacheServiceConfig
+from cache_service.store_factory import make_store
+from telemetry.units import byte_size
 
 
 @pytest.mark.parametrize("text, value", [("1024", 1024), ("1KiB", 1024), ("512MiB", 512 << 20), ("1GiB", 1 << 30),
                                          ("2GB", 2 * 10**9), ("1.5 KiB", 1536)])
-def test_parse_bytes(text, value):
-    assert parse_bytes(text) == value
+def test_byte_size_flags(text, value):
+    assert byte_size(text) == value
+    assert build_parser().parse_args(["--byte-budget", text]).byte_budget == value
 
 
-def test_parse_bytes_rejects_junk():
+def test_byte_size_flags_reject_junk(capsys):
     with pytest.raises(argparse.ArgumentTypeError):
-        parse_bytes("lots")
+        byte_size("lots")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--byte-budget", "lots"])
+    assert "--byte-budget: 'lots' is not a byte size" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kwargs", [{"backend": "memcached://x"}, {"chunk_bytes": 4 << 20},

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.serve.metrics import BenchmarkMetrics, RequestOutput, percentile_key, stats_ms
+from servebench.metrics import BenchmarkMetrics, RequestOutput, percentile_key, stats_ms
 
 DETAILED_FIELDS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times",
                    "generated_texts", "errors")
@@ -69,17 +69,15 @@ def benchmark_result(metrics: BenchmarkMetrics, outputs: list[RequestOutput], ou
             extra["e2el_including_client_queue"] = [o.latency + o.client_queue_time for o in outputs if o.success]
     for name in selected_metrics:
         if name in ("ttft", "tpot", "itl", "e2el"):
-            mean, median, std = (getattr(metrics, f"{k}_{name}_ms") for k in ("mean", "median", "std"))
-            pcts = getattr(metrics, f"percentiles_{name}_ms")
+            stats = getattr(metrics, f"{name}_ms")
         elif name in extra:
-            s = stats_ms(extra[name], percentiles)
-            mean, median, std, pcts = s.mean, s.median, s.std, s.percentiles
+            stats = stats_ms(extra[name], percentiles)
         else:
             continue
-        result[f"mean_{name}_ms"] = mean
-        result[f"median_{name}_ms"] = median
-        result[f"std_{name}_ms"] = std
-        for p, value in pcts:
+        result[f"mean_{name}_ms"] = stats.mean
+        result[f"median_{name}_ms"] = stats.median
+        result[f"std_{name}_ms"] = stats.std
+        for p, value in stats.percentiles:
             result[f"{percentile_key(p)}_{name}_ms"] = value
     return result
 

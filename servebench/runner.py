@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from bench.serve.client import RequestFunc, RequestInput
-from bench.serve.datasets import SampleRequest
-from bench.serve.metrics import RequestOutput
+from servebench.client import RequestFunc, RequestInput
+from servebench.datasets import SampleRequest
+from servebench.metrics import RequestOutput
 
 
 def arrival_times(num_requests: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:

@@ -63,36 +63,6 @@ class RequestOutput:
         return self.output_tokens or self.num_chunks
 
 
-@dataclass
-class BenchmarkMetrics:
-    completed: int
-    failed: int
-    total_input: int
-    total_output: int
-    request_throughput: float
-    request_goodput: float
-    output_throughput: float
-    total_token_throughput: float
-    mean_ttft_ms: float
-    median_ttft_ms: float
-    std_ttft_ms: float
-    percentiles_ttft_ms: list[tuple[float, float]]
-    mean_tpot_ms: float
-    median_tpot_ms: float
-    std_tpot_ms: float
-    percentiles_tpot_ms: list[tuple[float, float]]
-    mean_itl_ms: float
-    median_itl_ms: float
-    std_itl_ms: float
-    percentiles_itl_ms: list[tuple[float, float]]
-    mean_e2el_ms: float
-    median_e2el_ms: float
-    std_e2el_ms: float
-    percentiles_e2el_ms: list[tuple[float, float]]
-    max_output_tokens_per_s: float
-    max_concurrent_requests: int
-
-
 @dataclass(frozen=True)
 class Stats:
     """mean / median / std / percentiles of one metric, in ms."""
@@ -101,6 +71,26 @@ class Stats:
     median: float
     std: float
     percentiles: list[tuple[float, float]]
+
+
+@dataclass
+class BenchmarkMetrics:
+    """The run's totals and rates, and one `Stats` per latency metric (vLLM's `mean_ttft_ms` is `ttft_ms.mean`)."""
+
+    completed: int
+    failed: int
+    total_input: int
+    total_output: int
+    request_throughput: float
+    request_goodput: float
+    output_throughput: float
+    total_token_throughput: float
+    ttft_ms: Stats
+    tpot_ms: Stats
+    itl_ms: Stats
+    e2el_ms: Stats
+    max_output_tokens_per_s: float
+    max_concurrent_requests: int
 
 
 def stats_ms(values_s: list[float], percentiles: list[float]) -> Stats:
@@ -187,10 +177,7 @@ def calculate_metrics(outputs: list[RequestOutput], dur_s: float, selected_perce
         completed=completed, failed=sum(1 for o in outputs if not o.success), total_input=total_input,
         total_output=total_output, request_throughput=completed / dur_s, request_goodput=good_completed / dur_s,
         output_throughput=total_output / dur_s, total_token_throughput=(total_input + total_output) / dur_s,
-        mean_ttft_ms=ttft.mean, median_ttft_ms=ttft.median, std_ttft_ms=ttft.std, percentiles_ttft_ms=ttft.percentiles,
-        mean_tpot_ms=tpot.mean, median_tpot_ms=tpot.median, std_tpot_ms=tpot.std, percentiles_tpot_ms=tpot.percentiles,
-        mean_itl_ms=itl.mean, median_itl_ms=itl.median, std_itl_ms=itl.std, percentiles_itl_ms=itl.percentiles,
-        mean_e2el_ms=e2el.mean, median_e2el_ms=e2el.median, std_e2el_ms=e2el.std, percentiles_e2el_ms=e2el.percentiles,
+        ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2el_ms=e2el,
         max_output_tokens_per_s=peak_tokens, max_concurrent_requests=peak_concurrency)
     return metrics, actual_output_lens
 

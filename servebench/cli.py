@@ -1,4 +1,4 @@
-"""`kdamesh bench serve` / `python -m bench.serve`: the flags of `vllm bench serve`, and one run.
+"""`kdamesh bench serve` / `python -m servebench`: the flags of `vllm bench serve`, and one run.
 
 `add_cli_args(parser)` declares the flags (the `kdamesh` CLI puts them on its `bench serve` subcommand);
 `main(args)` runs the benchmark, prints vLLM's summary and returns the result dict; `run_cli(argv)` does both.
@@ -20,6 +20,7 @@ import logging
 import random
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,18 @@ DATASETS = ("random", "prefix_repetition", "custom")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p = parser
+    _add_endpoint_flags(parser)
+    _add_run_flags(parser)
+    s = parser.add_argument_group("sampling parameters (sent only when given)")
+    for name, kind in (("temperature", float), ("top-p", float), ("top-k", int), ("min-p", float),
+                       ("frequency-penalty", float), ("presence-penalty", float), ("repetition-penalty", float)):
+        s.add_argument(f"--{name}", type=kind, default=None)
+    _add_dataset_flags(parser.add_argument_group("datasets"))
+    return parser
+
+
+def _add_endpoint_flags(p: argparse.ArgumentParser) -> None:
+    """What to talk to: backend, URL, headers, model and tokenizer."""
     p.add_argument("--backend", default="openai", choices=["openai", "openai-chat", "vllm"],
                    help="openai (or vllm): /v1/completions; openai-chat: /v1/chat/completions")
     p.add_argument("--label", default=None, help="prefix of the result file name (default: the backend)")
@@ -41,6 +53,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the name sent in requests (default: --model)")
     p.add_argument("--tokenizer", default=None, help="checkpoint folder with the tokenizer (default: --model, or "
                    "the served model's folder when local)")
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """How the run goes (rate, concurrency, prompts) and what it reports (metrics, result file)."""
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second (Poisson / gamma arrivals); inf: all at time 0")
@@ -69,12 +85,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="wait up to this long for the first prompt to succeed before the run (0: no check)")
     p.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
 
-    s = p.add_argument_group("sampling parameters (sent only when given)")
-    for name, kind in (("temperature", float), ("top-p", float), ("top-k", int), ("min-p", float),
-                       ("frequency-penalty", float), ("presence-penalty", float), ("repetition-penalty", float)):
-        s.add_argument(f"--{name}", type=kind, default=None)
 
-    d = p.add_argument_group("datasets")
+def _add_dataset_flags(d) -> None:
     d.add_argument("--dataset-name", default="random", choices=DATASETS)
     d.add_argument("--dataset-path", default=None, help="the JSONL file of --dataset-name custom")
     d.add_argument("--input-len", type=int, default=None, help="sets --random-input-len")
@@ -94,7 +106,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d.add_argument("--prefix-repetition-output-len", type=int, default=128)
     d.add_argument("--prompt-token-ids", action="store_true",
                    help="kdamesh: send random prompts as token ids (completions only): exact lengths and prefixes")
-    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,80 +189,120 @@ def _chat_renderer(folder: str | None, tokenizer: Any) -> Any:
 # -- the run -------------------------------------------------------------------------------------------------------
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.serve import results
-    from bench.serve.client import fetch_first_model, make_client, request_func_for
-    from bench.serve.datasets import get_samples
-    from bench.serve.metrics import PERCENTILE_METRICS, calculate_metrics, parse_goodput
-    from bench.serve.runner import RunConfig, run_requests
+@dataclass(frozen=True)
+class _Plan:
+    """The run's checked flags."""
+
+    base_url: str
+    api_url: str
+    headers: dict[str, str] | None
+    goodput: dict[str, float] | None
+    selected: list[str]  # the metrics with percentiles
+    percentiles: list[float]
+    request_func: Any
+    chat: bool  # a chat completions endpoint
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
+    """Checks the flags (ValueError for a bad combination) and applies the shorthands (`--input-len`,
+    `--output-len`; the random dataset implies `--ignore-eos`, as in vLLM) to `args`."""
+    from servebench.client import request_func_for
+    from servebench.metrics import PERCENTILE_METRICS, parse_goodput
 
     if args.max_concurrency is not None and args.max_concurrency <= 0:
         raise ValueError("--max-concurrency must be greater than 0")
-    random.seed(args.seed)
     base_url, api_url = _urls(args)
-    headers = _pairs(args.header, "--header")
-    goodput = parse_goodput(args.goodput)
     selected = (args.percentile_metrics or "ttft,tpot,itl").split(",")
     unknown = [m for m in selected if m not in PERCENTILE_METRICS]
     if unknown:
         raise ValueError(f"unknown --percentile-metrics {unknown}; choose from {', '.join(PERCENTILE_METRICS)}")
-    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     request_func = request_func_for(args.backend, args.endpoint)
     chat = request_func.__name__ == "request_chat_completions"
     suffix = "chat/completions" if chat else "completions"
     if not api_url.endswith(suffix):
         raise ValueError(f"--backend {args.backend} needs an endpoint ending in '{suffix}', got {args.endpoint}")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
     if args.prompt_token_ids and chat:
         raise ValueError("--prompt-token-ids needs a completions endpoint")
+    plan = _Plan(base_url, api_url, _pairs(args.header, "--header"), parse_goodput(args.goodput), selected,
+                 [float(p) for p in args.metric_percentiles.split(",")], request_func, chat)
     if args.input_len is not None:
         args.random_input_len = args.input_len
     if args.output_len is not None:
         args.random_output_len = args.prefix_repetition_output_len = args.custom_output_len = args.output_len
     if args.dataset_name == "random":
         args.ignore_eos = True  # as vLLM: random prompts generate to the requested length
+    return plan
 
+
+async def _model(args: argparse.Namespace, plan: _Plan, client: Any) -> tuple[str | None, str, str | None]:
+    """-> (the name sent in requests, the model id, the served model's folder when known)."""
+    from servebench.client import fetch_first_model
+
+    model_root = None
+    if args.model is None:
+        print("Model not specified, fetching first model from server...")
+        model_name, model_id = await fetch_first_model(plan.base_url, client, plan.headers)
+        print(f"First model name: {model_name}, first model id: {model_id}")
+        model_root = model_id
+    else:
+        model_name, model_id = args.served_model_name, args.model
+    if model_root is None and not args.tokenizer and _tokenizer_folder(args.model) is None:
+        with contextlib.suppress(RuntimeError):  # the served model's folder, when the server is local
+            model_root = await served_root(plan.base_url, client, plan.headers, model_name or model_id)
+    return model_name, model_id, model_root
+
+
+def _run_config(args: argparse.Namespace, plan: _Plan, model_id: str, model_name: str | None):
+    from servebench.runner import RunConfig
+
+    sampling = {k: getattr(args, k) for k in ("top_p", "top_k", "min_p", "temperature", "frequency_penalty",
+                                              "presence_penalty", "repetition_penalty")
+                if getattr(args, k) is not None}
+    return RunConfig(api_url=plan.api_url, model_id=model_id, model_name=model_name, request_func=plan.request_func,
+                     request_rate=args.request_rate, burstiness=args.burstiness,
+                     max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+                     extra_body={**sampling, **(args.extra_body or {})} or None, extra_headers=plan.headers,
+                     num_warmups=args.num_warmups, seed=args.seed, disable_tqdm=args.disable_tqdm)
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    from servebench.client import make_client
+    from servebench.datasets import get_samples
+    from servebench.runner import run_requests
+
+    random.seed(args.seed)
+    plan = _plan(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
     async with make_client(args.max_concurrency) as client:
-        model_root = None
-        if args.model is None:
-            print("Model not specified, fetching first model from server...")
-            model_name, model_id = await fetch_first_model(base_url, client, headers)
-            print(f"First model name: {model_name}, first model id: {model_id}")
-            model_root = model_id
-        else:
-            model_name, model_id = args.served_model_name, args.model
-        if model_root is None and not args.tokenizer and _tokenizer_folder(args.model) is None:
-            with contextlib.suppress(RuntimeError):  # the served model's folder, when the server is local
-                model_root = await served_root(base_url, client, headers, model_name or model_id)
+        model_name, model_id, model_root = await _model(args, plan, client)
         tokenizer, tokenizer_id = load_tokenizer(args, model_root)
         renderer = None
         if args.dataset_name == "custom" and not args.skip_chat_template:
             folder = _tokenizer_folder(tokenizer_id)
             renderer = _chat_renderer(str(folder) if folder else None, tokenizer)
-        requests = get_samples(args, tokenizer, chat_endpoint=chat, chat_renderer=renderer)
-
-        sampling = {k: getattr(args, k) for k in ("top_p", "top_k", "min_p", "temperature", "frequency_penalty",
-                                                  "presence_penalty", "repetition_penalty")
-                    if getattr(args, k) is not None}
-        config = RunConfig(api_url=api_url, model_id=model_id, model_name=model_name, request_func=request_func,
-                           request_rate=args.request_rate, burstiness=args.burstiness,
-                           max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
-                           extra_body={**sampling, **(args.extra_body or {})} or None, extra_headers=headers,
-                           num_warmups=args.num_warmups, seed=args.seed, disable_tqdm=args.disable_tqdm)
+        requests = get_samples(args, tokenizer, chat_endpoint=plan.chat, chat_renderer=renderer)
+        config = _run_config(args, plan, model_id, model_name)
         if args.ready_check_timeout_sec > 0:
             await _ready_check(config, requests[0], client, args.ready_check_timeout_sec)
         run = await run_requests(config, requests, client)
+    return _report(args, plan, run, model_id, tokenizer_id)
 
-    metrics, output_lens = calculate_metrics(run.outputs, run.duration, percentiles, goodput)
-    measured = results.benchmark_result(metrics, run.outputs, output_lens, run.duration, goodput, selected,
-                                        percentiles, args.max_concurrency, args.request_rate)
+
+def _report(args: argparse.Namespace, plan: _Plan, run: Any, model_id: str, tokenizer_id: str | None) -> dict:
+    """Prints vLLM's summary (and the first failures), saves the result JSON when asked -> the result."""
+    from servebench import results
+    from servebench.metrics import calculate_metrics
+
+    metrics, output_lens = calculate_metrics(run.outputs, run.duration, plan.percentiles, plan.goodput)
+    measured = results.benchmark_result(metrics, run.outputs, output_lens, run.duration, plan.goodput, plan.selected,
+                                        plan.percentiles, args.max_concurrency, args.request_rate)
     failed = [o for o in run.outputs if not o.success]
     if failed:
         print("Failed requests during benchmark run detected (capping to 10):")
         for i, o in enumerate(failed[:10]):
             print(f"Error {i}: {o.error.strip()[-2000:]}")
-    print(results.summary(measured, selected, args.max_concurrency, args.request_rate, bool(goodput)), flush=True)
-
+    print(results.summary(measured, plan.selected, args.max_concurrency, args.request_rate, bool(plan.goodput)),
+          flush=True)
     header = results.run_header(backend=args.backend, label=args.label, model_id=model_id, tokenizer_id=tokenizer_id,
                                 num_prompts=args.num_prompts, request_rate=args.request_rate,
                                 burstiness=args.burstiness, max_concurrency=args.max_concurrency,
@@ -270,7 +321,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 async def _ready_check(config, request, client, timeout_s: float) -> None:
     import time
 
-    from bench.serve.runner import _input
+    from servebench.runner import _input
 
     deadline = time.monotonic() + timeout_s
     print("Waiting for the endpoint: a test request with the first prompt...")

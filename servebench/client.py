@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from bench.serve.metrics import RequestOutput
+from servebench.metrics import RequestOutput
 
 TIMEOUT_S = 6 * 60 * 60
 
