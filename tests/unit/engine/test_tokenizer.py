@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.reference.k3_reference import official_text_modules
 from engine import tokenizer_build as tb
 from engine.tokenizer import (
     MAX_CONSECUTIVE_RUN_CHARS,
@@ -284,34 +284,11 @@ def test_written_files_are_released_format(folders):
 # Parity with the official tokenizer (llmcompressor.modeling.kimi_k3.tokenization_kimi, loaded by file path)
 
 
-def _official_dir() -> Path | None:
-    spec = importlib.util.find_spec("llmcompressor")  # locates the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = Path(list(spec.submodule_search_locations)[0]) / "modeling" / "kimi_k3"
-    return folder if (folder / "tokenization_kimi.py").is_file() else None
-
-
 @pytest.fixture(scope="module")
 def official_cls():
     importlib.import_module("transformers")
-    folder = _official_dir()
-    if folder is None:
-        pytest.skip("llmcompressor (official Kimi K3 tokenizer) not installed")
-    saved = {name: sys.modules.get(name) for name in ("encoding_k3", "tokenization_kimi")}
-    try:
-        for name in ("encoding_k3", "tokenization_kimi"):  # tokenization_kimi falls back to `import encoding_k3`
-            spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-        yield sys.modules["tokenization_kimi"].TikTokenTokenizer
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+    with official_text_modules() as modules:
+        yield modules["tokenization_kimi"].TikTokenTokenizer
 
 
 @pytest.fixture(scope="module")

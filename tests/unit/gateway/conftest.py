@@ -4,8 +4,6 @@ path from the installed `llmcompressor` package, never imported as a package and
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +11,8 @@ import pytest
 from engine import tokenizer_build as tb
 from engine.tokenizer import KimiTokenizer
 from gateway.chat import write_k2_chat_template
-from tests.reference.k3_reference import official_dir, stubbed_modules
+from tests.reference.k3_reference import official_text_modules
 
-OFFICIAL_MODULES = ("encoding_k3", "tokenization_kimi")  # tokenization_kimi falls back to `import encoding_k3`
 
 
 @pytest.fixture(scope="session")
@@ -43,13 +40,8 @@ def k2_tok(k2_dir) -> KimiTokenizer:
 @pytest.fixture(scope="session")
 def official_k3():
     """(encoding_k3 module, TikTokenTokenizer class), loaded by path; sys.modules restored afterwards."""
-    folder = official_dir()  # llmcompressor/modeling/kimi_k3 of the installed wheel, found without importing it
-    with stubbed_modules(dict.fromkeys(OFFICIAL_MODULES)):
-        for name in OFFICIAL_MODULES:
-            spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-            sys.modules[name] = module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        yield sys.modules["encoding_k3"], sys.modules["tokenization_kimi"].TikTokenTokenizer
+    with official_text_modules() as modules:
+        yield modules["encoding_k3"], modules["tokenization_kimi"].TikTokenTokenizer
 
 
 @pytest.fixture(scope="session")
