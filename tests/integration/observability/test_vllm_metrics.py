@@ -2,14 +2,15 @@
 `/metrics` the engine-level ones, all labelled `model_name`, and they move with two disaggregated requests as vLLM's
 would (token counters by the prompt and completion lengths, one success per request with its finish reason, one
 histogram observation per request and phase — the queue and prefill on the prefill worker, the decode on the
-decode worker, never both — and prefix cache queries and hits with the repeated prompt)."""
+decode worker, never both; a colocated request all three on the decode worker — and prefix cache queries and hits
+with the repeated prompt)."""
 
 from __future__ import annotations
 
 from telemetry.metrics import start_metrics_server
 from telemetry.vllm import ENGINE_SERIES, HISTOGRAM_SERIES, REQUEST_SERIES
 from tests.integration.gateway_harness import checkpoint_fixture, run, running_gateway
-from tests.integration.mesh_harness import Mesh
+from tests.integration.mesh_harness import Mesh, greedy
 from tests.integration.observability.harness import PROMPT, samples_of, scrape, value
 
 MODEL = "tiny-k3"
@@ -43,6 +44,9 @@ async def _two_requests(model_dir):
                 assert reply.json()["choices"][0]["finish_reason"] == "length"
             await mesh.drain()
             after = await _scrape_all(gw, ports)
+            local = await mesh.run(PROMPT, greedy(MAX_TOKENS), route="local")  # colocated: all on the decode worker
+            assert local.finish[0] == "length"
+            after["local"] = await scrape(ports["decode"])
         finally:
             for h in http.values():
                 h.close()
@@ -68,6 +72,9 @@ def test_vllm_series_on_gateway_and_workers_move_with_requests(model_dir):
             assert not any(key[0] == name for key in after["gateway"]), f"{name} on the gateway"
     _gateway_moved(before["gateway"], after["gateway"], m)
     _engines_moved(before["prefill"], after["prefill"], before["decode"], after["decode"], m)
+    for phase in ("queue", "prefill", "decode"):  # a colocated request: every phase on the decode worker
+        assert _delta(after["decode"], after["local"], f"vllm:request_{phase}_time_seconds_count", **m) == 1, phase
+    assert _delta(after["decode"], after["local"], "vllm:prefix_cache_queries_total", **m) == len(PROMPT)
 
 
 def _gateway_moved(g0: dict, g1: dict, m: dict) -> None:
