@@ -8,7 +8,9 @@ Which process exposes which, so that summing over pods never counts one request 
   ("stop" | "length" | "abort"; a chat turn that ended in tool calls is "stop"),
   `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds` (each of a request's n-1 gaps observed
   as its mean gap: the gateway sees tokens in batches, so the sum and count are exact, the spread is not),
-  `vllm:e2e_request_latency_seconds`.
+  `vllm:e2e_request_latency_seconds`, `vllm:request_time_per_output_token_seconds` (a request's mean gap, requests
+  of two or more tokens), and the length histograms `vllm:request_prompt_tokens` and
+  `vllm:request_generation_tokens` (vLLM's 1-2-5 buckets, here up to `LENGTH_BUCKETS[-1]` whatever the context).
 - Each prefill and decode worker (`VllmEngineCollector`, read at scrape time from the engine's published stats)
   exposes the engine-level series of its own engine: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
   `vllm:kv_cache_usage_perc` (0..1), `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (in
@@ -34,18 +36,22 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)  # e2e and the request phases
 
+LENGTH_BUCKETS = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5))  # 1 … 5e6 tokens
+
 FINISHED_REASONS = ("stop", "length", "abort")
 
 # every series name as it appears in the exposition (the dashboard test checks its expressions against these)
 REQUEST_SERIES = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
                   "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                  "vllm:e2e_request_latency_seconds")
+                  "vllm:e2e_request_latency_seconds", "vllm:request_time_per_output_token_seconds",
+                  "vllm:request_prompt_tokens", "vllm:request_generation_tokens")
 ENGINE_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
                  "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
                  "vllm:request_decode_time_seconds")
 HISTOGRAM_SERIES = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                    "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                    "vllm:e2e_request_latency_seconds", "vllm:request_time_per_output_token_seconds",
+                    "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_queue_time_seconds",
                     "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds")
 
 
@@ -76,6 +82,12 @@ class VllmRequestMetrics:
                              labels, buckets=ITL_BUCKETS, registry=registry).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              labels, buckets=REQUEST_LATENCY_BUCKETS, registry=registry).labels(model_name)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_"
+                              "seconds per request.", labels, buckets=ITL_BUCKETS, registry=registry).labels(model_name)
+        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels,
+                                    buckets=LENGTH_BUCKETS, registry=registry).labels(model_name)
+        self.generation_len = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                        labels, buckets=LENGTH_BUCKETS, registry=registry).labels(model_name)
 
     def observe(self, reason: str, prompt_tokens: int, generation_tokens: int, start: float, first: float | None,
                 last: float | None, num_tokens: int) -> None:
@@ -84,10 +96,13 @@ class VllmRequestMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
         self.success.labels(self.model_name, reason).inc()
+        self.prompt_len.observe(prompt_tokens)
+        self.generation_len.observe(generation_tokens)
         if first is not None:
             self.ttft.observe(max(0.0, first - start))
             if last is not None and num_tokens > 1:
                 gap = max(0.0, last - first) / (num_tokens - 1)
+                self.tpot.observe(gap)
                 for _ in range(num_tokens - 1):
                     self.itl.observe(gap)
         self.e2e.observe(max(0.0, (last if last is not None else first or start) - start))

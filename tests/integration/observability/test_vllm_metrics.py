@@ -85,6 +85,9 @@ def _gateway_moved(g0: dict, g1: dict, m: dict) -> None:
     assert _delta(g0, g1, "vllm:time_to_first_token_seconds_count", **m) == 2
     assert _delta(g0, g1, "vllm:e2e_request_latency_seconds_count", **m) == 2
     assert _delta(g0, g1, "vllm:inter_token_latency_seconds_count", **m) == 2 * (MAX_TOKENS - 1)
+    assert _delta(g0, g1, "vllm:request_time_per_output_token_seconds_count", **m) == 2
+    assert _delta(g0, g1, "vllm:request_prompt_tokens_sum", **m) == 2 * len(PROMPT)
+    assert _delta(g0, g1, "vllm:request_generation_tokens_count", **m) == 2
     assert _delta(g0, g1, "vllm:e2e_request_latency_seconds_sum", **m) >= \
         _delta(g0, g1, "vllm:time_to_first_token_seconds_sum", **m) > 0
     assert _delta(g0, g1, "vllm:e2e_request_latency_seconds_bucket", le="+Inf", **m) == 2

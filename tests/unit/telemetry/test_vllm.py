@@ -108,6 +108,11 @@ def test_gateway_request_level_series():
     assert value(s, "vllm:inter_token_latency_seconds_count", **m) == 5 + 2 + 1
     assert abs(value(s, "vllm:inter_token_latency_seconds_sum", **m) - (0.5 + 0.1 + 0.2)) < 1e-9
     assert value(s, "vllm:inter_token_latency_seconds_bucket", le="0.1", **m) == 7  # 5 gaps of 0.1, 2 of 0.05
+    assert value(s, "vllm:request_time_per_output_token_seconds_count", **m) == 3  # one mean gap per request
+    assert value(s, "vllm:request_prompt_tokens_count", **m) == 3
+    assert value(s, "vllm:request_prompt_tokens_sum", **m) == 60
+    assert value(s, "vllm:request_generation_tokens_bucket", le="5.0", **m) == 2
+    assert value(s, "vllm:request_generation_tokens_sum", **m) == 11
 
 
 def test_finished_reason_names():
