@@ -43,6 +43,7 @@ from engine.memory.hashing import BlockHasher, MediaSpan, root_hash
 from engine.memory.manager import CacheManager, PrefixPresence
 from engine.model.loader import LoadConfig, load_model
 from engine.outputs import RequestOutput
+from engine.phase_times import PhaseSnapshot, PhaseTimes
 from engine.request import OutputState, Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import SampleRow, Sampler, SamplingParams
@@ -80,6 +81,7 @@ class EngineStats:
     prefix_lookup_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int
+    phase_times: PhaseSnapshot | None = None  # cumulative queue / prefill / decode histograms (engine.phase_times)
 
 
 def model_fingerprint(model_dir: str | Path, dtype: torch.dtype, load_format: str, seed: int) -> bytes:
@@ -130,6 +132,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}  # child id -> request, unfinished
         self._touched: list[Request] = []  # requests with output not yet returned
         self._arrivals = 0
+        self.phase_times = PhaseTimes()  # where finished requests spent their time here
         self.num_steps = 0
         self._grammar_backend: GrammarBackend | None = None  # structured output: built on first use
         self._num_constrained = 0  # unfinished requests with a grammar (0: the step skips all grammar work)
@@ -326,6 +329,7 @@ class EngineCore:
         elif req.export_on_finish:
             req.exported = self.exchange.export_request(req)
         self.scheduler.finish(req, status)
+        self.phase_times.observe(req.times)
         self._requests.pop(req.request_id, None)
         self._touched.append(req)
 
@@ -361,7 +365,8 @@ class EngineCore:
                            num_free_state_groups=states.num_free_groups, num_snapshots=states.num_snapshots,
                            num_snapshot_slots=states.num_snapshot_slots,
                            prefix_lookup_tokens=self.manager.lookup_tokens, prefix_hit_tokens=self.manager.hit_tokens,
-                           num_preemptions=self.scheduler.num_preemptions)
+                           num_preemptions=self.scheduler.num_preemptions,
+                           phase_times=self.phase_times.snapshot())
 
     def probe_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
         """Leading tokens of a prompt (`num_tokens`, full blocks hashing to `block_hashes`) that admission would

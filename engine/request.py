@@ -13,6 +13,8 @@ Contract:
   reason.
 - `grammar` (structured output only) is the sequence's `engine.structured.GrammarState`: set by `EngineCore` when
   the request is added, advanced with every sampled token, dropped when the request finishes.
+- `times` (`engine.phase_times.RequestTimes`) stamps when the sequence was queued, first scheduled
+  (`mark_scheduled`, by the scheduler) and sampled its first and last token here (`append_token`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from engine.formats.stop import StopMatcher
 from engine.memory.hashing import BlockHasher
 from engine.outputs import CompletionOutput, Logprob, PositionLogprobs
+from engine.phase_times import RequestTimes
 from engine.sampling import SampleResult, SamplingParams
 from engine.transfer import RequestState
 
@@ -73,10 +76,13 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     grammar: "GrammarState | None" = None  # structured output: the matcher (engine.structured), dropped at finish
+    times: RequestTimes = field(default_factory=RequestTimes)  # queue / prefill / decode stamps in this engine
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self.times.resumed = self.imported is not None
+        self.times.handed_off = self.export_on_finish
         self.hasher.extend(self.block_hashes, self.token_ids)
 
     @property
@@ -99,8 +105,12 @@ class Request:
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival)
 
+    def mark_scheduled(self) -> None:
+        self.times.mark_scheduled()
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        self.times.mark_token()
         if len(self.token_ids) % self.hasher.block_size == 0:
             self.hasher.extend(self.block_hashes, self.token_ids)
 

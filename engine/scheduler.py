@@ -138,6 +138,7 @@ class Scheduler:
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = start
             req.status = RequestStatus.RUNNING
+            req.mark_scheduled()
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, start, n))
             budget -= n

@@ -70,7 +70,7 @@ class GatewayCore:
         self.renderer: ChatRenderer | None = None
         self.planner: ChatPlanner | None = None
         self.marker_ids: frozenset[int] = frozenset()  # special ids the output parsers read (others are dropped)
-        self.metrics = metrics or GatewayMetrics()
+        self.metrics = metrics or GatewayMetrics(model_name=config.model_name)
         self.tracer = tracing.get_tracer("kdamesh.gateway")
         env = os.environ if env is None else env
         self.tenants = tenants if tenants is not None else TenantDirectory.from_config(

@@ -15,6 +15,12 @@ Contract:
   (`gen_ai.server.time_to_first_token`, `gen_ai.server.time_per_output_token`, `gen_ai.server.request.duration`),
   the same as the workers' `kdamesh_<service>_*` histograms, so gateway and worker latencies compare bucket for bucket.
 - Tenant labels are bounded by the configured tenants (the directory's names; "anonymous" in open mode).
+- vLLM's request-level series (`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`,
+  `vllm:request_success_total{finished_reason}`, `vllm:time_to_first_token_seconds`,
+  `vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`, label `model_name`: telemetry/vllm.py)
+  are observed by `observe_run` once per run that reached the engine (a finished choice or an output token); a
+  request refused or failed before any output is not among them, as vLLM's engine never saw it. The workers
+  expose the engine-level `vllm:` series, so no request is counted twice across the mesh.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from telemetry.metrics import REQUEST_DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, render
+from telemetry.vllm import VllmRequestMetrics, finished_reason
 
 __all__ = ["E2E_BUCKETS", "TPOT_BUCKETS", "TTFT_BUCKETS", "GatewayMetrics"]
 
@@ -29,9 +36,10 @@ E2E_BUCKETS = REQUEST_DURATION_BUCKETS  # gen_ai.server.request.duration
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = ""):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        self.vllm = VllmRequestMetrics(r, model_name)
         p = "kdamesh_gateway_"
         self.requests = Counter(p + "requests_total", "Requests answered, by API, endpoint and status",
                                 ["api", "endpoint", "status"], registry=r)
@@ -69,6 +77,15 @@ class GatewayMetrics:
                 self.tpot.labels(endpoint).observe(max(0.0, last - first) / (num_tokens - 1))
         if last is not None:
             self.e2e.labels(endpoint).observe(max(0.0, last - start))
+
+    def observe_run(self, finish_reasons: list[str], prompt_tokens: int, generation_tokens: int, start: float,
+                    first: float | None, last: float | None, num_tokens: int) -> None:
+        """vLLM's request-level series for one closed run (see the module docstring); a run with no finished
+        choice but some output was cut short ("abort"); the reason is that of its first finished choice."""
+        if not finish_reasons and first is None:
+            return
+        reason = finished_reason(finish_reasons[0]) if finish_reasons else "abort"
+        self.vllm.observe(reason, prompt_tokens, generation_tokens, start, first, last, num_tokens)
 
     def render(self) -> tuple[bytes, str]:
         return render(self.registry)

@@ -156,5 +156,7 @@ class Run:
                                usage.cached_tokens)
         metrics.observe_timing(self.endpoint, self.start, self.first_token_at, self.last_token_at,
                                max(self.choice_token_counts(), default=0))
+        metrics.observe_run(self.finish_reasons(), usage.prompt_tokens, usage.completion_tokens, self.start,
+                            self.first_token_at, self.last_token_at, max(self.choice_token_counts(), default=0))
         if self.trace is not None:
             self.trace.finish(self)

@@ -15,6 +15,8 @@ Every series is prefixed `kdamesh_<service>_` (service: `prefill`, `decode`, `ca
   `state_slot_usage_ratio`, `state_snapshots`, `state_snapshot_slots`, `prefix_lookup_tokens_total`,
   `prefix_hit_tokens_total`, `preemptions_total`, and `model_loaded` (0 until the engine is up; the rest are absent
   until then).
+- The same snapshot feeds the engine-level `vllm:` series (telemetry/vllm.py, label `model_name`), among them the
+  engine's request phase histograms (`EngineGauges.queue_time` / `prefill_time` / `decode_time`).
 - Worker counters, read at scrape time (`CounterCollector` over `CounterSample`s): e.g. `transfer_bytes_total{op}`
   and `transfer_seconds_total{op}` (payload moved to or from the cache service, and the wall time of those calls),
   handoff and remote-prefix outcomes.
@@ -38,6 +40,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from telemetry.vllm import BucketCounts, VllmEngineCollector
 
 # OpenTelemetry GenAI semantic conventions, "Generative AI model server metrics" (ExplicitBucketBoundaries, seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -165,6 +169,9 @@ class EngineGauges:
     prefix_lookup_tokens: int  # prompt tokens of admitted requests (cumulative)
     prefix_hit_tokens: int  # of those, served from the prefix cache (cumulative)
     preemptions: int  # cumulative
+    queue_time: BucketCounts | None = None  # the engine's cumulative request phase histograms (telemetry.vllm)
+    prefill_time: BucketCounts | None = None
+    decode_time: BucketCounts | None = None
 
 
 class EngineCollector(Collector):
@@ -232,16 +239,19 @@ class CounterCollector(Collector):
 
 
 class WorkerMetrics:
-    """Everything a prefill or decode worker exposes, in one registry."""
+    """Everything a prefill or decode worker exposes, in one registry: its `kdamesh_<service>_*` series and the
+    engine-level `vllm:` series of `model_name` (telemetry.vllm)."""
 
-    def __init__(self, registry: CollectorRegistry, service: str, with_tpot: bool):
+    def __init__(self, registry: CollectorRegistry, service: str, with_tpot: bool, model_name: str = ""):
         self.registry = registry
         self.service = service
+        self.model_name = model_name
         self.rpc = RpcMetrics(registry, service)
         self.serving = ServingMetrics(registry, service, ("path",), with_tpot=with_tpot)
 
     def watch_engine(self, read: Callable[[], EngineGauges | None]) -> None:
         self.registry.register(EngineCollector(self.service, read))
+        self.registry.register(VllmEngineCollector(self.model_name, read))
 
     def watch_counters(self, read: Callable[[], Iterable[CounterSample]]) -> None:
         self.registry.register(CounterCollector(self.service, read))

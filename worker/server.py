@@ -11,7 +11,8 @@ Contract:
 - `stop(grace)`: NOT_SERVING first, new calls refused (`servicer.stopping`), a load in progress cancelled, running
   calls drained (`drain_calls`, per role), then the worker, the engine, the cache client and `/metrics` closed.
 - The engine gauges (`engine_gauges`: the `EngineStats` the step thread published last, so a scrape never waits
-  for a step) and the worker's counters are exported through `servicer.metrics` while a worker exists;
+  for a step; they feed the engine-level `vllm:` series too, labelled `config.model_name`) and the worker's
+  counters are exported through `servicer.metrics` while a worker exists;
   `transfer_samples(op, bytes, seconds)` are the two counters every role keeps per kind of cache-service transfer.
 """
 
@@ -40,12 +41,15 @@ log = logging.getLogger(__name__)
 def engine_gauges(engine: AsyncEngine) -> EngineGauges:
     """The engine's scheduler and pools as of its latest step (published by the step thread; no waiting)."""
     stats = engine.stats_snapshot()
+    phases = stats.phase_times  # the request phase histograms (engine.phase_times)
     return EngineGauges(running=stats.num_running, waiting=stats.num_waiting, kv_blocks_total=stats.num_blocks,
                         kv_blocks_free=stats.num_free_blocks, kv_blocks_cached=stats.num_cached_blocks,
                         kv_usage=stats.kv_usage, state_groups_total=stats.num_state_groups,
                         state_groups_free=stats.num_free_state_groups, snapshots=stats.num_snapshots,
                         snapshot_slots=stats.num_snapshot_slots, prefix_lookup_tokens=stats.prefix_lookup_tokens,
-                        prefix_hit_tokens=stats.prefix_hit_tokens, preemptions=stats.num_preemptions)
+                        prefix_hit_tokens=stats.prefix_hit_tokens, preemptions=stats.num_preemptions,
+                        queue_time=phases.queue if phases else None, prefill_time=phases.prefill if phases else None,
+                        decode_time=phases.decode if phases else None)
 
 
 def transfer_samples(op: str, nbytes: int, seconds: float) -> list[CounterSample]:
@@ -151,7 +155,7 @@ async def start_worker_server(server_cls: type[WorkerServer], servicer_cls: type
     """Starts the server and begins loading the model -> (server, bound port). `add_servicer` is the generated
     `add_<Service>Servicer_to_server`."""
     metrics = WorkerMetrics(registry if registry is not None else CollectorRegistry(), server_cls.role,
-                            with_tpot=server_cls.with_tpot)
+                            with_tpot=server_cls.with_tpot, model_name=config.model_name)
     servicer = servicer_cls(config, metrics)
     grpc_server, port, health_servicer = await start_grpc_server(
         config.address, server_cls.service_name, lambda s: add_servicer(servicer, s), config.max_message_bytes,
