@@ -140,8 +140,11 @@ def decode_image(data: bytes | str | Image.Image, config: ProcessorConfig) -> Im
             image = Image.open(io.BytesIO(raw))
     except Image.DecompressionBombError as exc:
         raise ImageInputError("too_many_pixels", f"image is too large to decode: {exc}") from exc
-    except (UnidentifiedImageError, SyntaxError, ValueError, OSError) as exc:
-        raise ImageInputError("not_an_image", f"data is not an image Pillow can read: {exc}") from exc
+    except UnidentifiedImageError as exc:
+        raise ImageInputError("not_an_image", f"the {len(raw)} bytes are not an image in a format Pillow reads, or "
+                                              "its header is invalid (e.g. a zero width or height)") from exc
+    except (SyntaxError, ValueError, OSError) as exc:
+        raise ImageInputError("not_an_image", f"the image header is invalid: {exc}") from exc
     _check_size(image.size, config)
     try:
         image.load()
