@@ -12,8 +12,8 @@ Contract:
   `F.interpolate` (bilinear or bicubic, `align_corners=False`; used as is when (h, w) equals its shape) and, for
   t > 1, a fixed sin-cos time embedding. Blocks are pre-norm: `x += wo(attn(norm0(x)))`, `x += fc1(gelu_tanh(
   fc0(norm1(x))))`; the attention is non-causal within each image (`kernels` op `vision_attention`), with 2-D
-  rotary embeddings on q and k (adjacent channel pairs; pair 2i rotates by column · θᵢ, pair 2i+1 by row · θᵢ,
-  θᵢ = 10000^(−4i/head_dim)). After `final_layernorm`, each kh × kw patch window becomes one row (the window's
+  rotary embeddings on q and k (adjacent channel pairs as complex numbers; pair 2i rotates by column · θᵢ, pair
+  2i+1 by row · θᵢ, θᵢ = 10000^(−4i/head_dim)). After `final_layernorm`, each kh × kw patch window becomes one row (the window's
   patches concatenated in row-major order, averaged over t): image n gives (h/kh)·(w/kw) rows, images in order.
 - Inputs are cast to the weights' dtype; rotary products run in fp32. Grids must fit the rotary table (512 × 512)
   and divide by the merge kernel; violations raise `ValueError`.
@@ -99,12 +99,11 @@ def rope_angles(grids: list[tuple[int, int, int]], head_dim: int, device: torch.
     return torch.cat(parts)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [L, H, hd]; cos, sin [L, 1, hd/2] fp32 -> x rotated pairwise, in x's dtype."""
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)  # [L, H, hd/2, 2]
-    a, b = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1)
-    return rotated.reshape(x.shape).to(x.dtype)
+def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x [L, H, hd]; rotation [L, 1, hd/2] complex64 (unit) -> x with each channel pair (a, b) taken as a + ib and
+    multiplied by its rotation, in x's dtype."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # [L, H, hd/2]
+    return torch.view_as_real(pairs * rotation).reshape(x.shape).to(x.dtype)
 
 
 class MLP2(nn.Module):
@@ -126,13 +125,12 @@ class EncoderBlock(nn.Module):
         self.wo = nn.Linear(config.qkv_hidden_size, config.hidden_size, bias=config.attn_bias)
         self.mlp = MLP2(config)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
-        """x [L, D]; cu_seqlens [N+1] image boundaries; cos, sin [L, 1, hd/2] -> [L, D]."""
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """x [L, D]; cu_seqlens [N+1] image boundaries; rotation [L, 1, hd/2] complex64 -> [L, D]."""
         L = x.shape[0]
         qkv = self.wqkv(self.norm0(x)).reshape(L, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)  # each [L, H, hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, rotation), apply_rope(k, rotation)
         attention = get_kernel("vision_attention", x.device)
         o = attention(q, k, v, cu_seqlens, self.head_dim ** -0.5)  # [L, H, hd]
         x = x + self.wo(o.reshape(L, -1))
@@ -150,9 +148,9 @@ class Encoder(nn.Module):
         lengths = [t * h * w for t, h, w in grids]
         cu_seqlens = torch.tensor([0] + lengths, device=x.device).cumsum(0)  # [N+1]
         angles = rope_angles(grids, self.head_dim, x.device)[:, None, :]  # [L, 1, hd/2]
-        cos, sin = angles.cos(), angles.sin()
+        rotation = torch.polar(torch.ones_like(angles), angles)  # complex64
         for block in self.blocks:
-            x = block(x, cu_seqlens, cos, sin)
+            x = block(x, cu_seqlens, rotation)
         return self.final_layernorm(x)
 
 
