@@ -39,9 +39,12 @@ class PatchMergerV2(nn.Module):
 class VisionEncoder(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
-        self.config = config
         self.vision_tower = VisionTower(config)
         self.mm_projector = PatchMergerV2(config)
+
+    @property
+    def config(self) -> VisionConfig:
+        return self.vision_tower.config
 
     @property
     def dtype(self) -> torch.dtype:
