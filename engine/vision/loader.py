@@ -6,7 +6,8 @@ Contract:
   says which). The text model loads separately (`engine.model.loader.load_model`, which leaves these tensors to
   this module). Names and shapes are checked from the safetensors headers before any data is read; one
   `CheckpointError` names every missing, unexpected (under the vision prefixes) and mis-shaped tensor.
-- `load_format="dummy"` fills seeded random weights instead (`init_vision_weights`); `dtype` resolves as for the
+- `load_format="dummy"` fills seeded random weights instead (`fastsafetensors` reads with safetensors here: the
+  tower is small) (`init_vision_weights`); `dtype` resolves as for the
   text model (`auto`: the checkpoint's dtype on CUDA, fp32 on CPU). The official code casts the tower to the text
   model's dtype; so does this.
 - `init_vision_weights(encoder, seed)` is deterministic (same seed, same config → same bytes) and draws from its own
@@ -26,7 +27,14 @@ import torch
 from safetensors import safe_open
 
 from engine.model.config import ModelConfig, load_model_config
-from engine.model.loader import CheckpointError, LoadConfig, checkpoint_files, read_header, resolve_dtype
+from engine.model.loader import (
+    LOAD_FORMATS,
+    CheckpointError,
+    LoadConfig,
+    checkpoint_files,
+    read_header,
+    resolve_dtype,
+)
 from engine.vision.encoder import VISION_PREFIXES, VisionEncoder
 
 logger = logging.getLogger(__name__)
@@ -63,6 +71,8 @@ def build_vision(config: ModelConfig, dtype: torch.dtype, device: str) -> Vision
 
 
 def load_vision(model_dir: str | Path, load_config: LoadConfig = LoadConfig()) -> VisionEncoder | None:
+    if load_config.load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format {load_config.load_format!r}: expected one of {LOAD_FORMATS}")
     config = load_model_config(model_dir)
     if config.vision is None:
         logger.info("%s has no vision_config: text-only model", model_dir)

@@ -64,6 +64,8 @@ def test_load_vision_reads_the_folder(tiny_dir, encoder):
     assert half.dtype == torch.bfloat16
     dummy = load_vision(tiny_dir, LoadConfig(load_format="dummy", seed=CHECKPOINT_SEED))
     assert all(torch.equal(dummy.state_dict()[n], want[n]) for n in want)
+    with pytest.raises(ValueError, match="load-format"):
+        load_vision(tiny_dir, LoadConfig(load_format="pickle"))
 
 
 def test_sharded_checkpoint_indexes_the_vision_weights(tmp_path):
