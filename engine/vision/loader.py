@@ -6,10 +6,9 @@ Contract:
   says which). The text model loads separately (`engine.model.loader.load_model`, which leaves these tensors to
   this module). Names and shapes are checked from the safetensors headers before any data is read; one
   `CheckpointError` names every missing, unexpected (under the vision prefixes) and mis-shaped tensor.
-- `load_format="dummy"` fills seeded random weights instead (`fastsafetensors` reads with safetensors here: the
-  tower is small) (`init_vision_weights`); `dtype` resolves as for the
-  text model (`auto`: the checkpoint's dtype on CUDA, fp32 on CPU). The official code casts the tower to the text
-  model's dtype; so does this.
+- `load_format="dummy"` fills seeded random weights instead (`init_vision_weights`); `fastsafetensors` reads with
+  safetensors (the tower is small). `dtype` resolves as for the text model (`auto`: the checkpoint's dtype on CUDA,
+  fp32 on CPU). The official code casts the tower to the text model's dtype; so does this.
 - `init_vision_weights(encoder, seed)` is deterministic (same seed, same config → same bytes) and draws from its own
   generator, so adding a tower to a preset leaves the text weights of the same seed unchanged. Magnitudes keep
   activations O(1): matrices N(0, 1/fan_in), norm weights 1 + N(0, 0.1²), biases N(0, 0.02²), the position grid
