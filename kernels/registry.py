@@ -54,6 +54,7 @@ _IMPLS: dict[str, dict[str, str]] = {
     "moe_experts": {
         "torch": "kernels.moe.grouped:moe_experts_grouped",
     },
+    "vision_attention": {"torch": "kernels.vision.torch_sdpa:varlen_attention"},
 }
 
 

@@ -47,8 +47,10 @@ class SequenceDriver:
         start = seq * self.blocks_per_seq
         return torch.arange(start, start + self.blocks_per_seq, dtype=torch.int32)
 
-    def step(self, chunks: dict[int, list[int]], all_logits: bool = False) -> torch.Tensor:
-        """Feeds `chunks[seq]` new tokens to each listed sequence in one packed batch; returns logits."""
+    def step(self, chunks: dict[int, list[int]], all_logits: bool = False,
+             mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Feeds `chunks[seq]` new tokens to each listed sequence in one packed batch; returns logits.
+        `mm` = (positions in the packed batch [M], embeddings [M, D]) for image features."""
         seqs = sorted(chunks)
         ids, cu, seq_lens, slots = [], [0], [], []
         for s in seqs:
@@ -70,18 +72,21 @@ class SequenceDriver:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             state_indices=torch.tensor(seqs, dtype=torch.long),
             logits_indices=torch.arange(len(ids)) if all_logits else None,
+            mm_positions=None if mm is None else mm[0], mm_embeds=None if mm is None else mm[1],
         )
         return self.model(batch.to(self.model.device), self.cache)
 
-    def prefill(self, seq: int, tokens: list[int], all_logits: bool = True) -> torch.Tensor:
-        return self.step({seq: tokens}, all_logits=all_logits)
+    def prefill(self, seq: int, tokens: list[int], all_logits: bool = True,
+                mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.step({seq: tokens}, all_logits=all_logits, mm=mm)
 
     def decode(self, seq: int, token: int) -> torch.Tensor:
         return self.step({seq: [token]})[0]
 
-    def greedy(self, seq: int, prompt: list[int], steps: int) -> list[int]:
+    def greedy(self, seq: int, prompt: list[int], steps: int,
+               mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[int]:
         """`steps` argmax tokens after `prompt` (one prefill, then a decode per token)."""
-        logits = self.prefill(seq, prompt, all_logits=False)[0]
+        logits = self.prefill(seq, prompt, all_logits=False, mm=mm)[0]
         tokens = []
         for _ in range(steps):
             tokens.append(int(logits.argmax()))

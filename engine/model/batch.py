@@ -7,6 +7,8 @@ Contract:
   holds its KDA conv window and recurrent state after `seq_lens[n] - query_lens[n]` tokens (zeros for a fresh one).
 - After `KimiModel.forward`, the MLA latents of the new tokens are written at `slot_mapping` and the state slot holds
   the state after all `seq_lens[n]` tokens. Nothing else in the cache is touched.
+- With `mm_embeds` / `mm_positions` set, row `mm_positions[i]` of the step enters the model as `mm_embeds[i]`
+  instead of its token's embedding (K3 image features at `<|media_pad|>` tokens); nothing else changes.
 - `CacheTensors` holds per-layer tensors only; which blocks and slots belong to whom is the engine's business.
 """
 
@@ -28,6 +30,8 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64, block * block_size + offset of each new token
     state_indices: torch.Tensor  # [N] int64, KDA state slot per sequence
     logits_indices: torch.Tensor | None = None  # [L] int64 rows of input_ids to score; None: last of each sequence
+    mm_embeds: torch.Tensor | None = None  # [M, hidden] input embeddings (image features) used instead of tokens'
+    mm_positions: torch.Tensor | None = None  # [M] int64 rows of input_ids whose embedding mm_embeds replaces
 
     @property
     def num_seqs(self) -> int:

@@ -6,6 +6,9 @@ Contract: `make_checkpoint(preset, out_dir)` writes `config.json` (released layo
 `tokenizer.json` and our `tokenization_kimi.py`, so `transformers.AutoTokenizer.from_pretrained` loads it with or
 without `trust_remote_code` — see `engine.tokenizer_build`; `kimi_linear` also gets `chat_template.jinja`). The same
 preset and seed give the same bytes. K3 presets can write routed experts as MXFP4 (`experts_format="mxfp4"`), as released.
+K3 presets also write their vision tower and projector (`vision_tower.*`, `mm_projector.*`, seeded from their own
+generator, so the text weights of a seed do not depend on the tower) and `preprocessor_config.json`
+(`media_proc_cfg` in the released form, see `engine.vision.processor`).
 """
 
 from __future__ import annotations
@@ -45,11 +48,28 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str 
         _round_experts_to_mxfp4(model)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_generation_config(raw), indent=2) + "\n")
+    vision = _vision_weights(config, seed, DTYPES[dtype], out)
     save_weights(model, out, dtype=DTYPES[dtype], max_shard_bytes=max_shard_bytes,
-                 experts_mxfp4=experts_format == "mxfp4")
+                 experts_mxfp4=experts_format == "mxfp4", extra_tensors=vision)
     _write_tokenizer(out, config.family)
-    logger.info("wrote %s checkpoint (%s parameters) to %s", preset, f"{count_parameters(model):,}", out)
+    vision_params = sum(t.numel() for t in vision.values())
+    logger.info("wrote %s checkpoint (%s parameters, %s of them vision) to %s", preset,
+                f"{count_parameters(model) + vision_params:,}", f"{vision_params:,}", out)
     return out
+
+
+def _vision_weights(config: ModelConfig, seed: int, dtype: torch.dtype, out: Path) -> dict[str, torch.Tensor]:
+    """The seeded vision encoder's tensors (none for a text-only config); writes preprocessor_config.json."""
+    if config.vision is None:
+        return {}
+    from engine.vision.loader import build_vision, init_vision_weights, vision_tensors
+    from engine.vision.processor import PROCESSOR_FILE, ProcessorConfig
+
+    encoder = build_vision(config, torch.float32, "cpu")
+    init_vision_weights(encoder, seed=seed)
+    media = ProcessorConfig(patch_size=config.vision.patch_size, merge_kernel_size=config.vision.merge_kernel[0])
+    (out / PROCESSOR_FILE).write_text(json.dumps({"media_proc_cfg": media.media_proc_cfg()}, indent=2) + "\n")
+    return vision_tensors(encoder, dtype)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -6,13 +6,15 @@ Contract:
   `ModelConfig` whose `layers` is a tuple of `LayerSpec`, one per decoder layer.
 - `linear_attn_config.kda_layers` / `full_attn_layers` are 1-based: layer index i is KDA when i + 1 is in `kda_layers`.
 - A layer uses MoE when the model has experts, `i >= first_k_dense_replace` and `i % moe_layer_freq == 0`.
+- A `kimi_k3` config's `vision_config` parses into `ModelConfig.vision` (`VisionConfig`; None when absent). Fields
+  the file omits take the official `KimiK3VisionConfig` defaults; options the official code does not build raise.
 - Nothing here touches tensors; a bad config raises `ConfigError` naming the field.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +87,38 @@ class ActivationConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The K3 vision tower (MoonViT3d) and its `patchmergerv2` projector, from `vision_config`."""
+
+    patch_size: int
+    hidden_size: int  # vt_hidden_size
+    num_layers: int  # vt_num_hidden_layers
+    num_heads: int  # vt_num_attention_heads
+    qkv_hidden_size: int  # heads x head_dim of the attention (may differ from hidden_size)
+    intermediate_size: int  # vt_intermediate_size
+    pos_emb_height: int  # init_pos_emb_height: the learnable grid interpolated to each image's patch grid
+    pos_emb_width: int
+    pos_emb_time: int
+    pos_emb_interpolation: str  # "bilinear" | "bicubic"
+    merge_kernel: tuple[int, int]  # patches merged into one feature row (height, width)
+    norm_type: str  # "rmsnorm" | "layernorm"
+    attn_bias: bool
+    linear_bias: bool
+    patch_embed_bias: bool
+    projector_eps: float
+    text_hidden_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.num_heads
+
+    @property
+    def merged_size(self) -> int:
+        """Width of one merged feature row before the projector: hidden x merge_kernel patches."""
+        return self.hidden_size * self.merge_kernel[0] * self.merge_kernel[1]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str  # "kimi_linear" | "kimi_k3"
     weight_prefix: str  # "" for kimi_linear, "language_model." for kimi_k3
@@ -106,6 +140,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     media_placeholder_token_id: int | None = None
     torch_dtype: str | None = None
+    vision: VisionConfig | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -142,7 +177,9 @@ def _parse_k3(raw: dict) -> ModelConfig:
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError("kimi_k3 config.json needs a `text_config` object")
-    return _parse_text(text, family="kimi_k3", prefix="language_model.", wrapper=raw)
+    config = _parse_text(text, family="kimi_k3", prefix="language_model.", wrapper=raw)
+    vision = raw.get("vision_config")
+    return replace(config, vision=_parse_vision(vision, config.hidden_size)) if vision else config
 
 
 def _require(raw: dict, name: str) -> Any:
@@ -274,4 +311,48 @@ def _parse_moe(text: dict) -> MoEConfig | None:
         routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
         latent_size=text.get("routed_expert_hidden_size"),
         latent_use_norm=bool(text.get("latent_moe_use_norm", False)),
+    )
+
+
+# Official `KimiK3VisionConfig` defaults for the fields a `vision_config` may omit.
+_VISION_DEFAULTS = {
+    "patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4,
+    "pos_emb_type": "divided_fixed", "vt_num_attention_heads": 12, "vt_num_hidden_layers": 27,
+    "vt_hidden_size": 1024, "vt_intermediate_size": 4096, "merge_kernel_size": (2, 2), "merge_type": "sd2_tpool",
+    "mm_projector_type": "patchmergerv2", "projector_ln_eps": 1e-5, "qkv_hidden_size": 1536,
+    "norm_type": "rmsnorm", "attn_bias": False, "patch_embed_proj_bias": False, "mlp_type": "mlp2",
+    "linear_bias": False, "pos_emb_interpolation_mode": "bilinear", "text_hidden_size": 7168,
+}
+_VISION_CHOICES = {"pos_emb_type": ("divided_fixed",), "merge_type": ("sd2_tpool",), "mlp_type": ("mlp2",),
+                   "mm_projector_type": ("patchmergerv2",), "norm_type": ("rmsnorm", "layernorm"),
+                   "pos_emb_interpolation_mode": ("bilinear", "bicubic")}
+
+
+def _parse_vision(raw: dict, text_hidden: int) -> VisionConfig:
+    """`vision_config` -> `VisionConfig`. The activations are fixed by the official code (tanh-GELU in the tower,
+    exact GELU in the projector) whatever `activation_func` / `projector_hidden_act` say, as there."""
+    v = {**_VISION_DEFAULTS, **{k: val for k, val in raw.items() if val is not None}}
+    for name, choices in _VISION_CHOICES.items():
+        if v[name] not in choices:
+            raise ConfigError(f"vision_config.{name} {v[name]!r} is not supported ({', '.join(choices)})")
+    hidden = int(v["vt_hidden_size"])
+    if int(v.get("mm_hidden_size") or hidden) != hidden:
+        raise ConfigError(f"vision_config.mm_hidden_size {v['mm_hidden_size']} must equal vt_hidden_size {hidden}")
+    if int(v["text_hidden_size"]) != text_hidden:
+        raise ConfigError(f"vision_config.text_hidden_size {v['text_hidden_size']} must equal the text "
+                          f"hidden_size {text_hidden}")
+    heads, qkv = int(v["vt_num_attention_heads"]), int(v["qkv_hidden_size"])
+    if qkv % heads or (qkv // heads) % 4:
+        raise ConfigError(f"vision_config.qkv_hidden_size {qkv} must split into {heads} heads of a multiple of 4")
+    kernel = v["merge_kernel_size"]
+    if not isinstance(kernel, (list, tuple)) or len(kernel) != 2:
+        raise ConfigError(f"vision_config.merge_kernel_size {kernel!r} must be [height, width]")
+    return VisionConfig(
+        patch_size=int(v["patch_size"]), hidden_size=hidden, num_layers=int(v["vt_num_hidden_layers"]),
+        num_heads=heads, qkv_hidden_size=qkv, intermediate_size=int(v["vt_intermediate_size"]),
+        pos_emb_height=int(v["init_pos_emb_height"]), pos_emb_width=int(v["init_pos_emb_width"]),
+        pos_emb_time=int(v["init_pos_emb_time"]), pos_emb_interpolation=v["pos_emb_interpolation_mode"],
+        merge_kernel=(int(kernel[0]), int(kernel[1])), norm_type=v["norm_type"], attn_bias=bool(v["attn_bias"]),
+        linear_bias=bool(v["linear_bias"]), patch_embed_bias=bool(v["patch_embed_proj_bias"]),
+        projector_eps=float(v["projector_ln_eps"]), text_hidden_size=text_hidden,
     )

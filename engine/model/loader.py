@@ -4,7 +4,8 @@ Contract:
 - `load_model(model_dir, LoadConfig)` builds `KimiForCausalLM` from `config.json` and fills every parameter from
   `*.safetensors` (a sharded `model.safetensors.index.json` too). Before any data is read, the checkpoint's names and
   shapes are checked against the model; one `CheckpointError` names every missing, unexpected and mis-shaped tensor.
-- Vision weights of a K3 checkpoint (`vision_tower.*`, `mm_projector.*`) are set aside with one log line.
+- Vision weights of a K3 checkpoint (`vision_tower.*`, `mm_projector.*`) are set aside with one log line: the
+  vision encoder loads them (`engine.vision.loader.load_vision`).
 - Routed experts may be stored as MXFP4 (`weight_packed` + `weight_scale`, compressed-tensors
   `mxfp4-pack-quantized`); they are dequantised to the compute dtype on load. Plain `weight` tensors work too.
 - `load_format`: `safetensors`, `fastsafetensors` (falls back to safetensors with a warning where it cannot run)
@@ -194,7 +195,7 @@ def validate(header: dict[str, tuple[Path, tuple[int, ...]]], layout: dict[str, 
     set_aside = [n for n in header if n.startswith(SET_ASIDE_PREFIXES)]
     unexpected = sorted(n for n in header if n not in used and n not in set_aside)
     if set_aside:
-        logger.info("set aside %d vision tensors (vision_tower.*, mm_projector.*): multimodal input is not served yet",
+        logger.info("set aside %d vision tensors (vision_tower.*, mm_projector.*) for engine.vision.load_vision",
                     len(set_aside))
     if missing or unexpected or misshaped:
         raise CheckpointError(_describe_problems(missing, unexpected, misshaped))
@@ -265,15 +266,17 @@ def _assign(param: nn.Parameter, item: LoadItem, read) -> None:
 
 
 def save_weights(model: KimiForCausalLM, out_dir: str | Path, dtype: torch.dtype = torch.float32,
-                 max_shard_bytes: int = 2 << 30, experts_mxfp4: bool = False) -> list[Path]:
+                 max_shard_bytes: int = 2 << 30, experts_mxfp4: bool = False,
+                 extra_tensors: dict[str, torch.Tensor] | None = None) -> list[Path]:
     """Writes the model's weights under official names; shards (with an index file) above `max_shard_bytes`.
 
     With `experts_mxfp4`, routed experts are written as `weight_packed` + `weight_scale` (the K3 release layout);
     the caller should have quantised the model's experts first so that the written values round-trip exactly.
+    `extra_tensors` (official name -> tensor, e.g. the K3 vision weights) are written after the text weights.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = dict(_official_tensors(model, dtype, experts_mxfp4))
+    tensors = dict(_official_tensors(model, dtype, experts_mxfp4)) | (extra_tensors or {})
     shards = _split_shards(tensors, max_shard_bytes)
     if len(shards) == 1:
         path = out / "model.safetensors"

@@ -32,7 +32,10 @@ class KimiTextModel(nn.Module):
             self.output_attn_res_proj = _linear(d, 1)
 
     def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
-        stream = ResidualStream(self.embed_tokens(batch.input_ids))  # [T, D]
+        embeds = self.embed_tokens(batch.input_ids)  # [T, D]
+        if batch.mm_embeds is not None:  # image features replace the embeddings of their pad tokens
+            embeds = embeds.index_copy(0, batch.mm_positions, batch.mm_embeds.to(embeds.dtype))
+        stream = ResidualStream(embeds)
         for layer in self.layers:
             layer(stream, batch, cache)
         hidden = stream.hidden

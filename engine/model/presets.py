@@ -1,7 +1,8 @@
 """Preset configs for generated checkpoints, written exactly in the released `config.json` layouts.
 
 Contract: `preset_config(name)` returns the dict that goes to `config.json` (a `kimi_linear` config, or a `kimi_k3`
-wrapper with `text_config` and `vision_config`). Token ids follow the released offsets from the tokenizer's base
+wrapper with `text_config` and a `vision_config` with every released field: a small MoonViT3d tower whose
+learnable position grid is smaller than most images' patch grids, so interpolation is exercised). Token ids follow the released offsets from the tokenizer's base
 vocabulary: bos = base+0, eos/end-of-message = base+2, media placeholder = base+21, pad = base+255.
 """
 
@@ -71,7 +72,22 @@ def _kimi_linear(hidden: int, layers: int, mla_layers: list[int], kda_heads: int
     }
 
 
-def _kimi_k3(text: dict, q_lora: int, latent: int, block_size: int) -> dict:
+def _vision(text_hidden: int, hidden: int, layers: int, heads: int, inter: int, pos_grid: int) -> dict:
+    """A `vision_config` with every field of the released layout (MoonViT3d + patchmergerv2), at test width."""
+    return {
+        "patch_size": 14, "init_pos_emb_height": pos_grid, "init_pos_emb_width": pos_grid, "init_pos_emb_time": 4,
+        "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
+        "vt_hidden_size": hidden, "vt_num_hidden_layers": layers, "vt_num_attention_heads": heads,
+        "vt_intermediate_size": inter, "qkv_hidden_size": hidden, "norm_type": "rmsnorm", "attn_bias": False,
+        "linear_bias": False, "patch_embed_proj_bias": False, "mlp_type": "mlp2",
+        "activation_func": "gelu_pytorch_tanh", "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool",
+        "mm_projector_type": "patchmergerv2", "mm_hidden_size": hidden, "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-5, "text_hidden_size": text_hidden, "media_placeholder_token_id": MEDIA_ID,
+        "pad_token_id": PAD_ID,
+    }
+
+
+def _kimi_k3(text: dict, q_lora: int, latent: int, block_size: int, vision: dict) -> dict:
     """Wraps a text config in the released `kimi_k3` layout with the K3 forms switched on."""
     text = copy.deepcopy(text)
     text.update({
@@ -96,11 +112,7 @@ def _kimi_k3(text: dict, q_lora: int, latent: int, block_size: int) -> dict:
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
         "text_config": text,
-        "vision_config": {
-            "patch_size": 14, "vt_hidden_size": 64, "vt_num_hidden_layers": 1, "vt_num_attention_heads": 2,
-            "vt_intermediate_size": 128, "merge_kernel_size": [2, 2], "mm_projector_type": "patchmergerv2",
-            "text_hidden_size": text["hidden_size"], "media_placeholder_token_id": MEDIA_ID,
-        },
+        "vision_config": vision,
     }
 
 
@@ -127,14 +139,16 @@ def _tiny_k3() -> dict:
     return _kimi_k3(_kimi_linear(hidden=64, layers=4, mla_layers=[4], kda_heads=2, kda_head_dim=32, mla_heads=2,
                                  kv_lora=32, nope=16, rope=8, v_dim=16, experts=8, top_k=2, shared=1, moe_inter=32,
                                  inter=128, groups=4, topk_group=2),
-                    q_lora=32, latent=32, block_size=2)
+                    q_lora=32, latent=32, block_size=2,
+                    vision=_vision(64, hidden=32, layers=2, heads=2, inter=64, pos_grid=16))
 
 
 def _small_k3() -> dict:
     return _kimi_k3(_kimi_linear(hidden=768, layers=8, mla_layers=[4, 8], kda_heads=6, kda_head_dim=128,
                                  mla_heads=12, kv_lora=256, nope=64, rope=32, v_dim=64, experts=32, top_k=4,
                                  shared=2, moe_inter=256, inter=2048),
-                    q_lora=384, latent=384, block_size=4)
+                    q_lora=384, latent=384, block_size=4,
+                    vision=_vision(768, hidden=256, layers=4, heads=4, inter=1024, pos_grid=64))
 
 
 def _k3_93_pattern() -> dict:
@@ -143,7 +157,8 @@ def _k3_93_pattern() -> dict:
     return _kimi_k3(_kimi_linear(hidden=32, layers=93, mla_layers=mla_one_based, kda_heads=2, kda_head_dim=16,
                                  mla_heads=2, kv_lora=16, nope=8, rope=8, v_dim=8, experts=4, top_k=2, shared=2,
                                  moe_inter=32, inter=64),
-                    q_lora=16, latent=32, block_size=12)
+                    q_lora=16, latent=32, block_size=12,
+                    vision=_vision(32, hidden=32, layers=2, heads=2, inter=64, pos_grid=16))
 
 
 PRESETS = {

@@ -14,6 +14,9 @@ Contract:
   `ShortConvolution` (depthwise causal conv + SiLU; cache [B, C, W] = the last W inputs, oldest first),
   `FusedRMSNormGated` (fp32 `rmsnorm(x)·weight·sigmoid(g)`), `prepare_lens_from_mask`,
   `prepare_cu_seqlens_from_mask`, `tensor_cache`.
+- Vision stand-ins, set on the loaded `modeling_kimi_k3`: `flash_attn_varlen_func` (non-causal varlen attention,
+  fp32 per sequence; flash-attn is not installed, so the official module has None there) and `get_rope_shape`
+  replaced by the plain function under its `torch.compile` wrapper (the same position-grid interpolation, eager).
 - `load_reference_k3(model_dir)` builds `KimiK3ForConditionalGeneration` in fp32 with eager attention and fills its
   `language_model` from the folder's safetensors (`A_log` narrowed from the padded [128] to [H]; MXFP4 experts
   dequantised from the compressed-tensors layout). Vision weights are loaded when the folder has them, else the
@@ -199,6 +202,37 @@ def get_calibrate_all_experts_flag() -> bool:
     return False
 
 
+# Vision stand-ins (set on `modeling_kimi_k3` after it executes, see `_vision_stand_ins`).
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                           causal=False, deterministic=False, **_ignored):
+    """flash-attn's varlen attention, non-causal only, fp32 per sequence. q, k, v [T, H, D] -> [T, H, D]."""
+    assert not causal, "the vision tower's attention is non-causal"
+    assert torch.equal(cu_seqlens_q, cu_seqlens_k)
+    out = torch.zeros_like(q)
+    bounds = [int(b) for b in cu_seqlens_q.tolist()]
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[start:end].float().transpose(0, 1) for t in (q, k, v))  # [H, L, D]
+        probs = torch.softmax(qs @ ks.transpose(1, 2) * q.shape[-1] ** -0.5, dim=-1)
+        out[start:end] = (probs @ vs).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def _uncompiled(fn):
+    """The plain Python function under the official `get_rope_shape` (torch.compile inside a first-call decorator):
+    the same interpolation, run eagerly, so tests need no compiler and no compile time."""
+    for cell in fn.__closure__ or ():
+        inner = getattr(cell.cell_contents, "_torchdynamo_orig_callable", None)
+        if inner is not None:
+            return inner
+    raise RuntimeError("the official get_rope_shape is no longer a torch.compile wrapper; update the harness")
+
+
+def _vision_stand_ins(modeling_k3: ModuleType) -> None:
+    modeling_k3.get_rope_shape = _uncompiled(modeling_k3.get_rope_shape)
+    modeling_k3.flash_attn_varlen_func = flash_attn_varlen_func
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Loading the official files by path
 # ----------------------------------------------------------------------------------------------------------------
@@ -298,6 +332,7 @@ def load_reference_package() -> ModuleType:
                 sys.modules[name] = mod
                 spec.loader.exec_module(mod)
                 setattr(package, sub, mod)
+        _vision_stand_ins(package.modeling_kimi_k3)
     except BaseException:
         for sub in SUBMODULES:
             sys.modules.pop(f"{PACKAGE}.{sub}", None)
