@@ -8,6 +8,8 @@ Contract:
 - After `KimiModel.forward`, the MLA latents of the new tokens are written at `slot_mapping` and the state slot holds
   the state after all `seq_lens[n]` tokens. Nothing else in the cache is touched.
 - `CacheTensors` holds per-layer tensors only; which blocks and slots belong to whom is the engine's business.
+  Under tensor parallelism a rank's state slots hold its `kda_heads` = H/N heads (conv channels `3*(H/N)*D`);
+  the MLA latent cache is replicated (every rank writes the same latents).
 """
 
 from __future__ import annotations
@@ -65,16 +67,19 @@ class CacheTensors:
 
     @classmethod
     def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> "CacheTensors":
+                 dtype: torch.dtype, device: torch.device | str = "cpu", kda_heads: int | None = None
+                 ) -> "CacheTensors":
+        """`kda_heads`: the KDA heads of this rank's slots (None: all of the model's)."""
         kv = {i: torch.zeros(num_blocks, block_size, config.mla.cache_dim, dtype=dtype, device=device)
               for i in config.mla_layer_ids}
         conv, recurrent = {}, {}
         if config.kda is not None:
             k = config.kda
-            width = 3 * k.num_heads * k.head_dim
+            heads = k.num_heads if kda_heads is None else kda_heads
+            width = 3 * heads * k.head_dim
             for i in config.kda_layer_ids:
                 conv[i] = torch.zeros(num_slots, width, k.conv_kernel_size - 1, dtype=dtype, device=device)
-                recurrent[i] = torch.zeros(num_slots, k.num_heads, k.head_dim, k.head_dim,
+                recurrent[i] = torch.zeros(num_slots, heads, k.head_dim, k.head_dim,
                                            dtype=torch.float32, device=device)
         return cls(block_size=block_size, kv=kv, conv=conv, recurrent=recurrent)
 
