@@ -6,6 +6,7 @@ Contract: `make_checkpoint(preset, out_dir)` writes `config.json` (released layo
 `tokenizer.json` and our `tokenization_kimi.py`, so `transformers.AutoTokenizer.from_pretrained` loads it with or
 without `trust_remote_code` — see `engine.tokenizer_build`; `kimi_linear` also gets `chat_template.jinja`). The same
 preset and seed give the same bytes. K3 presets can write routed experts as MXFP4 (`experts_format="mxfp4"`), as released.
+`text_overrides` replaces fields of the (text) config, for variants of a preset (e.g. a wider expert intermediate).
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ K2_CHAT_TEMPLATE = Path(__file__).resolve().parents[1] / "assets" / "kimi_k2_cha
 
 
 def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str = "float32",
-                    max_shard_bytes: int = 2 << 30, experts_format: str = "dense") -> Path:
+                    max_shard_bytes: int = 2 << 30, experts_format: str = "dense",
+                    text_overrides: dict | None = None) -> Path:
     if experts_format not in EXPERT_FORMATS:
         raise ValueError(f"experts_format {experts_format!r}: expected one of {EXPERT_FORMATS}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = preset_config(preset)
+    raw.get("text_config", raw).update(text_overrides or {})
     if experts_format == "mxfp4":
         _declare_mxfp4(raw)
     config = ModelConfig.from_dict(raw)

@@ -84,3 +84,13 @@ def run_single(model_dir: str, variant: Variant, prompts: list[list[int]], decod
     ctx = RankContext(ParallelConfig(1, 0, variant.expert_parallel), SingleProcess())
     return generate(load_model(model_dir, LoadConfig(experts_format=variant.experts_format), ctx), prompts,
                     decode_steps)
+
+
+def load_both_formats(comm, rank: int, model_dir: str, expert_parallel: bool) -> list[dict[str, torch.Tensor]]:
+    """This rank's parameters loaded through safetensors slices and through fastsafetensors (a collective)."""
+    ctx = RankContext(ParallelConfig(comm.size, rank, expert_parallel), comm)
+    out = []
+    for fmt in ("safetensors", "fastsafetensors"):
+        model = load_model(model_dir, LoadConfig(load_format=fmt), ctx)
+        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
