@@ -4,7 +4,8 @@
 (`Variant`: expert parallelism, experts format, a deliberately swapped shard) for this rank, prefills the prompts as
 one packed batch, then decodes greedily, and returns per variant: prefill logits `[T, V]`, per-step decode logits,
 the greedy tokens, this rank's KDA state slices after the prompt, and its parameter bytes by name (with whether
-each parameter is split across ranks).
+each parameter is split across ranks). `runner_steps` drives `ModelRunner.run_step` the way phase 2 will: rank 0
+plans each `RankStep` and broadcasts it, every rank runs it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.batch import CacheTensors
+from engine.config import CachePlan
+from engine.model.batch import CacheTensors, ForwardBatch
 from engine.model.loader import LoadConfig, load_model, shard_dims
 from engine.parallel.comm import RankContext, SingleProcess
 from engine.parallel.config import ParallelConfig
+from engine.runner import ModelRunner, RankStep, SlotInit
 from tests.model_driver import SequenceDriver
 
 
@@ -94,3 +97,35 @@ def load_both_formats(comm, rank: int, model_dir: str, expert_parallel: bool) ->
         model = load_model(model_dir, LoadConfig(load_format=fmt), ctx)
         out.append({n: p.detach().clone() for n, p in model.named_parameters()})
     return out
+
+
+def _batch(chunks: list[tuple[list[int], int, list[int], int]], block_size: int) -> ForwardBatch:
+    """chunks: (new tokens, start position, block ids, state slot) per sequence -> a packed `ForwardBatch`."""
+    ids, cu, seq_lens, slots = [], [0], [], []
+    for tokens, start, blocks, _ in chunks:
+        ids.extend(tokens)
+        cu.append(cu[-1] + len(tokens))
+        seq_lens.append(start + len(tokens))
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, seq_lens[-1]))
+    width = max(len(c[2]) for c in chunks)
+    tables = torch.tensor([c[2] + [0] * (width - len(c[2])) for c in chunks], dtype=torch.int32)
+    return ForwardBatch(torch.tensor(ids), torch.tensor(cu), torch.tensor(seq_lens), tables, torch.tensor(slots),
+                        torch.tensor([c[3] for c in chunks]))
+
+
+def runner_steps(comm, rank: int, model_dir: str) -> dict:
+    """Two `ModelRunner.run_step`s that rank 0 plans and broadcasts: prefill two prompts, then load sequence 0's
+    state (TP-independent layout, via `read_state`) and blocks into slot 1 / new blocks and decode both."""
+    ctx = RankContext(ParallelConfig(comm.size, rank), comm)
+    model = load_model(model_dir, LoadConfig(), ctx)
+    plan = CachePlan(block_size=4, num_blocks=16, slots_per_request=1, num_running_slots=2, num_snapshot_slots=0,
+                     snapshot_interval=0, max_model_len=64, bytes_per_token=1, bytes_per_state=1)
+    runner = ModelRunner(model, plan)
+    a, b = [(7 * i + 3) % 7900 for i in range(10)], [(11 * i + 1) % 7900 for i in range(6)]
+    first = RankStep(zero_slots=[0, 1], batches=[_batch([(a, 0, [0, 1, 2], 0), (b, 0, [3, 4], 1)], 4)])
+    prefill = runner.run_step(comm.broadcast_object(first if rank == 0 else None))
+    state, kv = runner.read_state(0), runner.read_blocks([0, 1, 2])  # collectives on every rank
+    second = RankStep(inits=[SlotInit(dst=1, blocks=(5, 6, 7), kv=kv, state=state)],
+                      batches=[_batch([([42], 10, [0, 1, 2], 0), ([42], 10, [5, 6, 7], 1)], 4)])
+    decode = runner.run_step(comm.broadcast_object(second if rank == 0 else None))
+    return {"prefill": prefill, "decode": decode, "state": runner.read_state(1)}

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from engine.model.checkpoint import make_checkpoint
+from engine.parallel.comm import SingleProcess
 from engine.parallel.launch import run_ranks
 from engine.parallel.state import gather_state, scatter_state
-from tests.unit.parallel.ranks import Variant, run_single, run_variants
+from tests.unit.parallel.ranks import Variant, run_single, run_variants, runner_steps
 
 REL_TOL = 1e-4
 DECODE_STEPS = 4
@@ -127,3 +128,18 @@ def test_packed_experts_equal_dequantised(runs):
     packed_bytes = sum(b for n, (b, _) in packed["bytes"].items() if ".experts.w" in n)
     dense_bytes = sum(b for n, (b, _) in dense["bytes"].items() if ".experts.w" in n)
     assert packed_bytes / (dense_bytes / 4) == pytest.approx(0.53125)  # bytes per fp32 parameter's worth
+
+
+def test_runner_steps_broadcast_from_rank0_equal_tp1(tmp_path):
+    """`ModelRunner.run_step` with a `RankStep` rank 0 broadcasts: same logits as TP=1, and a state read in the
+    TP-independent layout and loaded into another slot continues exactly like the original sequence."""
+    folder = str(make_checkpoint("tiny-k3", tmp_path / "tiny-k3", seed=2))
+    ref = runner_steps(SingleProcess(), 0, folder)
+    ranks = run_ranks(runner_steps, 2, (folder,), timeout_s=240)
+    assert rel_err(ref["decode"][1], ref["decode"][0]) <= 1e-6  # the loaded copy continues the same sequence
+    for got in ranks:
+        assert rel_err(got["prefill"], ref["prefill"]) <= REL_TOL
+        assert rel_err(got["decode"], ref["decode"]) <= REL_TOL
+        for k in ("conv", "recurrent"):
+            assert got["state"][k].shape == ref["state"][k].shape
+            assert rel_err(got["state"][k], ref["state"][k]) <= REL_TOL
