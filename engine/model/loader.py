@@ -14,9 +14,9 @@ Contract:
   packed ones.
 - `load_format`: `safetensors`, `fastsafetensors` (through the `fastsafetensors` package when it is installed, its
   sharded loading under tensor parallelism; else safetensors with one warning) or `dummy` (seeded random weights
-  drawn per tensor name, no weight files read: every TP size gets the same model). `dtype`: `auto` (the checkpoint's dtype on CUDA,
-  float32 on CPU), `float32`, `bfloat16`, `float16`. Parameters the design keeps in fp32 (gates, router, conv
-  weights, KDA decay parameters) stay fp32.
+  drawn per tensor name, no weight files read: every TP size gets the same model). `dtype`: `auto` (the
+  checkpoint's dtype on CUDA, float32 on CPU), `float32`, `bfloat16`, `float16`. Parameters the design keeps in
+  fp32 (gates, router, conv weights, KDA decay parameters) stay fp32.
 - The empty model's fused weight groups are bound before any data is read (`engine.model.fused`): parameters keep
   their official names and shapes, and loading writes into the fused tensors through them.
 - `save_weights(model, out_dir)` writes the inverse mapping (official names), sharded when over `max_shard_bytes`.

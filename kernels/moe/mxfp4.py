@@ -60,7 +60,8 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     lead = packed.shape[:-2]
     n, half = packed.shape[-2:]
     out = torch.empty(*lead, n, 2 * half, dtype=dtype, device=packed.device)
-    flat_p, flat_s, flat_o = packed.reshape(-1, n, half), scale.reshape(-1, n, scale.shape[-1]), out.view(-1, n, 2 * half)
+    flat_p, flat_s = packed.reshape(-1, n, half), scale.reshape(-1, n, scale.shape[-1])
+    flat_o = out.view(-1, n, 2 * half)
     for e in range(flat_p.shape[0]):
         dequantize_into(flat_p[e], flat_s[e], flat_o[e])
     return out
