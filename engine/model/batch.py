@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.config import ModelConfig
+from engine.plan import kv_bytes_per_token, state_bytes_per_request
 
 
 @dataclass
@@ -95,14 +96,10 @@ class CacheTensors:
 
 def bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
     """MLA cache bytes one token of context costs across all layers."""
-    return len(config.mla_layer_ids) * config.mla.cache_dim * dtype_bytes
+    return kv_bytes_per_token(config, dtype_bytes)
 
 
-def bytes_per_state(config: ModelConfig, dtype_bytes: int) -> int:
-    """KDA bytes one request's state slot costs across all layers (conv window in model dtype, state in fp32)."""
-    if config.kda is None:
-        return 0
-    k = config.kda
-    conv = 3 * k.num_heads * k.head_dim * (k.conv_kernel_size - 1) * dtype_bytes
-    rec = k.num_heads * k.head_dim * k.head_dim * 4
-    return len(config.kda_layer_ids) * (conv + rec)
+def bytes_per_state(config: ModelConfig, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """KDA bytes one request's state slot costs across all layers (conv window in model dtype, state in fp32), on
+    one rank of `tensor_parallel_size` (its H/N heads)."""
+    return state_bytes_per_request(config, dtype_bytes, tensor_parallel_size)
