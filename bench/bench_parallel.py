@@ -18,27 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from bench.gpu_validate import median_ms
 from engine.model.checkpoint import make_checkpoint
 from engine.model.loader import LoadConfig, load_model, shard_dims
 from engine.parallel.comm import RankContext
 from engine.parallel.config import ParallelConfig
 from engine.parallel.launch import run_ranks
 from engine.plan import rank_weight_bytes, state_bytes_per_request
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def memory(model) -> dict:
@@ -97,10 +87,10 @@ def moe_times(folder: str, token_counts: list[int], repeats: int) -> list[dict]:
         with torch.inference_mode():
             for t in token_counts:
                 x = torch.randn(t, model.config.hidden_size, generator=gen)
-                row[f"moe_ms_{t}"] = _median_ms(lambda: moe(x), repeats)
+                row[f"moe_ms_{t}"] = median_ms(lambda: moe(x), repeats)
         driver = SequenceDriver(model, max_seqs=8, max_len=96)
         driver.step({s: [(17 * s + i) % 7900 for i in range(64)] for s in range(8)})
-        row["decode_step_ms"] = _median_ms(lambda: driver.step({s: [5] for s in range(8)}), repeats)
+        row["decode_step_ms"] = median_ms(lambda: driver.step({s: [5] for s in range(8)}), repeats)
         rows.append(row)
     return rows
 

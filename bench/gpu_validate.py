@@ -58,7 +58,7 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
 
 
-def cuda_ms(fn, repeats: int = 5) -> float:
+def median_ms(fn, repeats: int = 5) -> float:
     """Median milliseconds of `fn()` (CUDA events; wall clock when CUDA is absent, as in the CPU smoke test)."""
     fn()
     if not torch.cuda.is_available():
@@ -99,7 +99,7 @@ def run_backends(report: Report, op: str, label: str, make, reference, tol: floa
             got = outputs(fn(*args), args)
             err = max(rel_err(g, e) for g, e in zip(got, expected))
             timed = make()[0]
-            ms = cuda_ms(lambda: fn(*timed))
+            ms = median_ms(lambda: fn(*timed))
             report.add(Check(label, backend, "pass" if err <= tol else "fail", err, ms))
         except Exception as exc:  # noqa: BLE001 - a backend that cannot run is reported, not fatal
             report.add(Check(label, backend, "error", note=f"{type(exc).__name__}: {exc}"[:300]))

@@ -35,14 +35,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     cache: dict[str, tuple] = {}
