@@ -204,7 +204,8 @@ def plan(config: ModelConfig, args: PlanArgs) -> Plan:
     if replicas == 0:
         reason = f"{gpus} GPUs cannot hold one replica of tensor-parallel size {tp}"
     elif usable <= 0:
-        reason = f"weights need {_gb(weights.total)} per GPU; {_gb(args.gpu_memory)} x {args.gpu_memory_utilization} usable"
+        reason = (f"weights need {_gb(weights.total)} per GPU; "
+                  f"{_gb(args.gpu_memory)} x {args.gpu_memory_utilization} usable")
     elif concurrency == 0:
         reason = f"one request at {args.context_len} tokens needs {_gb(request)} per GPU; {_gb(usable)} left"
     return Plan(args, fmt, weights, kv, state, request, usable, replicas, int(concurrency), handoff,
