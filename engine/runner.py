@@ -11,21 +11,29 @@ Contract:
   by rounding. `max_forward_tokens=None`: `CPU_FORWARD_TOKENS` on CPU (every activation of a forward then stays
   below glibc's 32 MiB mmap threshold and is reused from the heap; larger ones are mapped and page-faulted afresh in
   every forward: ~1 s of system time per 4096-token CPU step of `small-linear`), no limit on other devices.
+- `execute` is `run_step(plan_step(out, running_slots))`: `plan_step` turns the scheduler's output into a `RankStep`
+  (plain data: slot inits in the TP-independent layout and the packed `ForwardBatch`es) and `run_step` applies it.
+  Under tensor parallelism every rank runs `run_step` with the same `RankStep` (rank 0 plans it and, in phase 2,
+  broadcasts it); each rank writes its slice of a loaded state. The model's forward is a collective.
+- The cache holds this rank's KDA heads (`model.num_local_kda_heads`); MLA blocks are replicated.
 - `copy_slots(pairs)` copies KDA state slots (snapshots after a step).
 - `read_blocks` / `write_blocks` / `read_state` / `write_state` move cache contents in and out as tensors
   (`engine.transfer` serialises them): blocks as `[num_mla_layers, n, block_size, cache_dim]` in MLA layer order,
-  a state as `conv [num_kda_layers, 3*H*D, W-1]` (cache dtype) and `recurrent [num_kda_layers, H, D, D]` (fp32).
+  a state as `conv [num_kda_layers, 3*H*D, W-1]` (cache dtype) and `recurrent [num_kda_layers, H, D, D]` (fp32),
+  all heads whatever the TP size (engine/parallel/state.py): under TP `read_state` is a collective (an all-gather)
+  and `write_state` keeps this rank's heads of the full state it is given.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import CachePlan
 from engine.model.batch import CacheTensors, ForwardBatch
 from engine.model.model import KimiForCausalLM
+from engine.parallel.state import all_gather_state, scatter_state
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 
@@ -43,6 +51,26 @@ class Piece:
     needs_logits: bool
 
 
+@dataclass(frozen=True)
+class SlotInit:
+    """One running slot's init before a step: copy snapshot `src`, or load `state` (+ `kv` into `blocks`), or zero."""
+
+    dst: int
+    src: int | None = None
+    blocks: tuple[int, ...] = ()
+    kv: torch.Tensor | None = None  # [num_mla_layers, n, block_size, cache_dim]
+    state: dict[str, torch.Tensor] | None = None  # the TP-independent layout
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """Everything every rank needs for one step, as plain data (what rank 0 will broadcast in phase 2)."""
+
+    zero_slots: list[int] = field(default_factory=list)
+    inits: list[SlotInit] = field(default_factory=list)
+    batches: list[ForwardBatch] = field(default_factory=list)
+
+
 class ModelRunner:
     def __init__(self, model: KimiForCausalLM, plan: CachePlan, max_forward_tokens: int | None = None):
         self.model = model
@@ -52,30 +80,39 @@ class ModelRunner:
             max_forward_tokens = CPU_FORWARD_TOKENS if self.device.type == "cpu" else 1 << 62
         self.max_forward_tokens = max_forward_tokens
         self.block_size = plan.block_size
+        self.ctx = model.ctx
         self.cache = CacheTensors.allocate(model.config, num_blocks=plan.num_blocks, block_size=plan.block_size,
-                                           num_slots=plan.num_slots, dtype=model.dtype, device=self.device)
+                                           num_slots=plan.num_slots, dtype=model.dtype, device=self.device,
+                                           kda_heads=model.num_local_kda_heads)
         self.mla_layers = sorted(self.cache.kv)
         self.kda_layers = sorted(self.cache.recurrent)
 
     def execute(self, out: SchedulerOutput, running_slots: list[int]) -> torch.Tensor:
         """Runs the step; `running_slots[i]` is the KDA slot of `out.chunks[i].req`."""
-        self._apply_state_inits(out)
+        return self.run_step(self.plan_step(out, running_slots))
+
+    def plan_step(self, out: SchedulerOutput, running_slots: list[int]) -> RankStep:
+        zero = [init.dst for init in out.state_inits if init.src is None and init.load is None]
+        inits = [SlotInit(init.dst, src=init.src) if init.src is not None else
+                 SlotInit(init.dst, blocks=tuple(init.load_blocks), kv=init.load.kv, state=init.load.state)
+                 for init in out.state_inits if init.src is not None or init.load is not None]
         pieces = [Piece(c.req, c.start, c.num_tokens, slot, c.needs_logits)
                   for c, slot in zip(out.chunks, running_slots)]
-        logits = [self.model(self.build_batch(group).to(self.device), self.cache)
-                  for group in split_forwards(pieces, self.max_forward_tokens)]
-        return logits[0] if len(logits) == 1 else torch.cat(logits)  # [L, V]
+        batches = [self.build_batch(group) for group in split_forwards(pieces, self.max_forward_tokens)]
+        return RankStep(zero, inits, batches)
 
-    def _apply_state_inits(self, out: SchedulerOutput) -> None:
-        zero = [init.dst for init in out.state_inits if init.src is None and init.load is None]
-        if zero and self.kda_layers:
-            self.cache.zero_slots(torch.tensor(zero, dtype=torch.long, device=self.device))
-        for init in out.state_inits:
+    def run_step(self, step: RankStep) -> torch.Tensor:
+        """Applies the slot inits, then runs the forwards in order; fp32 logits `[L, V]`."""
+        if step.zero_slots and self.kda_layers:
+            self.cache.zero_slots(torch.tensor(step.zero_slots, dtype=torch.long, device=self.device))
+        for init in step.inits:
             if init.src is not None:
                 self.cache.copy_slot(init.src, init.dst)
-            elif init.load is not None:
-                self.write_blocks(list(init.load_blocks), init.load.kv)
-                self.write_state(init.dst, init.load.state)
+            else:
+                self.write_blocks(list(init.blocks), init.kv)
+                self.write_state(init.dst, init.state)
+        logits = [self.model(batch.to(self.device), self.cache) for batch in step.batches]
+        return logits[0] if len(logits) == 1 else torch.cat(logits)  # [L, V]
 
     def build_batch(self, pieces: list[Piece]) -> ForwardBatch:
         bs = self.block_size
@@ -123,10 +160,13 @@ class ModelRunner:
     def read_state(self, slot: int) -> dict[str, torch.Tensor]:
         if not self.kda_layers:
             return {}
-        return {"conv": torch.stack([self.cache.conv[i][slot] for i in self.kda_layers]).cpu(),
-                "recurrent": torch.stack([self.cache.recurrent[i][slot] for i in self.kda_layers]).cpu()}
+        local = {"conv": torch.stack([self.cache.conv[i][slot] for i in self.kda_layers]),
+                 "recurrent": torch.stack([self.cache.recurrent[i][slot] for i in self.kda_layers])}
+        return {k: v.cpu() for k, v in all_gather_state(self.ctx, local).items()}
 
     def write_state(self, slot: int, state: dict[str, torch.Tensor]) -> None:
+        if self.ctx.size > 1 and state:
+            state = scatter_state(state, self.ctx.size, self.ctx.rank)
         for layer, i in enumerate(self.kda_layers):
             self.cache.conv[i][slot].copy_(state["conv"][layer])
             self.cache.recurrent[i][slot].copy_(state["recurrent"][layer])
@@ -136,9 +176,10 @@ class ModelRunner:
         if not self.kda_layers:
             return {}
         first = self.kda_layers[0]
-        n = len(self.kda_layers)
-        return {"conv": ((n, *self.cache.conv[first].shape[1:]), self.cache.conv[first].dtype),
-                "recurrent": ((n, *self.cache.recurrent[first].shape[1:]), torch.float32)}
+        n, size = len(self.kda_layers), self.ctx.size
+        (channels, width), (heads, d, _) = self.cache.conv[first].shape[1:], self.cache.recurrent[first].shape[1:]
+        return {"conv": ((n, channels * size, width), self.cache.conv[first].dtype),
+                "recurrent": ((n, heads * size, d, d), torch.float32)}
 
     def block_shape(self) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of one block's data across MLA layers: [num_mla_layers, block_size, cache_dim]."""

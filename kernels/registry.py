@@ -53,6 +53,11 @@ _IMPLS: dict[str, dict[str, str]] = {
     },
     "moe_experts": {
         "torch": "kernels.moe.grouped:moe_experts_grouped",
+        "triton": "kernels.moe.triton_fused:moe_experts_dense",
+    },
+    "moe_experts_mxfp4": {
+        "torch": "kernels.moe.mxfp4:moe_experts_mxfp4",
+        "triton": "kernels.moe.triton_fused:moe_experts_mxfp4",
     },
     "vision_attention": {"torch": "kernels.vision.torch_sdpa:varlen_attention"},
 }

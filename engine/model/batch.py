@@ -10,6 +10,8 @@ Contract:
 - With `mm_embeds` / `mm_positions` set, row `mm_positions[i]` of the step enters the model as `mm_embeds[i]`
   instead of its token's embedding (K3 image features at `<|media_pad|>` tokens); nothing else changes.
 - `CacheTensors` holds per-layer tensors only; which blocks and slots belong to whom is the engine's business.
+  Under tensor parallelism a rank's state slots hold its `kda_heads` = H/N heads (conv channels `3*(H/N)*D`);
+  the MLA latent cache is replicated (every rank writes the same latents).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.config import ModelConfig
+from engine.plan import kv_bytes_per_token, state_bytes_per_request
 
 
 @dataclass
@@ -69,16 +72,19 @@ class CacheTensors:
 
     @classmethod
     def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> "CacheTensors":
+                 dtype: torch.dtype, device: torch.device | str = "cpu", kda_heads: int | None = None
+                 ) -> "CacheTensors":
+        """`kda_heads`: the KDA heads of this rank's slots (None: all of the model's)."""
         kv = {i: torch.zeros(num_blocks, block_size, config.mla.cache_dim, dtype=dtype, device=device)
               for i in config.mla_layer_ids}
         conv, recurrent = {}, {}
         if config.kda is not None:
             k = config.kda
-            width = 3 * k.num_heads * k.head_dim
+            heads = k.num_heads if kda_heads is None else kda_heads
+            width = 3 * heads * k.head_dim
             for i in config.kda_layer_ids:
                 conv[i] = torch.zeros(num_slots, width, k.conv_kernel_size - 1, dtype=dtype, device=device)
-                recurrent[i] = torch.zeros(num_slots, k.num_heads, k.head_dim, k.head_dim,
+                recurrent[i] = torch.zeros(num_slots, heads, k.head_dim, k.head_dim,
                                            dtype=torch.float32, device=device)
         return cls(block_size=block_size, kv=kv, conv=conv, recurrent=recurrent)
 
@@ -94,14 +100,10 @@ class CacheTensors:
 
 def bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
     """MLA cache bytes one token of context costs across all layers."""
-    return len(config.mla_layer_ids) * config.mla.cache_dim * dtype_bytes
+    return kv_bytes_per_token(config, dtype_bytes)
 
 
-def bytes_per_state(config: ModelConfig, dtype_bytes: int) -> int:
-    """KDA bytes one request's state slot costs across all layers (conv window in model dtype, state in fp32)."""
-    if config.kda is None:
-        return 0
-    k = config.kda
-    conv = 3 * k.num_heads * k.head_dim * (k.conv_kernel_size - 1) * dtype_bytes
-    rec = k.num_heads * k.head_dim * k.head_dim * 4
-    return len(config.kda_layer_ids) * (conv + rec)
+def bytes_per_state(config: ModelConfig, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """KDA bytes one request's state slot costs across all layers (conv window in model dtype, state in fp32), on
+    one rank of `tensor_parallel_size` (its H/N heads)."""
+    return state_bytes_per_request(config, dtype_bytes, tensor_parallel_size)

@@ -9,6 +9,7 @@ preset and seed give the same bytes. K3 presets can write routed experts as MXFP
 K3 presets also write their vision tower and projector (`vision_tower.*`, `mm_projector.*`, seeded from their own
 generator, so the text weights of a seed do not depend on the tower) and `preprocessor_config.json`
 (`media_proc_cfg` in the released form, see `engine.vision.processor`).
+`text_overrides` replaces fields of the (text) config, for variants of a preset (e.g. a wider expert intermediate).
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ K2_CHAT_TEMPLATE = Path(__file__).resolve().parents[1] / "assets" / "kimi_k2_cha
 
 
 def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str = "float32",
-                    max_shard_bytes: int = 2 << 30, experts_format: str = "dense") -> Path:
+                    max_shard_bytes: int = 2 << 30, experts_format: str = "dense",
+                    text_overrides: dict | None = None) -> Path:
     if experts_format not in EXPERT_FORMATS:
         raise ValueError(f"experts_format {experts_format!r}: expected one of {EXPERT_FORMATS}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = preset_config(preset)
+    raw.get("text_config", raw).update(text_overrides or {})
     if experts_format == "mxfp4":
         _declare_mxfp4(raw)
     config = ModelConfig.from_dict(raw)

@@ -4,10 +4,13 @@ Contract: `init_random_weights(model, seed)` fills every parameter deterministic
 the same bytes on any machine), with magnitudes that keep activations O(1) so tests compare meaningful numbers:
 linear layers N(0, 1/fan_in), norm weights 1 + N(0, 0.1²) (so a dropped norm weight changes the output), KDA decay
 parameters as flash-linear-attention initialises them, and a small router correction bias.
+`sample_tensor(name, shape, seed)` draws one tensor by the same rules from a generator seeded by (seed, name) alone,
+so any rank can draw any checkpoint tensor and slice it (`--load-format dummy` under tensor parallelism).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -21,6 +24,12 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.data.copy_(_sample(name, tuple(param.shape), gen).to(param.dtype))
+
+
+def sample_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return _sample(name, shape, gen)
 
 
 def _sample(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:

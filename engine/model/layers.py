@@ -4,6 +4,11 @@ Contract:
 - Every module works on packed tokens `[T, hidden]` and reads/writes cache tensors only through the `ForwardBatch`
   indices (see engine/model/batch.py). Parameter names below a layer equal the official checkpoint names, except that
   routed experts are stacked (`experts.w1` is `[E, I, D]`, filled from `experts.{e}.w1.weight`).
+- Built for one tensor-parallel rank (`RankContext`, default: the whole model): KDA and MLA by head (q/k/v/f/g/beta
+  projections, convs and the state by channel/head; MLA's q/q_b, kv_b and output gate column-parallel, its latent
+  `kv_a_proj_with_mqa` and norms replicated), `o_proj` row-parallel and all-reduced, so a mixer returns the full
+  output on every rank; dense MLPs column -> row. Which checkpoint dim each parameter is split along is declared in
+  `tp_dims` (engine/model/common.py); heads that do not divide by the TP size raise `ParallelError`.
 - One `DecoderLayer` serves both families; its `LayerSpec` and the model config select the mixer (KDA or MLA), the
   FFN (dense or MoE, plain or latent), the residual style (plain adds or K3 attention residuals) and the activation.
 - Numerics follow DESIGN.md "Shared forms": RMSNorm in fp32 with the weight applied after the cast back; KDA state,
@@ -18,153 +23,56 @@ Contract:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model.batch import CacheTensors, ForwardBatch
+from engine.model.common import FUSED_GATE_UP_MAX, GatedMLP, Linear, RMSNorm, _linear, gated_activation
 from engine.model.config import LayerSpec, ModelConfig
 from engine.model.fused import FusedLinear, ParamGroup
+from engine.model.moe import MoEGate, SparseMoE, StackedExperts
+from engine.parallel.comm import SINGLE, RankContext
 from kernels import get_kernel
 from kernels.attention.torch_paged import write_kv_cache
 from kernels.kda.gate import kda_gate_lower_bound, kda_gate_softplus
-from kernels.linear import linear
-from kernels.moe.activation import GatedActivation
-from kernels.moe.router import route
-from kernels.norm.rms_norm import gated_rms_norm, l2_normalize, rms_norm
+from kernels.norm.rms_norm import gated_rms_norm, l2_normalize
 
-
-# Widest intermediate whose gate/up run as one matmul: on CPU, fused was 2.5x (I=128) and ~1.1x (I=1024) faster at
-# 32 tokens, and slower at I=2048.
-FUSED_GATE_UP_MAX = 1024
-
-
-class Linear(nn.Linear):
-    """A bias-free `nn.Linear` (same parameter name and layout) whose product runs through `kernels.linear`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
-
-
-def _linear(in_features: int, out_features: int) -> nn.Linear:
-    return Linear(in_features, out_features, bias=False)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def gated_activation(config: ModelConfig) -> GatedActivation:
-    act = config.activation
-    return GatedActivation(kind=act.kind, beta=act.situ_beta, linear_beta=act.situ_linear_beta)
-
-
-class GatedMLP(nn.Module):
-    """`down_proj(act(gate_proj(x), up_proj(x)))`: the dense FFN and the shared experts."""
-
-    def __init__(self, hidden: int, intermediate: int, act: GatedActivation):
-        super().__init__()
-        self.gate_proj = _linear(hidden, intermediate)
-        self.up_proj = _linear(hidden, intermediate)
-        self.down_proj = _linear(intermediate, hidden)
-        self.act = act
-        # Fusing gate/up pays for narrow MLPs (shared experts); wide ones already run as large matmuls, and on CPU a
-        # fused output over 32 MiB is page-faulted afresh on every call (see engine/runner.py).
-        self.gate_up = FusedLinear([[self.gate_proj], [self.up_proj]]) if intermediate <= FUSED_GATE_UP_MAX else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))  # [T, I]
-        return self.down_proj(self.act(gate, up))
-
-
-class StackedExperts(nn.Module):
-    """Routed experts as stacked tensors (w1 gate, w3 up, w2 down), filled per expert by the loader."""
-
-    def __init__(self, num_experts: int, width: int, intermediate: int):
-        super().__init__()
-        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, width))  # [E, I, D]
-        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, width))  # [E, I, D]
-        self.w2 = nn.Parameter(torch.empty(num_experts, width, intermediate))  # [E, D, I]
-        self.gate_up = ParamGroup([(self, "w1"), (self, "w3")], dim=1)  # bound: w1, w3 are halves of [E, 2I, D]
-
-
-class MoEGate(nn.Module):
-    def __init__(self, num_experts: int, hidden: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
-
-
-class SparseMoE(nn.Module):
-    """Sigmoid-routed MoE with shared experts; K3's latent form runs the routed experts at a narrower width."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        moe = config.moe
-        self.moe = moe
-        width = moe.latent_size or config.hidden_size
-        self.gate = MoEGate(moe.num_experts, config.hidden_size)
-        self.experts = StackedExperts(moe.num_experts, width, moe.intermediate_size)
-        self.act = gated_activation(config)
-        self.shared_experts = (GatedMLP(config.hidden_size, moe.intermediate_size * moe.num_shared_experts, self.act)
-                               if moe.num_shared_experts else None)
-        if moe.latent_size:
-            self.routed_expert_down_proj = _linear(config.hidden_size, width)
-            self.routed_expert_up_proj = _linear(width, config.hidden_size)
-            self.routed_expert_norm = RMSNorm(width, config.rms_norm_eps) if moe.latent_use_norm else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, D]
-        moe = self.moe
-        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
-        weights, ids = route(logits, self.gate.e_score_correction_bias.float(), moe.top_k, moe.num_expert_group,
-                             moe.topk_group, moe.renormalize, moe.routed_scaling_factor)
-        z = self.routed_expert_down_proj(x) if moe.latent_size else x  # [T, Dm]
-        experts = get_kernel("moe_experts", x.device)
-        y = experts(z, self.experts.w1, self.experts.w3, self.experts.w2, weights, ids, self.act)  # [T, Dm]
-        if moe.latent_size:
-            if self.routed_expert_norm is not None:
-                y = self.routed_expert_norm(y)
-            y = self.routed_expert_up_proj(y)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
+__all__ = ["FUSED_GATE_UP_MAX", "DecoderLayer", "GatedMLP", "KDAMixer", "Linear", "MLAMixer", "MoEGate", "RMSNorm",
+           "ResidualStream", "SparseMoE", "StackedExperts", "_linear", "attn_res_mix", "gated_activation"]
 
 
 class KDAMixer(nn.Module):
     """Kimi Delta Attention: short convs, the gated delta rule per head, and a gated RMSNorm on the output."""
 
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, ctx: RankContext = SINGLE):
         super().__init__()
         kda = config.kda
-        self.kda = kda
+        self.kda, self.ctx = kda, ctx
         self.layer_index = layer_index
         self.eps = config.rms_norm_eps
-        d, h, proj = config.hidden_size, kda.num_heads, kda.num_heads * kda.head_dim
-        self.q_proj, self.k_proj, self.v_proj = _linear(d, proj), _linear(d, proj), _linear(d, proj)
+        h = ctx.split(kda.num_heads, "KDA heads (linear_attn_config.num_heads)")  # this rank's heads
+        self.num_heads = h
+        d, proj = config.hidden_size, h * kda.head_dim
+        self.q_proj, self.k_proj, self.v_proj = (_linear(d, proj, shard_dim=0) for _ in range(3))
         for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
             self.add_module(name, _ConvWeight(proj, kda.conv_kernel_size))
         self.A_log = nn.Parameter(torch.empty(h, dtype=torch.float32))  # narrowed from the checkpoint's shape
         self.dt_bias = nn.Parameter(torch.empty(proj, dtype=torch.float32))
-        self.f_a_proj, self.f_b_proj = _linear(d, kda.head_dim), _linear(kda.head_dim, proj)
-        self.b_proj = _linear(d, h)
+        self.tp_dims = {"A_log": 0, "dt_bias": 0}
+        self.f_a_proj, self.f_b_proj = _linear(d, kda.head_dim), _linear(kda.head_dim, proj, shard_dim=0)
+        self.b_proj = _linear(d, h, shard_dim=0)
         if kda.full_rank_output_gate:
-            self.g_proj = _linear(d, proj)
+            self.g_proj = _linear(d, proj, shard_dim=0)
         else:
-            self.g_a_proj, self.g_b_proj = _linear(d, kda.head_dim), _linear(kda.head_dim, proj)
+            self.g_a_proj, self.g_b_proj = _linear(d, kda.head_dim), _linear(kda.head_dim, proj, shard_dim=0)
         self.o_norm = RMSNorm(kda.head_dim, config.rms_norm_eps)
-        self.o_proj = _linear(proj, d)
+        self.o_proj = _linear(proj, d, shard_dim=1)
         out_gate = [self.g_proj] if kda.full_rank_output_gate else [self.g_a_proj]
         self.in_proj = FusedLinear([[self.q_proj, self.k_proj, self.v_proj], [self.f_a_proj], [self.b_proj], out_gate])
         self.conv_weights = ParamGroup([(getattr(self, f"{n}_conv1d"), "weight") for n in "qkv"], dim=0)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         kda, t = self.kda, x.shape[0]
-        h, dh = kda.num_heads, kda.head_dim
+        h, dh = self.num_heads, kda.head_dim
         qkv, f_low, b, gate = self.in_proj(x)  # [T, 3*H*D], [T, D], [T, H], [T, H*D] or low-rank [T, D]
         conv_w = self._conv_weight()  # [3HD, W]
         conv_pool = cache.conv[self.layer_index]
@@ -187,7 +95,7 @@ class KDAMixer(nn.Module):
         if not kda.full_rank_output_gate:
             gate = self.g_b_proj(gate)  # [T, H*D]
         o = gated_rms_norm(o, self.o_norm.weight, gate.reshape(t, h, dh), self.eps)  # [T, H, D]
-        return self.o_proj(o.reshape(t, h * dh).to(x.dtype))
+        return self.ctx.all_reduce(self.o_proj(o.reshape(t, h * dh).to(x.dtype)))  # row-parallel: summed
 
     def _conv_weight(self) -> torch.Tensor:
         fused = self.conv_weights.tensor()  # [3HD, 1, W] when bound
@@ -198,8 +106,8 @@ class KDAMixer(nn.Module):
     def _forget_gate(self, f: torch.Tensor) -> torch.Tensor:
         """f [T, H*D] (f_b_proj's output) -> g [T, H, D] fp32."""
         if self.kda.gate_lower_bound is None:
-            return kda_gate_softplus(f, self.A_log, self.dt_bias, self.kda.num_heads)
-        return kda_gate_lower_bound(f, self.A_log, self.dt_bias, self.kda.num_heads, self.kda.gate_lower_bound)
+            return kda_gate_softplus(f, self.A_log, self.dt_bias, self.num_heads)
+        return kda_gate_lower_bound(f, self.A_log, self.dt_bias, self.num_heads, self.kda.gate_lower_bound)
 
 
 class _ConvWeight(nn.Module):
@@ -208,36 +116,39 @@ class _ConvWeight(nn.Module):
     def __init__(self, channels: int, width: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, width, dtype=torch.float32))
+        self.tp_dims = {"weight": 0}  # by channel, i.e. by head
 
 
 class MLAMixer(nn.Module):
     """Multi-head latent attention with NoPE, run in the absorbed form over the paged latent cache."""
 
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, ctx: RankContext = SINGLE):
         super().__init__()
         mla = config.mla
-        self.mla = mla
+        self.mla, self.ctx = mla, ctx
         self.layer_index = layer_index
-        d, h = config.hidden_size, mla.num_heads
+        h = ctx.split(mla.num_heads, "MLA heads (num_attention_heads)")  # this rank's heads
+        self.num_heads = h
+        d = config.hidden_size
         q_dim = h * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
         if mla.q_lora_rank:
             self.q_a_proj = _linear(d, mla.q_lora_rank)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6)
-            self.q_b_proj = _linear(mla.q_lora_rank, q_dim)
+            self.q_b_proj = _linear(mla.q_lora_rank, q_dim, shard_dim=0)
         else:
-            self.q_proj = _linear(d, q_dim)
-        self.kv_a_proj_with_mqa = _linear(d, mla.kv_lora_rank + mla.qk_rope_head_dim)
+            self.q_proj = _linear(d, q_dim, shard_dim=0)
+        self.kv_a_proj_with_mqa = _linear(d, mla.kv_lora_rank + mla.qk_rope_head_dim)  # the latent: replicated
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6)
-        self.kv_b_proj = _linear(mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim))
-        self.o_proj = _linear(h * mla.v_head_dim, d)
+        self.kv_b_proj = _linear(mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim), shard_dim=0)
+        self.o_proj = _linear(h * mla.v_head_dim, d, shard_dim=1)
         if mla.output_gate:
-            self.g_proj = _linear(d, h * mla.v_head_dim)
+            self.g_proj = _linear(d, h * mla.v_head_dim, shard_dim=0)
         parts = [[self.q_a_proj if mla.q_lora_rank else self.q_proj], [self.kv_a_proj_with_mqa]]
         self.in_proj = FusedLinear(parts + ([[self.g_proj]] if mla.output_gate else []))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         mla, t = self.mla, x.shape[0]
-        h, nope, rope, lora = mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
+        h, nope, rope, lora = self.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
         q, ckv, *out_gate = self.in_proj(x)  # [T, q_lora or H*(nope+rope)], [T, lora+rope], ([T, H*v])
         if mla.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(q))
@@ -255,7 +166,7 @@ class MLAMixer(nn.Module):
         o = torch.einsum("thl,hvl->thv", o_latent.to(x.dtype), w_uv).reshape(t, h * mla.v_head_dim)
         if mla.output_gate:
             o = o * torch.sigmoid(out_gate[0])
-        return self.o_proj(o)
+        return self.ctx.all_reduce(self.o_proj(o))  # row-parallel: summed
 
 
 def attn_res_mix(blocks: list[torch.Tensor], prefix_sum: torch.Tensor, norm_weight: torch.Tensor,
@@ -283,15 +194,16 @@ class ResidualStream:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, spec: LayerSpec):
+    def __init__(self, config: ModelConfig, spec: LayerSpec, ctx: RankContext = SINGLE, experts_format: str = "dense"):
         super().__init__()
-        self.spec = spec
+        self.spec, self.ctx = spec, ctx
         d, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = KDAMixer(config, spec.index) if spec.mixer == "kda" else MLAMixer(config, spec.index)
+        mixer = KDAMixer if spec.mixer == "kda" else MLAMixer
+        self.self_attn = mixer(config, spec.index, ctx)
         if spec.ffn == "moe":
-            self.block_sparse_moe = SparseMoE(config)
+            self.block_sparse_moe = SparseMoE(config, ctx, experts_format)
         else:
-            self.mlp = GatedMLP(d, config.intermediate_size, gated_activation(config))
+            self.mlp = GatedMLP(d, config.intermediate_size, gated_activation(config), ctx, "intermediate_size")
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
         if spec.residual == "attn_res":
@@ -301,7 +213,7 @@ class DecoderLayer(nn.Module):
             self.mlp_res_norm, self.mlp_res_proj = RMSNorm(d, eps), _linear(d, 1)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x) if self.spec.ffn == "moe" else self.mlp(x)
+        return self.block_sparse_moe(x) if self.spec.ffn == "moe" else self.ctx.all_reduce(self.mlp(x))
 
     def forward(self, stream: ResidualStream, batch: ForwardBatch, cache: CacheTensors) -> None:
         """Advances `stream` through this layer in place."""

@@ -6,7 +6,12 @@ Contract:
   for the rows `batch.logits_indices` (default: the last new token of each sequence).
 - On CPU the forward step runs with denormals flushed to zero (see `forward`); the thread's mode is restored after.
 - Parameter names equal the official checkpoint names minus the family's `weight_prefix`, except stacked experts
-  (see engine/model/layers.py); `engine.model.loader` maps between the two.
+  (see engine/model/moe.py); `engine.model.loader` maps between the two.
+- Built for one tensor-parallel rank (`ctx`, default the whole model): the embedding and the LM head are
+  vocabulary-parallel (the LM head's logits are all-gathered, so every rank returns the full `[L, vocab]`), norms
+  and the attention-residual mixes replicated, the layers as engine/model/layers.py says. Every rank must run
+  `forward` with the same `ForwardBatch` (it calls collectives). `experts_format` "mxfp4" keeps routed experts
+  packed. `num_local_kda_heads` is the KDA head count of this rank's state slots (`CacheTensors.allocate`).
 """
 
 from __future__ import annotations
@@ -16,16 +21,18 @@ from torch import nn
 
 from engine.model.batch import CacheTensors, ForwardBatch
 from engine.model.config import ModelConfig
+from engine.model.common import VocabEmbedding
 from engine.model.layers import DecoderLayer, RMSNorm, ResidualStream, _linear, attn_res_mix
+from engine.parallel.comm import SINGLE, RankContext
 
 
 class KimiTextModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, ctx: RankContext = SINGLE, experts_format: str = "dense"):
         super().__init__()
         self.config = config
         d = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, d)
-        self.layers = nn.ModuleList([DecoderLayer(config, spec) for spec in config.layers])
+        self.embed_tokens = VocabEmbedding(config.vocab_size, d, ctx)
+        self.layers = nn.ModuleList([DecoderLayer(config, spec, ctx, experts_format) for spec in config.layers])
         self.norm = RMSNorm(d, config.rms_norm_eps)
         if config.attn_res_block_size:
             self.output_attn_res_norm = RMSNorm(d, config.rms_norm_eps)
@@ -46,13 +53,17 @@ class KimiTextModel(nn.Module):
 
 
 class KimiForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, ctx: RankContext = SINGLE, experts_format: str = "dense"):
         super().__init__()
-        self.config = config
-        self.model = KimiTextModel(config)
-        self.lm_head = _linear(config.hidden_size, config.vocab_size)
+        self.config, self.ctx, self.experts_format = config, ctx, experts_format
+        self.model = KimiTextModel(config, ctx, experts_format)
+        self.lm_head = _linear(config.hidden_size, config.vocab_size // ctx.size, shard_dim=0)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_local_kda_heads(self) -> int:
+        return self.config.kda.num_heads // self.ctx.size if self.config.kda else 0
 
     @property
     def device(self) -> torch.device:
@@ -71,6 +82,6 @@ class KimiForCausalLM(nn.Module):
         try:
             hidden = self.model(batch, cache)  # [T, D]
             rows = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
-            return self.lm_head(hidden[rows]).float()  # [L, V]
+            return self.ctx.all_gather(self.lm_head(hidden[rows]).float(), dim=-1)  # [L, V]  # [L, V]
         finally:
             torch.set_flush_denormal(False)

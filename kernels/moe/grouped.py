@@ -1,20 +1,24 @@
 """Routed experts with tokens grouped by expert: one grouped matmul per projection over expert-contiguous rows.
 
-Contract: same signature and result as `kernels.moe.naive.moe_experts_naive` (equal to fp32 rounding). The T·k
-(token, expert) assignments are sorted by expert id once (stable argsort, so each expert's tokens stay in token
-order); expert e's assignments are then the contiguous rows `[offset_e, offset_e + count_e)` of the sorted order.
-The gathered rows go through w1/w3 → act → w2 in `x.dtype`:
-- as `torch.nn.functional.grouped_mm` calls over all experts at once (fp32/bf16/fp16 where torch has it; no host
-  sync), else one matmul pair per non-empty expert (`bincount(...).tolist()` is then the only host sync);
+Contract: same signature and result as `kernels.moe.naive.moe_experts_naive` (equal to fp32 rounding), including
+its rule for ids outside `[0, E)`: such an assignment belongs to another rank's experts (expert parallelism) and
+adds nothing. The T·k (token, expert) assignments are sorted by expert id once (stable argsort, so each expert's
+tokens stay in token order; out-of-range ones last); expert e's assignments are then the contiguous rows
+`[offset_e, offset_e + count_e)` of the sorted order. The gathered rows go through w1/w3 → act → w2 in `x.dtype`:
+- as `torch.nn.functional.grouped_mm` calls over all experts at once (fp32/bf16/fp16 where torch has it, on CPU),
+  else one matmul pair per non-empty expert (`bincount(...).tolist()` is then the only host sync);
 - gate and up run as ONE matmul when `w1` and `w3` are the two halves of one `[E, 2I, D]` tensor
-  (`gate_up_storage`, as `engine.model.layers.StackedExperts` lays them out), else as two.
+  (`gate_up_storage`, as `engine.model.moe.StackedExperts` lays them out), else as two.
 Each token's output is `Σ_k weight_k · out_k` in fp32: the rows are un-permuted with one gather and reduced by one
 batched [1, k] × [k, D] matmul (scatters and `index_add_` with repeated indices are serial on CPU), returned in
 `x.dtype`. The gathered rows and the un-permuted outputs live in `kernels.workspace` scratch buffers (fresh 25 MB
-tensors per 2,048-token chunk were page-fault bound on CPU).
+tensors per 2,048-token chunk were page-fault bound on CPU). `sort_assignments` / `combine` are shared with the
+packed-MXFP4 path (kernels/moe/mxfp4.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +28,45 @@ from kernels.workspace import gathered
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@dataclass(frozen=True)
+class Assignments:
+    """The T·k (token, expert) pairs sorted by expert; only the first `num_valid` are on this rank's experts."""
+
+    order: torch.Tensor  # [T*k] int64, sorted position -> flat assignment index
+    counts: torch.Tensor  # [E] int64, assignments per local expert
+    num_valid: int
+    all_valid: bool
+
+
+def sort_assignments(topk_ids: torch.Tensor, num_experts: int) -> Assignments:
+    flat_ids = topk_ids.reshape(-1)  # [T*k]
+    valid = (flat_ids >= 0) & (flat_ids < num_experts)
+    all_valid = bool(valid.all())
+    if not all_valid:
+        flat_ids = torch.where(valid, flat_ids, num_experts)  # sorted after every local expert
+    order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert, token order within an expert
+    counts = torch.bincount(flat_ids, minlength=num_experts + (0 if all_valid else 1))[:num_experts]  # [E]
+    num_valid = flat_ids.numel() if all_valid else int(counts.sum())
+    return Assignments(order, counts, num_valid, all_valid)
+
+
+def combine(out: torch.Tensor, plan: Assignments, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """out [num_valid, D] expert outputs in sorted order -> [T, D] weighted sums (fp32, returned in `dtype`)."""
+    T, k = topk_weights.shape
+    D = out.shape[-1]
+    weights = topk_weights.to(torch.float32)
+    if plan.num_valid == 0:
+        return torch.zeros(T, D, dtype=dtype, device=out.device)
+    unsorted = torch.empty_like(plan.order)
+    unsorted[plan.order] = torch.arange(plan.order.numel(), device=plan.order.device)  # sorted position of each
+    if not plan.all_valid:
+        on_rank = unsorted < plan.num_valid  # [T*k]
+        weights = weights * on_rank.view(T, k)
+        unsorted = unsorted.clamp_max(plan.num_valid - 1)  # any valid row: its weight is zero
+    per_choice = gathered(out, unsorted, "moe.per_choice").to(torch.float32).view(T, k, D)  # [T, k, D]
+    return torch.bmm(weights.view(T, 1, k), per_choice).view(T, D).to(dtype)
 
 
 def gate_up_storage(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
@@ -44,19 +87,13 @@ def moe_experts_grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2:
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, act: GatedActivation) -> torch.Tensor:
     T, D = x.shape
     k = topk_ids.shape[1]
-    flat_ids = topk_ids.reshape(-1)  # [T*k]
-    order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert, token order within an expert
-    rows = gathered(x, order // k, "moe.rows")  # [T*k, D] source token of each sorted assignment
-    counts = torch.bincount(flat_ids, minlength=w1.shape[0])  # [E]
+    plan = sort_assignments(topk_ids, w1.shape[0])
+    rows = gathered(x, plan.order[: plan.num_valid] // k, "moe.rows")  # [R, D] source token of each assignment
     if _grouped_mm is not None and x.dtype in GROUPED_MM_DTYPES and x.device.type == "cpu":
-        out = _experts_grouped_mm(rows, w1, w3, w2, counts, act)
+        out = _experts_grouped_mm(rows, w1, w3, w2, plan.counts, act)
     else:
-        out = _experts_loop(rows, w1, w3, w2, counts, act)
-    unsorted = torch.empty_like(order)
-    unsorted[order] = torch.arange(order.numel(), device=order.device)  # sorted position of each (token, choice)
-    per_choice = gathered(out, unsorted, "moe.per_choice").to(torch.float32).view(T, k, D)  # [T, k, D]
-    weights = topk_weights.to(torch.float32).view(T, 1, k)
-    return torch.bmm(weights, per_choice).view(T, D).to(x.dtype)
+        out = _experts_loop(rows, w1, w3, w2, plan.counts, act)
+    return combine(out, plan, topk_weights, x.dtype)
 
 
 def _experts_grouped_mm(rows, w1, w3, w2, counts, act) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Contract: `moe_experts_naive(x [T, D], w1 [E, I, D] (gate), w3 [E, I, D] (up), w2 [E, D, I] (down),
 topk_weights [T, k], topk_ids [T, k], act) -> y [T, D]` with, per token,
-`y = Σ_k topk_weights[k] · w2[e_k] @ act(w1[e_k] @ x, w3[e_k] @ x)`. The expert matmuls run in `x.dtype`, the
+`y = Σ_k topk_weights[k] · w2[e_k] @ act(w1[e_k] @ x, w3[e_k] @ x)`; an id outside `[0, E)` (an expert of another
+rank under expert parallelism) adds nothing. The expert matmuls run in `x.dtype`, the
 weighted sum accumulates in fp32, `y` is returned in `x.dtype`. Loops over experts (one matmul per expert).
 """
 

@@ -43,7 +43,11 @@ def test_forced_triton_under_interpreter_picks_triton_and_falls_back_per_op(monk
     assert registry.get_kernel("mla_attention").__module__ == "kernels.attention.triton_paged"
     assert not _messages(caplog, logging.WARNING)
 
-    moe = registry.get_kernel("moe_experts", "cpu")  # triton has no MoE kernel
+    assert registry.chosen_backend("moe_experts_mxfp4", "cpu") == "triton"
+    assert not _messages(caplog, logging.WARNING)
+    # an op the triton backend lacks: moe_experts as registered before it had a Triton kernel
+    monkeypatch.setitem(registry._IMPLS, "moe_experts", {"torch": registry._IMPLS["moe_experts"]["torch"]})
+    moe = registry.get_kernel("moe_experts", "cpu")
     assert moe.__module__ == "kernels.moe.grouped"
     warnings = _messages(caplog, logging.WARNING)
     assert len(warnings) == 1 and "moe_experts" in warnings[0] and "torch" in warnings[0]

@@ -109,12 +109,29 @@ def test_dummy_format_reads_no_weights(tiny_dir, tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_fastsafetensors_falls_back(tiny_dir, caplog):
+def test_fastsafetensors_falls_back(tiny_dir, caplog, monkeypatch):
+    """Without the package (hidden here when installed), one warning and a safetensors load."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "fastsafetensors" else real_find_spec(name, *a))
     with caplog.at_level(logging.WARNING):
         model = load_model(tiny_dir, LoadConfig(load_format="fastsafetensors"))
     assert "safetensors" in caplog.text
     reference = load_model(tiny_dir)
     assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+
+
+def test_fastsafetensors_loads_through_the_package(tiny_dir, caplog):
+    """With the package installed (its CPU `nogds` path here), every parameter equals the safetensors load."""
+    pytest.importorskip("fastsafetensors")
+    with caplog.at_level(logging.INFO, logger="engine.model.loader"):
+        model = load_model(tiny_dir, LoadConfig(load_format="fastsafetensors"))
+    assert "through fastsafetensors" in caplog.text and "instead" not in caplog.text
+    reference = dict(load_model(tiny_dir).named_parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(param, reference[name]), name
 
 
 def test_dtype_bfloat16_keeps_fp32_params(tiny_dir):
@@ -142,7 +159,7 @@ def test_k3_set_aside_vision_and_mxfp4_experts(tmp_path, caplog):
                            lambda t: t.update({"vision_tower.patch_embed.proj.weight": torch.zeros(4, 3),
                                                "mm_projector.proj.0.weight": torch.zeros(2, 2)}))
     with caplog.at_level(logging.INFO):
-        model = load_model(with_vision)
+        model = load_model(with_vision, LoadConfig(experts_format="dense"))  # dequantised on load
     assert "set aside 18 vision tensors" in caplog.text  # tiny-k3's tower (18 tensors; the edit replaced two)
     # The MXFP4 checkpoint holds the dense model's experts rounded to MXFP4, exactly.
     dense_model = load_model(dense)

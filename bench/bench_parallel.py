@@ -1,0 +1,138 @@
+"""Tensor/expert parallelism and packed MXFP4 experts on CPU: memory per rank, and the MoE step, same run.
+
+Run: `python -m bench.bench_parallel [--preset small-k3] [--tokens 32 512] [--threads 1] [--out FILE]`.
+
+1. Memory per rank at TP=1, TP=2 and TP=2 + EP (two gloo rank processes): resident parameter bytes (distinct
+   storages, so fused tensors count once), split across ranks vs replicated (with the largest replicated
+   parameters listed), routed expert bytes, and one KDA state slot; beside each, `engine.plan`'s prediction.
+   All from one generated MXFP4 checkpoint, experts kept packed.
+2. Packed vs dequantised experts, same checkpoint, same process: expert bytes and the MoE layer's time
+   (`SparseMoE.forward` of the first MoE layer, median of `--repeats`) at each token count, and the whole model's
+   decode step (one sequence, batch 8). Packed experts are decoded per expert tile inside the MoE
+   (kernels/moe/mxfp4.py), so their time includes the decoding.
+Prints markdown; `--out` writes the numbers as JSON too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.gpu_validate import median_ms
+from engine.model.checkpoint import make_checkpoint
+from engine.model.loader import LoadConfig, load_model, shard_dims
+from engine.parallel.comm import RankContext
+from engine.parallel.config import ParallelConfig
+from engine.parallel.launch import run_ranks
+from engine.plan import rank_weight_bytes, state_bytes_per_request
+
+
+def memory(model) -> dict:
+    """This rank's resident bytes: distinct storages in all; parameters split across ranks, replicated ones (the
+    largest named), routed experts, and the fused tensors' padding rows; one KDA state slot."""
+    dims = shard_dims(model)
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    split = replicated = experts = 0
+    largest = []
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if ".experts.w" in name:
+            experts += nbytes
+        elif name in dims:
+            split += nbytes
+        else:
+            replicated += nbytes
+            largest.append((nbytes, name))
+    total = sum(storages.values())
+    heads = model.num_local_kda_heads
+    state = state_bytes_per_request(model.config, 4, model.config.kda.num_heads // heads) if heads else 0
+    return {"total": total, "split": split, "replicated": replicated, "experts": experts,
+            "padding": total - split - replicated - experts, "state_slot": state,
+            "largest_replicated": [f"{n} ({b / 1e6:.1f} MB)" for b, n in sorted(largest, reverse=True)[:3]]}
+
+
+def _rank_memory(comm, rank: int, folder: str, expert_parallel: bool) -> dict:
+    ctx = RankContext(ParallelConfig(comm.size, rank, expert_parallel), comm)
+    return memory(load_model(folder, LoadConfig(), ctx))
+
+
+def memory_table(folder: str) -> list[dict]:
+    from engine.model.config import load_model_config
+
+    config = load_model_config(folder)
+    rows = [{"layout": "TP=1", **memory(load_model(folder)),
+             "planned": rank_weight_bytes(config, 1, False, "mxfp4", 4).total}]
+    for ep in (False, True):
+        ranks = run_ranks(_rank_memory, 2, (folder, ep), timeout_s=300)
+        rows.append({"layout": "TP=2 + EP" if ep else "TP=2", **ranks[0],
+                     "planned": rank_weight_bytes(config, 2, ep, "mxfp4", 4).total,
+                     "ranks_equal": ranks[0]["total"] == ranks[1]["total"]})
+    return rows
+
+
+def moe_times(folder: str, token_counts: list[int], repeats: int) -> list[dict]:
+    from tests.model_driver import SequenceDriver
+
+    rows = []
+    for fmt in ("mxfp4", "dense"):
+        model = load_model(folder, LoadConfig(experts_format=fmt))
+        moe = next(layer.block_sparse_moe for layer in model.model.layers if layer.spec.ffn == "moe")
+        expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts.w" in n)
+        row = {"experts": fmt, "expert_bytes": expert_bytes}
+        gen = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for t in token_counts:
+                x = torch.randn(t, model.config.hidden_size, generator=gen)
+                row[f"moe_ms_{t}"] = median_ms(lambda: moe(x), repeats)
+        driver = SequenceDriver(model, max_seqs=8, max_len=96)
+        driver.step({s: [(17 * s + i) % 7900 for i in range(64)] for s in range(8)})
+        row["decode_step_ms"] = median_ms(lambda: driver.step({s: [5] for s in range(8)}), repeats)
+        rows.append(row)
+    return rows
+
+
+def markdown(result: dict) -> str:
+    mb = 1e6
+    lines = [f"**Memory per rank** ({result['preset']}, MXFP4 experts packed, fp32, CPU/gloo)", "",
+             "| layout | resident | split | replicated | routed experts | fused padding | planned | KDA state slot |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in result["memory"]:
+        lines.append(f"| {r['layout']} | {r['total'] / mb:.2f} MB | {r['split'] / mb:.2f} MB | "
+                     f"{r['replicated'] / mb:.2f} MB | {r['experts'] / mb:.2f} MB | {r['padding'] / mb:.3f} MB | "
+                     f"{r['planned'] / mb:.2f} MB | {r['state_slot'] / mb:.3f} MB |")
+    lines += ["", "Largest replicated parameters at TP=2: " + ", ".join(result["memory"][1]["largest_replicated"]), "",
+              f"**Packed vs dequantised experts** (same checkpoint, same process, {result['threads']} thread(s))", "",
+              "| experts | expert bytes | " + " | ".join(f"MoE layer, {t} tokens" for t in result["tokens"])
+              + " | model decode step (batch 8) |", "| --- | ---: | " + " | ".join("---:" for _ in result["tokens"])
+              + " | ---: |"]
+    for r in result["moe"]:
+        times = " | ".join(f"{r[f'moe_ms_{t}']:.2f} ms" for t in result["tokens"])
+        lines.append(f"| {r['experts']} | {r['expert_bytes'] / mb:.2f} MB | {times} | {r['decode_step_ms']:.2f} ms |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small-k3")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32, 512])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = str(make_checkpoint(args.preset, Path(tmp) / args.preset, seed=0, experts_format="mxfp4"))
+        result = {"preset": args.preset, "threads": args.threads, "tokens": args.tokens,
+                  "memory": memory_table(folder), "moe": moe_times(folder, args.tokens, args.repeats)}
+    print(markdown(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Where the loader's tensors come from: this rank's slice of each checkpoint tensor, from one of three sources.
+
+Contract:
+- `Slice(dim, start, length)` names the part of a checkpoint tensor a rank holds (None: the whole tensor).
+- Every source has `stream(wanted)`: for each checkpoint name in `wanted` (name -> Slice or None) it yields
+  `(name, tensor)` once, the tensor being that slice only, on CPU or the load device, in the checkpoint's dtype.
+- `SafetensorsSource(header)`: `safe_open(...).get_slice(name)[...]`, so a rank never reads the rest of a sharded
+  tensor. Files are visited one at a time in path order.
+- `FastSafetensorsSource(files, header, ctx, device, expert_owner)`: the `fastsafetensors` package (its CPU
+  `nogds` path on CPU, GPU Direct Storage where it can on CUDA). Under tensor parallelism it is a collective: every
+  rank calls `stream` together; files are read by ranks in turn (file i by rank i mod N), tensors split evenly in
+  rank order along the sliced dim arrive by `get_sharded` (a scatter), an expert's tensors under expert
+  parallelism go to their owner only (`push_tensor`; `expert_owner(name)` is that rank, the same on every rank),
+  everything else by `get_tensor` (a broadcast) and is sliced here.
+- `DummySource(shapes, seed)`: seeded random tensors (`engine.model.init.sample_tensor`, per name, so every rank
+  draws the same values for the same name); MXFP4 names (`*.weight_packed`, `*.weight_scale`) are the quantised
+  draw of their `*.weight`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model.init import sample_tensor
+from engine.model.mxfp4 import quantize_mxfp4
+from engine.parallel.comm import RankContext
+
+
+@dataclass(frozen=True)
+class Slice:
+    dim: int
+    start: int
+    length: int
+
+    def index(self, ndim: int) -> tuple[slice, ...]:
+        return tuple(slice(self.start, self.start + self.length) if d == self.dim else slice(None)
+                     for d in range(ndim))
+
+    def is_even_split(self, full_shape: tuple[int, ...], size: int, rank: int) -> bool:
+        """Whether this is rank `rank`'s block of `full_shape[dim]` split into `size` equal parts."""
+        return self.length * size == full_shape[self.dim] and self.start == rank * self.length
+
+
+Wanted = dict[str, "Slice | None"]
+
+
+def narrow(tensor: torch.Tensor, part: Slice | None) -> torch.Tensor:
+    return tensor if part is None else tensor.narrow(part.dim, part.start, part.length)
+
+
+class SafetensorsSource:
+    def __init__(self, header: dict[str, tuple[Path, tuple[int, ...]]]):
+        self.header = header
+
+    def stream(self, wanted: Wanted) -> Iterator[tuple[str, torch.Tensor]]:
+        by_file: dict[Path, list[str]] = {}
+        for name in wanted:
+            by_file.setdefault(self.header[name][0], []).append(name)
+        for path in sorted(by_file):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in by_file[path]:
+                    part = wanted[name]
+                    if part is None:
+                        yield name, f.get_tensor(name)
+                    else:
+                        yield name, f.get_slice(name)[part.index(len(self.header[name][1]))]
+
+
+class DummySource:
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int):
+        self.shapes = shapes
+        self.seed = seed
+
+    def _draw(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        for suffix, factor in (("_packed", 2), ("_scale", 32)):
+            if name.endswith(".weight" + suffix):
+                dense = sample_tensor(name.removesuffix(suffix), (shape[0], shape[1] * factor), self.seed)
+                packed, scale = quantize_mxfp4(dense)
+                return packed if suffix == "_packed" else scale
+        return sample_tensor(name, shape, self.seed)
+
+    def stream(self, wanted: Wanted) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in sorted(wanted):
+            yield name, narrow(self._draw(name), wanted[name])
+
+
+class FastSafetensorsSource:
+    def __init__(self, files: list[Path], header: dict[str, tuple[Path, tuple[int, ...]]], ctx: RankContext,
+                 device: str, expert_owner: Callable[[str], int | None], skip: tuple[str, ...] = ()):
+        self.files, self.header, self.ctx, self.device = files, header, ctx, device
+        self.expert_owner, self.skip = expert_owner, skip
+
+    def _open(self):
+        from fastsafetensors import SafeTensorsFileLoader
+
+        size = self.ctx.size
+        group = None
+        if size > 1:
+            import torch.distributed as dist
+
+            group = getattr(self.ctx.comm, "group", None) or dist.group.WORLD
+        loader = SafeTensorsFileLoader(group, device=self.device, nogds=torch.device(self.device).type == "cpu")
+        loader.add_filenames({r: [str(f) for f in self.files[r::size]] for r in range(size)})
+        return loader, loader.copy_files_to_device()
+
+    def stream(self, wanted: Wanted) -> Iterator[tuple[str, torch.Tensor]]:
+        size, rank = self.ctx.size, self.ctx.comm.rank
+        loader, buffers = self._open()
+        try:
+            for name in sorted(self.header):  # the same order on every rank: each step may be a collective
+                if name.startswith(self.skip):
+                    continue
+                part, owner = wanted.get(name), self.expert_owner(name)
+                if size > 1 and owner is not None:
+                    tensor = buffers.push_tensor(name, owner)
+                    if owner == rank:
+                        yield name, narrow(tensor, part)
+                elif size > 1 and part is not None and part.is_even_split(self.header[name][1], size, rank):
+                    yield name, buffers.get_sharded(name, part.dim)
+                else:
+                    tensor = buffers.get_tensor(name)
+                    if name in wanted:
+                        yield name, narrow(tensor, part)
+        finally:
+            buffers.close()
+            loader.close()
