@@ -42,7 +42,6 @@ from tqdm import tqdm
 
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.fused import bind_fused_weights
-from engine.model.init import init_random_weights
 from engine.model.model import KimiForCausalLM
 from engine.model.moe import EXPERT_FORMATS
 from engine.model.mxfp4 import GROUP, dequantize_mxfp4, mxfp4_shapes, quantize_mxfp4

@@ -300,20 +300,6 @@ def official_dir() -> Path:
     return path
 
 
-OFFICIAL_TEXT_MODULES = ("encoding_k3", "tokenization_kimi")  # tokenization_kimi falls back to `import encoding_k3`
-
-
-@contextlib.contextmanager
-def official_text_modules() -> Iterator[dict[str, ModuleType]]:
-    """The official renderer and tokenizer modules, loaded by path; `sys.modules` restored afterwards."""
-    folder = official_dir()
-    with stubbed_modules(dict.fromkeys(OFFICIAL_TEXT_MODULES)):
-        for name in OFFICIAL_TEXT_MODULES:
-            spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-            sys.modules[name] = module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        yield {name: sys.modules[name] for name in OFFICIAL_TEXT_MODULES}
-
 
 def load_reference_package() -> ModuleType:
     """Executes the official files as `kimi_k3_ref.*` (once per process) and returns the package module."""

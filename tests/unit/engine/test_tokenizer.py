@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.reference.k3_reference import official_text_modules
+from tests.reference.official_text import official_text_modules
 from engine import tokenizer_build as tb
 from engine.tokenizer import (
     MAX_CONSECUTIVE_RUN_CHARS,

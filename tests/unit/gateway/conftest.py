@@ -11,7 +11,7 @@ import pytest
 from engine import tokenizer_build as tb
 from engine.tokenizer import KimiTokenizer
 from gateway.chat import write_k2_chat_template
-from tests.reference.k3_reference import official_text_modules
+from tests.reference.official_text import official_text_modules
 
 
 
