@@ -97,7 +97,7 @@ async def serve(config: CacheServiceConfig, *, store: Store | None = None, regis
     servicer = CacheServicer(store, config, metrics, executor, tracer)
     server, port, health_servicer = await start_grpc_server(
         config.address, SERVICE_NAME, lambda s: cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, s),
-        config.max_message_bytes, interceptors)
+        config.max_message_bytes, interceptors, mesh_token=config.mesh_token)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics_http = None
