@@ -70,9 +70,12 @@ async def _run_until_signal(config: CacheServiceConfig, grace_s: float) -> None:
         loop.add_signal_handler(sig, stop.set)
     host = config.address.rsplit(":", 1)[0]
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port is not None else ""
-    print(f"kdamesh cache service listening on {host}:{port} (backend {server.store.backend}{extra})", flush=True)
-    await stop.wait()
-    await server.stop(grace_s)
+    try:
+        print(f"kdamesh cache service listening on {host}:{port} (backend {server.store.backend}{extra})",
+              flush=True)
+        await stop.wait()
+    finally:  # stopped by a signal, or by an error or a cancellation: the arena goes either way
+        await server.stop(grace_s)
 
 
 def main(argv: list[str] | None = None) -> int:
