@@ -97,3 +97,29 @@ def test_a_stalled_redis_behind_the_service_is_one_wait_not_two(own_redis):
             await server.stop(0)
 
     asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_a_request_through_a_stalled_mesh_completes_within_the_bound(own_redis, tmp_path_factory):
+    """The issue's case: the whole mesh on a Redis that stalls. A remote request must finish with the right tokens
+    within one bounded wait (2 x the 2 s read timeout) plus its compute, recomputing what it could not load."""
+    from tests.integration.mesh_harness import Mesh, greedy, tiny_k3_checkpoint
+
+    model_dir = tiny_k3_checkpoint(tmp_path_factory)
+    prompt = list(range(7, 60))
+
+    async def body():
+        async with Mesh(model_dir, backend=own_redis.url) as mesh:
+            reference = await mesh.run(prompt, greedy(8), "local")
+            t0 = time.monotonic()
+            await mesh.run(prompt[::-1], greedy(8), "remote")
+            compute_s = time.monotonic() - t0  # a remote request when Redis answers
+            own_redis.pause(8)
+            t0 = time.monotonic()
+            stalled = await mesh.run(prompt, greedy(8), "remote")
+            elapsed = time.monotonic() - t0
+            assert stalled.ids == reference.ids
+            assert elapsed <= 2 * 2.0 + compute_s + 1.5, f"{elapsed:.1f} s through a stalled Redis"
+            await asyncio.to_thread(own_redis.wait_unpaused)
+            await mesh.drain()
+
+    asyncio.run(asyncio.wait_for(body(), 120))
