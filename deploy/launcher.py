@@ -274,9 +274,7 @@ def up(config: LaunchConfig) -> int:
         print(f"kdamesh up: {model} is not a checkpoint folder (no config.json)", file=sys.stderr)
         return 2
     services = plan_services(config, model)
-    mesh_token = mesh_token_from_env() or new_mesh_token()  # one per launch unless the environment names one
-    for s in services:
-        s.env = {**(s.env or {}), MESH_TOKEN_ENV: mesh_token}
+    give_mesh_token(services, mesh_token_from_env() or new_mesh_token())  # one per launch, unless set
     stopping = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -310,6 +308,12 @@ def up(config: LaunchConfig) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     return status
+
+
+def give_mesh_token(services: list[Service], token: str) -> None:
+    """Every service gets `token` in its environment (KDAMESH_MESH_TOKEN)."""
+    for s in services:
+        s.env = {**(s.env or {}), MESH_TOKEN_ENV: token}
 
 
 def wait_ready(services: list[Service], timeout_s: float) -> None:

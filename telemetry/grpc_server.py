@@ -5,7 +5,8 @@ the service (via `add_servicer`), the standard health service — reporting NOT_
 until the caller sets SERVING — and reflection for the service, health and reflection; binds `address` (port 0: a
 free port) and starts it. It raises `OSError` when the address cannot be bound. With a `mesh_token`, every call but
 health and reflection must carry it (`mesh_auth.MeshTokenInterceptor`, inside the other interceptors: a rejected call
-runs no handler but is traced and counted as UNAUTHENTICATED); without one the server is open (a development mesh on loopback).
+runs no handler but is traced and counted as UNAUTHENTICATED); without one the server is open (a development mesh on
+loopback), and says so in a WARNING when `address` is not a loopback one.
 
 It knows no model and no store: it lives in `telemetry` (which every layer may import) so that the cache service
 and the worker services share it without importing each other.
@@ -13,6 +14,7 @@ and the worker services share it without importing each other.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -20,6 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from telemetry.mesh_auth import MeshTokenInterceptor
+
+log = logging.getLogger(__name__)
+_LOOPBACK = ("127.", "localhost:", "[::1]:")
 
 
 async def start_grpc_server(address: str, service_name: str, add_servicer: Callable[[grpc.aio.Server], None],
@@ -29,6 +34,9 @@ async def start_grpc_server(address: str, service_name: str, add_servicer: Calla
     options = [("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.max_send_message_length", max_message_bytes), ("grpc.so_reuseport", 0)]
     auth = [MeshTokenInterceptor(mesh_token)] if mesh_token else []
+    if not mesh_token and not address.startswith(_LOOPBACK):
+        log.warning("%s on %s accepts calls from anyone: no mesh token (set KDAMESH_MESH_TOKEN)", service_name,
+                    address)
     server = grpc.aio.server(options=options, interceptors=[*interceptors, *auth])
     add_servicer(server)
     health_servicer = health.aio.HealthServicer()
