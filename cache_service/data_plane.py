@@ -20,10 +20,9 @@ Contract:
   or predates DataPlane, when its arena cannot be mapped or holds another token (another host: logged once, at
   INFO), while a Redis plane that failed cools down (`retry_after_s`; logged once, WARNING), and when the DataPlane
   call itself failed (asked again on the next call).
-- A plane call raises `DirectUnavailable` when the caller should redo the call over gRPC: Redis cannot be reached
-  from here, or the service's arena changed (a restart) or is gone. A Redis that times out (stalled: the service's
-  own path to it is stuck too) is ERROR per key at once, not a second wait over gRPC (`redis_deadlines`). Every
-  other failure is a per-key status, as on gRPC.
+- A plane call raises `DirectUnavailable` when the caller should redo the call over gRPC: Redis refuses us, or the
+  service's arena changed (a restart) or is gone. Every other failure is a per-key status, as on gRPC (a Redis
+  that times out too: the service's path to it is stuck as well; see `redis_store`).
 """
 
 from __future__ import annotations
@@ -115,27 +114,12 @@ class RedisPlane:
 
     async def put(self, objects: Sequence[PutObject], algorithm: ChecksumAlgorithm,
                   deadline: float) -> list[KeyResult]:
-        try:
-            return await _in_thread(self._executor, deadline, lambda c: self._put(objects, algorithm),
-                                    lambda: [KeyResult(o.key, Status.ERROR, _DEADLINE) for o in objects])
-        except DirectUnavailable as exc:
-            why = self._stalled(exc)
-            return [KeyResult(o.key, Status.ERROR, why) for o in objects]
+        return await _in_thread(self._executor, deadline, lambda c: self._put(objects, algorithm),
+                                lambda: [KeyResult(o.key, Status.ERROR, _DEADLINE) for o in objects])
 
     async def get(self, keys: Sequence[common_pb2.ObjectKey], deadline: float) -> list[GetResult]:
-        try:
-            return await _in_thread(self._executor, deadline, lambda c: self._get(keys),
-                                    lambda: [GetResult(k, Status.ERROR, message=_DEADLINE) for k in keys])
-        except DirectUnavailable as exc:
-            why = self._stalled(exc)
-            return [GetResult(k, Status.ERROR, message=why) for k in keys]
-
-    def _stalled(self, exc: DirectUnavailable) -> str:
-        """Why the keys failed when Redis timed out (stalled: the service's path to it is stuck as well, so gRPC
-        would only wait again); re-raises `exc` (redo over gRPC) when Redis refused us instead."""
-        if not self._store.gate.stalled:
-            raise exc
-        return f"redis is not answering (stalled): {exc}"
+        return await _in_thread(self._executor, deadline, lambda c: self._get(keys),
+                                lambda: [GetResult(k, Status.ERROR, message=_DEADLINE) for k in keys])
 
     def retire(self) -> None:
         """Closes the connection pool (a call still running gets an error, and goes over gRPC)."""

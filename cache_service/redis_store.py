@@ -24,7 +24,9 @@ Contract (in addition to `store.Store`'s):
   Redis may or may not have applied).
 - `raise_when_unavailable=True` (the direct data plane client): `put_many` / `get_many` raise StoreUnavailableError
   instead of answering ERROR per key when Redis cannot be reached (nothing is counted), so the caller can retry
-  over gRPC. A put that failed mid-pipeline may have stored some objects whole; none is visible half-written.
+  over gRPC; not when it timed out (`gate.stalled`): the service's own path to it is stuck too, so a retry over
+  gRPC would only wait again. A put that failed mid-pipeline may have stored some objects whole; none is visible
+  half-written.
 - `stats` scans the prefix (O(objects)) and reads the counter hash. Leases' deadlines use `clock` (Unix seconds,
   this host's wall clock by default; injectable): Redis's own expiries run on Redis's clock.
 """
@@ -102,7 +104,7 @@ class RedisStore(Store):
         if not spans:
             return outcomes
         replies, failure = self._execute_counted(pipe, {"puts": len(spans)})  # counted as stored; corrected below
-        if failure and self._raise_when_unavailable:
+        if failure and self._raise_when_unavailable and not self.gate.stalled:
             raise StoreUnavailableError(failure)
         pos = 0
         for i, n in spans:
@@ -120,7 +122,7 @@ class RedisStore(Store):
         try:
             return self._get_many(keys)
         except _REDIS_ERRORS as exc:
-            if self._raise_when_unavailable:
+            if self._raise_when_unavailable and not self.gate.stalled:
                 raise StoreUnavailableError(_describe(exc)) from exc
             self._count(misses=len(keys), errors=len(keys))
             return [GetOutcome(Status.ERROR, message=_describe(exc))] * len(keys)
