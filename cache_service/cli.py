@@ -2,6 +2,7 @@
 
 Contract: `build_parser()` declares one flag per `CacheServiceConfig` field a user sets (byte sizes as `4GiB`,
 `512MiB`, `2GB` or plain bytes: `telemetry.units.parse_bytes`); `config_from_args(args)` builds the config;
+the mesh token comes from `KDAMESH_MESH_TOKEN` (never a flag: it would show in `ps`);
 `main(argv)` runs one service until SIGINT/SIGTERM, printing `kdamesh cache service listening on HOST:PORT (...)`
 once it serves, then stops it with `--grace-s` seconds for calls in flight and returns 0.
 """
@@ -16,6 +17,7 @@ import signal
 from cache_service.config import CacheServiceConfig
 from cache_service.malloc_tuning import tune_malloc
 from cache_service.server import serve
+from telemetry.mesh_auth import mesh_token_from_env
 from telemetry.units import byte_size
 
 
@@ -57,7 +59,7 @@ def config_from_args(args: argparse.Namespace) -> CacheServiceConfig:
         max_object_bytes=args.max_object_bytes, redis_key_prefix=args.redis_key_prefix,
         redis_inline_bytes=args.redis_inline_bytes, memory_arena=args.memory_arena, shm_dir=args.shm_dir,
         verify_commits=args.verify_commits,
-        data_plane=args.data_plane, metrics_port=args.metrics_port)
+        data_plane=args.data_plane, metrics_port=args.metrics_port, mesh_token=mesh_token_from_env())
 
 
 async def _run_until_signal(config: CacheServiceConfig, grace_s: float) -> None:
@@ -68,9 +70,12 @@ async def _run_until_signal(config: CacheServiceConfig, grace_s: float) -> None:
         loop.add_signal_handler(sig, stop.set)
     host = config.address.rsplit(":", 1)[0]
     extra = f", metrics on :{server.metrics_port}" if server.metrics_port is not None else ""
-    print(f"kdamesh cache service listening on {host}:{port} (backend {server.store.backend}{extra})", flush=True)
-    await stop.wait()
-    await server.stop(grace_s)
+    try:
+        print(f"kdamesh cache service listening on {host}:{port} (backend {server.store.backend}{extra})",
+              flush=True)
+        await stop.wait()
+    finally:  # stopped by a signal, or by an error or a cancellation: the arena goes either way
+        await server.stop(grace_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """An asyncio client of the cache service (what prefill and decode workers use).
 
 Contract:
-- Every call has a deadline (`timeout_s`, default 10 s, overridable per call).
+- Every call has a deadline (`timeout_s`, default 10 s, overridable per call). A service that went away and came
+  back is reconnected to within `RECONNECT_MAX_MS` (2 s): the channel's reconnect backoff is capped there.
 - Batch calls never raise for a failed RPC: when the service is unreachable, the deadline passes or the call fails,
   every key the answer did not cover gets an ERROR status whose message names the gRPC code. The caller treats
   ERROR, MISSING and CORRUPT alike: a miss, recompute. `lookup` answers a prefix of 0 with `error` set, `release`
@@ -42,6 +43,7 @@ __all__ = ["CacheClient", "GetResult", "KeyResult", "LeaseResult", "LookupResult
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 10.0
+RECONNECT_INITIAL_MS, RECONNECT_MAX_MS = 200, 2000  # the channel's reconnect backoff after a failed connect
 
 
 @dataclass
@@ -69,7 +71,10 @@ class CacheClient:
         self.streams = streams
         self.checksum_algorithm = checksum_algorithm
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   # a restarted cache service is found again within RECONNECT_MAX_MS (gRPC's default: up to 120 s)
+                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_INITIAL_MS),
+                   ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
         self._channel = grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors) or None)
         self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
         # "auto": payloads over the direct plane the service offers; "grpc": over gRPC only.

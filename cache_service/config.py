@@ -2,15 +2,16 @@
 
 Contract: `CacheServiceConfig(...)` raises ValueError for a backend that is neither "memory" nor a Redis URL, a
 `chunk_bytes` that leaves less than `MESSAGE_OVERHEAD_BYTES` under `max_message_bytes`, watermarks outside
-0 < low <= high <= 1, a non-positive TTL or hold time, and an unknown `memory_arena`.
+0 < low <= high <= 1, a non-positive TTL or hold time, an unknown `memory_arena` and a mesh token that is too short.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cache_service.redis_layout import DEFAULT_INLINE_BYTES
+from telemetry.mesh_auth import check_token
 
 MESSAGE_OVERHEAD_BYTES = 64 << 10  # room for a chunk's non-payload fields under the message limit
 
@@ -58,6 +59,8 @@ class CacheServiceConfig:
     get_window_keys: int = 16
     # Serve Prometheus /metrics on this port (0: a free port); None: no HTTP endpoint.
     metrics_port: int | None = None
+    # The shared mesh token every call but health/reflection must carry (telemetry.mesh_auth); None: open service.
+    mesh_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.backend != "memory" and not re.match(r"^(rediss?|unix)://", self.backend):
@@ -69,5 +72,6 @@ class CacheServiceConfig:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
         if self.handoff_ttl_s <= 0 or self.lease_ttl_s <= 0 or self.max_hold_s <= 0:
             raise ValueError("handoff_ttl_s, lease_ttl_s and max_hold_s must be > 0")
+        check_token(self.mesh_token)
         if self.memory_arena not in ("shm", "heap"):
             raise ValueError(f"memory_arena must be 'shm' or 'heap', got {self.memory_arena!r}")

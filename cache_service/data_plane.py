@@ -20,8 +20,9 @@ Contract:
   or predates DataPlane, when its arena cannot be mapped or holds another token (another host: logged once, at
   INFO), while a Redis plane that failed cools down (`retry_after_s`; logged once, WARNING), and when the DataPlane
   call itself failed (asked again on the next call).
-- A plane call raises `DirectUnavailable` when the caller should redo the call over gRPC: Redis cannot be reached,
-  or the service's arena changed (a restart) or is gone. Every other failure is a per-key status, as on gRPC.
+- A plane call raises `DirectUnavailable` when the caller should redo the call over gRPC: Redis refuses us, or the
+  service's arena changed (a restart) or is gone. Every other failure is a per-key status, as on gRPC (a Redis
+  that times out too: the service's path to it is stuck as well; see `redis_store`).
 """
 
 from __future__ import annotations

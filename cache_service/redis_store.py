@@ -9,8 +9,11 @@ Contract (in addition to `store.Store`'s):
   flushed) is a miss and is deleted.
 - TTLs are Redis expiries (SET PX) on the manifest and the chunks; a lease extends them to at least its own end.
   Redis, not this store, evicts under `maxmemory` (leases cannot stop that: use `volatile-*` policies or no limit).
-- A restarted or flushed Redis loses objects: they are misses. A Redis that is down answers ERROR for every key
-  within the socket timeouts (connect 0.5 s, read 2 s by default; one immediate retry for a stale connection).
+- A restarted or flushed Redis loses objects: they are misses. A Redis that is down or stalled answers ERROR for
+  every key (a get: counted as misses) within the operation's deadline (`redis_deadlines`): `op_timeout_s`
+  (default: the read timeout) plus at most one read timeout, i.e. <= 4 s with the defaults (connect 0.5 s, read
+  2 s; one immediate retry for a stale connection, none after a timeout). After a timeout the store answers at
+  once, without asking Redis, for `backoff_s` (default 1 s; `gate.stalled`); a refused connection costs no wait.
 - Checksums are verified on every read; a mismatch is CORRUPT, counted, and the object is deleted. Puts verify them
   too, unless built with `verify_puts=False` by a caller that computed every checksum itself from the very bytes it
   passes (the direct data plane client: one checksum pass instead of two).
@@ -21,13 +24,16 @@ Contract (in addition to `store.Store`'s):
   Redis may or may not have applied).
 - `raise_when_unavailable=True` (the direct data plane client): `put_many` / `get_many` raise StoreUnavailableError
   instead of answering ERROR per key when Redis cannot be reached (nothing is counted), so the caller can retry
-  over gRPC. A put that failed mid-pipeline may have stored some objects whole; none is visible half-written.
+  over gRPC; not when it timed out (`gate.stalled`): the service's own path to it is stuck too, so a retry over
+  gRPC would only wait again. A put that failed mid-pipeline may have stored some objects whole; none is visible
+  half-written.
 - `stats` scans the prefix (O(objects)) and reads the counter hash. Leases' deadlines use `clock` (Unix seconds,
   this host's wall clock by default; injectable): Redis's own expiries run on Redis's clock.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -35,10 +41,9 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from cache_service.objects import Status
+from cache_service.redis_deadlines import RedisGate, gated_redis
 from cache_service.redis_layout import (COUNTED, DEFAULT_INLINE_BYTES, HEADER, MAX_HEADER_BYTES, CorruptManifest,
                                         Manifest, RedisKeys, decode_manifest, encode_manifest, stored_size)
 from cache_service.store import (GetOutcome, KeyOutcome, LeaseGrant, LookupOutcome, PutItem, Store, StoreCounters,
@@ -49,6 +54,16 @@ _REDIS_ERRORS = (redis.RedisError, OSError)
 log = logging.getLogger(__name__)
 
 
+def _operation(method: Callable) -> Callable:
+    """`method` as one store operation: its round trips share one deadline (`RedisGate.operation`)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.gate.operation():
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class RedisStore(Store):
     backend = "redis"
 
@@ -56,7 +71,7 @@ class RedisStore(Store):
                  socket_timeout_s: float = 2.0, connect_timeout_s: float = 0.5, max_connections: int = 64,
                  socket_read_bytes: int = 1 << 20, inline_bytes: int = DEFAULT_INLINE_BYTES,
                  verify_puts: bool = True, raise_when_unavailable: bool = False,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, op_timeout_s: float | None = None, backoff_s: float = 1.0):
         if chunk_bytes <= 0 or inline_bytes < 0:
             raise ValueError(f"need chunk_bytes > 0 and inline_bytes >= 0, got {chunk_bytes}, {inline_bytes}")
         self.url = url
@@ -69,15 +84,16 @@ class RedisStore(Store):
         self._clock = clock  # Unix seconds: lease deadlines
         self._verify_puts = verify_puts
         self._raise_when_unavailable = raise_when_unavailable
-        self._redis = redis.Redis.from_url(
-            url, socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
-            retry=Retry(NoBackoff(), 1), retry_on_error=[redis.ConnectionError], max_connections=max_connections,
-            socket_read_size=socket_read_bytes)  # large reads: payloads are MiBs, redis-py's default is 32 KiB
+        self.gate = RedisGate(op_timeout_s or socket_timeout_s, backoff_s)
+        self._redis = gated_redis(  # large reads: payloads are MiBs, redis-py's default is 32 KiB
+            url, self.gate, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s,
+            max_connections=max_connections, socket_read_bytes=socket_read_bytes)
         self._lock = threading.Lock()
         self._pending = dict.fromkeys(COUNTED, 0)  # counts not yet in {prefix}stats (under _lock)
 
     # -- Store API ----------------------------------------------------------------------------------------------
 
+    @_operation
     def put_many(self, items: Sequence[PutItem]) -> list[KeyOutcome]:
         outcomes: list[KeyOutcome] = [KeyOutcome(Status.CORRUPT, "checksum mismatch on arrival")] * len(items)
         pipe = self._redis.pipeline(transaction=False)
@@ -88,7 +104,7 @@ class RedisStore(Store):
         if not spans:
             return outcomes
         replies, failure = self._execute_counted(pipe, {"puts": len(spans)})  # counted as stored; corrected below
-        if failure and self._raise_when_unavailable:
+        if failure and self._raise_when_unavailable and not self.gate.stalled:
             raise StoreUnavailableError(failure)
         pos = 0
         for i, n in spans:
@@ -101,15 +117,17 @@ class RedisStore(Store):
                 self._flush_counters()
         return outcomes
 
+    @_operation
     def get_many(self, keys: Sequence[bytes]) -> list[GetOutcome]:
         try:
             return self._get_many(keys)
         except _REDIS_ERRORS as exc:
-            if self._raise_when_unavailable:
+            if self._raise_when_unavailable and not self.gate.stalled:
                 raise StoreUnavailableError(_describe(exc)) from exc
             self._count(misses=len(keys), errors=len(keys))
             return [GetOutcome(Status.ERROR, message=_describe(exc))] * len(keys)
 
+    @_operation
     def lookup(self, keys: Sequence[bytes], include_presence: bool = False) -> LookupOutcome:
         try:
             pipe = self._redis.pipeline(transaction=False)
@@ -121,6 +139,7 @@ class RedisStore(Store):
             raise StoreUnavailableError(_describe(exc)) from exc
         return LookupOutcome(prefix_length(present), present if include_presence else [])
 
+    @_operation
     def lease(self, keys: Sequence[bytes], ttl_s: float) -> LeaseGrant:
         try:
             return self._lease(keys, ttl_s)
@@ -128,6 +147,7 @@ class RedisStore(Store):
             self._count(errors=len(keys))
             return LeaseGrant("", [KeyOutcome(Status.ERROR, _describe(exc))] * len(keys), ttl_s)
 
+    @_operation
     def release(self, lease_id: str) -> tuple[bool, int]:
         try:
             members = self._redis.smembers(self._keys.lease(lease_id))
@@ -143,6 +163,7 @@ class RedisStore(Store):
             self._count(errors=1)
             raise StoreUnavailableError(_describe(exc)) from exc
 
+    @_operation
     def remove(self, keys: Sequence[bytes], force: bool = False) -> list[KeyOutcome]:
         try:
             outcomes = self._remove(keys, force)
@@ -153,6 +174,7 @@ class RedisStore(Store):
         self._flush_counters()
         return outcomes
 
+    @_operation
     def stats(self) -> StoreStats:
         try:
             self._flush_counters(raise_on_failure=True)

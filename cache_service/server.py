@@ -4,7 +4,9 @@ Contract:
 - `serve(config)` starts a server on `config.address` (port 0: a free port) and returns `(CacheServer, port)`. Health
   (`grpc.health.v1.Health`) reports SERVING for "" and `kdamesh.v1.CacheService` once it is started; reflection lists
   the cache, health and reflection services. `CacheServer.stop(grace)` reports NOT_SERVING first, lets calls in
-  flight finish for `grace` seconds, then closes the store.
+  flight finish for `grace` seconds, then closes the store (removing a shared-memory arena). A start that fails
+  (the address in use, say) closes the store it made before raising; `cli` stops the server on SIGINT, SIGTERM and
+  any error, and the next start of a service killed outright removes the arena it left (`shm_arena`).
 - The store is `store_factory.make_store(config, clock)` unless one is passed; `clock` (monotonic seconds) is the
   memory store's, so tests run TTLs and leases on a fake clock.
 - Messages stay below `max_message_bytes` (default 4 MiB): payloads stream in `chunk_bytes` pieces (default 1 MiB).
@@ -87,9 +89,20 @@ async def serve(config: CacheServiceConfig, *, store: Store | None = None, regis
     """Starts the service -> (server, bound port). `store` overrides the backend; `clock` is the memory store's
     (tests pass a fake one); `tracer_provider` None: OpenTelemetry's global provider."""
     store = store if store is not None else make_store(config, clock)
+    executor = ThreadPoolExecutor(max_workers=config.store_threads, thread_name_prefix="cache-store")
+    try:
+        return await _start(config, store, executor, registry, tracer_provider)
+    except BaseException:  # a port in use, a cancelled start: the arena must not outlive the attempt
+        executor.shutdown(wait=False, cancel_futures=True)
+        store.close()
+        raise
+
+
+async def _start(config: CacheServiceConfig, store: Store, executor: ThreadPoolExecutor,
+                 registry: CollectorRegistry | None, tracer_provider: TracerProvider | None
+                 ) -> tuple[CacheServer, int]:
     metrics = CacheMetrics(registry)
     metrics.watch(store)
-    executor = ThreadPoolExecutor(max_workers=config.store_threads, thread_name_prefix="cache-store")
     interceptors = server_interceptors("cache", tracer_provider=tracer_provider,
                                        metrics=RpcMetrics(metrics.registry, "cache", with_latency=False),
                                        access_log_level=logging.DEBUG)
@@ -97,12 +110,16 @@ async def serve(config: CacheServiceConfig, *, store: Store | None = None, regis
     servicer = CacheServicer(store, config, metrics, executor, tracer)
     server, port, health_servicer = await start_grpc_server(
         config.address, SERVICE_NAME, lambda s: cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, s),
-        config.max_message_bytes, interceptors)
+        config.max_message_bytes, interceptors, mesh_token=config.mesh_token)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics_http = None
     if config.metrics_port is not None:
         host = config.address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
-        metrics_http = start_http_server(config.metrics_port, addr=host, registry=metrics.registry)
+        try:
+            metrics_http = start_http_server(config.metrics_port, addr=host, registry=metrics.registry)
+        except BaseException:
+            await server.stop(0)
+            raise
     log.info("cache service on port %d, backend %s", port, store.backend)
     return CacheServer(server, port, store, health_servicer, metrics, executor, metrics_http), port

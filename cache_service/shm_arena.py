@@ -13,7 +13,9 @@ Contract:
   posix_fallocate, and prefaults them in this process with `populate`; it answers how far the backed area reaches,
   which stops short when the tmpfs is full. Nobody touches data bytes beyond `backed`: a full tmpfs is a refused
   allocation, never a SIGBUS on a write. `close()` unmaps and unlinks; the memory returns to the system once every
-  client unmapped too. A service killed without `close()` leaves its file behind (`kdamesh-cache-<pid>-*`).
+  client unmapped too. A service killed without `close()` leaves its file behind (`kdamesh-cache-<pid>-*`):
+  `create` first removes such files of this user in `directory` whose pid no longer runs
+  (`remove_stale_arenas`, also callable alone; a live pid's file is never touched, whoever owns that pid now).
 - `SharedArena.attach(path, size, token, token_offset)` maps an existing arena read-write. It raises ArenaMismatch
   unless the file has exactly that size and holds that token at that offset: proof that the client mapped the very
   arena the service described, on the same host.
@@ -29,13 +31,17 @@ Contract:
 from __future__ import annotations
 
 import bisect
+import logging
 import mmap
 import os
 import secrets
 import struct
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 MAGIC = b"KDMARENA"
+ARENA_PREFIX = "kdamesh-cache-"  # file names: ARENA_PREFIX + "<creator pid>-<12 hex digits>"
 VERSION = 1
 HEADER_BYTES = 4096
 _HEADER = struct.Struct(">8sIIQ")  # magic, version, header bytes, data capacity (bytes)
@@ -76,8 +82,9 @@ class SharedArena:
         """A new arena with a data area of `capacity` bytes (rounded up to the alignment), none of it backed yet.
         Raises OSError (no such directory, no permission)."""
         capacity = round_up(max(capacity, DEFAULT_ALIGNMENT), DEFAULT_ALIGNMENT)
+        remove_stale_arenas(directory)
         token = secrets.token_bytes(TOKEN_BYTES)
-        path = Path(directory) / f"kdamesh-cache-{os.getpid()}-{token[:6].hex()}"
+        path = Path(directory) / f"{ARENA_PREFIX}{os.getpid()}-{token[:6].hex()}"
         size = HEADER_BYTES + capacity
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -154,6 +161,37 @@ class SharedArena:
             os.close(self._fd)
             self._fd = None
             self.path.unlink(missing_ok=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_stale_arenas(directory: str | Path = "/dev/shm") -> list[Path]:
+    """Unlinks the arena files (`kdamesh-cache-<pid>-<hex>`) of this user in `directory` whose creating process is
+    gone -> the paths removed. Clients still mapping one keep their mapping; the memory returns when they unmap."""
+    removed = []
+    try:
+        entries = list(Path(directory).glob(f"{ARENA_PREFIX}*"))
+    except OSError:
+        return removed
+    for path in entries:
+        pid = path.name[len(ARENA_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or _pid_alive(int(pid)) or path.stat().st_uid != os.getuid():
+                continue
+            path.unlink()
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+        log.warning("removed the shared-memory arena %s left by process %s, which is gone", path, pid)
+        removed.append(path)
+    return removed
 
 
 def _map(fd: int, size: int) -> mmap.mmap:

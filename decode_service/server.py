@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -72,6 +72,8 @@ class DecodeServiceConfig:
     torch_threads: int | None = None
     # Serve Prometheus /metrics on this port (0: a free port), on the host of `address`; None: no HTTP endpoint.
     metrics_port: int | None = None
+    # The shared mesh token: required on calls to this worker and sent on its cache calls; None: open worker.
+    mesh_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:

@@ -13,7 +13,8 @@ Contract:
   given, else a free port), printed as a `gateway_grpc HOST:PORT` line. Its output parsers default to the model's
   family (`--tool-call-parser` / `--reasoning-parser` "auto", `--enable-auto-tool-choice` on); "none" turns one
   off. API keys: `KDAMESH_API_KEYS` in the launcher's environment (or `api_keys`) and `api_keys_file` reach the
-  gateway only; without keys the mesh is open.
+  gateway only; without keys the mesh is open. Mesh token: every child gets the same `KDAMESH_MESH_TOKEN` (the
+  launcher's own, else a fresh random one per launch), so the workers and the cache accept calls from the mesh only.
 - Observability: every child gets the launcher's `--log-level`, `--log-format` and `--trace-exporter` (and the
   `OTEL_*` environment); cache, prefill and decode serve Prometheus `/metrics` on side ports (`metrics_port` and the
   next two, else free ports), printed with the endpoints and as a `metrics {role: url}` JSON line (the gateway's is
@@ -33,6 +34,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from telemetry.mesh_auth import MESH_TOKEN_ENV, mesh_token_from_env, new_mesh_token
 
 DEFAULT_PRESET = "small-k3"
 API_KEYS_ENV = "KDAMESH_API_KEYS"
@@ -271,6 +274,7 @@ def up(config: LaunchConfig) -> int:
         print(f"kdamesh up: {model} is not a checkpoint folder (no config.json)", file=sys.stderr)
         return 2
     services = plan_services(config, model)
+    give_mesh_token(services, mesh_token_from_env() or new_mesh_token())  # one per launch, unless set
     stopping = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -304,6 +308,12 @@ def up(config: LaunchConfig) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     return status
+
+
+def give_mesh_token(services: list[Service], token: str) -> None:
+    """Every service gets `token` in its environment (KDAMESH_MESH_TOKEN)."""
+    for s in services:
+        s.env = {**(s.env or {}), MESH_TOKEN_ENV: token}
 
 
 def wait_ready(services: list[Service], timeout_s: float) -> None:

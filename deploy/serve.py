@@ -18,6 +18,7 @@ import os
 import signal
 
 from engine.config import EngineArgs
+from telemetry.mesh_auth import mesh_token_from_env
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def gateway_config_from(ns: argparse.Namespace, api_keys: str | None = None):
                          tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
                          enable_auto_tool_choice=ns.enable_auto_tool_choice, block_size=ns.block_size,
                          max_model_len=ns.max_model_len, health_check_interval_s=ns.health_check_interval_s,
-                         shutdown_grace_s=ns.grace_s)
+                         shutdown_grace_s=ns.grace_s, mesh_token=mesh_token_from_env())
 
 
 # -- running one role ----------------------------------------------------------------------------------------------
@@ -164,14 +165,16 @@ async def _serve_worker(role: str, ns: argparse.Namespace) -> int:
         config = PrefillServiceConfig(engine=engine_args_from(ns), cache_address=ns.cache_address,
                                       address=ns.address, served_model_name=ns.served_model_name,
                                       handoff_full_kv=ns.handoff_full_kv, load_remote_prefix=ns.load_remote_prefix,
-                                      torch_threads=ns.torch_threads, metrics_port=ns.metrics_port)
+                                      torch_threads=ns.torch_threads, metrics_port=ns.metrics_port,
+                                      mesh_token=mesh_token_from_env())
     else:
         from decode_service.server import DecodeServiceConfig, serve
 
         config = DecodeServiceConfig(engine=engine_args_from(ns), cache_address=ns.cache_address,
                                      address=ns.address, served_model_name=ns.served_model_name,
                                      kv_load_failure_policy=ns.kv_load_failure_policy,
-                                     torch_threads=ns.torch_threads, metrics_port=ns.metrics_port)
+                                     torch_threads=ns.torch_threads, metrics_port=ns.metrics_port,
+                                     mesh_token=mesh_token_from_env())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -12,7 +12,7 @@ Contract:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.mesh_client import MeshClient, PDDecider
@@ -66,6 +66,8 @@ class GatewayConfig:
     health_check_interval_s: float = 5.0
     # One in-flight request costs as much as this many uncached prompt blocks (routing).
     route_load_weight: float = 8.0
+    # The shared mesh token sent on every worker call (KDAMESH_MESH_TOKEN); None: the workers are open.
+    mesh_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -108,4 +110,5 @@ class GatewayConfig:
         prefill = self.prefill_addresses if self.mode == "disaggregated" else ()
         return MeshClient(self.decode_addresses, prefill,
                           PDDecider(self.pd_min_uncached_tokens, self.pd_max_prefill_inflight), self.handoff_ttl_ms,
-                          block_size=self.block_size, router_config=RouterConfig(load_weight=self.route_load_weight))
+                          block_size=self.block_size, router_config=RouterConfig(load_weight=self.route_load_weight),
+                          mesh_token=self.mesh_token)

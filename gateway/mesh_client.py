@@ -24,6 +24,8 @@ Contract:
   every transition.
 - Telemetry: the worker channels carry `telemetry.rpc.client_interceptors()`: every call sends the caller's current
   trace context (`traceparent`) and request id (`x-request-id`), so the workers' spans join the request's trace.
+- Security: with `mesh_token`, every call carries it (`x-kdamesh-mesh-token`, `telemetry.mesh_auth`); workers
+  started with the token reject calls without it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.routing import NoHealthyWorker, PDDecider, Router, RouterConfig, prompt_block_hashes
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from telemetry import mesh_auth
 from telemetry.rpc import client_interceptors
 
 log = logging.getLogger(__name__)
@@ -95,11 +98,13 @@ class MeshStats:
 
 
 class _Worker:
-    def __init__(self, address: str, stub_type):
+    def __init__(self, address: str, stub_type, mesh_token: str | None = None):
         self.address = address
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        self.channel = grpc.aio.insecure_channel(address, options=options, interceptors=client_interceptors())
+        self.channel = grpc.aio.insecure_channel(
+            address, options=options,
+            interceptors=[*client_interceptors(), *mesh_auth.client_interceptors(mesh_token)])
         self.stub = stub_type(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -107,13 +112,14 @@ class _Worker:
 class MeshClient:
     def __init__(self, decode_addresses: Sequence[str], prefill_addresses: Sequence[str] = (),
                  decider: PDDecider | None = None, handoff_ttl_ms: int = 0, *, block_size: int = 16,
-                 router_config: RouterConfig = RouterConfig(), on_health_change=None):
+                 router_config: RouterConfig = RouterConfig(), on_health_change=None,
+                 mesh_token: str | None = None):
         if not decode_addresses:
             raise ValueError("the mesh needs at least one decode worker")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        self.decoders = {a: _Worker(a, decode_pb2_grpc.DecodeServiceStub) for a in decode_addresses}
-        self.prefillers = {a: _Worker(a, prefill_pb2_grpc.PrefillServiceStub) for a in prefill_addresses}
+        self.decoders = {a: _Worker(a, decode_pb2_grpc.DecodeServiceStub, mesh_token) for a in decode_addresses}
+        self.prefillers = {a: _Worker(a, prefill_pb2_grpc.PrefillServiceStub, mesh_token) for a in prefill_addresses}
         self.decode_router = Router(list(self.decoders), router_config)
         self.prefill_router = Router(list(self.prefillers), router_config) if self.prefillers else None
         self.decider = decider or PDDecider()

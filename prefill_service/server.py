@@ -22,7 +22,7 @@ Contract:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -66,6 +66,8 @@ class PrefillServiceConfig:
     torch_threads: int | None = None
     # Serve Prometheus /metrics on this port (0: a free port), on the host of `address`; None: no HTTP endpoint.
     metrics_port: int | None = None
+    # The shared mesh token: required on calls to this worker and sent on its cache calls; None: open worker.
+    mesh_token: str | None = field(default=None, repr=False)
 
     @property
     def model_name(self) -> str:

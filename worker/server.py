@@ -3,11 +3,12 @@
 Contract:
 - `start_worker_server(server_cls, servicer_cls, config, add_servicer, registry, tracer_provider)` makes the role's
   `WorkerMetrics` (in `registry`; None: a new one) and servicer, binds `config.address` (port 0: a free port) with
-  standard health (NOT_SERVING for "" and the service until the model is loaded) and reflection, starts the side
+  standard health (NOT_SERVING for "" and the service until the model is loaded) and reflection (calls to anything
+  else need `config.mesh_token` when it is set: `telemetry.mesh_auth`), starts the side
   `/metrics` server when `config.metrics_port` is set, begins loading the model and returns `(server, port)` at
   once. `await server.ready()` waits for the load and raises what it raised.
 - Loading (`WorkerServer._load`): `config.torch_threads` set, the `AsyncEngine` created, a `CacheClient` opened when
-  `config.cache_address` is set (trace context on its calls), the role's worker built (`make_worker`), then SERVING.
+  `config.cache_address` is set (trace context and `config.mesh_token` on its calls), the role's worker built (`make_worker`), then SERVING.
 - `stop(grace)`: NOT_SERVING first, new calls refused (`servicer.stopping`), a load in progress cancelled, running
   calls drained (`drain_calls`, per role), then the worker, the engine, the cache client and `/metrics` closed.
 - The engine gauges (`engine_gauges`: the `EngineStats` the step thread published last, so a scrape never waits
@@ -30,6 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from cache_service.client import CacheClient
 from engine.async_engine import AsyncEngine
+from telemetry import mesh_auth
 from telemetry.grpc_server import start_grpc_server
 from telemetry.metrics import (CounterSample, EngineGauges, MetricsServer, WorkerMetrics, metrics_host,
                                start_metrics_server)
@@ -117,7 +119,8 @@ class WorkerServer:
         if self.config.cache_address:
             self.cache = CacheClient(self.config.cache_address, timeout_s=self.config.cache_timeout_s,
                                      max_message_bytes=self.config.max_message_bytes,
-                                     interceptors=client_interceptors(self.tracer_provider))
+                                     interceptors=[*client_interceptors(self.tracer_provider),
+                                                   *mesh_auth.client_interceptors(self.config.mesh_token)])
         self.servicer.worker = self.make_worker()
         for name in ("", self.service_name):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -159,7 +162,8 @@ async def start_worker_server(server_cls: type[WorkerServer], servicer_cls: type
     servicer = servicer_cls(config, metrics)
     grpc_server, port, health_servicer = await start_grpc_server(
         config.address, server_cls.service_name, lambda s: add_servicer(servicer, s), config.max_message_bytes,
-        server_interceptors(server_cls.role, tracer_provider=tracer_provider, metrics=metrics.rpc))
+        server_interceptors(server_cls.role, tracer_provider=tracer_provider, metrics=metrics.rpc),
+        mesh_token=config.mesh_token)
     server = server_cls(config, grpc_server, port, health_servicer, servicer, tracer_provider)
     if config.metrics_port is not None:
         server.metrics_http = start_metrics_server(config.metrics_port, metrics_host(config.address),

