@@ -6,7 +6,9 @@ naming the port, before any model loads."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,6 +62,26 @@ def _chat_until_served(client: openai.OpenAI, timeout_s: float = 90) -> openai.t
             time.sleep(1)
 
 
+def _served_calls(metrics_url: str) -> int:
+    """gRPC calls other than health checks that a service answered OK (its /metrics, since it last started)."""
+    text = httpx.get(metrics_url, timeout=10).text
+    return sum(int(float(n)) for method, n in re.findall(r'_requests_total\{method="([^"]+)",status="OK"\} (\S+)', text)
+               if "Health" not in method)
+
+
+def _assert_peers_reconnected(launched, client: openai.OpenAI, timeout_s: float = 60) -> None:
+    """The gateway's channel to the restarted prefill worker and the workers' channels to the restarted cache
+    service carry calls again: remote prefills land on the new prefill process, which publishes to the new cache."""
+    metrics = json.loads(next(line for line in launched.log.read_text().splitlines()
+                              if line.startswith("metrics "))[len("metrics "):])
+    deadline = time.monotonic() + timeout_s
+    while _served_calls(metrics["prefill"]) == 0 or _served_calls(metrics["cache"]) == 0:
+        assert time.monotonic() < deadline, "no calls reached the restarted prefill worker and cache service"
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Count to {time.time()}"}],
+                                       max_tokens=2, temperature=0)
+        time.sleep(1)
+
+
 def test_seed_command_serves_and_survives_killed_services(tmp_path):
     launched = launch(tmp_path, "endpoints ", command="serve", up_flags=SEED_FLAGS)
     try:
@@ -80,6 +102,7 @@ def test_seed_command_serves_and_survives_killed_services(tmp_path):
             assert launched.proc.poll() is None
         assert _chat_until_served(client).usage.completion_tokens == 6
         assert "restarted the cache service" in launched.log.read_text()
+        _assert_peers_reconnected(launched, client)
     finally:
         stop(launched.proc)
 
