@@ -106,7 +106,7 @@ def _add_make_checkpoint(sub) -> None:
 def _add_up(sub) -> None:
     u = sub.add_parser("up", help="start cache, prefill, decode and gateway on localhost; Ctrl-C stops them")
     add_mesh_flags(u, model_positional=False)
-    u.set_defaults(func=_up)
+    u.set_defaults(func=_up, up_parser=u)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     elif args.command == "up":
-        _refuse(parser, args)
+        _refuse(args.up_parser, args)
     from telemetry.logs import setup_logging
 
     one_role = args.command == "serve" and args.role is not None
