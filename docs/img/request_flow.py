@@ -23,17 +23,18 @@ ARROWS = (
     ("gateway", "top", "prefill", "left", 0, False, 270, 120, ("2  Prefill(prompt ids)",)),
     ("prefill", "right", "cache", "top", -7, False, 730, 60, ("3  publish blocks, KDA", "snapshots, the handoff")),
     ("cache", "top", "prefill", "right", 7, True, 615, 165, ("snapshot path: cached prefix", "+ KDA snapshot")),
-    ("gateway", "bottom", "decode", "left", -7, False, 250, 335, ("4  Decode(handoff id)",)),
-    ("decode", "left", "gateway", "bottom", 7, True, 445, 300, ("6  tokens (stream)",)),
+    ("gateway", "bottom", "decode", "left", -7, False, 445, 300, ("4  Decode(handoff id)",)),
+    ("decode", "left", "gateway", "bottom", 7, True, 250, 335, ("6  tokens (stream)",)),
     ("cache", "bottom", "decode", "right", 0, False, 800, 355, ("5  claim handoff", "+ blocks")),
 )
 
 
 def _point(name: str, side: str, shift: int) -> tuple[int, int]:
-    """The middle of box `name`'s `side`, moved `shift` along that side."""
+    """The middle of box `name`'s `side`, moved `shift` along that side (up on a left/right side, right on a
+    top/bottom one for a negative shift: the two arrows of a pair then run side by side on a diagonal)."""
     x, y, w, h = BOXES[name][:4]
     if side in ("top", "bottom"):
-        return x + w // 2 + shift, y if side == "top" else y + h
+        return x + w // 2 - shift, y if side == "top" else y + h
     return (x + w if side == "right" else x), y + h // 2 + shift
 
 
