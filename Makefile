@@ -1,5 +1,5 @@
 # kdamesh: two commands on a fresh machine.
-#   make serve   — the whole mesh on localhost with the embedded defaults
+#   make serve   — the whole mesh on localhost with the embedded defaults (flags: make serve ARGS="...")
 #   make test    — ruff (make lint), then the test suite
 # Both install into .venv first (torch pinned to the CPU wheel 2.13.0, installed before the project).
 
@@ -33,8 +33,10 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest tests/unit -x
 
+# make serve ARGS="--model DIR --port 8001 ..." — any `kdamesh up` flag (`kdamesh serve MODEL` takes the same ones)
+ARGS ?=
 serve: install
-	$(BIN)/kdamesh up
+	$(BIN)/kdamesh up $(ARGS)
 
 bench: install
 	$(BIN)/python -m bench.run_all

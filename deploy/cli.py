@@ -1,9 +1,10 @@
 """The `kdamesh` command line.
 
 Subcommands: `make-checkpoint` (a generated checkpoint in the official layout), `up` (the whole mesh on localhost,
-deploy/launcher.py) and `serve --role cache|prefill|decode|gateway` (one service, deploy/serve.py: each role parses
-its own flags, `kdamesh serve --role R --help` lists them) and `bench serve` (servebench/: `vllm bench serve`'s flags,
-metrics and result JSON). Each subcommand calls one function; no logic lives here.
+deploy/launcher.py), `serve MODEL [flags]` (the same mesh, a drop-in for `vllm serve MODEL`: the flag table is
+deploy/flags.py, shared with `up`), `serve --role cache|prefill|decode|gateway` (one service, deploy/serve.py: each
+role parses its own flags, `kdamesh serve --role R --help` lists them) and `bench serve` (servebench/: `vllm bench
+serve`'s flags, metrics and result JSON). Each subcommand calls one function; no logic lives here.
 
 Global flags (before the subcommand): `--log-level`, `--log-format text|json` (telemetry/logs.py: JSON lines carry
 the request id and trace id) and `--trace-exporter auto|none|console|otlp` (telemetry/tracing.py: "auto" exports over
@@ -16,6 +17,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from deploy.flags import add_mesh_flags, launch_config_from, refusal
+
+SERVE_MODEL_HELP = ("Serve MODEL with the whole mesh on localhost (cache, prefill, decode, gateway), as `kdamesh up "
+                    "--model MODEL` does; takes the `vllm serve` flags that apply and refuses, naming it, a flag "
+                    "whose feature is not built yet.")
+
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from engine.model.checkpoint import make_checkpoint
@@ -27,26 +34,29 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from deploy.launcher import LaunchConfig, up
+    from deploy.launcher import up
 
-    return up(LaunchConfig(
-        model=args.model, mode=args.mode, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-        cache_backend=args.cache_backend, cache_byte_budget=args.cache_byte_budget,
-        pd_min_uncached_tokens=args.pd_min_uncached_tokens, kv_load_failure_policy=args.kv_load_failure_policy,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
-        enable_prefix_caching=args.enable_prefix_caching, torch_threads=args.torch_threads,
-        served_model_name=args.served_model_name, gateway_grpc_port=args.gateway_grpc_port,
-        api_keys_file=args.api_keys_file, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
-        log_level=args.log_level.upper(), log_format=args.log_format, trace_exporter=args.trace_exporter,
-        metrics_port=args.metrics_port, grace_s=args.grace_s))
+    return up(launch_config_from(args, args.log_level, args.log_format, args.trace_exporter))
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.role is None:  # `kdamesh serve MODEL [vllm serve flags]`: the whole mesh, like `up`
+        mesh = argparse.ArgumentParser(prog="kdamesh serve", description=SERVE_MODEL_HELP)
+        add_mesh_flags(mesh, model_positional=True)
+        ns = mesh.parse_args(args.role_args)
+        _refuse(mesh, ns)
+        return _up(argparse.Namespace(**vars(ns), log_level=args.log_level, log_format=args.log_format,
+                                      trace_exporter=args.trace_exporter))
     from deploy.serve import run_role
 
     return run_role(args.role, args.role_args, log_level=args.log_level)
+
+
+def _refuse(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """argparse's error (exit 2) naming a flag whose feature is not built yet."""
+    message = refusal(ns)
+    if message is not None:
+        parser.error(message)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -66,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_checkpoint(sub)
     _add_up(sub)
-    sv = sub.add_parser("serve", help="run one service: --role cache|prefill|decode|gateway [its flags]",
+    sv = sub.add_parser("serve", help="`serve MODEL [flags]`: the whole mesh (`vllm serve` flags); "
+                                      "`serve --role cache|prefill|decode|gateway [its flags]`: one service",
                         add_help=False)
-    sv.add_argument("--role", required=True, choices=["cache", "prefill", "decode", "gateway"])
+    sv.add_argument("--role", default=None, choices=["cache", "prefill", "decode", "gateway"])
     sv.set_defaults(func=_serve)
     from servebench.cli import add_cli_args  # argparse only: cheap to import
 
@@ -94,46 +105,8 @@ def _add_make_checkpoint(sub) -> None:
 
 def _add_up(sub) -> None:
     u = sub.add_parser("up", help="start cache, prefill, decode and gateway on localhost; Ctrl-C stops them")
-    u.add_argument("--model", default=None, help="checkpoint folder (default: small-k3, generated on first run)")
-    u.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--http-port", type=int, default=8000, help="the gateway's REST port")
-    u.add_argument("--grpc-port", type=int, default=None,
-                   help="first of three consecutive ports for the cache, prefill and decode services (default: free)")
-    u.add_argument("--cache-backend", default="memory", help="'memory' or redis://host:port/db")
-    u.add_argument("--cache-byte-budget", default=None, help="memory backend budget, e.g. 4GiB")
-    u.add_argument("--pd-min-uncached-tokens", type=int, default=256,
-                   help="prefill remotely only when at least this many prompt tokens are uncached")
-    u.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
-    _add_up_engine_flags(u)
-    u.add_argument("--served-model-name", default=None)
-    u.add_argument("--metrics-port", type=int, default=None,
-                   help="first of three consecutive Prometheus /metrics ports for the cache, prefill and decode "
-                        "services (default: free); the gateway's /metrics is on its REST port")
-    u.add_argument("--grace-s", type=float, default=None,
-                   help="on Ctrl-C/SIGTERM: how long every service lets calls and streams in flight finish (seconds; "
-                        "default: each service's own, 5 s)")
-    u.add_argument("--gateway-grpc-port", type=int, default=None,
-                   help="the gateway's public gRPC API (default: --grpc-port + 3, or a free port)")
-    u.add_argument("--api-keys-file", default=None,
-                   help="JSON object of API key -> tenant for the gateway (KDAMESH_API_KEYS is passed through too)")
-    for flag in ("--tool-call-parser", "--reasoning-parser"):
-        u.add_argument(flag, default="auto", help="'auto' (the model family's format), 'none', kimi_k3 or kimi_k2")
-    u.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
-                   help='tool_choice "auto" (needs a tool-call parser)')
-    u.set_defaults(func=_up)
-
-
-def _add_up_engine_flags(u: argparse.ArgumentParser) -> None:
-    """The engine options `up` passes to both workers (unset: the engine's defaults)."""
-    u.add_argument("--max-num-seqs", type=int, default=None)
-    u.add_argument("--max-num-batched-tokens", type=int, default=None)
-    u.add_argument("--kv-cache-memory", default=None, help="per worker, e.g. 1GiB")
-    u.add_argument("--max-model-len", type=int, default=None)
-    u.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    u.add_argument("--device", default=None)
-    u.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    u.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
+    add_mesh_flags(u, model_positional=False)
+    u.set_defaults(func=_up, up_parser=u)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,11 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         args.role_args = rest  # the role's own flags, parsed by deploy/serve.py
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    elif args.command == "up":
+        _refuse(args.up_parser, args)
     from telemetry.logs import setup_logging
 
-    service = f"kdamesh-{args.role}" if args.command == "serve" else "kdamesh"
+    one_role = args.command == "serve" and args.role is not None
+    service = f"kdamesh-{args.role}" if one_role else "kdamesh"
     setup_logging(args.log_level, args.log_format, service)
-    if args.command == "serve":
+    if one_role:
         from telemetry.tracing import setup_tracing
 
         setup_tracing(service, args.trace_exporter)

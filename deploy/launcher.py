@@ -1,11 +1,16 @@
 """`kdamesh up`: the whole mesh on localhost — cache, prefill, decode and gateway as separate processes.
 
 Contract:
-- `up(config)` starts the cache service, then the prefill (disaggregated mode only) and decode workers, then the
-  gateway, each as its own process (`python -m deploy.cli serve --role …`) on the given ports or free ones; waits
-  until each reports ready (gRPC health SERVING; the gateway's `GET /health` 200); prints the endpoints; and serves
-  until SIGINT (Ctrl-C) or SIGTERM, or until a child exits, then stops everything — gateway first, cache last — with
-  SIGTERM, and SIGKILL after `stop_timeout_s`. Returns 0 after a requested stop, 1 when a service failed.
+- `up(config)` first checks, before any process starts or model loads, that the model folder exists, that every
+  port the mesh will listen on is free (a busy one: an error naming it, exit 2) and that the engine options fit
+  (the workers' context length, `engine_max_model_len`, which the gateway then reports in /v1/models). It starts
+  the cache service, then the prefill (disaggregated mode only) and decode workers, then the gateway, each as its
+  own process (`python -m deploy.cli serve --role …`) on the given ports or free ones; waits until each reports
+  ready (gRPC health SERVING; the gateway's `GET /health` 200 carrying the launch's random nonce in
+  X-Kdamesh-Instance, so another server on the port never passes); prints the endpoints; and serves until SIGINT
+  (Ctrl-C) or SIGTERM. A service that exits is restarted with backoff on the same ports (deploy/supervisor.py;
+  `restart=False`, `--no-restart`: the mesh stops instead). Then it stops everything — gateway first, cache last —
+  with SIGTERM, and SIGKILL after `stop_timeout_s`. Returns 0 after a requested stop, 1 when a service failed.
 - No orphans: every child gets `PR_SET_PDEATHSIG` (SIGTERM) on Linux, so it also ends if the launcher is killed.
 - Without `--model`, the `small-k3` generated checkpoint is created on first run under
   `$KDAMESH_HOME/checkpoints/small-k3` (default `~/.cache/kdamesh`) and reused afterwards.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -36,11 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from telemetry.mesh_auth import MESH_TOKEN_ENV, mesh_token_from_env, new_mesh_token
+from deploy.supervisor import RestartPolicy, Supervisor
 
 DEFAULT_PRESET = "small-k3"
 API_KEYS_ENV = "KDAMESH_API_KEYS"
 FAMILY_FORMATS = {"kimi_k3": "kimi_k3", "kimi_linear": "kimi_k2"}
 MODES = ("disaggregated", "colocated")
+INSTANCE_HEADER = "X-Kdamesh-Instance"  # the gateway's /health echoes its --instance-id
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,8 @@ class LaunchConfig:
     kv_cache_memory: str | None = None
     max_model_len: int | None = None
     dtype: str | None = None
+    load_format: str | None = None  # safetensors | fastsafetensors | dummy
+    seed: int | None = None
     device: str | None = None
     enable_prefix_caching: bool = True
     torch_threads: int | None = None
@@ -71,6 +81,8 @@ class LaunchConfig:
     tool_call_parser: str = "auto"  # "auto": the model family's format; "none": off; or a parser name
     reasoning_parser: str = "auto"
     enable_auto_tool_choice: bool = True
+    disable_log_requests: bool = False  # the gateway writes no access-log line per request
+    uvicorn_log_level: str | None = None  # the gateway's HTTP server log level (None: log_level)
     log_level: str = "INFO"
     log_format: str = "text"  # "text" | "json" (telemetry/logs.py), for every service
     trace_exporter: str = "auto"  # "auto" | "none" | "console" | "otlp" (telemetry/tracing.py), for every service
@@ -80,6 +92,7 @@ class LaunchConfig:
     stop_timeout_s: float = 15.0  # per service, after SIGTERM, before SIGKILL (at least grace_s + 10 s)
     # Shutdown grace of every service (`--grace-s`, seconds); None: each service's default (5 s).
     grace_s: float | None = None
+    restart: bool = True  # restart a service that exits (with backoff); False: stop the mesh instead
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -130,6 +143,8 @@ class Service:
     env: dict[str, str] | None = None  # extra environment of this service only
     grpc_api: str | None = None  # the gateway's public gRPC API (host:port)
     metrics: str | None = None  # its Prometheus /metrics URL
+    ports: tuple[int, ...] = ()  # every port it listens on (checked free before anything starts)
+    instance_id: str | None = None  # the gateway: the nonce its /health echoes (X-Kdamesh-Instance)
 
     def start(self, log_level: str, log_format: str = "text", trace_exporter: str = "auto") -> None:
         cmd = [sys.executable, "-m", "deploy.cli", "--log-level", log_level, "--log-format", log_format,
@@ -166,12 +181,49 @@ def _grpc_ready(address: str) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _http_ready(base_url: str) -> bool:
+def _http_ready(base_url: str, instance_id: str | None = None) -> bool:
+    """GET /health answers 200 — from our own gateway when `instance_id` is given (its X-Kdamesh-Instance header)."""
     try:
         with urllib.request.urlopen(f"{base_url}/health", timeout=2.0) as reply:
-            return reply.status == 200
+            ours = instance_id is None or reply.headers.get(INSTANCE_HEADER) == instance_id
+            return reply.status == 200 and ours
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def ready(service: Service) -> bool:
+    return _http_ready(service.address, service.instance_id) if service.role == "gateway" else \
+        _grpc_ready(service.address)
+
+
+def busy_ports(host: str, ports: list[int]) -> list[int]:
+    """The ports of `ports` that something already listens on (or that cannot be bound) at `host`."""
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no conflict
+            try:
+                s.bind((host, port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
+def engine_max_model_len(config: LaunchConfig, model: str) -> int:
+    """The context length the workers will enforce (the engine's cache plan of the flags both get)."""
+    from engine.config import EngineArgs, plan_cache
+    from engine.model.config import load_model_config
+    from engine.model.loader import resolve_dtype
+
+    d, memory = EngineArgs(model=model), config.kv_cache_memory
+    args = EngineArgs(model=model, dtype=config.dtype or d.dtype, device=config.device or d.device,
+                      kv_cache_memory=d.kv_cache_memory if memory is None else int(memory) if memory.isdigit()
+                      else memory, max_num_seqs=config.max_num_seqs or d.max_num_seqs,
+                      max_num_batched_tokens=config.max_num_batched_tokens or d.max_num_batched_tokens,
+                      max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching)
+    model_config = load_model_config(model)
+    dtype = resolve_dtype(args.dtype, args.device, model_config)
+    return plan_cache(args, model_config, dtype.itemsize).max_model_len
 
 
 class _Stop(Exception):
@@ -184,7 +236,8 @@ class _Stop(Exception):
 def plan_services(config: LaunchConfig, model: str) -> list[Service]:
     """The processes to start, in start order, with their flags."""
     host = config.host
-    cache, prefill, decode = (f"{host}:{p}" for p in _ports(host, config.grpc_port))
+    grpc_ports = _ports(host, config.grpc_port)
+    cache, prefill, decode = (f"{host}:{p}" for p in grpc_ports)
     metrics = {role: (port, f"http://{host}:{port}/metrics")
                for role, port in zip(("cache", "prefill", "decode"), _ports(host, config.metrics_port))}
     grace = [] if config.grace_s is None else ["--grace-s", str(config.grace_s)]
@@ -193,15 +246,16 @@ def plan_services(config: LaunchConfig, model: str) -> list[Service]:
                   "--metrics-port", str(metrics["cache"][0]), *grace]
     if config.cache_byte_budget:
         cache_argv += ["--byte-budget", config.cache_byte_budget]
-    services = [Service("cache", cache, cache_argv, metrics=metrics["cache"][1])]
+    ports = {role: (grpc, metrics[role][0]) for role, grpc in zip(("cache", "prefill", "decode"), grpc_ports)}
+    services = [Service("cache", cache, cache_argv, metrics=metrics["cache"][1], ports=ports["cache"])]
     if config.mode == "disaggregated":
         services.append(Service("prefill", prefill, ["--address", prefill, "--cache-address", cache,
                                                      "--metrics-port", str(metrics["prefill"][0]), *engine],
-                                metrics=metrics["prefill"][1]))
+                                metrics=metrics["prefill"][1], ports=ports["prefill"]))
     services.append(Service("decode", decode, ["--address", decode, "--cache-address", cache,
                                                "--kv-load-failure-policy", config.kv_load_failure_policy,
                                                "--metrics-port", str(metrics["decode"][0]), *engine],
-                            metrics=metrics["decode"][1]))
+                            metrics=metrics["decode"][1], ports=ports["decode"]))
     services.append(_gateway(config, model, decode, prefill, grace))
     return services
 
@@ -218,6 +272,7 @@ def _engine_argv(config: LaunchConfig, model: str) -> list[str]:
                         ("--max-num-batched-tokens", config.max_num_batched_tokens),
                         ("--kv-cache-memory", config.kv_cache_memory), ("--max-model-len", config.max_model_len),
                         ("--dtype", config.dtype), ("--device", config.device),
+                        ("--load-format", config.load_format), ("--seed", config.seed),
                         ("--torch-threads", config.torch_threads),
                         ("--served-model-name", config.served_model_name)):
         if value is not None:
@@ -250,9 +305,14 @@ def _gateway(config: LaunchConfig, model: str, decode: str, prefill: str, grace:
         argv += ["--reasoning-parser", reasoning_parser]
     if config.api_keys_file:
         argv += ["--api-keys-file", config.api_keys_file]
+    if config.disable_log_requests:
+        argv.append("--disable-log-requests")
+    if config.uvicorn_log_level:
+        argv += ["--uvicorn-log-level", config.uvicorn_log_level]
     env = {API_KEYS_ENV: config.api_keys} if config.api_keys is not None else None
     return Service("gateway", f"http://{host}:{config.http_port}", argv, env=env,
-                   grpc_api=f"{host}:{grpc_api_port}", metrics=f"http://{host}:{config.http_port}/metrics")
+                   grpc_api=f"{host}:{grpc_api_port}", metrics=f"http://{host}:{config.http_port}/metrics",
+                   ports=(config.http_port, grpc_api_port))
 
 
 def _parser_flag(value: str, model: str) -> str | None:
@@ -270,10 +330,9 @@ def _parser_flag(value: str, model: str) -> str | None:
 
 def up(config: LaunchConfig) -> int:
     model = config.model or str(default_model_dir())
-    if not (Path(model) / "config.json").is_file():
-        print(f"kdamesh up: {model} is not a checkpoint folder (no config.json)", file=sys.stderr)
+    services = _preflight(config, model)
+    if services is None:
         return 2
-    services = plan_services(config, model)
     give_mesh_token(services, mesh_token_from_env() or new_mesh_token())  # one per launch, unless set
     stopping = {"signal": None}
 
@@ -290,11 +349,8 @@ def up(config: LaunchConfig) -> int:
                 s.start(config.log_level, config.log_format, config.trace_exporter)
             wait_ready(started, config.startup_timeout_s)
         _print_endpoints(config, model, services)
-        while all(s.alive for s in services):
-            time.sleep(0.5)
-        dead = [s for s in services if not s.alive]
-        print(f"kdamesh up: the {dead[0].role} service exited (code {dead[0].proc.returncode}); stopping the mesh",
-              file=sys.stderr, flush=True)
+        Supervisor(services, RestartPolicy(enabled=config.restart), ready,
+                   lambda s: s.start(config.log_level, config.log_format, config.trace_exporter)).watch()
     except _Stop:
         status = 0
         print(f"\nkdamesh up: {signal.Signals(stopping['signal']).name}, stopping the mesh…", flush=True)
@@ -316,6 +372,34 @@ def give_mesh_token(services: list[Service], token: str) -> None:
         s.env = {**(s.env or {}), MESH_TOKEN_ENV: token}
 
 
+def _preflight(config: LaunchConfig, model: str) -> list[Service] | None:
+    """The planned services, or None (after printing why) when the model folder, a port or the engine options
+    cannot work — checked before any process starts or any model loads."""
+    if not (Path(model) / "config.json").is_file():
+        print(f"kdamesh up: {model} is not a checkpoint folder (no config.json)", file=sys.stderr)
+        return None
+    planned = plan_services(config, model)
+    busy = busy_ports(config.host, [p for s in planned for p in s.ports])
+    if busy:
+        print(f"kdamesh up: port {', '.join(map(str, busy))} on {config.host} is already in use; nothing started "
+              "(choose another --port / --grpc-port / --metrics-port, or stop what listens there)", file=sys.stderr)
+        return None
+    try:
+        max_model_len = engine_max_model_len(config, model)
+    except ValueError as exc:  # EngineConfigError: the workers would refuse these options
+        print(f"kdamesh up: {exc}", file=sys.stderr)
+        return None
+    return _with_gateway_identity(planned, secrets.token_hex(8), max_model_len)
+
+
+def _with_gateway_identity(services: list[Service], instance_id: str, max_model_len: int) -> list[Service]:
+    """Gives the gateway its readiness nonce (echoed by its /health) and the workers' context length."""
+    gateway = services[-1]
+    gateway.instance_id = instance_id
+    gateway.argv += ["--instance-id", instance_id, "--max-model-len", str(max_model_len)]
+    return services
+
+
 def wait_ready(services: list[Service], timeout_s: float) -> None:
     """Polls until every service is ready; RuntimeError when one exits or the timeout passes."""
     deadline = time.monotonic() + timeout_s
@@ -324,8 +408,7 @@ def wait_ready(services: list[Service], timeout_s: float) -> None:
         for s in list(pending):
             if not s.alive:
                 raise RuntimeError(f"the {s.role} service exited during start-up (code {s.proc.returncode})")
-            ready = _http_ready(s.address) if s.role == "gateway" else _grpc_ready(s.address)
-            if ready:
+            if ready(s):
                 pending.remove(s)
         if pending:
             if time.monotonic() > deadline:

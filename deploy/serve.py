@@ -4,6 +4,10 @@ Contract:
 - Each role parses its own flags (`role_parser(role)`); engine flags follow `vllm serve` (`--model`,
   `--max-num-seqs`, `--kv-cache-memory`, `--enable-prefix-caching`, ...). The cache role is the cache service's own
   command line (`cache_service.cli.build_parser`).
+- The worker roles share `deploy.flags.add_unbuilt_flags` (the `vllm serve` flags of features not built yet) and
+  refuse, naming it, such a flag set to anything but its no-op value. The gateway role also accepts the workers'
+  `--enable-prefix-caching` and `--trust-remote-code` (no effect there), `--disable-log-requests`,
+  `--uvicorn-log-level` and `--instance-id` (echoed by its /health: the launcher's readiness check).
 - `run_role(role, argv)` prints one line `kdamesh <role> service listening on HOST:PORT` once the service is ready
   (for prefill and decode: once the model is loaded; a model that fails to load exits 1), then serves until SIGINT
   or SIGTERM, when it stops gracefully (`--grace-s` seconds for calls in flight) and returns 0.
@@ -17,6 +21,7 @@ import logging
 import os
 import signal
 
+from deploy.flags import add_unbuilt_flags, refusal
 from engine.config import EngineArgs
 from telemetry.mesh_auth import mesh_token_from_env
 
@@ -48,8 +53,7 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--snapshot-interval", default="auto", help="tokens between KDA state snapshots, or 'auto'")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, choices=[1], help="accepted (1 only for now)")
-    g.add_argument("--trust-remote-code", action="store_true", help="accepted, no effect")
+    add_unbuilt_flags(g)  # --tensor-parallel-size, --trust-remote-code, ...: the one table (deploy/flags.py)
     g.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
 
@@ -96,45 +100,60 @@ def role_parser(role: str) -> argparse.ArgumentParser:
         p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                        help="when a handoff cannot be loaded: compute the prompt here, or fail the request")
     elif role == "gateway":
-        p.add_argument("--model", required=True, help="checkpoint folder (tokenizer and chat format are read from it)")
-        p.add_argument("--served-model-name", default=None)
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--http-port", "--port", dest="http_port", type=int, default=8000)
-        p.add_argument("--grpc-port", type=int, default=50051,
-                       help="the public gRPC API (kdamesh.v1.Generation); 0: a free port, -1: off")
-        p.add_argument("--decode-workers", "--decode-addresses", dest="decode_addresses", type=_addresses,
-                       required=True, help="comma-separated host:port list of decode workers")
-        p.add_argument("--prefill-workers", "--prefill-addresses", dest="prefill_addresses", type=_addresses,
-                       default=(), help="comma-separated host:port list of prefill workers")
-        p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
-        p.add_argument("--pd-min-uncached-tokens", type=int, default=256,
-                       help="prefill remotely only when at least this many prompt tokens are uncached on the decode "
-                            "worker (0: always, when prefill workers exist)")
-        p.add_argument("--pd-max-prefill-inflight", type=int, default=0,
-                       help="colocate when this many remote prefills are in flight (0: no limit)")
-        p.add_argument("--request-timeout-s", type=float, default=600.0)
-        p.add_argument("--grace-s", type=float, default=5.0,
-                       help="shutdown grace period for streams and calls in flight (seconds)")
-        p.add_argument("--handoff-ttl-ms", type=int, default=0, help="0: the cache service's default (30 s)")
-        p.add_argument("--api-keys-file", default=None,
-                       help="JSON object of API key -> tenant (or {tenant, rpm, tpm, max_concurrency}); also read: "
-                            "KDAMESH_API_KEYS='key1=tenantA,key2=tenantB'. No keys: the gateway is open")
-        p.add_argument("--tenant-rpm", type=int, default=None, help="default requests per minute per tenant")
-        p.add_argument("--tenant-tpm", type=int, default=None, help="default tokens per minute per tenant")
-        p.add_argument("--tenant-max-concurrency", type=int, default=None,
-                       help="default requests in flight per tenant")
-        p.add_argument("--tool-call-parser", default=None, choices=["kimi_k3", "kimi_k2"])
-        p.add_argument("--reasoning-parser", default=None, choices=["kimi_k3", "kimi_k2"])
-        p.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='let the model decide to call tools (tool_choice "auto"; needs --tool-call-parser)')
-        p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (prefix routing)")
-        p.add_argument("--max-model-len", type=int, default=None,
-                       help="context length reported by /tokenize and /v1/models (default: the checkpoint's)")
-        p.add_argument("--health-check-interval-s", type=float, default=5.0,
-                       help="seconds between gRPC health checks of the workers")
+        _add_gateway_role_flags(p)
     else:
         raise ValueError(f"unknown role {role!r}; choose one of {ROLES}")
     return p
+
+
+def _add_gateway_role_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint folder (tokenizer and chat format are read from it)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", "--port", dest="http_port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051,
+                   help="the public gRPC API (kdamesh.v1.Generation); 0: a free port, -1: off")
+    p.add_argument("--decode-workers", "--decode-addresses", dest="decode_addresses", type=_addresses,
+                   required=True, help="comma-separated host:port list of decode workers")
+    p.add_argument("--prefill-workers", "--prefill-addresses", dest="prefill_addresses", type=_addresses,
+                   default=(), help="comma-separated host:port list of prefill workers")
+    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    p.add_argument("--pd-min-uncached-tokens", type=int, default=256,
+                   help="prefill remotely only when at least this many prompt tokens are uncached on the decode "
+                        "worker (0: always, when prefill workers exist)")
+    p.add_argument("--pd-max-prefill-inflight", type=int, default=0,
+                   help="colocate when this many remote prefills are in flight (0: no limit)")
+    p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument("--grace-s", type=float, default=5.0,
+                   help="shutdown grace period for streams and calls in flight (seconds)")
+    p.add_argument("--handoff-ttl-ms", type=int, default=0, help="0: the cache service's default (30 s)")
+    p.add_argument("--api-keys-file", default=None,
+                   help="JSON object of API key -> tenant (or {tenant, rpm, tpm, max_concurrency}); also read: "
+                        "KDAMESH_API_KEYS='key1=tenantA,key2=tenantB'. No keys: the gateway is open")
+    p.add_argument("--tenant-rpm", type=int, default=None, help="default requests per minute per tenant")
+    p.add_argument("--tenant-tpm", type=int, default=None, help="default tokens per minute per tenant")
+    p.add_argument("--tenant-max-concurrency", type=int, default=None,
+                   help="default requests in flight per tenant")
+    p.add_argument("--tool-call-parser", default=None, choices=["kimi_k3", "kimi_k2"])
+    p.add_argument("--reasoning-parser", default=None, choices=["kimi_k3", "kimi_k2"])
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto"; needs --tool-call-parser)')
+    p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (prefix routing)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length reported by /tokenize and /v1/models (default: the checkpoint's)")
+    p.add_argument("--health-check-interval-s", type=float, default=5.0,
+                   help="seconds between gRPC health checks of the workers")
+    _gateway_serving_flags(p)
+
+
+def _gateway_serving_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--instance-id", default=None,
+                   help="echoed by GET /health as X-Kdamesh-Instance (the launcher's readiness check)")
+    p.add_argument("--disable-log-requests", action="store_true", help="no access-log line per request")
+    p.add_argument("--uvicorn-log-level", default=None, help="the HTTP server's log level (default: --log-level)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="accepted so one flag set fits every role: prefix caching is the workers' (their flag)")
+    p.add_argument("--trust-remote-code", action="store_true", help="accepted, no effect (the code is built in)")
 
 
 def gateway_config_from(ns: argparse.Namespace, api_keys: str | None = None):
@@ -152,7 +171,8 @@ def gateway_config_from(ns: argparse.Namespace, api_keys: str | None = None):
                          tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
                          enable_auto_tool_choice=ns.enable_auto_tool_choice, block_size=ns.block_size,
                          max_model_len=ns.max_model_len, health_check_interval_s=ns.health_check_interval_s,
-                         shutdown_grace_s=ns.grace_s, mesh_token=mesh_token_from_env())
+                         shutdown_grace_s=ns.grace_s, mesh_token=mesh_token_from_env(),
+                         instance_id=ns.instance_id)
 
 
 # -- running one role ----------------------------------------------------------------------------------------------
@@ -206,13 +226,19 @@ def run_role(role: str, argv: list[str], log_level: str = "INFO") -> int:
         from cache_service.cli import main
 
         return main(argv)
-    ns = role_parser(role).parse_args(argv)
+    parser = role_parser(role)
+    ns = parser.parse_args(argv)
     if role == "gateway":
         from gateway.app import serve
         from gateway.tenancy import API_KEYS_ENV
 
-        asyncio.run(serve(gateway_config_from(ns, os.environ.get(API_KEYS_ENV)), log_level=log_level))
+        if ns.disable_log_requests:
+            logging.getLogger("uvicorn.access").disabled = True
+        asyncio.run(serve(gateway_config_from(ns, os.environ.get(API_KEYS_ENV)),
+                          log_level=ns.uvicorn_log_level or log_level))
         return 0
+    if refusal(ns) is not None:
+        parser.error(refusal(ns))
     if ns.torch_threads:
         import torch
 

@@ -62,6 +62,8 @@ class GatewayConfig:
     block_size: int = 16
     # Context length the gateway reports (/tokenize, /v1/models); None: the checkpoint's. Workers enforce their own.
     max_model_len: int | None = None
+    # Echoed by GET /health as X-Kdamesh-Instance: the launcher's proof that it reached its own gateway.
+    instance_id: str | None = None
     # Seconds between gRPC health checks of the workers.
     health_check_interval_s: float = 5.0
     # One in-flight request costs as much as this many uncached prompt blocks (routing).

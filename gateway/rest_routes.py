@@ -54,7 +54,9 @@ async def health(request: Request):
         status = "degraded"  # requests are routed around the failing workers
     else:
         status = "unavailable"
-    return JSONResponse({"status": status, "workers": workers}, status_code=503 if status == "unavailable" else 200)
+    identity = {"X-Kdamesh-Instance": core.config.instance_id} if core.config.instance_id else None
+    return JSONResponse({"status": status, "workers": workers}, status_code=503 if status == "unavailable" else 200,
+                        headers=identity)
 
 
 async def prometheus(request: Request):

@@ -32,6 +32,8 @@ GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHE
              413: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
              499: grpc.StatusCode.CANCELLED, 501: grpc.StatusCode.UNIMPLEMENTED,
              503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+# Seconds a client is told to wait (Retry-After) when the mesh has no serving worker for it (503).
+RETRY_AFTER_S = "5"
 # pydantic names the union member it tried in an error's location ("str", "NamedToolChoice", ...): not a field
 _UNION_MEMBERS = ("str", "int", "float", "bool", "list", "dict", "NamedToolChoice")
 
@@ -78,7 +80,8 @@ def mesh_api_error(code: grpc.StatusCode, message: str, prompt_param: str = "pro
     status = HTTP_STATUS.get(code, 500)
     if "maximum context length" in message:
         return ApiError(400, message, param=prompt_param, code="context_length_exceeded")
-    return ApiError(status, message, code=code.name.lower())
+    retry = {"Retry-After": RETRY_AFTER_S} if status == 503 else None  # a worker is down (restarting): come back
+    return ApiError(status, message, code=code.name.lower(), headers=retry)
 
 
 def not_found_model(model: str) -> ApiError:

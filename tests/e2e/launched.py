@@ -1,9 +1,10 @@
 """`kdamesh up` as a subprocess for the end-to-end tests: tiny-k3 generated in the test's folder, the gateway on a
 free port, every request prefilled remotely (`--pd-min-uncached-tokens 0`), one torch thread per worker.
 
-`launch(root, ...)` starts it and waits until `kdamesh up` prints a line starting with `wait_for` (it prints
-`metrics {...}`, `endpoints {...}` and `gateway_grpc HOST:PORT` once every service is ready); a launcher that exits
-or is not ready within STARTUP_TIMEOUT_S fails the test with the end of its log. `stop(proc)` sends SIGTERM and
+`launch(root, ...)` starts it (`command="serve"`: as `kdamesh serve MODEL --port P ...`) and waits until it prints
+a line starting with `wait_for` (it prints `metrics {...}`, `endpoints {...}` and `gateway_grpc HOST:PORT` once every
+service is ready); a launcher that exits or is not ready within STARTUP_TIMEOUT_S fails the test with the end of its
+log. `stop(proc)` sends SIGTERM and
 kills what does not exit within the timeout.
 """
 
@@ -44,14 +45,16 @@ class Launched:
 
 
 def launch(root: Path, wait_for: str, *, global_flags: Sequence[str] = (), up_flags: Sequence[str] = (),
-           env: Mapping[str, str] | None = None) -> Launched:
-    """Starts `kdamesh [global_flags] up ... [up_flags]` with `env` (default: this process's) in `root`."""
+           env: Mapping[str, str] | None = None, command: str = "up") -> Launched:
+    """Starts `kdamesh [global_flags] up ... [up_flags]` (or `serve MODEL ...`) with `env` (default: this
+    process's) in `root`."""
     model = make_checkpoint(MODEL, root / MODEL, seed=3)
     port = free_port()
+    head = ["up", "--model", str(model), "--http-port"] if command == "up" else ["serve", str(model), "--port"]
     log_path = root / "up.log"
     env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1", "KDAMESH_HOME": str(root / "home")}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([*kdamesh(), *global_flags, "up", "--model", str(model), "--http-port", str(port),
+        proc = subprocess.Popen([*kdamesh(), *global_flags, *head, str(port),
                                  "--pd-min-uncached-tokens", "0", "--max-num-seqs", "8", "--kv-cache-memory", "32MiB",
                                  "--torch-threads", "1", *up_flags], stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=root)

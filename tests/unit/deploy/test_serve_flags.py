@@ -1,0 +1,104 @@
+"""`kdamesh serve MODEL` / `kdamesh up`: the `vllm serve` flags that apply are accepted and reach the launcher's
+config; a flag whose feature is not built yet is refused with its name (never silently accepted), by `up`,
+`serve MODEL` and the worker roles alike; `kdamesh serve --help` exits 0; an unknown flag gets argparse's error."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+from deploy import cli
+from deploy.flags import add_mesh_flags, launch_config_from
+from deploy.launcher import busy_ports, free_port, plan_services
+from deploy.serve import role_parser
+
+SEED = ["--tensor-parallel-size", "1", "--trust-remote-code", "--load-format", "fastsafetensors",
+        "--enable-prefix-caching", "--enable-auto-tool-choice", "--tool-call-parser", "kimi_k3",
+        "--reasoning-parser", "kimi_k3", "--port", "8123"]
+REFUSED = {"--tensor-parallel-size": ["--tensor-parallel-size", "2"],
+           "--enable-expert-parallel": ["--enable-expert-parallel"],
+           "--speculative-config": ["--speculative-config", '{"method": "mtp"}'],
+           "--kv-cache-dtype": ["--kv-cache-dtype", "fp8"],
+           "--gpu-memory-utilization": ["--gpu-memory-utilization", "0.9"]}
+
+
+def _main(argv: list[str]) -> tuple[int, str, str]:
+    """`kdamesh ARGV` up to argparse's exit: (exit code, stdout, stderr). Nothing may start."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    return exc.value.code, out.getvalue(), err.getvalue()
+
+
+def _mesh(argv: list[str]):
+    parser = cli.argparse.ArgumentParser()
+    add_mesh_flags(parser, model_positional=True)
+    return parser.parse_args(argv)
+
+
+def test_serve_help_exits_0_and_lists_the_vllm_flags():
+    code, out, _ = _main(["serve", "--help"])
+    assert code == 0
+    for flag in ("--tensor-parallel-size", "--load-format", "--enable-prefix-caching", "--tool-call-parser",
+                 "--api-key", "--served-model-name", "--no-restart", "--uvicorn-log-level", "--port"):
+        assert flag in out
+    assert _main(["serve", "--role", "gateway", "--help"])[0] == 0  # the container form stays
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED))
+@pytest.mark.parametrize("head", [["serve", "/m"], ["up", "--model", "/m"]])
+def test_an_unbuilt_feature_is_refused_naming_its_flag(head, flag):
+    code, _, err = _main([*head, *REFUSED[flag]])
+    assert code == 2 and flag in err
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED))
+def test_the_worker_roles_refuse_the_same_flags(flag, monkeypatch):
+    monkeypatch.setattr("deploy.serve._serve_worker", lambda *a: pytest.fail("a refused flag must not start"))
+    for role, extra in (("prefill", ["--cache-address", "h:1"]), ("decode", [])):
+        code, _, err = _main(["serve", "--role", role, "--model", "/m", *extra, *REFUSED[flag]])
+        assert code == 2 and flag in err
+
+
+def test_an_unknown_flag_gets_argparses_error():
+    code, _, err = _main(["serve", "/m", "--no-such-flag"])
+    assert code == 2 and "unrecognized arguments: --no-such-flag" in err
+    assert _main(["up", "--no-such-flag"])[0] == 2
+
+
+def test_the_seed_command_reaches_the_launch_config(tmp_path):
+    ns = _mesh([str(tmp_path), *SEED, "--api-key", "sk-1", "--served-model-name", "k3", "--max-model-len", "4096",
+                "--max-num-seqs", "4", "--max-num-batched-tokens", "512", "--dtype", "float32", "--seed", "7",
+                "--disable-log-requests", "--uvicorn-log-level", "warning", "--no-restart"])
+    config = launch_config_from(ns, "info", "text", "none")
+    assert (config.model, config.http_port, config.load_format, config.enable_prefix_caching) == \
+           (str(tmp_path), 8123, "fastsafetensors", True)
+    assert (config.tool_call_parser, config.reasoning_parser, config.enable_auto_tool_choice) == \
+           ("kimi_k3", "kimi_k3", True)
+    assert (config.api_keys, config.served_model_name, config.max_model_len, config.seed) == \
+           ("sk-1=default", "k3", 4096, 7)
+    assert not config.restart and config.disable_log_requests and config.uvicorn_log_level == "warning"
+    assert not _mesh([str(tmp_path), "--no-enable-prefix-caching"]).enable_prefix_caching
+
+    services = {s.role: s for s in plan_services(config, str(tmp_path))}
+    for role in ("prefill", "decode"):
+        argv = services[role].argv
+        assert argv[argv.index("--load-format") + 1] == "fastsafetensors" and "--seed" in argv
+        role_parser(role).parse_args(argv)  # every flag the launcher passes parses
+    gateway = services["gateway"].argv
+    assert "--disable-log-requests" in gateway and gateway[gateway.index("--uvicorn-log-level") + 1] == "warning"
+    role_parser("gateway").parse_args([*gateway, "--enable-prefix-caching", "--trust-remote-code"])
+    assert services["gateway"].env == {"KDAMESH_API_KEYS": "sk-1=default"}
+
+
+def test_busy_ports_names_a_port_something_listens_on():
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        free = free_port()
+        assert busy_ports("127.0.0.1", [free, taken]) == [taken]
