@@ -73,6 +73,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     grammar: "GrammarState | None" = None  # structured output: the matcher (engine.structured), dropped at finish
+    prompt_logprobs: list | None = None  # `params.prompt_logprobs`: per prompt position (engine/prompt_logprobs.py)
 
     def __post_init__(self):
         if not self.token_ids:

@@ -5,6 +5,8 @@ Contract:
   then builds packed `ForwardBatch`es (chunks in `out.chunks` order; block tables, slot mapping from each
   request's `block_ids`, its running slot) and runs `KimiForCausalLM.forward` on them. It returns fp32 logits
   `[L, vocab]`, one row per chunk that `needs_logits`, in chunk order. It does not change any request.
+  `execute_with_prompt_rows` also returns, per chunk, the logits at its first `prompt_rows` positions (prompt
+  logprobs, a per-request opt-in computed in the same forward; chunks that ask none add no rows).
 - A step of more than `max_forward_tokens` tokens runs as several forwards, in order, of at most that many tokens:
   whole chunks while they fit, and a longer chunk as consecutive pieces (chunked prefill within the step: a piece
   continues from the KV and state its predecessor wrote). Sequences never interact, so this changes results only
@@ -41,6 +43,7 @@ class Piece:
     num_tokens: int
     slot: int  # the request's running KDA slot
     needs_logits: bool
+    prompt_rows: int = 0  # logits also at the first `prompt_rows` positions (prompt logprobs), before the last's
 
 
 class ModelRunner:
@@ -59,12 +62,29 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput, running_slots: list[int]) -> torch.Tensor:
         """Runs the step; `running_slots[i]` is the KDA slot of `out.chunks[i].req`."""
+        return self.execute_with_prompt_rows(out, running_slots, [0] * len(out.chunks))[0]
+
+    def execute_with_prompt_rows(self, out: SchedulerOutput, running_slots: list[int], prompt_rows: list[int]
+                                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`execute`, plus for chunk i the fp32 logits `[prompt_rows[i], V]` at its first `prompt_rows[i]`
+        positions (the prompt-logprob opt-in; 0: none, and nothing extra is computed)."""
         self._apply_state_inits(out)
-        pieces = [Piece(c.req, c.start, c.num_tokens, slot, c.needs_logits)
-                  for c, slot in zip(out.chunks, running_slots)]
-        logits = [self.model(self.build_batch(group).to(self.device), self.cache)
-                  for group in split_forwards(pieces, self.max_forward_tokens)]
-        return logits[0] if len(logits) == 1 else torch.cat(logits)  # [L, V]
+        pieces = [Piece(c.req, c.start, c.num_tokens, slot, c.needs_logits, rows)
+                  for c, slot, rows in zip(out.chunks, running_slots, prompt_rows)]
+        sampled: list[torch.Tensor] = []
+        extra: dict[int, list[torch.Tensor]] = {id(c.req): [] for c in out.chunks}
+        for group in split_forwards(pieces, self.max_forward_tokens):
+            logits = self.model(self.build_batch(group).to(self.device), self.cache)  # [rows, V]
+            at = 0
+            for piece in group:
+                extra[id(piece.req)].append(logits[at: at + piece.prompt_rows])  # [prompt_rows, V]
+                at += piece.prompt_rows
+                if piece.needs_logits:
+                    sampled.append(logits[at: at + 1])
+                    at += 1
+        vocab = self.config.vocab_size
+        joined = [torch.cat(extra[id(c.req)]) if extra[id(c.req)] else torch.empty(0, vocab) for c in out.chunks]
+        return (torch.cat(sampled) if sampled else torch.empty(0, vocab, device=self.device)), joined  # [L, V]
 
     def _apply_state_inits(self, out: SchedulerOutput) -> None:
         zero = [init.dst for init in out.state_inits if init.src is None and init.load is None]
@@ -91,6 +111,7 @@ class ModelRunner:
             blocks = req.block_ids[: -(-end // bs)]
             tables[n, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            logits_rows.extend(range(cu[-2], cu[-2] + chunk.prompt_rows))  # prompt logprobs (opt-in)
             if chunk.needs_logits:
                 logits_rows.append(cu[-1] - 1)
         return ForwardBatch(
@@ -154,8 +175,10 @@ def split_forwards(pieces: list[Piece], limit: int) -> list[list[Piece]]:
     for piece in pieces:
         while piece.num_tokens > room:
             if room > 0:
-                groups[-1].append(Piece(piece.req, piece.start, room, piece.slot, False))
-                piece = Piece(piece.req, piece.start + room, piece.num_tokens - room, piece.slot, piece.needs_logits)
+                head_rows = min(piece.prompt_rows, room)
+                groups[-1].append(Piece(piece.req, piece.start, room, piece.slot, False, head_rows))
+                piece = Piece(piece.req, piece.start + room, piece.num_tokens - room, piece.slot, piece.needs_logits,
+                              piece.prompt_rows - head_rows)
             groups.append([])
             room = limit
         groups[-1].append(piece)
