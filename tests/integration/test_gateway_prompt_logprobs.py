@@ -47,6 +47,11 @@ async def _completions(gw, llm) -> None:
             assert abs(lp["token_logprobs"][p] - expected[p][ids[p]].logprob) < 1e-4, (attempt, p)
             assert len(lp["top_logprobs"][p]) <= 2
         assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    streamed = await gw.http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "echo": True,
+                                                           "logprobs": 2, "max_tokens": 0, "stream": True})
+    chunks = [c["choices"][0] for c in sse_events(streamed.text)]
+    assert "".join(c["text"] for c in chunks) == PROMPT
+    assert sum((c["logprobs"]["token_logprobs"] for c in chunks if c["logprobs"]), []) == lp["token_logprobs"]
     # generation after the echoed prompt, with vLLM's prompt_logprobs too
     reply = await gw.http.post("/v1/completions", json={"model": MODEL, "prompt": ids, "echo": True, "logprobs": 1,
                                                         "max_tokens": 3, "temperature": 0, "ignore_eos": True,
