@@ -62,12 +62,20 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput, running_slots: list[int]) -> torch.Tensor:
         """Runs the step; `running_slots[i]` is the KDA slot of `out.chunks[i].req`."""
-        return self.execute_with_prompt_rows(out, running_slots, [0] * len(out.chunks))[0]
+        self._apply_state_inits(out)
+        pieces = [Piece(c.req, c.start, c.num_tokens, slot, c.needs_logits)
+                  for c, slot in zip(out.chunks, running_slots)]
+        logits = [self.model(self.build_batch(group).to(self.device), self.cache)
+                  for group in split_forwards(pieces, self.max_forward_tokens)]
+        return logits[0] if len(logits) == 1 else torch.cat(logits)  # [L, V]
 
     def execute_with_prompt_rows(self, out: SchedulerOutput, running_slots: list[int], prompt_rows: list[int]
                                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`execute`, plus for chunk i the fp32 logits `[prompt_rows[i], V]` at its first `prompt_rows[i]`
-        positions (the prompt-logprob opt-in; 0: none, and nothing extra is computed)."""
+        positions (the prompt-logprob opt-in; all 0: exactly `execute`, nothing extra computed)."""
+        vocab = self.config.vocab_size
+        if not any(prompt_rows):
+            return self.execute(out, running_slots), [torch.empty(0, vocab)] * len(out.chunks)
         self._apply_state_inits(out)
         pieces = [Piece(c.req, c.start, c.num_tokens, slot, c.needs_logits, rows)
                   for c, slot, rows in zip(out.chunks, running_slots, prompt_rows)]
@@ -82,7 +90,6 @@ class ModelRunner:
                 if piece.needs_logits:
                     sampled.append(logits[at: at + 1])
                     at += 1
-        vocab = self.config.vocab_size
         joined = [torch.cat(extra[id(c.req)]) if extra[id(c.req)] else torch.empty(0, vocab) for c in out.chunks]
         return (torch.cat(sampled) if sampled else torch.empty(0, vocab, device=self.device)), joined  # [L, V]
 
