@@ -8,6 +8,8 @@ Contract:
 - They are computed in the prefill pass itself: each prefill chunk `[start, end)` asks the runner for the logits
   at its positions `start … min(end, N - 1) - 1` (`rows_wanted`), in the same forward (chunked prefill included);
   `record` turns them into entries. No second forward.
+- Cost: such a chunk's forward returns `[rows, vocab]` fp32 logits (a 2048-token chunk of a 163840-token vocabulary
+  is 1.3 GiB), reduced to the top k at once; `max_forward_tokens` bounds it. Other requests pay nothing.
 - The prefix cache is skipped for such requests (engine/memory/manager.py `lookup`): the cached part of a prompt
   has no logits, so the whole prompt is computed and `num_cached_tokens` is 0. A recomputation after preemption
   writes the same positions again.
