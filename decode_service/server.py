@@ -99,6 +99,7 @@ def chunk_to_proto(batch: TokenBatch, top_logprobs: int) -> decode_pb2.DecodeChu
             chunk.stop_token_id = stop_id
     if batch.cached_tokens is not None:
         chunk.cached_tokens = batch.cached_tokens
+    chunk.prompt_logprobs.extend(batch.prompt_logprobs)
     if batch.usage is not None:
         u = batch.usage
         chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,

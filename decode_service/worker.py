@@ -44,6 +44,7 @@ from engine.transfer import (CorruptObjectError, MissingBlockError, ModelMismatc
                              ShapeMismatchError, TransferError, stitch_handoff)
 from protos import common_pb2
 from telemetry import tracing
+from worker.codec import prompt_logprobs_to_proto
 from worker.tenancy import engine_cache_salt, prompt_block_hashes
 from worker.transfers import timed_get
 
@@ -97,6 +98,8 @@ class TokenBatch:
     cached_tokens: int | None = None  # prompt tokens served from the cache; on the first batch of the request
     usage: Usage | None = None
     used_handoff: bool = False
+    # `prompt_logprobs=k` (colocated): prompt positions 2..N in proto form, on the first batch of the request
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -221,6 +224,8 @@ class DecodeWorker:
                                      used_handoff=used_handoff)
                 if first:
                     pending.cached_tokens = out.num_cached_tokens if cached_tokens is None else cached_tokens
+                    pending.prompt_logprobs = prompt_logprobs_to_proto(
+                        out.prompt_logprobs, list(job.prompt_token_ids), job.params.prompt_logprobs or 0)
                     first = False
             if out.finished:
                 cached = out.num_cached_tokens if cached_tokens is None else cached_tokens

@@ -42,6 +42,7 @@ from engine.exchange import CacheExchange
 from engine.memory.hashing import BlockHasher, MediaSpan, root_hash
 from engine.memory.manager import CacheManager, PrefixPresence
 from engine.model.loader import LoadConfig, load_model
+from engine import prompt_logprobs
 from engine.outputs import RequestOutput
 from engine.phase_times import PhaseSnapshot, PhaseTimes
 from engine.request import OutputState, Request, RequestStatus
@@ -292,7 +293,10 @@ class EngineCore:
             slots = [self.manager.running_slot(c.req) for c in out.chunks]
             sampled = [c.req for c in out.chunks if c.needs_logits]
             masks = self._fill_grammar_masks(sampled)  # structured output: CPU work before the forward
-            logits = self.runner.execute(out, slots)  # [L, V]
+            wanted = [prompt_logprobs.rows_wanted(c.req, c.start, c.num_tokens) for c in out.chunks]
+            logits, prompt_logits = self.runner.execute_with_prompt_rows(out, slots, wanted)  # [L, V], [rows_i, V]
+            for chunk, chunk_logits in zip(out.chunks, prompt_logits):
+                prompt_logprobs.record(chunk.req, chunk.start, chunk_logits, self.tokenizer)
             if masks is not None:
                 self.grammar_backend().apply(logits, masks, [i for i, r in enumerate(sampled) if r.grammar])
             copies = []
@@ -350,7 +354,9 @@ class EngineCore:
                 request_id=parent_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
                 outputs=[r.output.take_delta(r.index) for r in sorted(reqs, key=lambda r: r.index)],
                 finished=finished, num_cached_tokens=first.num_cached_tokens or 0,
-                exported=first.exported if finished else None))
+                exported=first.exported if finished else None,
+                prompt_logprobs=first.prompt_logprobs if first.num_computed_tokens >= len(first.prompt_token_ids)
+                else None))
             if finished:
                 del self._parents[parent_id]
         return outputs

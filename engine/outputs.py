@@ -11,7 +11,8 @@ Contract:
 - `RequestOutput.outputs` holds, for a streamed delta, only the sequences that changed (each with its `.index`);
   `LLM.generate` returns the final outputs with all `n` sequences in index order.
 - `Logprob` entries follow vLLM: per generated position a dict token id -> `Logprob(logprob, rank, decoded_token)`
-  holding the sampled token and the top `logprobs` tokens.
+  holding the sampled token and the top `logprobs` tokens. `RequestOutput.prompt_logprobs` likewise per prompt
+  position (`None` first), with `prompt_logprobs=k` (engine/prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -56,3 +57,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     exported: object | None = None  # `engine.transfer.RequestState` when the request asked for an export
+    # `params.prompt_logprobs`: None first, then per prompt position (engine/prompt_logprobs.py); set once the
+    # whole prompt is computed
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

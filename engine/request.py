@@ -77,6 +77,7 @@ class Request:
     stop_reason: int | str | None = None
     grammar: "GrammarState | None" = None  # structured output: the matcher (engine.structured), dropped at finish
     times: RequestTimes = field(default_factory=RequestTimes)  # queue / prefill / decode stamps in this engine
+    prompt_logprobs: list | None = None  # `params.prompt_logprobs`: per prompt position (engine/prompt_logprobs.py)
 
     def __post_init__(self):
         if not self.token_ids:

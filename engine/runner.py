@@ -5,6 +5,8 @@ Contract:
   then builds packed `ForwardBatch`es (chunks in `out.chunks` order; block tables, slot mapping from each
   request's `block_ids`, its running slot) and runs `KimiForCausalLM.forward` on them. It returns fp32 logits
   `[L, vocab]`, one row per chunk that `needs_logits`, in chunk order. It does not change any request.
+  `execute_with_prompt_rows` also returns, per chunk, the logits at its first `prompt_rows` positions (prompt
+  logprobs, a per-request opt-in computed in the same forward; chunks that ask none add no rows).
 - A step of more than `max_forward_tokens` tokens runs as several forwards, in order, of at most that many tokens:
   whole chunks while they fit, and a longer chunk as consecutive pieces (chunked prefill within the step: a piece
   continues from the KV and state its predecessor wrote). Sequences never interact, so this changes results only
@@ -49,6 +51,7 @@ class Piece:
     num_tokens: int
     slot: int  # the request's running KDA slot
     needs_logits: bool
+    prompt_rows: int = 0  # logits also at the first `prompt_rows` positions (prompt logprobs), before the last's
 
 
 @dataclass(frozen=True)
@@ -91,15 +94,41 @@ class ModelRunner:
         """Runs the step; `running_slots[i]` is the KDA slot of `out.chunks[i].req`."""
         return self.run_step(self.plan_step(out, running_slots))
 
-    def plan_step(self, out: SchedulerOutput, running_slots: list[int]) -> RankStep:
+    def plan_step(self, out: SchedulerOutput, running_slots: list[int], prompt_rows: list[int] | None = None
+                  ) -> RankStep:
         zero = [init.dst for init in out.state_inits if init.src is None and init.load is None]
         inits = [SlotInit(init.dst, src=init.src) if init.src is not None else
                  SlotInit(init.dst, blocks=tuple(init.load_blocks), kv=init.load.kv, state=init.load.state)
                  for init in out.state_inits if init.src is not None or init.load is not None]
-        pieces = [Piece(c.req, c.start, c.num_tokens, slot, c.needs_logits)
-                  for c, slot in zip(out.chunks, running_slots)]
-        batches = [self.build_batch(group) for group in split_forwards(pieces, self.max_forward_tokens)]
-        return RankStep(zero, inits, batches)
+        groups = split_forwards(self._pieces(out, running_slots, prompt_rows), self.max_forward_tokens)
+        return RankStep(zero, inits, [self.build_batch(group) for group in groups])
+
+    @staticmethod
+    def _pieces(out: SchedulerOutput, running_slots: list[int], prompt_rows: list[int] | None) -> list[Piece]:
+        rows = prompt_rows or [0] * len(out.chunks)
+        return [Piece(c.req, c.start, c.num_tokens, slot, c.needs_logits, n)
+                for c, slot, n in zip(out.chunks, running_slots, rows)]
+
+    def execute_with_prompt_rows(self, out: SchedulerOutput, running_slots: list[int], prompt_rows: list[int]
+                                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`execute`, plus for chunk i the fp32 logits `[prompt_rows[i], V]` at its first `prompt_rows[i]`
+        positions (the prompt-logprob opt-in; all 0: exactly `execute`, nothing extra computed)."""
+        vocab = self.config.vocab_size
+        if not any(prompt_rows):
+            return self.execute(out, running_slots), [torch.empty(0, vocab)] * len(out.chunks)
+        logits = self.run_step(self.plan_step(out, running_slots, prompt_rows))  # [rows of every forward, V]
+        sampled: list[torch.Tensor] = []
+        extra: dict[int, list[torch.Tensor]] = {id(c.req): [] for c in out.chunks}
+        at = 0
+        for group in split_forwards(self._pieces(out, running_slots, prompt_rows), self.max_forward_tokens):
+            for piece in group:  # build_batch's row order: a piece's prompt rows, then its sampling row
+                extra[id(piece.req)].append(logits[at: at + piece.prompt_rows])  # [prompt_rows, V]
+                at += piece.prompt_rows
+                if piece.needs_logits:
+                    sampled.append(logits[at: at + 1])
+                    at += 1
+        joined = [torch.cat(extra[id(c.req)]) if extra[id(c.req)] else torch.empty(0, vocab) for c in out.chunks]
+        return (torch.cat(sampled) if sampled else torch.empty(0, vocab, device=self.device)), joined  # [L, V]
 
     def run_step(self, step: RankStep) -> torch.Tensor:
         """Applies the slot inits, then runs the forwards in order; fp32 logits `[L, V]`."""
@@ -128,6 +157,7 @@ class ModelRunner:
             blocks = req.block_ids[: -(-end // bs)]
             tables[n, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            logits_rows.extend(range(cu[-2], cu[-2] + chunk.prompt_rows))  # prompt logprobs (opt-in)
             if chunk.needs_logits:
                 logits_rows.append(cu[-1] - 1)
         return ForwardBatch(
@@ -195,8 +225,10 @@ def split_forwards(pieces: list[Piece], limit: int) -> list[list[Piece]]:
     for piece in pieces:
         while piece.num_tokens > room:
             if room > 0:
-                groups[-1].append(Piece(piece.req, piece.start, room, piece.slot, False))
-                piece = Piece(piece.req, piece.start + room, piece.num_tokens - room, piece.slot, piece.needs_logits)
+                head_rows = min(piece.prompt_rows, room)
+                groups[-1].append(Piece(piece.req, piece.start, room, piece.slot, False, head_rows))
+                piece = Piece(piece.req, piece.start + room, piece.num_tokens - room, piece.slot, piece.needs_logits,
+                              piece.prompt_rows - head_rows)
             groups.append([])
             room = limit
         groups[-1].append(piece)

@@ -48,6 +48,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus the top k
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob plus the top k
     skip_special_tokens: bool = True
     # structured output (grammar-constrained decoding, see engine/structured/); None: unconstrained
     structured: StructuredOutputParams | None = None
@@ -91,8 +92,9 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        bad_logprobs = [name for name in ("logprobs", "prompt_logprobs") if not _is_logprob_count(getattr(self, name))]
+        if bad_logprobs:
+            raise bad(bad_logprobs[0], f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.structured is not None and not isinstance(self.structured, StructuredOutputParams):
             raise bad("structured", "must be StructuredOutputParams or None")
 
@@ -114,6 +116,10 @@ class SamplingParams:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_logprob_count(value) -> bool:
+    return value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS)
 
 
 def _is_finite(value) -> bool:

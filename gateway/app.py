@@ -23,7 +23,8 @@ Contract:
   `prompt` as text, texts, token ids or lists of them; `n` choices per prompt (index = prompt index * n + i);
   `echo`, `logprobs`, `stop`, `seed`, `stream` (+ `stream_options.include_usage`), `return_token_ids`.
 - `POST /tokenize` (`prompt`, or chat `messages`) -> `{"tokens", "count", "max_model_len"}`;
-  `POST /detokenize` (`tokens`) -> `{"prompt"}` (vLLM's shapes).
+  `POST /detokenize` (`tokens`) -> `{"prompt"}` (vLLM's shapes); `GET /tokenizer_info` (the tokenizer's config,
+  gateway/info.py) and `GET /version` (`{"version"}`, no API key needed), as vLLM.
 - `GET /openapi.json` documents every endpoint, with the request body schema of each POST endpoint (the pydantic
   models that validate them, `gateway.protocol.REQUEST_BODIES`).
 - Errors use the OpenAI envelope `{"error": {"message", "type", "param", "code"}}`: malformed JSON or fields 400,
@@ -71,7 +72,8 @@ ROUTES = (("GET", "/health", rest_routes.health), ("GET", "/metrics", rest_route
           ("GET", "/v1/models", rest_routes.models), ("GET", "/v1/models/{model_id:path}", rest_routes.model),
           ("POST", "/v1/chat/completions", rest_routes.chat_completions),
           ("POST", "/v1/completions", rest_routes.completions), ("POST", "/tokenize", rest_routes.tokenize),
-          ("POST", "/detokenize", rest_routes.detokenize))
+          ("POST", "/detokenize", rest_routes.detokenize), ("GET", "/version", rest_routes.version),
+          ("GET", "/tokenizer_info", rest_routes.tokenizer_info))
 
 
 def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer: KimiTokenizer | None = None,

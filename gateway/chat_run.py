@@ -73,6 +73,7 @@ class ChatRun(Run):
         self.stream = plan.request.stream
         self.include_usage = plan.request.include_usage
         self.choices = [_ChatChoice(i, core.tokenizer, plan, core.marker_ids) for i in range(plan.request.n)]
+        self.prompt_logprobs: list = []  # `prompt_logprobs`: tokens 2..N of the rendered prompt, once the mesh sent them
 
     def choice_token_counts(self) -> list[int]:
         return [len(c.text.token_ids) for c in self.choices]
@@ -93,6 +94,7 @@ class ChatRun(Run):
             yield ChatEvent(choice.index, role="assistant")
         async for event in self._mesh_items():
             self._saw_tokens(event)
+            self.prompt_logprobs = event.prompt_logprobs or self.prompt_logprobs
             if not 0 <= event.index < len(self.choices) or self.choices[event.index].done:
                 continue
             choice = self.choices[event.index]

@@ -3,7 +3,9 @@
 Contract (the lifecycle is `gateway.run.Run`'s):
 - Choice `p * n + i` is the i-th of the `n` choices of prompt p. `events()` yields `CompletionEvent`s as the mesh
   produces them (text deltas under the choice's stop rules, token ids, logprobs, offsets), with the prompt's text
-  first when `echo`; a choice's last event carries its finish reason. A prompt whose choices all ended is left
+  first when `echo`; a choice's first event carries the prompt's logprobs when they were asked (`echo` with
+  `logprobs`, or `prompt_logprobs`); with `max_tokens` 0 (echo only) the token the mesh ran is dropped and the
+  choice ends "length" with no completion tokens; a choice's last event carries its finish reason. A prompt whose choices all ended is left
   (its mesh call cancelled); a choice the mesh never finished ends with "abort".
 """
 
@@ -14,7 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from gateway.events import CompletionEvent
+from gateway.events import CompletionEvent, PromptLogprobs
 from gateway.mesh_client import MeshError, MeshRequest, TokenEvent
 from gateway.protocol import CompletionJob
 from gateway.ratelimit import Lease
@@ -46,6 +48,8 @@ class CompletionRun(Run):
         self.sent_text = {i: 0 for i in self.choices}
         self.echoed: set[int] = set()
         self.done: set[int] = set()
+        self.prompt_logprobs: dict[int, list] = {}  # prompt index -> its prompt logprobs (when asked)
+        self.prompt_sent: set[int] = set()  # choices whose first event went out
 
     def choice_token_counts(self) -> list[int]:
         return [len(c.token_ids) for c in self.choices.values()]
@@ -111,6 +115,10 @@ class CompletionRun(Run):
     def _event(self, p: int, index: int, event: TokenEvent) -> CompletionEvent | None:
         """What a mesh event adds to choice `index` (of prompt p); None when nothing."""
         choice = self.choices[index]
+        if event.prompt_logprobs:
+            self.prompt_logprobs[p] = event.prompt_logprobs
+        if self.job.echo_only:  # max_tokens 0: the one token the mesh ran is not part of the answer
+            event = TokenEvent(event.index, [], finish_reason="length" if event.finish_reason else None)
         n_before, lp_before = len(choice.token_ids), len(choice.logprobs)
         delta = choice.add(event)
         echo = ""
@@ -122,6 +130,10 @@ class CompletionRun(Run):
             return None
         out = CompletionEvent(index, delta, choice.token_ids[n_before:], choice.logprobs[lp_before:],
                               self.sent_text[index], self.sent_text[index] + len(echo))
+        if index not in self.prompt_sent:
+            self.prompt_sent.add(index)
+            if self.job.sampling.HasField("prompt_logprobs"):
+                out.prompt = PromptLogprobs(self.job.prompts[p], self.prompt_logprobs.get(p, []))
         self.sent_text[index] += len(delta)
         if choice.finished:
             self.done.add(index)

@@ -43,6 +43,15 @@ class CompletionEvent:
     logprob_offset: int = 0  # text offset of the first token in `logprobs` (after an echoed prompt)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # on a choice's first event when prompt logprobs were asked (echo + logprobs, or prompt_logprobs): the prompt
+    # and the logprobs of its tokens 2..N
+    prompt: "PromptLogprobs | None" = None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    token_ids: list[int]
+    logprobs: list[common_pb2.TokenLogprob]  # tokens 2..N (the first has none)
 
 
 @dataclass

@@ -84,6 +84,8 @@ class TokenEvent:
     usage: common_pb2.Usage | None = None  # on the last event of the request
     cached_tokens: int | None = None  # prompt tokens served from the cache; on the first event of the request
     route: str = ""  # on the last event: "remote" | "local" | "fallback"
+    # `sampling.prompt_logprobs`: prompt tokens 2..N (from prefill or a colocated decode); on the first event only
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -189,6 +191,7 @@ class MeshClient:
         try:
             route = await self._route(req, decoder, deadline)
             source: dict = {"local": decode_pb2.LocalPrefill(prompt=common_pb2.TokenIds(ids=req.prompt_token_ids))}
+            prompt_logprobs: list[common_pb2.TokenLogprob] = []
             if route == "remote":
                 response = await self._prefill(req, hashes, deadline)
                 if response is None:
@@ -198,6 +201,7 @@ class MeshClient:
                     yield _first_token_only(response)
                     return
                 else:
+                    prompt_logprobs = list(response.prompt_logprobs)
                     source = {"handoff": decode_pb2.HandoffSource(
                         handoff_key=response.handoff_key, first_token_id=response.first_token_id,
                         first_token_logprob=response.first_token_logprob if response.HasField(
@@ -207,7 +211,7 @@ class MeshClient:
                 self.stats.local += 1
             request = decode_pb2.DecodeRequest(request_id=req.request_id, model=req.model, sampling=req.sampling,
                                                tenant_salt=req.tenant_salt, priority=req.priority, **source)
-            async for event in self._decode(decoder, request, deadline, route):
+            async for event in self._decode(decoder, request, deadline, route, prompt_logprobs):
                 yield event
         finally:
             self.decode_router.finish(pick.address)
@@ -269,13 +273,16 @@ class MeshClient:
         return response
 
     async def _decode(self, decoder: _Worker, request: decode_pb2.DecodeRequest, deadline: float | None,
-                      route: str) -> AsyncIterator[TokenEvent]:
+                      route: str, prompt_logprobs: list[common_pb2.TokenLogprob]) -> AsyncIterator[TokenEvent]:
+        """The decode stream as events; `prompt_logprobs` (the prefill's) go on the first one."""
         call = decoder.stub.Decode(request, timeout=_remaining(deadline))
         try:
             async for chunk in call:
                 event = TokenEvent(index=chunk.index, token_ids=list(chunk.token_ids), logprobs=list(chunk.logprobs),
                                    finish_reason=FINISH_NAMES.get(chunk.finish_reason),
-                                   stop_token_id=chunk.stop_token_id if chunk.HasField("stop_token_id") else None)
+                                   stop_token_id=chunk.stop_token_id if chunk.HasField("stop_token_id") else None,
+                                   prompt_logprobs=list(chunk.prompt_logprobs) or prompt_logprobs)
+                prompt_logprobs = []
                 if chunk.HasField("cached_tokens"):
                     event.cached_tokens = chunk.cached_tokens
                 if chunk.HasField("usage"):
@@ -299,7 +306,7 @@ def _first_token_only(response: prefill_pb2.PrefillResponse) -> TokenEvent:
     finish = FINISH_NAMES.get(response.finish_reason)
     return TokenEvent(index=0, token_ids=[response.first_token_id], cached_tokens=response.cached_tokens,
                       logprobs=[response.first_token_logprob] if response.HasField("first_token_logprob") else [],
-                      finish_reason=finish,
+                      finish_reason=finish, prompt_logprobs=list(response.prompt_logprobs),
                       usage=common_pb2.Usage(prompt_tokens=response.prompt_tokens, completion_tokens=1,
                                              cached_tokens=response.cached_tokens),
                       route="remote")

@@ -9,7 +9,10 @@ Contract:
   delta. A chat response folds each choice's deltas into one message (`content` "" rather than null when there is
   neither content nor a tool call); reasoning appears as both `reasoning_content` and `reasoning`.
 - Completion chunks: a chunk per event with text, a finish reason or (with `return_token_ids`) token ids;
-  `logprobs` in the legacy shape (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
+  `logprobs` in the legacy shape (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`); with `echo` they
+  cover the prompt too (its first token `null`, offsets from the prompt's start).
+- Prompt logprobs (vLLM's `prompt_logprobs` k): `None` then per position {token id: {logprob, rank,
+  decoded_token}}, on each completion choice and at the top level of a chat response (not streamed, as vLLM).
 - Every chunk carries `usage` (null until the trailer) when the client asked for usage; usage counts
   `prompt_tokens_details.cached_tokens`.
 """
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 from gateway.chat_run import ChatRun
 from gateway.completion_run import CompletionRun
-from gateway.events import ChatEvent, CompletionEvent, Usage
+from gateway.events import ChatEvent, CompletionEvent, PromptLogprobs, Usage
 from gateway.parsers import fold
 from gateway.run import Run
 from protos import common_pb2
@@ -52,17 +55,39 @@ def chat_logprobs_entry(tokenizer, lp: common_pb2.TokenLogprob) -> dict:
     return entry
 
 
-def completion_logprobs(tokenizer, logprobs: list[common_pb2.TokenLogprob], offset: int) -> dict:
-    """OpenAI completions `logprobs` for these tokens (text offsets counted from `offset`)."""
+def completion_logprobs(tokenizer, logprobs: list[common_pb2.TokenLogprob], offset: int,
+                        prompt: PromptLogprobs | None = None, top: int | None = None) -> dict:
+    """OpenAI completions `logprobs` for these tokens (text offsets counted from `offset`); with `prompt` (an
+    echoed prompt) its tokens first — the first with `null` logprob and top — and the offsets from the prompt's
+    start. `top` caps the alternatives per position."""
+    rows: list[tuple[int, float | None, dict | None]] = []
+    if prompt is not None and prompt.token_ids:
+        rows.append((prompt.token_ids[0], None, None))
+        rows.extend((lp.token_id, lp.logprob, lp.top_logprobs) for lp in prompt.logprobs)
+    rows.extend((lp.token_id, lp.logprob, lp.top_logprobs) for lp in logprobs)
     tokens, token_lps, tops, offsets = [], [], [], []
-    for lp in logprobs:
-        piece = tokenizer.decode([lp.token_id])
+    for token_id, logprob, alternatives in rows:
+        piece = tokenizer.decode([token_id])
         tokens.append(piece)
-        token_lps.append(lp.logprob)
-        tops.append({tokenizer.decode([t.token_id]): t.logprob for t in lp.top_logprobs})
+        token_lps.append(logprob)
+        tops.append(None if alternatives is None else
+                    {tokenizer.decode([t.token_id]): t.logprob for t in list(alternatives)[:top]})
         offsets.append(offset)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(tokenizer, prompt: PromptLogprobs, top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: `None`, then per prompt position {token id: {logprob, rank, decoded_token}} with
+    the prompt token and the `top` most likely ones."""
+    out: list[dict | None] = [None]
+    for lp in prompt.logprobs:
+        entry = {str(t.token_id): {"logprob": t.logprob, "rank": rank, "decoded_token": tokenizer.decode([t.token_id])}
+                 for rank, t in enumerate(list(lp.top_logprobs)[:top], start=1)}
+        entry.setdefault(str(lp.token_id), {"logprob": lp.logprob, "rank": lp.rank,
+                                            "decoded_token": tokenizer.decode([lp.token_id])})
+        out.append(entry)
+    return out
 
 
 def _chunk(run: Run, obj: str, choices: list[dict], usage: dict | None = None) -> dict:
@@ -124,22 +149,35 @@ async def collect_chat(run: ChatRun) -> dict:
         choices.append({"index": index, "message": message,
                         "logprobs": {"content": logprobs[index]} if run.plan.request.logprobs else None,
                         "finish_reason": reason, "stop_reason": stop_reason})
-    return {**_response(run, "chat.completion", choices), "system_fingerprint": None}
+    body = {**_response(run, "chat.completion", choices), "system_fingerprint": None}
+    top = run.plan.request.prompt_logprobs
+    if top is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(
+            tokenizer, PromptLogprobs(list(run.plan.prompt_ids), run.prompt_logprobs), top)
+    return body
 
 
 # -- completions -------------------------------------------------------------------------------------------------
+
+
+def _echoed(request, prompt: PromptLogprobs | None) -> PromptLogprobs | None:
+    """The prompt part of an echoed completion's `logprobs` (None: none to show)."""
+    return prompt if request.echo and request.logprobs is not None else None
 
 
 def completion_chunks(run: CompletionRun, ev: CompletionEvent) -> list[dict]:
     request = run.job.request
     if not (ev.text or ev.finish_reason is not None or (request.return_token_ids and ev.token_ids)):
         return []
-    logprobs = completion_logprobs(run.core.tokenizer, ev.logprobs, ev.logprob_offset) \
-        if request.logprobs is not None else None
+    echoed = _echoed(request, ev.prompt)
+    logprobs = completion_logprobs(run.core.tokenizer, ev.logprobs, ev.text_offset if echoed else ev.logprob_offset,
+                                   echoed, request.logprobs) if request.logprobs is not None else None
     choice = {"index": ev.index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason,
               "stop_reason": ev.stop_reason}
     if request.return_token_ids:
         choice["token_ids"] = ev.token_ids
+    if request.prompt_logprobs is not None and ev.prompt is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(run.core.tokenizer, ev.prompt, request.prompt_logprobs)
     return [_chunk(run, COMPLETION.chunk_object, [choice])]
 
 
@@ -148,9 +186,12 @@ async def collect_completion(run: CompletionRun) -> dict:
     texts = {i: "" for i in run.choices}
     lps: dict[int, list] = {i: [] for i in run.choices}
     offsets = {i: 0 for i in run.choices}
+    prompts: dict[int, PromptLogprobs] = {}
     finish: dict[int, tuple] = {}
     async for ev in run.events():
-        if not texts[ev.index] and ev.logprob_offset:
+        if ev.prompt is not None:
+            prompts[ev.index] = ev.prompt
+        if not texts[ev.index] and ev.logprob_offset and _echoed(request, ev.prompt) is None:
             offsets[ev.index] = ev.logprob_offset
         texts[ev.index] += ev.text
         lps[ev.index].extend(ev.logprobs)
@@ -158,12 +199,15 @@ async def collect_completion(run: CompletionRun) -> dict:
             finish[ev.index] = (ev.finish_reason, ev.stop_reason)
     choices = []
     for index in sorted(texts):
-        logprobs = completion_logprobs(tokenizer, lps[index], offsets[index]) if request.logprobs is not None else None
+        logprobs = completion_logprobs(tokenizer, lps[index], offsets[index], _echoed(request, prompts.get(index)),
+                                       request.logprobs) if request.logprobs is not None else None
         reason, stop_reason = finish.get(index, ("abort", None))
         choice = {"index": index, "text": texts[index], "logprobs": logprobs, "finish_reason": reason,
                   "stop_reason": stop_reason}
         if request.return_token_ids:
             choice["token_ids"] = list(run.choices[index].token_ids)
+        if request.prompt_logprobs is not None and index in prompts:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, prompts[index], request.prompt_logprobs)
         choices.append(choice)
     return _response(run, "text_completion", choices)
 

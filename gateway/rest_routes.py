@@ -17,6 +17,7 @@ from starlette.background import BackgroundTask
 
 from gateway.core import GatewayCore
 from gateway.handler import Start, open_run
+from gateway.info import tokenizer_info_body, version_body
 from gateway.protocol import (ApiError, ClientGone, failure_of, not_found_model, parse_chat, parse_completion,
                               parse_detokenize, parse_tokenize)
 from gateway.request_trace import RequestTrace
@@ -99,6 +100,16 @@ async def detokenize(request: Request):
     _principal(request)
     body = parse_detokenize(await read_json(request), core.served, core.tokenizer.vocab_size)
     return {"prompt": core.detokenize(body.tokens)}
+
+
+async def version(request: Request):
+    return version_body()
+
+
+async def tokenizer_info(request: Request):
+    core = _core(request)
+    _principal(request)
+    return tokenizer_info_body(core.tokenizer, core.max_model_len)
 
 
 async def chat_completions(request: Request):

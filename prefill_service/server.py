@@ -37,7 +37,7 @@ from prefill_service.worker import (HandoffPublishError, PrefillAbortedError, Pr
 from protos import prefill_pb2, prefill_pb2_grpc
 from telemetry import tracing
 from telemetry.metrics import CounterSample, RequestTimer
-from worker.codec import FINISH_REASONS, logprob_to_proto, sampling_from_proto
+from worker.codec import FINISH_REASONS, logprob_to_proto, prompt_logprobs_to_proto, sampling_from_proto
 from worker.server import WorkerServer, start_worker_server, transfer_samples
 from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
 
@@ -91,6 +91,8 @@ def response_to_proto(result: PrefillResult, params: SamplingParams) -> prefill_
     if result.first_token_logprobs is not None:
         response.first_token_logprob.CopyFrom(
             logprob_to_proto(result.first_token_logprobs, result.first_token_id, params.logprobs or 0))
+    response.prompt_logprobs.extend(prompt_logprobs_to_proto(result.prompt_logprobs, result.prompt_token_ids,
+                                                             params.prompt_logprobs or 0))
     return response
 
 

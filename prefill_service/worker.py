@@ -105,6 +105,8 @@ class PrefillResult:
     handoff_bytes: int = 0
     published_blocks: int = 0
     timings: PrefillTimings = field(default_factory=PrefillTimings)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # `prompt_logprobs=k`: None first (engine form)
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -187,7 +189,8 @@ class PrefillWorker:
             first_token_logprobs=completion.logprobs[0] if completion.logprobs else None,
             finish_reason=finish, stop_reason=completion.stop_reason if finish else None,
             handoff_key=handoff_key, prompt_tokens=len(ids), cached_tokens=final.num_cached_tokens,
-            handoff_bytes=handoff_bytes, published_blocks=published,
+            handoff_bytes=handoff_bytes, published_blocks=published, prompt_logprobs=final.prompt_logprobs,
+            prompt_token_ids=list(ids),
             timings=PrefillTimings(load_ms=(t_loaded - t0) * 1e3, compute_ms=(t_computed - t_loaded) * 1e3,
                                    publish_ms=(t_done - t_computed) * 1e3, total_ms=(t_done - t0) * 1e3))
 

@@ -42,7 +42,7 @@ class PrefillTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., load_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., publish_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_token_logprob", "handoff_key", "finish_reason", "prompt_tokens", "cached_tokens", "handoff_bytes", "published_blocks", "published_snapshots", "timings")
+    __slots__ = ("request_id", "first_token_id", "first_token_logprob", "handoff_key", "finish_reason", "prompt_tokens", "cached_tokens", "handoff_bytes", "published_blocks", "published_snapshots", "timings", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class PrefillResponse(_message.Message):
     PUBLISHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_token_logprob: _common_pb2.TokenLogprob
@@ -65,4 +66,5 @@ class PrefillResponse(_message.Message):
     published_blocks: int
     published_snapshots: int
     timings: PrefillTimings
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., handoff_key: _Optional[_Union[_common_pb2.ObjectKey, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., published_blocks: _Optional[int] = ..., published_snapshots: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., handoff_key: _Optional[_Union[_common_pb2.ObjectKey, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., published_blocks: _Optional[int] = ..., published_snapshots: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...

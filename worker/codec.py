@@ -2,7 +2,8 @@
 
 Contract: pure functions, no I/O. `sampling_from_proto` raises `InvalidRequestError` for values out of range (proto3
 defaults mean vLLM's defaults); `structured_from_proto` raises it for an unusable structured-output spec;
-`logprob_to_proto` keeps the sampled token and its top `top` alternatives; `FINISH_REASONS` maps the engine's
+`logprob_to_proto` keeps the sampled token and its top `top` alternatives (`prompt_logprobs_to_proto` does so for
+every prompt position but the first, with the token's rank); `FINISH_REASONS` maps the engine's
 finish reasons to the proto enum. The worker services (prefill_service, decode_service) share it through this
 package; `cache_service` and `sdk` depend on the generated messages alone and never import it.
 """
@@ -34,6 +35,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         include_stop_str_in_output=msg.include_stop_str_in_output,
         logprobs=msg.top_logprobs if msg.logprobs else None, skip_special_tokens=msg.skip_special_tokens,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         structured=structured_from_proto(msg.structured_output) if msg.HasField("structured_output") else None)
 
 
@@ -73,3 +75,16 @@ def logprob_to_proto(entries: PositionLogprobs, token_id: int, top: int) -> comm
     ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entries.items() if lp.rank <= top)
     return common_pb2.TokenLogprob(token_id=token_id, logprob=entries[token_id].logprob,
                                    top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for _, t, v in ranked])
+
+
+def prompt_logprobs_to_proto(prompt_logprobs: list[PositionLogprobs | None] | None, prompt: list[int],
+                             top: int) -> list[common_pb2.TokenLogprob]:
+    """The engine's prompt logprobs (None first) as the proto's positions 2..N, each with its token's rank."""
+    if not prompt_logprobs:
+        return []
+    out = []
+    for token, entries in zip(prompt[1:], prompt_logprobs[1:]):
+        msg = logprob_to_proto(entries, token, top)
+        msg.rank = entries[token].rank
+        out.append(msg)
+    return out

@@ -99,6 +99,8 @@ class CacheManager:
         """The longest resumable cached prefix of `req.token_ids` (no side effects); an imported request's own."""
         if req.imported is not None:
             return PrefixHit(req.imported.num_computed_tokens, imported=True)
+        if req.params.prompt_logprobs is not None:  # the cached part would have no logits: compute everything
+            return PrefixHit()
         hashes = req.block_hashes[: self.resumable_prefix(req.block_hashes, req.num_tokens)]
         return PrefixHit(len(hashes) * self.block_size, [self.block_pool.get_cached(h) for h in hashes],
                          hashes[-1] if self.has_kda and hashes else None)

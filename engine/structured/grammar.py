@@ -7,7 +7,9 @@ Contract (`GrammarBuilder(params, marker_ids).build()`; xgrammar is imported onl
 - `starts_in_reasoning`: the output first holds at most `max_reasoning_tokens` free tokens, then the reasoning
   block is closed (K3 `<|close|>think<|sep|>` and `<|open|>response<|sep|>`, K2 `</think>`).
 - Tool calls: K3 writes an empty `response` block, then `<|open|>tools<|sep|>`, each call as
-  `<|open|>call tool="NAME" index="k"<|sep|>` + its arguments + `<|close|>call<|sep|>`, `<|close|>tools<|sep|>`,
+  `<|open|>call tool="NAME" index="k"<|sep|>` + its arguments + `<|close|>call<|sep|>` (k = 1, 2, … the call's
+  position in the turn, as gateway/chat/k3.py and the official encoding number them; a forced or single call is
+  `index="1"`; at most `K3_MAX_PARALLEL_CALLS` calls), `<|close|>tools<|sep|>`,
   and closes the message; the arguments follow `schema.argument_plan` (`argument` blocks, strings raw and at most
   `max_string_tokens` tokens) or one `<|open|>json type="object"<|sep|>{…}<|close|>json<|sep|>` block. K2 writes
   `<|tool_calls_section_begin|>` + `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}
@@ -29,7 +31,7 @@ from engine.formats.markers import (K2_ARGUMENT_BEGIN, K2_CALL_BEGIN, K2_CALL_EN
                                     K2_SECTION_END, K2_THINK_CLOSE, K2_THINK_OPEN, K3_CLOSE, K3_OPEN, K3_SEP)
 
 JSON_MAX_WHITESPACE = 1
-K3_INDEX_PATTERN = r"[1-9][0-9]{0,2}"
+K3_MAX_PARALLEL_CALLS = 8  # K3 calls one turn may hold under parallel_tool_calls (each index is spelled out)
 K2_INDEX_PATTERN = r"(0|[1-9][0-9]{0,3})"
 
 # the family's control markers (special tokens), matched by id only
@@ -109,12 +111,24 @@ class GrammarBuilder:
         return self.st.StructuralTag(format=fmt)
 
     def tool_calls(self):
-        calls = [self.k3_call(t) if self.family == "kimi_k3" else self.k2_call(t) for t in self.p.allowed_tools]
-        one = calls[0] if len(calls) == 1 else self.st.OrFormat(elements=calls)
-        several = one if self.p.mode == "named" or not self.p.parallel_tool_calls else self.st.PlusFormat(content=one)
+        single = self.p.mode == "named" or not self.p.parallel_tool_calls
         if self.family == "kimi_k3":
-            return self.seq(self.k3_open("tools"), several, self.k3_close("tools"))
+            return self.seq(self.k3_open("tools"), self.k3_calls(1 if single else K3_MAX_PARALLEL_CALLS),
+                            self.k3_close("tools"))
+        calls = [self.k2_call(t) for t in self.p.allowed_tools]
+        one = calls[0] if len(calls) == 1 else self.st.OrFormat(elements=calls)
+        several = one if single else self.st.PlusFormat(content=one)
         return self.seq(self.token(K2_SECTION_BEGIN), several, self.token(K2_SECTION_END))
+
+    def k3_calls(self, count: int):
+        """Calls 1 … at most `count`, the k-th with `index="k"` (K3 numbers a turn's calls from 1, as the chat
+        template renders them): call 1, then optionally call 2 and what follows it, and so on."""
+        rest = None
+        for k in range(count, 0, -1):
+            calls = [self.k3_call(t, k) for t in self.p.allowed_tools]
+            one = calls[0] if len(calls) == 1 else self.st.OrFormat(elements=calls)
+            rest = one if rest is None else self.seq(one, self.st.OptionalFormat(content=rest))
+        return rest
 
     # -- K2: functions.NAME:IDX + JSON arguments -------------------------------------------------------------
 
@@ -126,9 +140,8 @@ class GrammarBuilder:
 
     # -- K3: <|open|>call tool="NAME" index="k"<|sep|> arguments <|close|>call<|sep|> -----------------------
 
-    def k3_call(self, tool: ToolSpec):
-        head = self.seq(self.token(K3_OPEN), self.text(f'call tool="{_escape_attr(tool.name)}" index="'),
-                        self.st.RegexFormat(pattern=K3_INDEX_PATTERN), self.text('"'), self.token(K3_SEP))
+    def k3_call(self, tool: ToolSpec, index: int):
+        head = self.k3_open(f'call tool="{_escape_attr(tool.name)}" index="{index}"')
         return self.seq(head, self.k3_arguments(tool.schema), self.k3_close("call"))
 
     def k3_arguments(self, schema: Mapping | None):

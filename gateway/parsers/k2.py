@@ -12,8 +12,9 @@ Output: `[<think>]REASONING</think>CONTENT[<|tool_calls_section_begin|>` +
 * A call's id is the model's `functions.NAME:IDX` (whitespace trimmed; the `functions.` prefix may be missing); the
   name is the part before the last `:`. Its arguments must be a JSON object; they are passed on as the model wrote
   them (trimmed).
-* Degrading, never raising: a call whose id does not parse, whose arguments are not a JSON object, which meets an
-  unexpected marker, or which the output leaves unterminated, is reported verbatim as content. Text inside the
+* Degrading, never raising: a call whose id does not parse, whose arguments are not a JSON object, or which meets
+  an unexpected marker, is reported verbatim as content; one the output leaves unterminated (cut short by
+  `max_tokens`) is dropped, so control markup never reaches `content`. Text inside the
   section but outside calls, and text after the section, are content. `<|im_end|>` ends the message; text after it
   is content.
 """
@@ -73,8 +74,8 @@ class K2Stream:
     def finish(self) -> list[DeltaMessage]:
         for piece, is_marker in self._splitter.finish():
             self._on_piece(piece, is_marker)
-        if self._state in (CALL_ID, CALL_ARGS):
-            self._abandon_call()
+        if self._state in (CALL_ID, CALL_ARGS):  # a call cut short by the end of the output: dropped, not content
+            self._state = SECTION
         return self._out.take()
 
     # -- dispatch ------------------------------------------------------------------------------------------------

@@ -16,8 +16,11 @@ The model continues the generation prompt, so its output looks like
   of that type. A call's arguments are emitted as `json.dumps(object, ensure_ascii=False)` in argument order; the
   call id comes from `ParserOptions.make_call_id`.
 * Degrading, never raising: a call with a bad header, an unknown or mistyped argument, a duplicate key, text between
-  its tags, an unexpected marker, or no end before the output ends is reported as content, verbatim. Unknown markers
-  elsewhere are kept as text of the current block. Text after the message ends is content.
+  its tags, or an unexpected marker is reported as content, verbatim. Unknown markers elsewhere are kept as text of
+  the current block. Text after the message ends is content.
+* Cut short (the output ends, e.g. at `max_tokens`): a call without its end, and a marker whose header never
+  closed, are dropped — control markup never reaches `content`. Calls are emitted only when complete, so the
+  stream and the whole-text parse agree (the finish reason then stays "length").
 """
 
 from __future__ import annotations
@@ -199,9 +202,11 @@ class K3Stream:
 
     def finish(self) -> list[DeltaMessage]:
         for token in self._lexer.finish():
-            self._on_token(token)
-        if self._call is not None:
-            self._abandon_call()
+            if token.kind != "bad":  # a marker the output ended inside (max_tokens): markup, never content
+                self._on_token(token)
+        if self._call is not None:  # a call cut short by the end of the output: dropped, never content
+            self._call = None
+            self._state = TOOLS
         return self._out.take()
 
     # -- dispatch ------------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Contract:
 - `parse_chat(body, served)` validates a decoded body with `ChatCompletionRequest` and returns it, or raises
   `ApiError` (400 naming the first bad field as `param`; 404 `model_not_found` for a model not in `served`).
-  Fields this gateway cannot honour (`logit_bias`, `continue_final_message`, `prompt_logprobs`, `echo`) are refused
+  `prompt_logprobs` k (vLLM's) returns the rendered prompt's logprobs (top-level `prompt_logprobs`).
+  Fields this gateway cannot honour (`logit_bias`, `continue_final_message`, `echo`) are refused
   with 400 when set to something that matters, rather than silently dropped.
 - `ChatCompletionRequest.effective_tool_choice` is vLLM's reading of `tool_choice` (tools without a choice: "auto");
   `completion_limit` is `max_completion_tokens`, else `max_tokens`.
@@ -47,11 +48,11 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
-    prompt_logprobs: int | None = None  # not honoured here: refused unless null
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's: of the rendered prompt
 
-    # `{"prompt_logprobs": 0}` etc. are fine; only values that change the result are refused.
+    # `{"continue_final_message": false}` etc. are fine; only values that change the result are refused.
     UNSUPPORTED: ClassVar[tuple] = SamplingRequest.UNSUPPORTED + (
-        ("prompt_logprobs", lambda v: v is not None), ("continue_final_message", bool), ("echo", bool))
+        ("continue_final_message", bool), ("echo", bool))
 
     def check(self) -> None:
         """Checks across fields (`ApiError` naming the field)."""
@@ -101,4 +102,7 @@ def parse_chat(body: Any, served: set[str]) -> ChatCompletionRequest:
 def sampling_from_chat(request: ChatCompletionRequest, skip_special_tokens: bool) -> common_pb2.SamplingParams:
     """The mesh sampling parameters of a chat request (structured output is added by the caller)."""
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return request.sampling_params(logprobs, skip_special_tokens)
+    sampling = request.sampling_params(logprobs, skip_special_tokens)
+    if request.prompt_logprobs is not None:
+        sampling.prompt_logprobs = request.prompt_logprobs
+    return sampling

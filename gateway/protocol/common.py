@@ -180,6 +180,8 @@ class SamplingRequest(RequestModel):
         """Checks across fields (`ApiError` naming the field)."""
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "'stream_options' needs 'stream': true", param="stream_options")
+        if self.stream and getattr(self, "prompt_logprobs", None) is not None:  # as vLLM
+            raise ApiError(400, "'prompt_logprobs' is not available with 'stream': true", param="prompt_logprobs")
         limit = self.completion_limit
         if limit is not None and self.min_tokens > limit:
             raise ApiError(400, f"'min_tokens' {self.min_tokens} is larger than max_tokens {limit}",

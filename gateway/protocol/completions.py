@@ -8,8 +8,10 @@ Contract:
 - `prompt` is a text, a list of texts, a list of token ids or a list of such lists; texts are encoded with the
   gateway's tokenizer, ids must lie in its vocabulary, no prompt may be empty.
 - As in OpenAI's legacy API, a field given as null takes its default (`max_tokens`: 16). `suffix` is refused,
-  `best_of` only equal to `n`; `logprobs` k returns the sampled token's logprob and the top k; `response_format`
-  (vLLM's) makes the whole output that JSON, with no chat format around it.
+  `best_of` only equal to `n`; `logprobs` k returns the sampled token's logprob and the top k — with `echo`, the
+  prompt tokens' too (the first `null`), computed in the prefill pass; `max_tokens` 0 needs `echo` (the prompt
+  alone); `prompt_logprobs` k (vLLM's) adds a choice's `prompt_logprobs`; `response_format` (vLLM's) makes the
+  whole output that JSON, with no chat format around it.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ class CompletionRequest(SamplingRequest):
     """OpenAI legacy completions request, with vLLM's extra sampling fields."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1)
+    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=0)  # 0: only with echo (the prompt alone)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None  # not supported: refused unless null
     return_token_ids: bool = False
@@ -75,7 +78,15 @@ class CompletionRequest(SamplingRequest):
             raise ApiError(400, "'suffix' is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ApiError(400, "'best_of' other than n is not supported", param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "'max_tokens' 0 needs 'echo': true", param="max_tokens")
         super().check()
+
+    @property
+    def prompt_logprob_count(self) -> int | None:
+        """Prompt logprobs the mesh computes: `prompt_logprobs`, and `logprobs` k for an echoed prompt."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
 
 @dataclass
@@ -87,6 +98,7 @@ class CompletionJob:
     prompts: list[list[int]]
     prompt_texts: list[str | None]  # None: given as token ids
     sampling: common_pb2.SamplingParams
+    echo_only: bool = False  # `max_tokens` 0 with echo: the mesh runs one token, which is dropped
 
     @property
     def max_tokens(self) -> int | None:
@@ -99,10 +111,14 @@ def parse_completion(body: Any, tokenizer, served: set[str]) -> CompletionJob:
     request.check()
     prompts, texts = _encode_prompts(request.prompt, tokenizer)
     sampling = request.sampling_params(request.logprobs, request.skip_special_tokens)
+    if request.max_tokens == 0:
+        sampling.max_tokens, sampling.min_tokens = 1, 0
+    if request.prompt_logprob_count is not None:
+        sampling.prompt_logprobs = request.prompt_logprob_count
     structured = _structured(request)
     if structured is not None:
         sampling.structured_output.CopyFrom(structured)
-    return CompletionJob(request, prompts, texts, sampling)
+    return CompletionJob(request, prompts, texts, sampling, echo_only=request.max_tokens == 0)
 
 
 def _structured(request: CompletionRequest) -> common_pb2.StructuredOutput | None:

@@ -257,9 +257,10 @@ def test_gateway_completions_over_the_mesh(tiny_k3):
                 assert [c["index"] for c in multi["choices"]] == [0, 1, 2, 3]
                 assert multi["usage"]["completion_tokens"] == 20
                 assert multi["choices"][0]["text"].startswith(tokenizer.decode(ids))
-                lp = multi["choices"][0]["logprobs"]
-                assert len(lp["tokens"]) == 5 and len(lp["top_logprobs"][0]) >= 2
-                assert all(v <= 0 for v in lp["token_logprobs"])
+                lp = multi["choices"][0]["logprobs"]  # echo: the prompt's tokens first (the first has none)
+                assert len(lp["tokens"]) == len(ids) + 5 and len(lp["top_logprobs"][len(ids)]) >= 2
+                assert lp["token_logprobs"][0] is None and all(v <= 0 for v in lp["token_logprobs"][1:])
+                assert len(multi["choices"][2]["logprobs"]["tokens"]) == 9 + 5
 
                 # A stop string is cut from the text, in streams too.
                 text = choice["text"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -171,6 +172,9 @@ def check_calls(family: str, out, allowed: set[str], reasoning: bool, exactly_on
     for call in parsed.tool_calls:
         assert call.name in allowed, out.text
         validate(json.loads(call.arguments), TOOLS[call.name])
+    if family == "kimi_k3":  # the k-th call of the turn carries index="k" (the K3 template's numbering)
+        indices = re.findall(r'<\|open\|>call tool="[^"]*" index="([^"]*)"', out.text)
+        assert indices == [str(k) for k in range(1, len(parsed.tool_calls) + 1)], out.text
 
 
 @pytest.mark.parametrize("model", ["k3", "linear"])
