@@ -90,13 +90,12 @@ async def until_shutdown(events: AsyncIterator, clock: ShutdownClock | None) -> 
         return
     iterator = events.__aiter__()
     deadline = asyncio.ensure_future(clock.deadline.wait())
+    step = None
     try:
         while True:
             step = asyncio.ensure_future(iterator.__anext__())
             await asyncio.wait({step, deadline}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                step.cancel()
-                await asyncio.gather(step, return_exceptions=True)
                 raise ApiError(503, SHUTTING_DOWN, code="shutting_down")
             try:
                 item = step.result()
@@ -104,7 +103,12 @@ async def until_shutdown(events: AsyncIterator, clock: ShutdownClock | None) -> 
                 return
             yield item
     finally:
+        # however this ends (the deadline, or the consumer cancelled: the client went away), the pending step is
+        # cancelled and awaited, so `events` is no longer running when its owner closes it
         deadline.cancel()
+        if step is not None and not step.done():
+            step.cancel()
+            await asyncio.shield(asyncio.gather(step, return_exceptions=True))
 
 
 def sse(body: dict) -> str:

@@ -10,7 +10,8 @@ Contract:
   (`failure_of`); a failure in `open()` also records its status (499 when cancelled: the client went away) and
   closes the run.
 - `close()` is idempotent: it cancels the mesh call if still running (decode aborts the request and frees its
-  memory), releases the lease with the tokens actually used, updates the metrics and finishes the trace.
+  memory), releases the lease with the tokens actually used, updates the metrics and finishes the trace — exactly
+  once, even when the task closing it is being cancelled (a client that went away) or the mesh call fails to end.
 - While the mesh works (each `_step`) the trace's span and request id are current, so gRPC calls and tasks started
   there carry them; they are attached and detached within one step, never across a `yield`.
 - `stream` / `include_usage`: how the client asked for the response; `choices` has one entry per choice.
@@ -18,6 +19,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -146,8 +148,15 @@ class Run:
         if self._closed:
             return
         self._closed = True
-        if self._source is not None:
-            await self._source.aclose()
+        try:
+            if self._source is not None:
+                # shielded: a close run by a cancelled task (the client went away) still ends the mesh call
+                await asyncio.shield(self._source.aclose())
+        finally:
+            self._account()
+
+    def _account(self) -> None:
+        """Releases the lease and records the run, exactly once (from `close`, whatever ended the run)."""
         usage = self.usage()
         self.lease.release(usage.prompt_tokens + usage.completion_tokens)
         metrics = self.core.metrics
