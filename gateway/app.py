@@ -56,6 +56,7 @@ from gateway.config import MODES, GatewayConfig  # noqa: F401  (re-exported: dep
 from gateway.core import GatewayCore
 from gateway.mesh_client import MeshClient
 from gateway.protocol import REQUEST_BODIES, ApiError
+from gateway.rest_guard import ContainErrors
 from gateway.rest_io import ShutdownClock
 from gateway.rest_routes import error_response
 
@@ -108,13 +109,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(ApiError(exc.status_code, str(exc.detail), code=None,
                                        type_="invalid_request_error" if exc.status_code < 500 else "server_error"))
 
-    async def unexpected(request: Request, exc: Exception):
-        log.exception("unexpected error in %s %s", request.method, request.url.path)
-        return error_response(ApiError(500, f"internal error: {type(exc).__name__}"))
-
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, unexpected)
+    app.add_middleware(ContainErrors)  # anything else: a logged 500, the connection kept (gateway/rest_guard.py)
 
 
 def _request_body(models: tuple) -> dict:
