@@ -164,3 +164,45 @@ def test_bad_input_is_a_4xx_and_the_connection_stays_open(tiny_k3):
             assert (await c.request("GET", "/health")).status == 200
 
     run(main(), timeout_s=120)
+
+
+def test_one_request_cannot_ask_for_the_whole_mesh(tiny_k3):
+    async def main():
+        async with Mesh(tiny_k3) as mesh, running_gateway(mesh, tiny_k3, max_prompt_tokens=64) as gw:
+            many = {"model": MODEL, "prompt": ["x"] * 100, "n": 128, "max_tokens": 2}  # 12,800 sequences
+            reply = await gw.http.post("/v1/completions", json=many)
+            assert reply.status_code == 400 and reply.json()["error"]["code"] == "too_many_sequences", reply.text
+            reply = await gw.http.post("/v1/completions", json={**many, "prompt": ["x"] * 300, "n": 1})
+            assert reply.status_code == 400 and reply.json()["error"]["code"] == "too_many_prompts"
+            long = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 200}], "max_tokens": 2}
+            reply = await gw.http.post("/v1/chat/completions", json=long)
+            assert reply.status_code == 413 and reply.json()["error"]["param"] == "messages", reply.text
+            # within the caps: served; and the anonymous tenant has the default concurrency limit
+            reply = await gw.http.post("/v1/completions", json={**many, "prompt": ["x"] * 4, "n": 2})
+            assert reply.status_code == 200 and len(reply.json()["choices"]) == 8
+            assert gw.core.tenants.limits()["anonymous"].max_concurrency == 256
+
+    run(main(), timeout_s=120)
+
+
+def test_docs_and_metrics_need_a_key_and_mesh_errors_name_no_worker(tiny_k3):
+    async def main():
+        key = {"Authorization": "Bearer key-a"}
+        async with Mesh(tiny_k3) as mesh:
+            async with running_gateway(mesh, tiny_k3, api_keys="key-a=tenant-a") as gw:
+                for path in ("/openapi.json", "/docs", "/redoc", "/metrics"):
+                    assert (await gw.http.get(path)).status_code == 401, path
+                    assert (await gw.http.get(path, headers=key)).status_code == 200, path
+                assert "/v1/chat/completions" in (await gw.http.get("/openapi.json", headers=key)).json()["paths"]
+            async with running_gateway(mesh, tiny_k3, api_keys="key-a=tenant-a", public_docs=True,
+                                       public_metrics=True) as gw:
+                for path in ("/openapi.json", "/docs", "/redoc", "/metrics"):
+                    assert (await gw.http.get(path)).status_code == 200, path
+            dead = "127.0.0.1:9"  # nothing listens there: the mesh call fails with the address in its detail
+            async with running_gateway(mesh, tiny_k3, decode_addresses=(dead,), colocated=True) as gw:
+                reply = await gw.http.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG,
+                                                                         "max_tokens": 2})
+                assert reply.status_code == 503, reply.text
+                assert "127.0.0.1" not in reply.text and reply.headers["x-request-id"] in reply.text
+
+    run(main(), timeout_s=120)
