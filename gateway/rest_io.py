@@ -49,7 +49,7 @@ async def read_json(request: Request):
             raise ApiError(413, f"the request body exceeds {MAX_REQUEST_BYTES} bytes", code="request_too_large")
     try:
         body = json.loads(bytes(raw))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more digits than Python converts
         raise bad_json(exc) from None
     except RecursionError:  # nested deeper than the decoder's recursion limit
         raise _too_deep() from None
