@@ -18,6 +18,7 @@ Contract:
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any, ClassVar, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -33,6 +34,10 @@ UINT32_MAX = (1 << 32) - 1  # the mesh's token counts and ids are uint32
 INT32_MAX = (1 << 31) - 1  # top_k is int32
 FLOAT32_MAX = 3.4028234663852886e38  # sampling floats are float32 on the mesh
 M = TypeVar("M", bound=BaseModel)
+
+
+def _float32(v: float) -> float:
+    return struct.unpack("f", struct.pack("f", v))[0]
 
 
 class RequestModel(BaseModel):
@@ -140,6 +145,13 @@ class SamplingRequest(RequestModel):
     def _finite(cls, v):
         if v is not None and not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
             raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("top_p", "repetition_penalty")
+    @classmethod
+    def _positive_as_float32(cls, v):
+        if v is not None and v > 0 and _float32(v) == 0:  # e.g. 1e-46: positive here, 0 on the mesh
+            raise ValueError("must be a positive float32 (at least 1.4e-45)")
         return v
 
     @field_validator("stop")

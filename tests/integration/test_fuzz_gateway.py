@@ -4,6 +4,15 @@ and the one keep-alive connection the table uses still serves after every reques
 
 from __future__ import annotations
 
+import asyncio
+
+import hypothesis
+import pytest
+import requests
+import schemathesis
+from schemathesis import GenerationMode
+
+from gateway.protocol.common import UINT32_MAX
 
 from tests.integration.gateway_harness import checkpoint_fixture, run, running_gateway
 from tests.integration.mesh_harness import Mesh
@@ -126,3 +135,65 @@ def test_the_malformed_request_table_never_gets_a_5xx_and_keeps_the_connection(t
             assert (await c.request("GET", "/health")).status == 200
 
     run(main(), timeout_s=150)
+
+
+# -- schemathesis: requests generated from the served OpenAPI spec -------------------------------------------------
+
+# examples per operation and generation mode; every POST operation gets both modes (4 x (150 + 350) = 2,000 cases)
+SPEC_EXAMPLES = {GenerationMode.POSITIVE: 150, GenerationMode.NEGATIVE: 350}
+GET_EXAMPLES = 15
+
+
+def _bounded(case, mode: GenerationMode) -> None:
+    """Keeps a generated request cheap without changing whether it is valid: a valid `max_tokens` (or
+    `max_completion_tokens`) becomes at most 4, a valid `n` at most 2, and a chat request without a limit gets 4;
+    a valid request names the served model (so it gets past the model check)."""
+    body = case.body
+    if not isinstance(body, dict):
+        return
+    if mode == GenerationMode.POSITIVE and isinstance(body.get("model"), str):
+        body["model"] = MODEL
+    for field, cap, top in (("max_tokens", 4, UINT32_MAX), ("max_completion_tokens", 4, UINT32_MAX), ("n", 2, 128)):
+        value = body.get(field)
+        if type(value) is int and 1 <= value <= top:
+            body[field] = min(value, cap)
+    if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = 4
+
+
+def _fuzz_operation(operation, base_url: str, session, mode: GenerationMode, examples: int, seen: list) -> None:
+    @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
+    @hypothesis.settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                         suppress_health_check=list(hypothesis.HealthCheck), phases=[hypothesis.Phase.generate])
+    def one(case):
+        _bounded(case, mode)
+        reply = case.call(base_url=base_url, session=session, timeout=30)
+        seen.append(reply.status_code)
+        assert reply.status_code < 500, (case.method, case.path, case.body, reply.status_code, reply.text[:300])
+
+    one()
+
+
+def _fuzz_spec(base_url: str, spec: dict) -> list[int]:
+    schema = schemathesis.openapi.from_dict(spec)
+    seen: list[int] = []
+    with requests.Session() as session:
+        for result in schema.get_all_operations():
+            operation = result.ok()
+            modes = SPEC_EXAMPLES if operation.method.upper() == "POST" else {GenerationMode.POSITIVE: GET_EXAMPLES}
+            for mode, examples in modes.items():
+                _fuzz_operation(operation, base_url, session, mode, examples, seen)
+    return seen
+
+
+@pytest.mark.slow
+def test_schemathesis_over_the_served_spec_never_gets_a_5xx(tiny_k3):
+    async def main():
+        async with Mesh(tiny_k3, engine={"max_model_len": 512}) as mesh, \
+                running_gateway(mesh, tiny_k3, max_model_len=256) as gw:
+            spec = (await gw.http.get("/openapi.json")).json()
+            seen = await asyncio.to_thread(_fuzz_spec, gw.base_url, spec)
+        assert len(seen) >= 2000 and max(seen) < 500
+        assert any(s == 200 for s in seen) and any(400 <= s < 500 for s in seen)  # both kinds reached the gateway
+
+    run(main(), timeout_s=300)

@@ -128,6 +128,7 @@ BAD_INPUT = [
     ({"model": MODEL, "messages": MSG, "max_completion_tokens": 2 ** 32}, "application/json", 400,
      "max_completion_tokens"),
     ({"model": MODEL, "messages": MSG, "temperature": 1e39}, "application/json", 400, "temperature"),
+    ({"model": MODEL, "messages": MSG, "top_p": 1e-46}, "application/json", 400, "top_p"),  # 0 as a float32
     ({"model": MODEL, "prompt": "x", "top_k": 2 ** 31}, "application/json", 400, "top_k"),
     ({"model": MODEL, "prompt": "x", "best_of": 10 ** 12, "n": 1}, "application/json", 400, "best_of"),
     (b"[" * 10_000 + b"]" * 10_000, "application/json", 400, None),
