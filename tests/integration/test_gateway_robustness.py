@@ -98,6 +98,7 @@ async def _settled(gw, mesh) -> None:
     while _running(gw) != 0 and loop.time() < deadline:
         await asyncio.sleep(0.05)
     assert _running(gw) == 0
+    await wait_idle(mesh.prefill_worker.engine, timeout_s=5)  # prefill too: its slots and blocks came back
     await wait_idle(mesh.decode_worker.engine, timeout_s=5)
     await check_released(mesh, mesh.decode_worker.engine)
 
