@@ -77,35 +77,23 @@ COMPLETION_ONLY = {
     "echo": ["yes"],
     "return_token_ids": ["1"],
 }
-RAW = [  # (path, body bytes, content type)
-    ("/v1/chat/completions", b"", "application/json"),
-    ("/v1/chat/completions", b"{", "application/json"),
-    ("/v1/chat/completions", b"null", "application/json"),
-    ("/v1/chat/completions", b"[]", "application/json"),
-    ("/v1/chat/completions", b'"x"', "application/json"),
-    ("/v1/chat/completions", b"1e999999", "application/json"),
-    ("/v1/chat/completions", b"\xff\xfe\x00", "application/json"),
-    ("/v1/chat/completions", b'{"model": "\\ud800", "messages": []}', "application/json"),
-    ("/v1/chat/completions", b"[" * 5000, "application/json"),
-    ("/v1/chat/completions", b'{"a":' * 3000 + b"1" + b"}" * 3000, "application/json"),
-    ("/v1/completions", b'{"model": "tiny-k3", "prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
-     "application/json"),
-    ("/v1/completions", b'{"model": "tiny-k3", "prompt": "hi", "n": NaN}', "application/json"),
-    ("/v1/completions", b'{"model": "tiny-k3", "prompt": "hi", "temperature": -Infinity}', "application/json"),
-    ("/v1/completions", b'{"model": "tiny-k3", "prompt": "hi"}', "text/plain"),
-    ("/v1/completions", b'{"model": "tiny-k3", "prompt": "hi"}', "application/x-www-form-urlencoded"),
-    ("/v1/completions", b'{"model": "tiny-k3", "prompt": "hi"}', None),
-    ("/v1/completions", b'{"model": "tiny-k3", "prompt": "hi"}', "multipart/form-data; boundary=x"),
-    ("/v1/completions", b'{"model": "tiny-k3", "prompt": "hi", "model": 5}', "application/json"),
-    ("/tokenize", b'{"prompt": 5}', "application/json"),
-    ("/tokenize", b'{"prompt": "a", "messages": []}', "application/json"),
-    ("/tokenize", b'{"messages": [{"role": 1}]}', "application/json"),
-    ("/tokenize", b'{"prompt": "a", "add_special_tokens": "yes"}', "application/json"),
-    ("/detokenize", b'{"tokens": [1e3]}', "application/json"),
-    ("/detokenize", b'{"tokens": [99999999999999999999]}', "application/json"),
-    ("/detokenize", b'{"tokens": "1,2"}', "application/json"),
-    ("/detokenize", b'{"tokens": [[1]]}', "application/json"),
-]
+# raw bodies (sent as application/json) per endpoint
+RAW = {
+    "/v1/chat/completions": [
+        b"", b"{", b"null", b"[]", b'"x"', b"1e999999", b"\xff\xfe\x00", b'{"model": "\\ud800", "messages": []}',
+        b"[" * 5000, b'{"a":' * 3000 + b"1" + b"}" * 3000],
+    "/v1/completions": [
+        b'{"model": "tiny-k3", "prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
+        b'{"model": "tiny-k3", "prompt": "hi", "n": NaN}', b'{"model": "tiny-k3", "prompt": "hi", "model": 5}',
+        b'{"model": "tiny-k3", "prompt": "hi", "temperature": -Infinity}'],
+    "/tokenize": [b'{"prompt": 5}', b'{"prompt": "a", "messages": []}', b'{"messages": [{"role": 1}]}',
+                  b'{"prompt": "a", "add_special_tokens": "yes"}'],
+    "/detokenize": [b'{"tokens": [1e3]}', b'{"tokens": [99999999999999999999]}', b'{"tokens": "1,2"}',
+                    b'{"tokens": [[1]]}'],
+}
+# a good body under other content types
+CONTENT_TYPES = ["text/plain", "application/x-www-form-urlencoded", None, "multipart/form-data; boundary=x",
+                 "application/jsonx", "text/json"]
 
 
 def _table() -> list[tuple[str, dict | bytes, str | None]]:
@@ -114,7 +102,8 @@ def _table() -> list[tuple[str, dict | bytes, str | None]]:
                              ("/v1/completions", COMPLETION, COMPLETION_ONLY)):
         for field, values in {**FIELD_VALUES, **only}.items():
             cases += [(path, {**base, field: value}, "application/json") for value in values]
-    return cases + RAW
+    cases += [(path, body, "application/json") for path, bodies in RAW.items() for body in bodies]
+    return cases + [("/v1/completions", COMPLETION, content_type) for content_type in CONTENT_TYPES]
 
 
 tiny_k3 = checkpoint_fixture("tiny-k3", MODEL, seed=3)
