@@ -6,7 +6,8 @@ Contract:
   text) and logs it with its traceback. The connection stays usable (keep-alive): the server never sees the
   exception. If the response had already started, nothing more can be sent; the exception is logged and the response
   ends there.
-- `internal_error(request_id)` is that 500 `ApiError` (also the final event of a stream that fails unexpectedly).
+- The 500 is `gateway.protocol.internal_error(request_id)` (also the final event of a stream that fails
+  unexpectedly, and the gRPC API's INTERNAL status for a bug).
 """
 
 from __future__ import annotations
@@ -17,14 +18,10 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.protocol import ApiError
+from gateway.protocol import internal_error
 from telemetry.context import REQUEST_ID_HEADER, request_id_from_headers
 
 log = logging.getLogger(__name__)
-
-
-def internal_error(request_id: str) -> ApiError:
-    return ApiError(500, f"internal server error (request id {request_id})", code="internal_error")
 
 
 class ContainErrors:

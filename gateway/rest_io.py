@@ -23,8 +23,7 @@ from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
 
-from gateway.protocol import ApiError, ClientGone, bad_json
-from gateway.rest_guard import internal_error
+from gateway.protocol import ApiError, ClientGone, bad_json, internal_error
 from gateway.rest_responses import RestFormat, usage_chunk
 from gateway.run import Run
 

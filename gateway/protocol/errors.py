@@ -7,6 +7,7 @@ Contract:
 - `mesh_api_error(code, message, prompt_param, request_id)`: the error of a failed mesh call (the worker's gRPC
   status mapped to HTTP by `HTTP_STATUS`; a context-length refusal is 400 `context_length_exceeded` naming the prompt
   field); its message is generic (`MESH_MESSAGES` + the request id), never the worker's.
+- `internal_error(request_id)`: the 500 `internal_error` of a bug, naming only the request id.
 - `validation_error(exc)`: a pydantic `ValidationError` as a 400 naming the first bad field as `param`.
 - `api_error_type(exc)`: the `error.type` telemetry records for a refused or failed request; `failure_of(exc)` is
   the one mapping of any exception to the (`error.type`, HTTP status) a request records: an `ApiError` its own,
@@ -92,6 +93,11 @@ def mesh_api_error(code: grpc.StatusCode, message: str, prompt_param: str = "pro
     generic = MESH_MESSAGES.get(status, MESH_MESSAGES[500])
     return ApiError(status, f"{generic} (request id {request_id})" if request_id else generic,
                     code=code.name.lower())
+
+
+def internal_error(request_id: str) -> ApiError:
+    """The 500 of a bug: the client learns only the request id (the detail goes to the log)."""
+    return ApiError(500, f"internal server error (request id {request_id})", code="internal_error")
 
 
 def not_found_model(model: str) -> ApiError:

@@ -10,6 +10,9 @@ import json
 from dataclasses import dataclass
 
 import httpx
+import pytest
+
+import sdk
 
 from tests.integration.gateway_harness import check_released, checkpoint_fixture, run, running_gateway, wait_idle
 from tests.integration.mesh_harness import Mesh
@@ -164,6 +167,10 @@ def test_bad_input_is_a_4xx_and_the_connection_stays_open(tiny_k3):
             assert reply.status == 500 and reply.json()["error"]["code"] == "internal_error"
             assert "10.0.0.7" not in reply.body.decode() and reply.headers["x-request-id"] in reply.body.decode()
             assert (await c.request("GET", "/health")).status == 200
+            async with sdk.AsyncClient(gw.grpc_address) as client:  # the gRPC API too: INTERNAL, no detail
+                with pytest.raises(sdk.KdameshError) as info:
+                    await client.chat(MODEL, MSG, sampling=sdk.Sampling(max_tokens=2))
+            assert "10.0.0.7" not in info.value.message and "request id" in info.value.message
 
     run(main(), timeout_s=120)
 
