@@ -130,10 +130,10 @@ def _add_gateway_role_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys-file", default=None,
                    help="JSON object of API key -> tenant (or {tenant, rpm, tpm, max_concurrency}); also read: "
                         "KDAMESH_API_KEYS='key1=tenantA,key2=tenantB'. No keys: the gateway is open")
-    p.add_argument("--tenant-rpm", type=int, default=None, help="default requests per minute per tenant")
-    p.add_argument("--tenant-tpm", type=int, default=None, help="default tokens per minute per tenant")
-    p.add_argument("--tenant-max-concurrency", type=int, default=None,
-                   help="default requests in flight per tenant")
+    p.add_argument("--tenant-rpm", type=int, default=None, help="requests/minute per tenant (0, default: no limit)")
+    p.add_argument("--tenant-tpm", type=int, default=None, help="tokens/minute per tenant (default 20M; 0: none)")
+    p.add_argument("--tenant-max-concurrency", type=int, default=None, help="in flight per tenant (default 256)")
+    _gateway_guard_flags(p)
     p.add_argument("--tool-call-parser", default=None, choices=["kimi_k3", "kimi_k2"])
     p.add_argument("--reasoning-parser", default=None, choices=["kimi_k3", "kimi_k2"])
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -156,6 +156,17 @@ def _gateway_serving_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="accepted, no effect (the code is built in)")
 
 
+def _gateway_guard_flags(p: argparse.ArgumentParser) -> None:
+    """The gateway's per-request caps (gateway/caps.py) and what API keys guard beyond the API."""
+    p.add_argument("--max-prompts-per-request", type=int, default=256, help="prompts in one /v1/completions")
+    p.add_argument("--max-sequences-per-request", type=int, default=256,
+                   help="n x prompts: sequences one request may generate")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="tokens in one prompt, 413 beyond (default: the context length alone)")
+    p.add_argument("--public-docs", action="store_true", help="serve /openapi.json, /docs, /redoc without a key")
+    p.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
+
+
 def gateway_config_from(ns: argparse.Namespace, api_keys: str | None = None):
     """The gateway's config from its flags (and the KDAMESH_API_KEYS value)."""
     from gateway.config import GatewayConfig
@@ -168,6 +179,9 @@ def gateway_config_from(ns: argparse.Namespace, api_keys: str | None = None):
                          request_timeout_s=ns.request_timeout_s, handoff_ttl_ms=ns.handoff_ttl_ms,
                          api_keys=api_keys, api_keys_file=ns.api_keys_file, tenant_rpm=ns.tenant_rpm,
                          tenant_tpm=ns.tenant_tpm, tenant_max_concurrency=ns.tenant_max_concurrency,
+                         max_prompts_per_request=ns.max_prompts_per_request, max_prompt_tokens=ns.max_prompt_tokens,
+                         max_sequences_per_request=ns.max_sequences_per_request, public_docs=ns.public_docs,
+                         public_metrics=ns.public_metrics,
                          tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
                          enable_auto_tool_choice=ns.enable_auto_tool_choice, block_size=ns.block_size,
                          max_model_len=ns.max_model_len, health_check_interval_s=ns.health_check_interval_s,

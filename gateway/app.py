@@ -8,9 +8,10 @@ Contract:
 - `GET /health`: `{"status", "workers": {address: serving}}` — 200 "ok" when every mesh worker reports SERVING,
   200 "degraded" when some do not but a decode worker does (requests are routed around the others), else 503
   "unavailable".
-  `GET /metrics`: Prometheus text format (gateway/metrics.py). Neither needs an API key.
-- With API keys configured (`KDAMESH_API_KEYS`, `--api-keys-file`) every other endpoint needs
-  `Authorization: Bearer <key>` (401 otherwise); without keys the gateway is open (logged at start-up).
+  `GET /metrics`: Prometheus text format (gateway/metrics.py).
+- With API keys configured (`KDAMESH_API_KEYS`, `--api-keys-file`) every endpoint but `/health` needs
+  `Authorization: Bearer <key>` (401 otherwise) — `/metrics` and the docs (`/openapi.json`, `/docs`, `/redoc`)
+  too, unless `--public-metrics` / `--public-docs` open them; without keys the gateway is open (logged at start-up).
 - `GET /v1/models`, `GET /v1/models/{id}`: the served model (with `max_model_len`).
 - `POST /v1/chat/completions`: OpenAI chat completions with vLLM's extras (gateway/protocol/chat.py): streaming
   as `chat.completion.chunk` Server-Sent Events (the role in each choice's first delta, `finish_reason` only in its
@@ -27,10 +28,14 @@ Contract:
   gateway/info.py) and `GET /version` (`{"version"}`, no API key needed), as vLLM.
 - `GET /openapi.json` documents every endpoint, with the request body schema of each POST endpoint (the pydantic
   models that validate them, `gateway.protocol.REQUEST_BODIES`).
-- Errors use the OpenAI envelope `{"error": {"message", "type", "param", "code"}}`: malformed JSON or fields 400,
-  a prompt beyond the context 400 `context_length_exceeded`, missing/invalid key 401, unknown model 404, a body over
-  32 MiB 413, over a tenant's quota 429 with `Retry-After`, mesh unavailable 503, deadline 504. Never a 500 for bad
-  input. A stream reports an error that happens before its first token as a plain HTTP error; one after is sent as
+- Errors use the OpenAI envelope `{"error": {"message", "type", "param", "code"}}`: a body not declared
+  `application/json` 415, malformed JSON (or nested deeper than 64) or fields 400 (strict JSON types; numbers in
+  the ranges of the mesh's fields), a request over a per-request cap 400 (prompts, n × prompts) or 413 (prompt
+  tokens; see docs/api.md), a prompt beyond the context 400 `context_length_exceeded`, missing/invalid key 401,
+  unknown model 404, a body over 32 MiB 413, over a tenant's quota 429 with `Retry-After`, mesh unavailable 503,
+  deadline 504 (a mesh failure's message is generic, with the request id: never a worker's address or message).
+  Never a 500 for bad input; a bug is a logged 500 `internal_error` and the connection stays open
+  (gateway/rest_guard.py). A stream reports an error that happens before its first token as a plain HTTP error; one after is sent as
   a final `data: {"error": …}` before `data: [DONE]`.
 - A client that disconnects (streaming or not) cancels its mesh calls: decode aborts the request and frees its
   memory.
@@ -57,6 +62,7 @@ from gateway.config import MODES, GatewayConfig  # noqa: F401  (re-exported: dep
 from gateway.core import GatewayCore
 from gateway.mesh_client import MeshClient
 from gateway.protocol import REQUEST_BODIES, ApiError
+from gateway.rest_guard import ContainErrors
 from gateway.rest_io import ShutdownClock
 from gateway.rest_routes import error_response
 
@@ -67,8 +73,11 @@ log = logging.getLogger(__name__)
 _FASTAPI_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
                       if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 SCHEMA_REF = "#/components/schemas/{model}"
+DOCS = ("/openapi.json", "/docs", "/redoc")
 # (method, path, handler): the request bodies of the POST routes are documented from REQUEST_BODIES
 ROUTES = (("GET", "/health", rest_routes.health), ("GET", "/metrics", rest_routes.prometheus),
+          ("GET", "/openapi.json", rest_routes.openapi_json), ("GET", "/docs", rest_routes.swagger_docs),
+          ("GET", "/redoc", rest_routes.redoc_docs),
           ("GET", "/v1/models", rest_routes.models), ("GET", "/v1/models/{model_id:path}", rest_routes.model),
           ("POST", "/v1/chat/completions", rest_routes.chat_completions),
           ("POST", "/v1/completions", rest_routes.completions), ("POST", "/tokenize", rest_routes.tokenize),
@@ -92,12 +101,14 @@ def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer:
             if own:
                 await core.close()
 
-    app = FastAPI(title="kdamesh gateway", lifespan=lifespan, **_FASTAPI_TELEMETRY)
+    # the docs are the gateway's own routes (ROUTES), so that they can need a key
+    app = FastAPI(title="kdamesh gateway", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None,
+                  **_FASTAPI_TELEMETRY)
     app.state.core, app.state.shutdown = core, shutdown
     _add_error_handlers(app)
     for method, path, handler in ROUTES:
         body = _request_body(REQUEST_BODIES[path]) if path in REQUEST_BODIES else None
-        app.add_api_route(path, handler, methods=[method], openapi_extra=body)
+        app.add_api_route(path, handler, methods=[method], openapi_extra=body, include_in_schema=path not in DOCS)
     app.openapi = lambda: _openapi(app)
     return app
 
@@ -110,13 +121,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(ApiError(exc.status_code, str(exc.detail), code=None,
                                        type_="invalid_request_error" if exc.status_code < 500 else "server_error"))
 
-    async def unexpected(request: Request, exc: Exception):
-        log.exception("unexpected error in %s %s", request.method, request.url.path)
-        return error_response(ApiError(500, f"internal error: {type(exc).__name__}"))
-
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, unexpected)
+    app.add_middleware(ContainErrors)  # anything else: a logged 500, the connection kept (gateway/rest_guard.py)
 
 
 def _request_body(models: tuple) -> dict:

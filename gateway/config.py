@@ -7,7 +7,13 @@ Contract:
   accepts the folder path.
 - `make_mesh()` builds the `MeshClient` over the worker lists (colocated mode ignores prefill workers).
 - `tenant_limits()` is the default per-tenant limit (`--tenant-rpm`, `--tenant-tpm`, `--tenant-max-concurrency`),
-  which an `--api-keys-file` entry may override for its tenant.
+  which an `--api-keys-file` entry may override for its tenant; it applies to the anonymous tenant of an open
+  gateway too. A field left None takes the documented default (`DEFAULT_TENANT_LIMITS`: unlimited rpm, 20M tokens
+  per minute, 256 requests in flight); 0 means unlimited.
+- `request_caps()` are the per-request caps (gateway/caps.py): `--max-prompts-per-request`,
+  `--max-sequences-per-request` (n × prompts), `--max-prompt-tokens`.
+- `public_docs` / `public_metrics`: with API keys configured, `/openapi.json`, `/docs`, `/redoc` (and `/metrics`)
+  need a key too unless these open them.
 """
 
 from __future__ import annotations
@@ -15,12 +21,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.caps import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_SEQUENCES, RequestCaps
 from gateway.mesh_client import MeshClient, PDDecider
 from gateway.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from gateway.ratelimit import TenantLimits
 from gateway.routing import RouterConfig
 
 MODES = ("disaggregated", "colocated")
+# A tenant's limits when neither a flag nor its key entry says otherwise (None: unlimited).
+DEFAULT_TENANT_LIMITS = TenantLimits(rpm=None, tpm=20_000_000, max_concurrency=256)
 
 
 @dataclass(frozen=True)
@@ -50,10 +59,17 @@ class GatewayConfig:
     # Tenancy: the KDAMESH_API_KEYS value ("key=tenant,..."), and/or a JSON file of key -> tenant (or limits).
     api_keys: str | None = None
     api_keys_file: str | None = None
-    # Default per-tenant limits (None: unlimited).
+    # Default per-tenant limits (None: DEFAULT_TENANT_LIMITS, 0: unlimited).
     tenant_rpm: int | None = None
     tenant_tpm: int | None = None
     tenant_max_concurrency: int | None = None
+    # Per-request caps (gateway/caps.py; max_prompt_tokens None: the context length alone).
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES
+    max_prompt_tokens: int | None = None
+    # With API keys configured: serve the API docs / the Prometheus metrics without a key.
+    public_docs: bool = False
+    public_metrics: bool = False
     # Output parsers (vLLM flags): None leaves the model's text as content.
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
@@ -96,6 +112,7 @@ class GatewayConfig:
         if self.health_check_interval_s <= 0:
             raise ValueError("health_check_interval_s must be positive")
         self.tenant_limits()  # validates the limits
+        self.request_caps()  # and the caps
 
     @property
     def model_name(self) -> str:
@@ -106,7 +123,15 @@ class GatewayConfig:
         return {self.model_name, self.model}
 
     def tenant_limits(self) -> TenantLimits:
-        return TenantLimits(rpm=self.tenant_rpm, tpm=self.tenant_tpm, max_concurrency=self.tenant_max_concurrency)
+        def limit(value: int | None, default: int | None) -> int | None:
+            return default if value is None else None if value == 0 else value
+
+        d = DEFAULT_TENANT_LIMITS
+        return TenantLimits(rpm=limit(self.tenant_rpm, d.rpm), tpm=limit(self.tenant_tpm, d.tpm),
+                            max_concurrency=limit(self.tenant_max_concurrency, d.max_concurrency))
+
+    def request_caps(self) -> RequestCaps:
+        return RequestCaps(self.max_prompts_per_request, self.max_sequences_per_request, self.max_prompt_tokens)
 
     def make_mesh(self) -> MeshClient:
         prefill = self.prefill_addresses if self.mode == "disaggregated" else ()

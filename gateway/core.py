@@ -14,7 +14,8 @@ Contract:
 - `authenticate(authorization)` -> `Principal`, or `ApiError` 401 (open mode: every request is anonymous).
 - `plan_chat(request)` -> `ChatPlan` (gateway.plan); `ApiError` 400 for what cannot be served.
 - `chat(principal, plan, ...)` / `complete(principal, job, ...)` admit the request (`ApiError` 429 with a
-  `Retry-After` header when over a limit; 400 for a completion prompt beyond the context) and return a run
+  `Retry-After` header when over a limit; 400 for a completion prompt beyond the context; the per-request caps of
+  gateway/caps.py: 400 for too many prompts or sequences, 413 for a prompt over `--max-prompt-tokens`) and return a run
   (`ChatRun` / `CompletionRun`; its lifecycle is `gateway.run.Run`'s). With a `RequestTrace` (`trace(...)`) the
   run opens its root span here and finishes it on `close()`.
 - The cache salt passed to the mesh is derived from the authenticated principal (`CacheSalter`); a client's
@@ -79,6 +80,7 @@ class GatewayCore:
         self.limiter = RateLimiter(self.tenants.limits())
         self.family = read_family(config.model)
         self.max_model_len = config.max_model_len or model_max_len(config.model)
+        self.caps = config.request_caps()
         self.created = int(time.time())
         self._own_mesh = mesh is None
         self._health_task: asyncio.Task | None = None
@@ -171,6 +173,7 @@ class GatewayCore:
         request = plan.request
         if trace is not None:
             trace.start_span("chat", principal.tenant, plan.sampling, request.n, request.stream)
+        self.caps.check([len(plan.prompt_ids)], request.n, "messages")
         lease = self._admit(principal, len(plan.prompt_ids), request.completion_limit, request.n, api)
         salt = self.tenant_salt(principal, request.cache_salt)
         return ChatRun(self, principal, lease, plan, f"chatcmpl-{request.request_id or uuid.uuid4().hex}", salt,
@@ -181,6 +184,7 @@ class GatewayCore:
         request = job.request
         if trace is not None:
             trace.start_span("text_completion", principal.tenant, job.sampling, request.n, request.stream)
+        self.caps.check([len(p) for p in job.prompts], request.n, "prompt")
         for prompt in job.prompts:
             check_prompt_length(len(prompt), job.max_tokens, self.max_model_len, "prompt")
         lease = self._admit(principal, sum(len(p) for p in job.prompts), job.max_tokens, request.n * len(job.prompts),

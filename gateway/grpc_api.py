@@ -9,7 +9,7 @@ Contract:
 - Authentication: metadata `authorization: Bearer <key>` (UNAUTHENTICATED without a valid key when keys are
   configured). Errors are the REST statuses' twins: INVALID_ARGUMENT (400, context length included), NOT_FOUND (404),
   RESOURCE_EXHAUSTED (429; trailing metadata `retry-after` in whole seconds), UNAVAILABLE (503),
-  DEADLINE_EXCEEDED (504).
+  DEADLINE_EXCEEDED (504); a bug in a stream is a logged INTERNAL naming only the request id.
 - Streams: one `ChatResponse` per event of a choice (role first, then reasoning / content / tool-call fragments, a
   choice's last message with its finish reason); the message that finishes the last choice also carries `usage`.
   `Generate` likewise; an unset `sampling.max_tokens` means up to the context length, and a `structured_output`
@@ -34,7 +34,7 @@ from gateway.core import GatewayCore
 from gateway.grpc_translate import (chat_body, chat_choice, completion_choice, generate_body, tokenize_body,
                                     usage_proto)
 from gateway.handler import Start, open_run
-from gateway.protocol import ApiError, parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from gateway.protocol import ApiError, internal_error, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from gateway.request_trace import RequestTrace
 from gateway.run import Run
 from gateway.tenancy import Principal
@@ -54,6 +54,11 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     async def _abort(self, context, exc: ApiError):
         trailing = (("retry-after", exc.headers["Retry-After"]),) if "Retry-After" in exc.headers else ()
         await context.abort(exc.grpc_code, exc.message, trailing_metadata=trailing)
+
+    async def _internal(self, context, request_id: str):
+        """A bug: logged with its traceback; the caller gets INTERNAL naming only the request id."""
+        log.exception("unexpected error in gRPC request %s", request_id)
+        await self._abort(context, internal_error(request_id))
 
     async def _fail(self, context, endpoint: str, exc: ApiError):
         self.core.metrics.count_request("grpc", endpoint, exc.status)
@@ -78,6 +83,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         except ApiError as exc:
             await self._abort(context, exc)
             return
+        except Exception:
+            await self._internal(context, trace.request_id)
+            return
         try:
             unfinished = len(run.choices)
             async for event in run.events():
@@ -90,6 +98,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                 yield message
         except ApiError as exc:
             await self._abort(context, exc)
+        except Exception:
+            await self._internal(context, trace.request_id)
         finally:
             await run.close()
 

@@ -1,36 +1,42 @@
 """The REST API's plumbing around a request: its JSON body, its client's disconnect, the shutdown deadline, SSE.
 
 Contract:
-- `read_json(request)`: the decoded body; `ApiError` 413 `request_too_large` past `MAX_REQUEST_BYTES` (declared or
-  actual: refused before it is parsed), 400 `invalid_json` when it does not decode.
+- `read_json(request)`: the decoded body; `ApiError` 415 `unsupported_media_type` unless `Content-Type` is
+  `application/json`, 413 `request_too_large` past `MAX_REQUEST_BYTES` (declared or actual: refused before it is
+  parsed), 400 `invalid_json` when it does not decode or nests deeper than `MAX_JSON_DEPTH`.
 - `unless_disconnected(request, work)` runs `work` and cancels it when the client disconnects first (`ClientGone`).
 - `ShutdownClock`: when the HTTP server was told to stop, streams still running near the end of its grace period
   end with an OpenAI error event (503 `shutting_down`) and `[DONE]` instead of being cut off mid-stream
   (`until_shutdown(events, clock)` raises that `ApiError` once the deadline passes).
 - `sse_stream(run, fmt, clock)`: a run's Server-Sent Events — its chunks (`gateway.rest_responses`), the usage
   trailer when asked, `data: [DONE]`; an error after the first chunk becomes a final `data: {"error": …}` before
-  `[DONE]`. The run is closed when the stream ends, however it ends.
+  `[DONE]`, and an unexpected exception a final 500 `internal_error` event (logged). The run is closed when the
+  stream ends, however it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
 
-from gateway.protocol import ApiError, ClientGone, bad_json
+from gateway.protocol import ApiError, ClientGone, bad_json, internal_error
 from gateway.rest_responses import RestFormat, usage_chunk
 from gateway.run import Run
 
 MAX_REQUEST_BYTES = 32 << 20  # a JSON body larger than this is refused with 413 before it is parsed
+MAX_JSON_DEPTH = 64  # lists and objects nested deeper than this are refused with 400
+log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = "data: [DONE]\n\n"
 SHUTTING_DOWN = "the server is shutting down; the stream ended before its output was complete"
 
 
 async def read_json(request: Request):
+    _check_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
         raise ApiError(413, f"the request body is {declared} bytes; the limit is {MAX_REQUEST_BYTES}",
@@ -41,9 +47,41 @@ async def read_json(request: Request):
         if len(raw) > MAX_REQUEST_BYTES:  # a body without (or lying about) its length
             raise ApiError(413, f"the request body exceeds {MAX_REQUEST_BYTES} bytes", code="request_too_large")
     try:
-        return json.loads(bytes(raw))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(bytes(raw))
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more digits than Python converts
         raise bad_json(exc) from None
+    except RecursionError:  # nested deeper than the decoder's recursion limit
+        raise _too_deep() from None
+    if _nesting_exceeds(body, MAX_JSON_DEPTH):
+        raise _too_deep()
+    return body
+
+
+def _check_content_type(value: str | None) -> None:
+    """415 `unsupported_media_type` unless the body is declared `application/json` (parameters such as charset are
+    allowed)."""
+    media = (value or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, f"the request body must be application/json, not {media or 'undeclared'}",
+                       code="unsupported_media_type")
+
+
+def _too_deep() -> ApiError:
+    return ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+
+
+def _nesting_exceeds(value, limit: int) -> bool:
+    """Whether the decoded JSON `value` nests lists and objects more than `limit` deep (iterative: no recursion)."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -90,13 +128,12 @@ async def until_shutdown(events: AsyncIterator, clock: ShutdownClock | None) -> 
         return
     iterator = events.__aiter__()
     deadline = asyncio.ensure_future(clock.deadline.wait())
+    step = None
     try:
         while True:
             step = asyncio.ensure_future(iterator.__anext__())
             await asyncio.wait({step, deadline}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                step.cancel()
-                await asyncio.gather(step, return_exceptions=True)
                 raise ApiError(503, SHUTTING_DOWN, code="shutting_down")
             try:
                 item = step.result()
@@ -104,7 +141,12 @@ async def until_shutdown(events: AsyncIterator, clock: ShutdownClock | None) -> 
                 return
             yield item
     finally:
+        # however this ends (the deadline, or the consumer cancelled: the client went away), the pending step is
+        # cancelled and awaited, so `events` is no longer running when its owner closes it
         deadline.cancel()
+        if step is not None and not step.done():
+            step.cancel()
+            await asyncio.shield(asyncio.gather(step, return_exceptions=True))
 
 
 def sse(body: dict) -> str:
@@ -121,6 +163,10 @@ async def sse_stream(run: Run, fmt: RestFormat, clock: ShutdownClock | None = No
         yield SSE_DONE
     except ApiError as exc:
         yield sse(exc.body())
+        yield SSE_DONE
+    except Exception:  # a bug: the client still gets a clean end; the detail goes to the log
+        log.exception("unexpected error in the stream of request %s", run.id)
+        yield sse(internal_error(run.id).body())
         yield SSE_DONE
     finally:
         await run.close()

@@ -7,11 +7,14 @@ Contract (the endpoints are listed in gateway/app.py):
   `_start_completion`); both then go through `gateway.handler.open_run` and `_respond`: a stream as Server-Sent
   Events, else one JSON body; every response names the request id (`X-Request-Id`). A client that disconnects
   before its response started cancels the run (499, nothing sent).
+- `/metrics` and the API docs (`/openapi.json`, `/docs`, `/redoc`) need a key when keys are configured, unless
+  `--public-metrics` / `--public-docs` open them.
 """
 
 from __future__ import annotations
 
 from fastapi import Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
@@ -60,9 +63,32 @@ async def health(request: Request):
                         headers=identity)
 
 
+def _unless_public(request: Request, public: bool) -> None:
+    """401 unless `public` or the request has a key (an open gateway lets everyone in)."""
+    if not public:
+        _principal(request)
+
+
 async def prometheus(request: Request):
-    body, content_type = _core(request).metrics.render()
+    core = _core(request)
+    _unless_public(request, core.config.public_metrics)
+    body, content_type = core.metrics.render()
     return Response(body, media_type=content_type)
+
+
+async def openapi_json(request: Request):
+    _unless_public(request, _core(request).config.public_docs)
+    return JSONResponse(request.app.openapi())
+
+
+async def swagger_docs(request: Request):
+    _unless_public(request, _core(request).config.public_docs)
+    return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{request.app.title} - docs")
+
+
+async def redoc_docs(request: Request):
+    _unless_public(request, _core(request).config.public_docs)
+    return get_redoc_html(openapi_url="/openapi.json", title=f"{request.app.title} - ReDoc")
 
 
 async def models(request: Request):

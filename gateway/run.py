@@ -6,11 +6,13 @@ Contract:
   before any output (context length from a worker, no healthy worker) still surface as plain `ApiError`s — then
   iterated with `events()` (the subclass: `ChatRun`, `CompletionRun`), and always `close()`d.
 - Errors: every mesh item is taken by `_step`, the one place a `MeshError` becomes an `ApiError`
-  (`mesh_api_error`, naming `prompt_param` in a context-length error) and a failure is recorded on the trace
+  (`mesh_api_error`, naming `prompt_param` in a context-length error; the worker's message is logged, the client
+  gets a generic one with the request id) and a failure is recorded on the trace
   (`failure_of`); a failure in `open()` also records its status (499 when cancelled: the client went away) and
   closes the run.
 - `close()` is idempotent: it cancels the mesh call if still running (decode aborts the request and frees its
-  memory), releases the lease with the tokens actually used, updates the metrics and finishes the trace.
+  memory), releases the lease with the tokens actually used, updates the metrics and finishes the trace — exactly
+  once, even when the task closing it is being cancelled (a client that went away) or the mesh call fails to end.
 - While the mesh works (each `_step`) the trace's span and request id are current, so gRPC calls and tasks started
   there carry them; they are attached and detached within one step, never across a `yield`.
 - `stream` / `include_usage`: how the client asked for the response; `choices` has one entry per choice.
@@ -18,6 +20,8 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,6 +37,8 @@ from gateway.tenancy import Principal
 
 if TYPE_CHECKING:
     from gateway.core import GatewayCore
+
+log = logging.getLogger(__name__)
 
 
 class Run:
@@ -92,11 +98,16 @@ class Run:
         except StopAsyncIteration:
             raise
         except BaseException as exc:
-            error = mesh_api_error(exc.code, exc.message, self.prompt_param) if isinstance(exc, MeshError) else exc
+            error = self._mesh_error(exc) if isinstance(exc, MeshError) else exc
             self._fail(failure_of(error)[0])
             if error is exc:
                 raise
             raise error from None
+
+    def _mesh_error(self, exc: MeshError):
+        request_id = self.trace.request_id if self.trace is not None else self.id  # the X-Request-Id
+        log.warning("request %s (%s): mesh call failed: %s: %s", request_id, self.id, exc.code.name, exc.message)
+        return mesh_api_error(exc.code, exc.message, self.prompt_param, request_id)
 
     def _fail(self, error: str, status: int | None = None) -> None:
         if self.trace is not None:
@@ -146,8 +157,15 @@ class Run:
         if self._closed:
             return
         self._closed = True
-        if self._source is not None:
-            await self._source.aclose()
+        try:
+            if self._source is not None:
+                # shielded: a close run by a cancelled task (the client went away) still ends the mesh call
+                await asyncio.shield(self._source.aclose())
+        finally:
+            self._account()
+
+    def _account(self) -> None:
+        """Releases the lease and records the run, exactly once (from `close`, whatever ended the run)."""
         usage = self.usage()
         self.lease.release(usage.prompt_tokens + usage.completion_tokens)
         metrics = self.core.metrics

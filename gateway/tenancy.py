@@ -14,7 +14,8 @@ Contract:
   `hmac.compare_digest` over fixed-length SHA-256 digests, without stopping at a match, so timing reveals neither
   which key matched nor how long a matching prefix was.
 - Open mode: with no keys configured, `is_open` is true and every request (with or without a header) is the
-  `ANONYMOUS` principal; the app logs `describe()` ("gateway is open ...") at start-up.
+  `ANONYMOUS` principal, under the default limits (gateway/config.py `DEFAULT_TENANT_LIMITS` unless the flags say
+  otherwise); the app logs `describe()` ("gateway is open ...") at start-up.
 - `CacheSalter.cache_salt(principal, client_salt)` -> 64 hex chars. The tenant salt is HMAC-SHA256 of the principal's
   identity under the server secret (the anonymous principal has an identity of its own, distinct from any tenant
   name). A client-sent salt is only mixed in: SHA-256(tenant salt ‖ client salt), so two tenants sending the same

@@ -14,7 +14,7 @@ This package re-exports the names the rest of the gateway uses.
 from gateway.protocol.chat import ChatCompletionRequest, parse_chat, sampling_from_chat
 from gateway.protocol.completions import CompletionJob, CompletionRequest, parse_completion
 from gateway.protocol.errors import (HTTP_STATUS, ApiError, ClientGone, api_error_type, bad_json, failure_of,
-                                     mesh_api_error, not_found_model)
+                                     internal_error, mesh_api_error, not_found_model)
 from gateway.protocol.tokenize import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest,
                                        parse_detokenize, parse_tokenize)
 
@@ -28,5 +28,5 @@ REQUEST_BODIES = {
 
 __all__ = ["HTTP_STATUS", "REQUEST_BODIES", "ApiError", "ChatCompletionRequest", "ClientGone", "CompletionJob",
            "CompletionRequest", "DetokenizeRequest", "TokenizeChatRequest", "TokenizeCompletionRequest",
-           "api_error_type", "bad_json", "failure_of", "mesh_api_error", "not_found_model", "parse_chat",
-           "parse_completion", "parse_detokenize", "parse_tokenize", "sampling_from_chat"]
+           "api_error_type", "bad_json", "failure_of", "internal_error", "mesh_api_error", "not_found_model",
+           "parse_chat", "parse_completion", "parse_detokenize", "parse_tokenize", "sampling_from_chat"]

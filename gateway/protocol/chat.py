@@ -18,8 +18,8 @@ from typing import Any, ClassVar, Literal, Union
 
 from pydantic import Field
 
-from gateway.protocol.common import (MAX_LOGPROBS, RequestModel, SamplingRequest, ToolDefinition, check_served,
-                                     tools_json, validate_body)
+from gateway.protocol.common import (MAX_LOGPROBS, UINT32_MAX, RequestModel, SamplingRequest, ToolDefinition,
+                                     check_served, tools_json, validate_body)
 from gateway.protocol.errors import ApiError
 from protos import common_pb2
 
@@ -39,7 +39,7 @@ class ChatCompletionRequest(SamplingRequest):
     """OpenAI chat completions request, with vLLM's extra sampling fields."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None

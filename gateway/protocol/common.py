@@ -4,7 +4,9 @@ fields with their checks (`SamplingRequest`), validated once here for chat and c
 Contract:
 - `validate_body(model_type, body)` validates a decoded JSON body with a pydantic model: `ApiError` 400 for a body
   that is not an object or a bad field (the first one, as `param`). Unknown top-level fields are ignored (as vLLM
-  does).
+  does). Types are strict (no string-to-number or string-to-boolean coercion; an integer is a valid float), and every
+  number has a range that fits the mesh's protobuf field (uint32 token counts and ids, int32 `top_k`, finite float32
+  sampling floats), so no value reaches a proto it cannot be stored in.
 - `check_served(model, served)`: `ApiError` 404 `model_not_found` for a model this gateway does not serve.
 - `SamplingRequest` holds vLLM's sampling fields with their ranges; `check()` raises `ApiError` for what spans
   fields (`stream_options` without `stream`, `min_tokens` above the completion limit) and for fields this gateway
@@ -16,6 +18,7 @@ Contract:
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any, ClassVar, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -26,11 +29,20 @@ from protos import common_pb2
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024
+UINT32_MAX = (1 << 32) - 1  # the mesh's token counts and ids are uint32
+INT32_MAX = (1 << 31) - 1  # top_k is int32
+FLOAT32_MAX = 3.4028234663852886e38  # sampling floats are float32 on the mesh
 M = TypeVar("M", bound=BaseModel)
 
 
+def _float32(v: float) -> float:
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: JSON types are taken as they are — "5" is not an integer, "yes" not a boolean (floats take integers)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 def validate_body(model_type: type[M], body: Any) -> M:
@@ -91,20 +103,20 @@ class SamplingRequest(RequestModel):
     """The fields `/v1/chat/completions` and `/v1/completions` share (vLLM's sampling extras included)."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
     seed: int | None = None
     stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=UINT32_MAX)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -131,8 +143,15 @@ class SamplingRequest(RequestModel):
                      "frequency_penalty")
     @classmethod
     def _finite(cls, v):
-        if v is not None and not math.isfinite(v):
+        if v is not None and not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
             raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("top_p", "repetition_penalty")
+    @classmethod
+    def _positive_as_float32(cls, v):
+        if v is not None and v > 0 and _float32(v) == 0:  # e.g. 1e-46: positive here, 0 on the mesh
+            raise ValueError("must be a positive float32 (at least 1.4e-45)")
         return v
 
     @field_validator("stop")
@@ -149,8 +168,8 @@ class SamplingRequest(RequestModel):
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, v):
-        if v is not None and any(t < 0 for t in v):
-            raise ValueError("token ids must be >= 0")
+        if v is not None and any(not 0 <= t <= UINT32_MAX for t in v):
+            raise ValueError(f"token ids must be integers in [0, {UINT32_MAX}]")
         return v
 
     @field_validator("seed")

@@ -22,7 +22,7 @@ from typing import Any, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from gateway.protocol.common import MAX_LOGPROBS, SamplingRequest, check_served, validate_body
+from gateway.protocol.common import MAX_LOGPROBS, MAX_N, UINT32_MAX, SamplingRequest, check_served, validate_body
 from gateway.protocol.errors import ApiError
 from protos import common_pb2
 
@@ -55,10 +55,10 @@ class CompletionRequest(SamplingRequest):
     """OpenAI legacy completions request, with vLLM's extra sampling fields."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=0)  # 0: only with echo (the prompt alone)
+    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=0, le=UINT32_MAX)  # 0: with echo only
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None  # not supported: refused unless null
     return_token_ids: bool = False
 

@@ -28,6 +28,7 @@ from gateway.chat import OUTPUT_FORMATS, read_family
 from gateway.config import GatewayConfig
 from gateway.core import GatewayCore
 from gateway.grpc_api import serve_grpc
+from gateway.rest_io import ShutdownClock
 from tests.integration.mesh_harness import Mesh
 
 SALT_SECRET = {"KDAMESH_CACHE_SALT_SECRET": "integration-test-secret-0123456789"}
@@ -90,7 +91,8 @@ async def running_gateway(mesh: Mesh, model_dir, *, parsers: bool = True, api_ke
     core = GatewayCore(config, env=SALT_SECRET)
     await core.start()
     grpc_server, grpc_port = await serve_grpc(core, "127.0.0.1:0")
-    server = uvicorn.Server(uvicorn.Config(create_app(config, core=core), host="127.0.0.1", port=config.http_port,
+    app = create_app(config, core=core, shutdown=ShutdownClock(1.0))  # as `serve` makes it
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.http_port,
                                            log_level="warning", timeout_graceful_shutdown=1))
     task = asyncio.create_task(server.serve())
     while not server.started:

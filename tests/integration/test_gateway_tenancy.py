@@ -68,9 +68,10 @@ def test_tenant_isolation_and_authentication(tiny_k3, keys_file):
                 assert reply.headers["www-authenticate"] == "Bearer"
             for path in ("/tokenize", "/detokenize", "/v1/completions"):
                 assert (await gw.http.post(path, json={})).status_code == 401
-            # Health and metrics stay open.
+            # Health stays open; metrics need a key (they name tenants and workers).
             assert (await gw.http.get("/health")).status_code == 200
-            metrics = (await gw.http.get("/metrics")).text
+            assert (await gw.http.get("/metrics")).status_code == 401
+            metrics = (await gw.http.get("/metrics", headers={"Authorization": "Bearer key-a"})).text
             assert 'kdamesh_gateway_prompt_tokens_total{tenant="tenant-a"}' in metrics
             assert 'kdamesh_gateway_cached_tokens_total{tenant="tenant-b"}' in metrics
             assert 'status="401"' in metrics
@@ -122,7 +123,7 @@ def test_rate_and_concurrency_limits(tiny_k3, keys_file):
                     break
                 await asyncio.sleep(0.02)
             await d.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=1)
-            metrics = (await gw.http.get("/metrics")).text
+            metrics = (await gw.http.get("/metrics", headers={"Authorization": "Bearer key-a"})).text
             assert 'kdamesh_gateway_rate_limited_total{limit="rpm",tenant="tenant-c"} 2.0' in metrics
             assert 'kdamesh_gateway_rate_limited_total{limit="concurrency",tenant="tenant-d"} 1.0' in metrics
     run(main())
