@@ -11,6 +11,9 @@ Contract:
   by rounding. `max_forward_tokens=None`: `CPU_FORWARD_TOKENS` on CPU (every activation of a forward then stays
   below glibc's 32 MiB mmap threshold and is reused from the heap; larger ones are mapped and page-faulted afresh in
   every forward: ~1 s of system time per 4096-token CPU step of `small-linear`), no limit on other devices.
+- Images (`media`, an `engine.vision.feed.MediaFeeder`, None for a text-only model): `execute` encodes the step's
+  new images in one call before the first forward, and every forward's batch carries the image rows its pieces
+  cover (`mm_embeds` / `mm_positions`).
 - `copy_slots(pairs)` copies KDA state slots (snapshots after a step).
 - `read_blocks` / `write_blocks` / `read_state` / `write_state` move cache contents in and out as tensors
   (`engine.transfer` serialises them): blocks as `[num_mla_layers, n, block_size, cache_dim]` in MLA layer order,
@@ -20,6 +23,7 @@ Contract:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +32,9 @@ from engine.model.batch import CacheTensors, ForwardBatch
 from engine.model.model import KimiForCausalLM
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.vision.feed import MediaFeeder
 
 CPU_FORWARD_TOKENS = 2048
 
@@ -44,8 +51,10 @@ class Piece:
 
 
 class ModelRunner:
-    def __init__(self, model: KimiForCausalLM, plan: CachePlan, max_forward_tokens: int | None = None):
+    def __init__(self, model: KimiForCausalLM, plan: CachePlan, max_forward_tokens: int | None = None,
+                 media: "MediaFeeder | None" = None):
         self.model = model
+        self.media = media
         self.config = model.config
         self.device = model.device
         if max_forward_tokens is None:
@@ -62,6 +71,8 @@ class ModelRunner:
         self._apply_state_inits(out)
         pieces = [Piece(c.req, c.start, c.num_tokens, slot, c.needs_logits)
                   for c, slot in zip(out.chunks, running_slots)]
+        if self.media is not None:
+            self.media.prepare(pieces)
         logits = [self.model(self.build_batch(group).to(self.device), self.cache)
                   for group in split_forwards(pieces, self.max_forward_tokens)]
         return logits[0] if len(logits) == 1 else torch.cat(logits)  # [L, V]
@@ -93,6 +104,7 @@ class ModelRunner:
             slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             if chunk.needs_logits:
                 logits_rows.append(cu[-1] - 1)
+        mm_positions, mm_embeds = self.media.inputs(pieces) if self.media is not None else (None, None)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long),
             cu_seqlens=torch.tensor(cu, dtype=torch.long),
@@ -101,6 +113,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
             state_indices=torch.tensor([c.slot for c in pieces], dtype=torch.long),
             logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+            mm_embeds=mm_embeds, mm_positions=mm_positions,  # [M, hidden], [M]
         )
 
     def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
