@@ -3,7 +3,8 @@
 Contract: pure functions, no I/O. `sampling_from_proto` raises `InvalidRequestError` for values out of range (proto3
 defaults mean vLLM's defaults); `structured_from_proto` raises it for an unusable structured-output spec;
 `logprob_to_proto` keeps the sampled token and its top `top` alternatives; `FINISH_REASONS` maps the engine's
-finish reasons to the proto enum. The worker services (prefill_service, decode_service) share it through this
+finish reasons to the proto enum. `media_from_proto` turns a request's `MediaItem`s into the engine's
+`ImageInput`s (content hash checked to be 32 bytes; the engine checks the spans and decodes the bytes). The worker services (prefill_service, decode_service) share it through this
 package; `cache_service` and `sdk` depend on the generated messages alone and never import it.
 """
 
@@ -14,6 +15,7 @@ import json
 from engine.errors import InvalidRequestError
 from engine.outputs import PositionLogprobs
 from engine.sampling import SamplingParams
+from engine.vision.feed import ImageInput
 from engine.structured import (DEFAULT_MAX_REASONING_TOKENS, DEFAULT_MAX_STRING_TOKENS, StructuredOutputParams,
                                ToolSpec)
 from protos import common_pb2
@@ -73,3 +75,13 @@ def logprob_to_proto(entries: PositionLogprobs, token_id: int, top: int) -> comm
     ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entries.items() if lp.rank <= top)
     return common_pb2.TokenLogprob(token_id=token_id, logprob=entries[token_id].logprob,
                                    top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for _, t, v in ranked])
+
+
+def media_from_proto(items) -> tuple[ImageInput, ...]:
+    """`MediaItem`s -> `ImageInput`s, in token order; raises InvalidRequestError for a hash that is not sha256."""
+    out = []
+    for n, item in enumerate(items):
+        if len(item.content_hash) != 32:
+            raise InvalidRequestError(f"media[{n}].content_hash must be 32 bytes (sha256)", param="messages")
+        out.append(ImageInput(item.token_offset, item.num_tokens, item.content_hash, item.data))
+    return tuple(sorted(out, key=lambda m: m.offset))
