@@ -5,7 +5,7 @@
   disaggregated (prefill -> decode) equals colocated with an image.
 - Gateway: an OpenAI `image_url` data-URL part through `/v1/chat/completions` with the official `openai` client
   returns a completion whose greedy text equals the model-level greedy (`SequenceDriver` fed the encoder's rows)
-  on the same expanded prompt; every bad-image kind is its 4xx naming the part, and the workers keep serving.
+  on the same expanded prompt, and so does the gRPC API through the SDK (inline image bytes), from the cache; every bad-image kind is its 4xx naming the part, and the workers keep serving.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import openai
 import pytest
 from PIL import Image
 
+import sdk
 from engine.model.loader import LoadConfig, load_model
 from engine.model.presets import MEDIA_ID
 from engine.tokenizer import KimiTokenizer
@@ -91,12 +92,16 @@ def test_openai_client_image_equals_model_greedy(tiny_k3):
             reply = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=STEPS,
                                                          temperature=0, extra_body={"ignore_eos": True})
             await client.close()
+            async with sdk.AsyncClient(gw.grpc_address) as grpc_client:  # the SDK sends the bytes inline
+                whole = await grpc_client.chat(MODEL, messages, sampling=sdk.Sampling(max_tokens=STEPS, temperature=0,
+                                                                                    ignore_eos=True))
             ids, _ = planned(gw, messages)
-            return reply, ids
-    reply, ids = run(main(), timeout_s=150)
+            return reply, whole, ids
+    reply, whole, ids = run(main(), timeout_s=150)
     assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == STEPS
     want = KimiTokenizer.from_pretrained(tiny_k3).decode(model_greedy(tiny_k3, ids, [A]), skip_special_tokens=True)
-    assert reply.choices[0].message.content == want
+    assert want and reply.choices[0].message.content == want
+    assert whole.choices[0].message.content == want and whole.usage.cached_tokens >= len(ids) // BLOCK * BLOCK
 
 
 BAD = {  # name -> (url, status, code)
