@@ -8,8 +8,8 @@ Contract:
   parts) and decodes each `image_url` part (`detail` is accepted and ignored: K3 has one resolution rule). Only
   base64 `data:` URLs are read; an http(s) URL is refused with 400 naming `--allowed-media-domains` and a
   `file:` URL naming `--allowed-local-media-path` (this gateway fetches nothing yet; those flags are not
-  offered). A bad image is an `ApiError` naming the part (`messages[i].content[j]`): 413 for too many bytes or
-  pixels, 400 for everything else (`ImageInputError.reason` is the error `code`); more than `max_images` is 400.
+  offered). A bad image is an `ApiError` (param `messages`) whose message starts with the part
+  (`messages[i].content[j]: ...`): 413 for too many bytes or pixels, 400 for everything else (`ImageInputError.reason` is the error `code`); more than `max_images` is 400.
 - `expand(token_ids, images, pad_id)` -> (the prompt with each image's pad expanded to its feature rows, one
   `common_pb2.MediaItem` per image: sha256 of its bytes, token offset, feature rows, bytes, MIME type).
 Torch-free: it uses only the processor's numpy / Pillow side.
@@ -83,7 +83,7 @@ def _url(where: str, part) -> str:
     image_url = part.get("image_url") if isinstance(part, dict) else getattr(part, "image_url", None)
     url = image_url.get("url") if isinstance(image_url, dict) else getattr(image_url, "url", image_url)
     if not isinstance(url, str) or not url:
-        raise ApiError(400, f"{where}: an image part needs image_url.url (a base64 data: URL)", param=where)
+        raise ApiError(400, f"{where}: an image part needs image_url.url (a base64 data: URL)", param="messages")
     return url
 
 
@@ -93,17 +93,17 @@ def _load(where: str, part, config: MediaConfig) -> DecodedImage:
     if scheme in ("http", "https"):
         raise ApiError(400, f"{where}: fetching {scheme} image URLs is off (vLLM's --allowed-media-domains would "
                             "allow them; this gateway does not offer it yet): send the image as a base64 data: "
-                            "URL", param=where, code="media_url_not_allowed")
+                            "URL", param="messages", code="media_url_not_allowed")
     if scheme == "file":
         raise ApiError(400, f"{where}: local image files are off (vLLM's --allowed-local-media-path would allow "
                             "them; this gateway does not offer it yet): send the image as a base64 data: URL",
-                       param=where, code="media_url_not_allowed")
+                       param="messages", code="media_url_not_allowed")
     if scheme != "data":
-        raise ApiError(400, f"{where}: image_url.url must be a base64 data: URL", param=where)
+        raise ApiError(400, f"{where}: image_url.url must be a base64 data: URL", param="messages")
     try:
         image = decode_image(url, config.processor)
     except ImageInputError as exc:
-        raise ApiError(413 if exc.reason in TOO_LARGE else 400, f"{where}: {exc}", param=where,
+        raise ApiError(413 if exc.reason in TOO_LARGE else 400, f"{where}: {exc}", param="messages",
                        code=exc.reason) from None
     data = _payload(url)
     rows = plan_resize(image.width, image.height, config.processor).feature_rows

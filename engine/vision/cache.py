@@ -5,7 +5,7 @@ Contract:
   `[rows, E]` (the `VisionEncoder` output for that image alone, on the encoder's device).
 - `get(hash)` returns the rows or None and marks the entry most recently used; `put(hash, rows)` stores them and
   then evicts least-recently-used entries until the total is within the budget (an entry larger than the whole
-  budget is not kept). `hits` / `misses` count `get` results. Not thread-safe: the engine's step thread owns it.
+  budget is not kept); `clear()` drops everything. `hits` / `misses` count `get` results. Not thread-safe: the engine's step thread owns it.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ class EncoderCache:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.used_bytes = 0
 
     def get(self, key: bytes) -> torch.Tensor | None:
         rows = self._entries.get(key)

@@ -2,7 +2,9 @@
 
 Contract:
 - `ImageInput(offset, length, hash, data)` is a `MediaSpan` (so `BlockHasher` mixes `hash` into every block the
-  span overlaps) plus the encoded image bytes; `processed` is filled by `check_images` and never compared.
+  span overlaps) plus the encoded image bytes.
+- `check_images` decodes each image fully (so a corrupt file fails admission, not a step) but preprocesses
+  nothing: the runner resizes and normalises an image only when the encoder cache misses it.
 - `check_images(token_ids, images, pad_id, config)` -> the images with their preprocessed pixels; raises
   `InvalidRequestError` (param `messages`) when a span leaves the prompt, overlaps another, covers a token other
   than `pad_id`, when a pad token lies (with images, or without any for a model that takes them) outside every span, when an image has no bytes or does not decode
@@ -26,18 +28,19 @@ from engine.errors import InvalidRequestError
 from engine.memory.hashing import MediaSpan
 from engine.vision.cache import EncoderCache
 from engine.vision.encoder import VisionEncoder
-from engine.vision.processor import (ImageInputError, ProcessedImage, ProcessorConfig, decode_image, preprocess,
+from engine.vision.processor import (ImageInputError, ProcessorConfig, decode_image, plan_resize, preprocess,
                                      to_tensors)
 
 
 @dataclass(frozen=True)
 class ImageInput(MediaSpan):
     data: bytes = b""
-    processed: ProcessedImage | None = field(default=None, compare=False, repr=False)
+    config: ProcessorConfig | None = field(default=None, compare=False, repr=False)  # set by check_images
 
 
 def check_images(token_ids: Sequence[int], images: Sequence[ImageInput], pad_id: int | None,
                  config: ProcessorConfig) -> tuple[ImageInput, ...]:
+    """The images, each carrying the preprocessing config; raises InvalidRequestError (see the contract)."""
     if not images:
         if pad_id is not None and pad_id in token_ids:
             raise InvalidRequestError("the prompt has media pad tokens but no images", param="messages")
@@ -45,7 +48,7 @@ def check_images(token_ids: Sequence[int], images: Sequence[ImageInput], pad_id:
     if pad_id is None:
         raise InvalidRequestError("this model takes no images", param="messages")
     _check_spans(token_ids, images, pad_id)
-    return tuple(_processed(image, n, config) for n, image in enumerate(images))
+    return tuple(_checked(image, n, config) for n, image in enumerate(images))
 
 
 def _check_spans(token_ids: Sequence[int], images: Sequence[ImageInput], pad_id: int) -> None:
@@ -63,17 +66,25 @@ def _check_spans(token_ids: Sequence[int], images: Sequence[ImageInput], pad_id:
         raise InvalidRequestError("the prompt has media pad tokens outside every image", param="messages")
 
 
-def _processed(image: ImageInput, n: int, config: ProcessorConfig) -> ImageInput:
+def _checked(image: ImageInput, n: int, config: ProcessorConfig) -> ImageInput:
     if not image.data:
         raise InvalidRequestError(f"image {n} has no data", param="messages")
     try:
-        processed = preprocess(decode_image(image.data, config), config)
+        size = decode_image(image.data, config).size
     except ImageInputError as exc:
         raise InvalidRequestError(f"image {n}: {exc}", param="messages") from None
-    if processed.feature_rows != image.length:
-        raise InvalidRequestError(f"image {n} has {processed.feature_rows} feature rows; its span has "
-                                  f"{image.length} pad tokens", param="messages")
-    return ImageInput(image.offset, image.length, image.hash, image.data, processed)
+    rows = plan_resize(*size, config).feature_rows
+    if rows != image.length:
+        raise InvalidRequestError(f"image {n} has {rows} feature rows; its span has {image.length} pad tokens",
+                                  param="messages")
+    return ImageInput(image.offset, image.length, image.hash, image.data, config)
+
+
+def _pixels(images: Sequence[ImageInput]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values [ΣL, 3, p, p], grid_thws [N, 3]) of checked images."""
+    if any(image.config is None for image in images):
+        raise ValueError("an image reached the runner unchecked (check_images was skipped)")
+    return to_tensors([preprocess(decode_image(image.data, image.config), image.config) for image in images])
 
 
 def _overlap(image: MediaSpan, start: int, end: int) -> tuple[int, int] | None:
@@ -99,9 +110,7 @@ class MediaFeeder:
         todo = [image for image in self._touched(pieces) if image.hash not in self.cache]
         if not todo:
             return
-        if any(image.processed is None for image in todo):
-            raise ValueError("an image reached the runner without its pixels (check_images was skipped)")
-        pixel_values, grid_thws = to_tensors([image.processed for image in todo])  # [ΣL, 3, p, p], [N, 3]
+        pixel_values, grid_thws = _pixels(todo)  # [ΣL, 3, p, p], [N, 3]
         rows = self.encoder(pixel_values.to(self.encoder.dtype), grid_thws)  # [M, E]
         for image, features in zip(todo, rows.split([image.length for image in todo])):
             self.cache.put(image.hash, features)
@@ -128,7 +137,7 @@ class MediaFeeder:
     def _rows(self, image: ImageInput) -> torch.Tensor:
         rows = self.cache.get(image.hash)
         if rows is None:  # evicted since `prepare` (a budget below one step's images): encode it alone
-            pixel_values, grid_thws = to_tensors([image.processed])
+            pixel_values, grid_thws = _pixels([image])
             rows = self.encoder(pixel_values.to(self.encoder.dtype), grid_thws)  # [rows, E]
         return rows
 
