@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ttft", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_checkpoint(args.preset, Path(tmp) / args.preset, seed=0)
         encoder = load_vision(model_dir)
