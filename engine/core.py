@@ -39,7 +39,7 @@ import torch
 from engine.config import CachePlan, EngineArgs, plan_cache
 from engine.errors import InvalidRequestError
 from engine.exchange import CacheExchange
-from engine.memory.hashing import BlockHasher, MediaSpan, root_hash
+from engine.memory.hashing import BlockHasher, root_hash
 from engine.memory.manager import CacheManager, PrefixPresence
 from engine.model.loader import LoadConfig, load_model
 from engine.outputs import RequestOutput
@@ -392,11 +392,12 @@ class EngineCore:
     # -- export / import -------------------------------------------------------------------------------------
 
     def import_request(self, request_id: str, state: RequestState, params: SamplingParams,
-                       priority: int = 0, export_on_finish: bool = False, media: tuple[MediaSpan, ...] = ()) -> None:
+                       priority: int = 0, export_on_finish: bool = False, media: tuple[ImageInput, ...] = ()) -> None:
         """Queues a request exported by another engine; it continues from `state.num_computed_tokens`.
 
-        `media` are the prompt's image spans (hashes only: the carried KV covers every image, no pixels are needed),
-        so the blocks this engine commits hash as they did where the prompt was prefilled.
+        `media` are the prompt's images, checked as in `add_request`: their hashes make the blocks this engine
+        commits hash as where the prompt was prefilled; their bytes serve only a recompute after a preemption (the
+        carried KV covers every image, so nothing is encoded otherwise).
         `params.max_tokens` counts the carried output tokens too (the same params as the original request give
         the same total); carried tokens are in the cumulative outputs but never in a delta."""
         if request_id in self._parents:
@@ -405,11 +406,13 @@ class EngineCore:
             raise InvalidRequestError("an imported request has n == 1", param="n")
         check_request_state(state, self.layout)
         _, prompt, max_tokens = self.validate_prompt(state.prompt_token_ids, params)
-        hasher = BlockHasher(self.plan.block_size, root_hash(self.fingerprint, state.cache_salt), tuple(media))
+        media = check_images(prompt, media, self.media.pad_id if self.media.feeder else None, self.media.processor)
+        hasher = BlockHasher(self.plan.block_size, root_hash(self.fingerprint, state.cache_salt), media)
         req = Request(request_id=request_id, parent_id=request_id, index=0, prompt_token_ids=prompt, params=params,
                       max_tokens=max_tokens, arrival=self._arrivals, hasher=hasher, priority=priority,
                       generator=self._make_generator(params, 0), export_on_finish=export_on_finish,
-                      token_ids=prompt + list(state.output_token_ids), imported=state, cache_salt=state.cache_salt)
+                      token_ids=prompt + list(state.output_token_ids), imported=state, cache_salt=state.cache_salt,
+                      media=media)
         if req.generator is not None and state.generator_state is not None:
             req.generator.set_state(state.generator_state)
         req.num_cached_tokens = state.num_cached_tokens

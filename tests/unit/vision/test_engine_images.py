@@ -18,6 +18,7 @@ import pytest
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.errors import InvalidRequestError
+from engine.memory.hashing import BlockHasher, root_hash
 from engine.model.presets import MEDIA_ID
 from engine.sampling import SamplingParams
 from engine.tokenizer import KimiTokenizer
@@ -139,3 +140,28 @@ def test_bad_images_refused_at_admission(engine, tokenizer):
             engine.add_request(f"bad-{name}", ids, SamplingParams(max_tokens=2), media=media_items)
     assert not engine.has_unfinished_requests()
     assert len(run(engine, "after", ids, media)[0]) == STEPS
+
+
+def test_handoff_with_images_continues_and_hashes_alike(tiny_dir, tokenizer, engine):
+    """Prefill on one engine, continue on another: same tokens, nothing encoded there, and the importer's cached
+    blocks carry the image hash: the same image's block hashes find every prompt block, another image's none from
+    the first block that overlaps the image (hits themselves need KDA snapshots, which an import does not make)."""
+    ids, media = image_prompt_ids(tokenizer, [A])
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    engine.reset_prefix_cache()
+    direct, _ = run(engine, "direct", ids, media)
+    engine.add_request("export", ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), media=media,
+                       export_on_finish=True)
+    state = None
+    while engine.has_unfinished_requests():
+        state = next((out.exported for out in engine.step() if out.finished), state)
+    importer = _engine(tiny_dir)
+    importer.import_request("imported", state, params, media=media)
+    assert finish(importer)["imported"][0] == direct and importer.media.feeder.num_encoded == 0
+    _, other = image_prompt_ids(tokenizer, [C])
+    same, changed = ([], [])
+    BlockHasher(BLOCK, root_hash(importer.fingerprint, None), media).extend(same, ids)
+    BlockHasher(BLOCK, root_hash(importer.fingerprint, None), other).extend(changed, ids)
+    first_image_block = media[0].offset // BLOCK
+    assert all(importer.prefix_presence(same).blocks)
+    assert not any(importer.prefix_presence(changed).blocks[first_image_block:])
