@@ -5,13 +5,16 @@
   disaggregated (prefill -> decode) equals colocated with an image.
 - Gateway: an OpenAI `image_url` data-URL part through `/v1/chat/completions` with the official `openai` client
   returns a completion whose greedy text equals the model-level greedy (`SequenceDriver` fed the encoder's rows)
-  on the same expanded prompt, and so does the gRPC API through the SDK (inline image bytes), from the cache; every bad-image kind is its 4xx naming the part, and the workers keep serving.
+  on the same expanded prompt, and so does the gRPC API through the SDK (inline image bytes), from the cache;
+- Workers: a bad `MediaItem` (bytes that are no image, a span that does not match the image, a hash that is not
+  sha256) is INVALID_ARGUMENT on both routes, and the next request is served; every bad-image kind is its 4xx naming the part, and the workers keep serving.
 """
 
 from __future__ import annotations
 
 import base64
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -24,7 +27,9 @@ from engine.tokenizer import KimiTokenizer
 from engine.vision.encoder import media_inputs
 from engine.vision.loader import load_vision
 from engine.vision.processor import ProcessorConfig, decode_image, preprocess, to_tensors
+from protos import common_pb2
 from gateway.media import MediaConfig
+from gateway.mesh_client import MeshError
 from gateway.protocol import ChatCompletionRequest
 from tests.integration.gateway_harness import checkpoint_fixture, run, running_gateway
 from tests.integration.mesh_harness import Mesh, greedy
@@ -72,6 +77,27 @@ def test_cache_hits_and_disaggregated_equals_colocated(tiny_k3):
             assert changed.ids != first.ids  # negative control: the image matters
             local = await mesh.run(ids, greedy(STEPS), route="local", media=media)
             assert local.route == "local" and first.route == "remote" and local.ids == first.ids
+    run(main(), timeout_s=150)
+
+
+def test_workers_refuse_bad_media_and_keep_serving(tiny_k3):
+    async def main():
+        async with Mesh(tiny_k3) as mesh, running_gateway(mesh, tiny_k3, parsers=False) as gw:
+            ids, media = planned(gw, chat(data_url(A)))
+            good = media[0]
+            bad = {"not an image": common_pb2.MediaItem(content_hash=good.content_hash, token_offset=good.token_offset,
+                                                        num_tokens=good.num_tokens, data=b"garbage"),
+                   "short span": common_pb2.MediaItem(content_hash=good.content_hash, token_offset=good.token_offset,
+                                                      num_tokens=good.num_tokens - 1, data=good.data),
+                   "bad hash": common_pb2.MediaItem(content_hash=b"x", token_offset=good.token_offset,
+                                                    num_tokens=good.num_tokens, data=good.data)}
+            for name, item in bad.items():
+                for route in ("remote", "local"):
+                    with pytest.raises(MeshError) as info:
+                        await mesh.run(ids, greedy(2), route=route, media=(item,))
+                    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, (name, route)
+            assert len((await mesh.run(ids, greedy(2), media=media)).ids) == 2
+            assert len((await mesh.run(ids, greedy(2), route="local", media=media)).ids) == 2
     run(main(), timeout_s=150)
 
 
