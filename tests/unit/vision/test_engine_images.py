@@ -6,6 +6,8 @@
 - The same image twice: the second request reports cached tokens past the image and the same output, and the
   encoder does not run again. A different image with the same text (negative control) hits no block that
   overlaps the image, and its output differs.
+- Preempted image requests recompute to the same tokens; a handoff with an image continues exactly, encodes
+  nothing on the importer and leaves blocks keyed by the image hash there.
 - Bad spans and undecodable bytes are refused at admission (`InvalidRequestError`); the engine keeps serving.
 """
 
@@ -54,8 +56,8 @@ def tokenizer(tiny_dir):
 
 
 def _engine(tiny_dir, **overrides) -> EngineCore:
-    return EngineCore(EngineArgs(model=str(tiny_dir), dtype="float32", block_size=BLOCK, num_kv_blocks=256,
-                                 **overrides))
+    args = {"model": str(tiny_dir), "dtype": "float32", "block_size": BLOCK, "num_kv_blocks": 256, **overrides}
+    return EngineCore(EngineArgs(**args))
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +167,17 @@ def test_handoff_with_images_continues_and_hashes_alike(tiny_dir, tokenizer, eng
     first_image_block = media[0].offset // BLOCK
     assert all(importer.prefix_presence(same).blocks)
     assert not any(importer.prefix_presence(changed).blocks[first_image_block:])
+
+
+def test_preempted_image_requests_recompute_the_same(tiny_dir, tokenizer, engine):
+    """A pool too small for both requests: one is preempted and recomputed (its image rows fed again)."""
+    one, media_one = image_prompt_ids(tokenizer, [A])
+    two, media_two = image_prompt_ids(tokenizer, [C])
+    prompt_blocks = -(-(len(one) + 1) // BLOCK)  # both prompts fit, their outputs do not
+    small = _engine(tiny_dir, enable_prefix_caching=False, num_kv_blocks=2 * prompt_blocks + 1)
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    small.add_request("one", one, params, media=media_one)
+    small.add_request("two", two, params, media=media_two)
+    done = finish(small)
+    assert small.scheduler.num_preemptions > 0
+    assert done["one"][0] == model_greedy(engine, one, [A]) and done["two"][0] == model_greedy(engine, two, [C])
