@@ -15,6 +15,10 @@ Contract:
   logits rows (others untouched) before sampling, and advances each matcher with its sampled token. When no
   unfinished request has a grammar the step does no grammar work at all. An imported request replays its carried
   output through a fresh matcher. A finished or aborted request drops its matcher.
+- Images (K3 checkpoints with a vision tower, engine/vision/): `add_request(..., media=ImageInput spans)` checks
+  them (`engine.vision.feed.check_images`: spans on the prompt's pad tokens, bytes that decode to the span's rows),
+  mixes their hashes into the block hashes and lets the runner feed their encoder rows; the vision encoder is
+  loaded with the model (`load_vision`) and keeps an encoder cache by image hash.
 - Export/import (see engine/transfer.py): `add_request(..., export_on_finish=True)` attaches a `RequestState` to
   the final output (the KV and KDA state after every token but the last sampled one, so importing it and
   continuing feeds that token next); `import_request` queues such a state in this engine after the checks of
