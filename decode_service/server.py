@@ -9,8 +9,8 @@ Contract:
   its deadline aborts the engine request (its blocks and state slot are freed).
 - `Probe` answers the local prefix-cache hit and the load, between two engine steps (at most the step in progress
   delays it).
-- Errors are statuses with messages: INVALID_ARGUMENT (bad request), NOT_FOUND (another model), UNIMPLEMENTED
-  (media), UNAVAILABLE (loading, stopping, engine dead, or the handoff unusable under `--kv-load-failure-policy fail`),
+- Errors are statuses with messages: INVALID_ARGUMENT (bad request), NOT_FOUND (another model),
+  UNAVAILABLE (loading, stopping, engine dead, or the handoff unusable under `--kv-load-failure-policy fail`),
   DEADLINE_EXCEEDED.
 - Graceful drain, `DecodeServer.stop(grace)` (what SIGTERM runs): health reports NOT_SERVING first; then new Decode
   and Probe calls fail UNAVAILABLE ("draining") while the listener stays open; running Decode streams get `grace`
@@ -43,7 +43,7 @@ from engine.errors import InvalidRequestError
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
 from telemetry import tracing
 from telemetry.metrics import CounterSample, RequestTimer, WorkerMetrics
-from worker.codec import FINISH_REASONS, logprob_to_proto, sampling_from_proto
+from worker.codec import FINISH_REASONS, logprob_to_proto, media_from_proto, sampling_from_proto
 from worker.server import WorkerServer, start_worker_server, transfer_samples
 from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
 
@@ -125,7 +125,8 @@ def job_from_proto(request: decode_pb2.DecodeRequest, deadline: float | None) ->
     if not prompt:
         raise InvalidRequestError("the prompt is empty", param="prompt")
     return DecodeJob(request_id=request.request_id, prompt_token_ids=prompt, params=params, handoff=handoff,
-                     tenant_salt=request.tenant_salt, priority=request.priority, deadline=deadline)
+                     tenant_salt=request.tenant_salt, priority=request.priority, deadline=deadline,
+                     media=media_from_proto(request.media))
 
 
 # -- the servicer ----------------------------------------------------------------------------------------------

@@ -78,6 +78,7 @@ class DecodeJob:
     tenant_salt: bytes = b""
     priority: int = 0
     deadline: float | None = None  # time.monotonic() seconds
+    media: tuple = ()  # engine.vision.feed.ImageInput of the prompt's images (pixels for local prefill only)
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ class DecodeWorker:
     async def _generate(self, job: DecodeJob, n: int, cached_tokens: int | None) -> AsyncIterator[TokenBatch]:
         stream = self.engine.generate(job.request_id, {"prompt_token_ids": list(job.prompt_token_ids)}, job.params,
                                       priority=job.priority, cache_salt=engine_cache_salt(job.tenant_salt),
-                                      deadline=job.deadline)
+                                      deadline=job.deadline, media=job.media)
         async for batch in self._batches(stream, job, n, cached_tokens, used_handoff=False, carried=0):
             yield batch
 
@@ -203,7 +204,7 @@ class DecodeWorker:
         yield TokenBatch(0, [handoff.first_token_id], first_token_logprob=handoff.first_token_logprob,
                          cached_tokens=handoff.cached_tokens)
         stream = self.engine.import_request(job.request_id, state, job.params, priority=job.priority,
-                                            deadline=job.deadline)
+                                            deadline=job.deadline, media=job.media)
         async for batch in self._batches(stream, job, 1, handoff.cached_tokens, used_handoff=True, carried=1,
                                          first=False):
             yield batch
@@ -242,7 +243,7 @@ class DecodeWorker:
             raise _LoadFailure("no_cache_service", "this worker has no cache service")
         if job.params.n != 1:
             raise _LoadFailure("n", "a handoff carries one sequence")
-        hashes = prompt_block_hashes(self.layout, job.prompt_token_ids, job.tenant_salt)
+        hashes = prompt_block_hashes(self.layout, job.prompt_token_ids, job.tenant_salt, job.media)
         key = job.handoff.key
         keys = [key] + [object_key(key.model_fingerprint, key.tenant_salt, KV_BLOCK, h) for h in hashes]
         with tracing.child_span(self.tracer, "handoff.claim", {tracing.KEYS: len(keys),

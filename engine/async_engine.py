@@ -192,16 +192,18 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
                        cache_salt: str | None = None, export_on_finish: bool = False,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+                       deadline: float | None = None, media: tuple = ()) -> AsyncIterator[RequestOutput]:
         add = lambda: self.core.add_request(request_id, prompt, params, priority=priority,  # noqa: E731
-                                            cache_salt=cache_salt, export_on_finish=export_on_finish)
+                                            cache_salt=cache_salt, export_on_finish=export_on_finish, media=media)
         async for out in self._stream(request_id, add, deadline):
             yield out
 
     async def import_request(self, request_id: str, state: RequestState, params: SamplingParams,
-                             priority: int = 0, deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+                             priority: int = 0, deadline: float | None = None,
+                             media: tuple = ()) -> AsyncIterator[RequestOutput]:
         """Continues a request exported by another engine (see `EngineCore.import_request`), streaming deltas."""
-        add = lambda: self.core.import_request(request_id, state, params, priority=priority)  # noqa: E731
+        add = lambda: self.core.import_request(request_id, state, params, priority=priority,  # noqa: E731
+                                               media=media)
         async for out in self._stream(request_id, add, deadline):
             yield out
 

@@ -15,6 +15,10 @@ Contract:
   logits rows (others untouched) before sampling, and advances each matcher with its sampled token. When no
   unfinished request has a grammar the step does no grammar work at all. An imported request replays its carried
   output through a fresh matcher. A finished or aborted request drops its matcher.
+- Images (K3 checkpoints with a vision tower, engine/vision/): `add_request(..., media=ImageInput spans)` checks
+  them (`engine.vision.feed.check_images`: spans on the prompt's pad tokens, bytes that decode to the span's rows),
+  mixes their hashes into the block hashes and lets the runner feed their encoder rows; the vision encoder is
+  loaded with the model (`load_vision`) and keeps an encoder cache by image hash.
 - Export/import (see engine/transfer.py): `add_request(..., export_on_finish=True)` attaches a `RequestState` to
   the final output (the KV and KDA state after every token but the last sampled one, so importing it and
   continuing feeds that token next); `import_request` queues such a state in this engine after the checks of
@@ -39,7 +43,7 @@ import torch
 from engine.config import CachePlan, EngineArgs, plan_cache
 from engine.errors import InvalidRequestError
 from engine.exchange import CacheExchange
-from engine.memory.hashing import BlockHasher, MediaSpan, root_hash
+from engine.memory.hashing import BlockHasher, root_hash
 from engine.memory.manager import CacheManager, PrefixPresence
 from engine.model.loader import LoadConfig, load_model
 from engine import prompt_logprobs
@@ -50,6 +54,8 @@ from engine.runner import ModelRunner
 from engine.sampling import SampleRow, Sampler, SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured import GrammarBackend
+from engine.vision.cache import DEFAULT_BUDGET_BYTES
+from engine.vision.feed import ImageInput, check_images, load_media
 from engine.transfer import CacheLayout, RequestState, check_request_state
 
 logger = logging.getLogger(__name__)
@@ -106,9 +112,10 @@ class EngineCore:
         from engine.tokenizer import KimiTokenizer
 
         self.args = args
-        self.model = load_model(args.model, LoadConfig(load_format=args.load_format, dtype=args.dtype,
-                                                       device=args.device, seed=args.seed))
+        load_config = LoadConfig(load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed)
+        self.model = load_model(args.model, load_config)
         self.config = self.model.config
+        self.media = load_media(args.model, load_config, self.config.media_placeholder_token_id, DEFAULT_BUDGET_BYTES)
         tokenizer_dir = Path(args.tokenizer or args.model)
         self.tokenizer = KimiTokenizer.from_pretrained(tokenizer_dir) if (
             (tokenizer_dir / "tiktoken.model").is_file() or (tokenizer_dir / "tokenizer.json").is_file()) else None
@@ -122,7 +129,7 @@ class EngineCore:
                             model_fingerprint(args.model, self.model.dtype, args.load_format, args.seed))
         self.manager = CacheManager(self.plan, has_kda=self.config.kda is not None)
         self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.plan, args.max_forward_tokens)
+        self.runner = ModelRunner(self.model, self.plan, args.max_forward_tokens, media=self.media.feeder)
         (layers, bs, dim), _ = self.runner.block_shape()
         self.layout = CacheLayout(self.fingerprint, self.plan.block_size, (layers, bs, dim),
                                   {name: shape for name, (shape, _) in self.runner.state_shapes().items()})
@@ -195,7 +202,7 @@ class EngineCore:
         return text, ids, self.resolve_max_tokens(len(ids), params)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None, media: tuple[MediaSpan, ...] = (),
+                    cache_salt: str | None = None, media: tuple[ImageInput, ...] = (),
                     export_on_finish: bool = False) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be SamplingParams", param="params")
@@ -206,14 +213,15 @@ class EngineCore:
         text, ids, max_tokens = self.validate_prompt(prompt, params)
         if params.structured is not None:  # structured output: compile now so a bad grammar queues nothing
             self.grammar_backend().compile(params.structured)
-        hasher = BlockHasher(self.plan.block_size, root_hash(self.fingerprint, cache_salt), tuple(media))
+        media = check_images(ids, media, self.media.pad_id if self.media.feeder else None, self.media.processor)
+        hasher = BlockHasher(self.plan.block_size, root_hash(self.fingerprint, cache_salt), media)
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             req = Request(request_id=child_id, parent_id=request_id, index=i, prompt_token_ids=ids, params=params,
                           max_tokens=max_tokens, arrival=self._arrivals, hasher=hasher, priority=priority,
                           generator=self._make_generator(params, i), export_on_finish=export_on_finish,
-                          cache_salt=cache_salt)
+                          cache_salt=cache_salt, media=media)
             req.output = OutputState(params, self.tokenizer, self.eos_token_ids)
             self._attach_grammar(req)
             self._arrivals += 1
@@ -394,9 +402,12 @@ class EngineCore:
     # -- export / import -------------------------------------------------------------------------------------
 
     def import_request(self, request_id: str, state: RequestState, params: SamplingParams,
-                       priority: int = 0, export_on_finish: bool = False) -> None:
+                       priority: int = 0, export_on_finish: bool = False, media: tuple[ImageInput, ...] = ()) -> None:
         """Queues a request exported by another engine; it continues from `state.num_computed_tokens`.
 
+        `media` are the prompt's images, checked as in `add_request`: their hashes make the blocks this engine
+        commits hash as where the prompt was prefilled; their bytes serve only a recompute after a preemption (the
+        carried KV covers every image, so nothing is encoded otherwise).
         `params.max_tokens` counts the carried output tokens too (the same params as the original request give
         the same total); carried tokens are in the cumulative outputs but never in a delta."""
         if request_id in self._parents:
@@ -405,11 +416,13 @@ class EngineCore:
             raise InvalidRequestError("an imported request has n == 1", param="n")
         check_request_state(state, self.layout)
         _, prompt, max_tokens = self.validate_prompt(state.prompt_token_ids, params)
-        hasher = BlockHasher(self.plan.block_size, root_hash(self.fingerprint, state.cache_salt))
+        media = check_images(prompt, media, self.media.pad_id if self.media.feeder else None, self.media.processor)
+        hasher = BlockHasher(self.plan.block_size, root_hash(self.fingerprint, state.cache_salt), media)
         req = Request(request_id=request_id, parent_id=request_id, index=0, prompt_token_ids=prompt, params=params,
                       max_tokens=max_tokens, arrival=self._arrivals, hasher=hasher, priority=priority,
                       generator=self._make_generator(params, 0), export_on_finish=export_on_finish,
-                      token_ids=prompt + list(state.output_token_ids), imported=state, cache_salt=state.cache_salt)
+                      token_ids=prompt + list(state.output_token_ids), imported=state, cache_salt=state.cache_salt,
+                      media=media)
         if req.generator is not None and state.generator_state is not None:
             req.generator.set_state(state.generator_state)
         req.num_cached_tokens = state.num_cached_tokens

@@ -13,6 +13,8 @@ Contract:
   reason.
 - `grammar` (structured output only) is the sequence's `engine.structured.GrammarState`: set by `EngineCore` when
   the request is added, advanced with every sampled token, dropped when the request finishes.
+- `media` (K3 images): the prompt's `engine.vision.feed.ImageInput`s, the same spans `hasher` mixes into the
+  block hashes; the runner feeds their encoder rows at their pad tokens.
 - `times` (`engine.phase_times.RequestTimes`) stamps when the sequence was queued, first scheduled
   (`mark_scheduled`, by the scheduler) and sampled its first and last token here (`append_token`).
 """
@@ -66,6 +68,7 @@ class Request:
     imported: RequestState | None = None  # carried KV + state, written at admission
     exported: RequestState | None = None  # set at finish when `export_on_finish`
     cache_salt: str | None = None
+    media: tuple = ()  # engine.vision.feed.ImageInput spans of the prompt (their rows feed the forward)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-hit tokens at first admission

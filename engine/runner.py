@@ -18,6 +18,9 @@ Contract:
   Under tensor parallelism every rank runs `run_step` with the same `RankStep` (rank 0 plans it and, in phase 2,
   broadcasts it); each rank writes its slice of a loaded state. The model's forward is a collective.
 - The cache holds this rank's KDA heads (`model.num_local_kda_heads`); MLA blocks are replicated.
+- Images (`media`, an `engine.vision.feed.MediaFeeder`, None for a text-only model): `plan_step` encodes the step's
+  new images in one call before the first forward, and every forward's batch carries the image rows its pieces
+  cover (`mm_embeds` / `mm_positions`).
 - `copy_slots(pairs)` copies KDA state slots (snapshots after a step).
 - `read_blocks` / `write_blocks` / `read_state` / `write_state` move cache contents in and out as tensors
   (`engine.transfer` serialises them): blocks as `[num_mla_layers, n, block_size, cache_dim]` in MLA layer order,
@@ -29,6 +32,7 @@ Contract:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +42,9 @@ from engine.model.model import KimiForCausalLM
 from engine.parallel.state import all_gather_state, scatter_state
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.vision.feed import MediaFeeder
 
 CPU_FORWARD_TOKENS = 2048
 
@@ -75,8 +82,10 @@ class RankStep:
 
 
 class ModelRunner:
-    def __init__(self, model: KimiForCausalLM, plan: CachePlan, max_forward_tokens: int | None = None):
+    def __init__(self, model: KimiForCausalLM, plan: CachePlan, max_forward_tokens: int | None = None,
+                 media: "MediaFeeder | None" = None):
         self.model = model
+        self.media = media
         self.config = model.config
         self.device = model.device
         if max_forward_tokens is None:
@@ -100,7 +109,10 @@ class ModelRunner:
         inits = [SlotInit(init.dst, src=init.src) if init.src is not None else
                  SlotInit(init.dst, blocks=tuple(init.load_blocks), kv=init.load.kv, state=init.load.state)
                  for init in out.state_inits if init.src is not None or init.load is not None]
-        groups = split_forwards(self._pieces(out, running_slots, prompt_rows), self.max_forward_tokens)
+        pieces = self._pieces(out, running_slots, prompt_rows)
+        if self.media is not None:
+            self.media.prepare(pieces)  # encodes the step's new images (one call) before any batch takes their rows
+        groups = split_forwards(pieces, self.max_forward_tokens)
         return RankStep(zero, inits, [self.build_batch(group) for group in groups])
 
     @staticmethod
@@ -160,6 +172,7 @@ class ModelRunner:
             logits_rows.extend(range(cu[-2], cu[-2] + chunk.prompt_rows))  # prompt logprobs (opt-in)
             if chunk.needs_logits:
                 logits_rows.append(cu[-1] - 1)
+        mm_positions, mm_embeds = self.media.inputs(pieces) if self.media is not None else (None, None)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long),
             cu_seqlens=torch.tensor(cu, dtype=torch.long),
@@ -168,6 +181,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
             state_indices=torch.tensor([c.slot for c in pieces], dtype=torch.long),
             logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+            mm_embeds=mm_embeds, mm_positions=mm_positions,  # [M, hidden], [M]
         )
 
     def copy_slots(self, pairs: list[tuple[int, int]]) -> None:

@@ -40,6 +40,7 @@ from gateway.chat import ChatRenderer, read_family
 from gateway.chat_run import ChatRun
 from gateway.completion_run import CompletionRun
 from gateway.config import GatewayConfig
+from gateway.media import load_media_config
 from gateway.mesh_client import MeshClient
 from gateway.metrics import GatewayMetrics
 from gateway.plan import ChatPlan, ChatPlanner, check_prompt_length
@@ -93,7 +94,8 @@ class GatewayCore:
         if self.tokenizer is None:
             self.tokenizer = KimiTokenizer.from_pretrained(self.config.model)
         self.renderer = ChatRenderer.from_pretrained(self.config.model, self.tokenizer)
-        self.planner = ChatPlanner(self.renderer, self.config, self.max_model_len)
+        self.planner = ChatPlanner(self.renderer, self.config, self.max_model_len,
+                                   load_media_config(self.config.model))
         specials = self.tokenizer.special_tokens
         self.marker_ids = frozenset(specials[m] for m in OUTPUT_MARKERS if m in specials)
         if self.mesh is None:

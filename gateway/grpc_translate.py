@@ -14,6 +14,8 @@ Contract:
 
 from __future__ import annotations
 
+import base64
+
 import json
 
 from gateway.events import ChatEvent, CompletionEvent, Usage
@@ -70,8 +72,9 @@ def _content(parts) -> str | list[dict] | None:
             out.append({"type": "text", "text": part.text})
         elif kind == "image_url":
             out.append({"type": "image_url", "image_url": {"url": part.image_url}})
-        elif kind == "image_data":
-            out.append({"type": "image", "mime_type": part.image_mime_type})
+        elif kind == "image_data":  # inline bytes: read as the equivalent data: URL (gateway/media.py)
+            url = f"data:{part.image_mime_type or 'image/png'};base64,{base64.b64encode(part.image_data).decode()}"
+            out.append({"type": "image_url", "image_url": {"url": url}})
         else:
             raise ApiError(400, "a content part has no text or image", param="messages")
     if len(out) == 1 and out[0]["type"] == "text":

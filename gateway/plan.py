@@ -5,9 +5,13 @@ Contract:
   prompt ids; the sampling parameters with structured output (`tool_choice` "required" / named and
   `response_format` json kinds become the engine's grammar, wrapped in the model's output format); which output
   parsers read the text (the configured ones; with a grammar, the family's own, since its wrapping must be read
-  back). Raises `ApiError` 400 for images, a malformed conversation (naming the field: `messages`, `tools`, ...),
+  back). Images (`media`, gateway/media.py; None: a text-only model, whose image parts are a 400) are decoded and
+  checked first, their sizes given to the renderer, each pad expanded to the image's feature rows in
+  `prompt_ids`, and `media` holds their `MediaItem`s. Raises `ApiError` for a bad image (see gateway/media.py),
+  a malformed conversation (naming the field: `messages`, `tools`, ...),
   a prompt beyond the context, and "auto" tool choice without `--enable-auto-tool-choice`.
-- `render(request)` renders a chat (or /tokenize chat) request with the same checks, nothing else decided.
+- `render(request)` renders a chat (or /tokenize chat) request with the same checks, nothing else decided (its
+  ids hold one pad per image, as the chat template writes it).
 - `check_prompt_length(prompt_tokens, max_tokens, limit, param)`: 400 `context_length_exceeded` when the prompt
   (plus `max_tokens` when given) does not fit in `limit` tokens.
 """
@@ -16,10 +20,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.chat import ChatFormatError, ChatRenderer, RenderedPrompt
 from gateway.config import GatewayConfig
+from gateway.media import DecodedImage, MediaConfig, collect_images, expand
 from gateway.protocol import ApiError, ChatCompletionRequest, TokenizeChatRequest, sampling_from_chat
 from protos import common_pb2
 
@@ -37,10 +42,12 @@ class ChatPlan:
     sampling: common_pb2.SamplingParams
     tool_parser: str | None  # parser names (gateway.parsers); both None: the text is the content
     reasoning_parser: str | None
+    expanded_ids: list[int] | None = None  # with images: the prompt with each pad expanded to its feature rows
+    media: tuple[common_pb2.MediaItem, ...] = field(default=())
 
     @property
     def prompt_ids(self) -> list[int]:
-        return self.prompt.token_ids
+        return self.expanded_ids if self.expanded_ids is not None else self.prompt.token_ids
 
 
 def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limit: int, param: str) -> None:
@@ -51,19 +58,31 @@ def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limit: int, 
 
 
 class ChatPlanner:
-    def __init__(self, renderer: ChatRenderer, config: GatewayConfig, max_model_len: int):
+    def __init__(self, renderer: ChatRenderer, config: GatewayConfig, max_model_len: int,
+                 media: MediaConfig | None = None):
         self.renderer = renderer
+        self.media = media
         self.config = config
         self.max_model_len = max_model_len
 
     def render(self, request: ChatCompletionRequest | TokenizeChatRequest, tool_choice=None,
                response_format: dict | None = None) -> RenderedPrompt:
-        if _has_images(request.messages):
-            raise ApiError(400, "image inputs are not supported by this deployment yet", param="messages")
+        return self._render(request, tool_choice, response_format, self._images(request))
+
+    def _images(self, request) -> list[DecodedImage]:
+        if not _has_images(request.messages):
+            return []
+        if self.media is None:
+            raise ApiError(400, "this model is text-only; image inputs are not supported", param="messages")
+        return collect_images(request.messages, self.media)
+
+    def _render(self, request, tool_choice, response_format: dict | None,
+                images: list[DecodedImage]) -> RenderedPrompt:
         try:
             return self.renderer.render(request.messages, request.tools_json(), request.add_generation_prompt,
                                         request.chat_template_kwargs, tool_choice=tool_choice,
-                                        response_format=response_format)
+                                        response_format=response_format,
+                                        image_sizes=[image.size for image in images] or None)
         except ChatFormatError as exc:
             raise ApiError(400, str(exc), param=_chat_param(str(exc))) from None
 
@@ -73,8 +92,11 @@ class ChatPlanner:
             raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                                 "set", param="tool_choice")
         response_format = request.response_format_json()
-        prompt = self.render(request, tool_choice, response_format)
-        check_prompt_length(len(prompt.token_ids), request.completion_limit, self.max_model_len, "messages")
+        images = self._images(request)
+        prompt = self._render(request, tool_choice, response_format, images)
+        expanded, media = expand(prompt.token_ids, images, self.media.pad_id) if images else (None, ())
+        check_prompt_length(len(expanded or prompt.token_ids), request.completion_limit, self.max_model_len,
+                            "messages")
         tool_parser, reasoning_parser = self._parsers(request, tool_choice, response_format)
         parsed = tool_parser is not None or reasoning_parser is not None
         sampling = sampling_from_chat(request, skip_special_tokens=False if parsed else request.skip_special_tokens)
@@ -82,7 +104,7 @@ class ChatPlanner:
                                  prompt.starts_in_reasoning)
         if structured is not None:
             sampling.structured_output.CopyFrom(structured)
-        return ChatPlan(request, prompt, sampling, tool_parser, reasoning_parser)
+        return ChatPlan(request, prompt, sampling, tool_parser, reasoning_parser, expanded, media)
 
     def _parsers(self, request: ChatCompletionRequest, tool_choice, response_format: dict | None):
         """(tool-call parser, reasoning parser) names that read this request's output."""

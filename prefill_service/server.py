@@ -8,7 +8,7 @@ Contract:
 - Calls before the model is loaded, or while stopping, fail UNAVAILABLE. The call deadline becomes the engine
   request's deadline; a cancelled call aborts the request and publishes no handoff.
 - Errors are statuses with messages: INVALID_ARGUMENT (bad prompt or sampling parameters, n > 1, a prompt plus
-  max_tokens beyond the context), NOT_FOUND (another model), UNIMPLEMENTED (media), UNAVAILABLE (loading, stopping,
+  max_tokens beyond the context), NOT_FOUND (another model), UNAVAILABLE (loading, stopping,
   the handoff could not be stored, the engine died), DEADLINE_EXCEEDED, ABORTED.
 - `PrefillServer.stop(grace)` reports NOT_SERVING, stops accepting calls, gives calls in flight `grace` seconds, waits
   for background snapshot publications, then stops the engine and closes the cache client.
@@ -37,7 +37,8 @@ from prefill_service.worker import (HandoffPublishError, PrefillAbortedError, Pr
 from protos import prefill_pb2, prefill_pb2_grpc
 from telemetry import tracing
 from telemetry.metrics import CounterSample, RequestTimer
-from worker.codec import FINISH_REASONS, logprob_to_proto, prompt_logprobs_to_proto, sampling_from_proto
+from worker.codec import (FINISH_REASONS, logprob_to_proto, media_from_proto, prompt_logprobs_to_proto,
+                          sampling_from_proto)
 from worker.server import WorkerServer, start_worker_server, transfer_samples
 from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
 
@@ -113,7 +114,8 @@ class PrefillServicer(WorkerServicer, prefill_pb2_grpc.PrefillServiceServicer):
         try:
             params = sampling_from_proto(request.sampling)
             job = PrefillJob(request_id=request.request_id, prompt_token_ids=tuple(request.prompt.ids),
-                             params=params, tenant_salt=request.tenant_salt, priority=request.priority,
+                             params=params, media=media_from_proto(request.media),
+                             tenant_salt=request.tenant_salt, priority=request.priority,
                              handoff_ttl_s=request.handoff_ttl_ms / 1000 if request.handoff_ttl_ms else None,
                              deadline=call_deadline(context))
             result = await worker.prefill(job)

@@ -76,6 +76,7 @@ class PrefillJob:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams  # the request's own parameters (max_tokens as asked; prefill samples one token)
+    media: tuple = ()  # engine.vision.feed.ImageInput of the prompt's images (worker.codec.media_from_proto)
     tenant_salt: bytes = b""
     priority: int = 0
     handoff_ttl_s: float | None = None  # None: the cache service's handoff default (30 s)
@@ -165,7 +166,7 @@ class PrefillWorker:
             raise InvalidRequestError("prefill hands off one sequence (n == 1); serve n > 1 colocated", param="n")
         _, _, max_tokens = self.engine.validate_prompt(ids, params)  # before anything runs
         salt = job.tenant_salt
-        hashes = prompt_block_hashes(self.layout, ids, salt)
+        hashes = prompt_block_hashes(self.layout, ids, salt, job.media)
 
         remote_blocks, remote_snaps = await self._lookup(hashes, salt, len(ids))
         await self._load_prefix(len(ids), hashes, salt, remote_blocks, remote_snaps)
@@ -200,7 +201,7 @@ class PrefillWorker:
         final = None
         async for out in self.engine.generate(job.request_id, {"prompt_token_ids": ids}, one,
                                               priority=job.priority, cache_salt=engine_cache_salt(job.tenant_salt),
-                                              export_on_finish=True, deadline=job.deadline):
+                                              export_on_finish=True, deadline=job.deadline, media=job.media):
             final = out
         if final is None or final.exported is None:
             raise PrefillAbortedError(f"request {job.request_id!r} was aborted before its first token")

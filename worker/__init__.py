@@ -4,10 +4,10 @@ service): the code between their gRPC servicers and the engine.
 Modules:
 - `worker.server`: the lifecycle of a worker service — a gRPC server (telemetry/grpc_server.py) whose model loads
   in the background, health SERVING once loaded, graceful stop, the engine gauges and worker counters as metrics.
-- `worker.servicer`: admission of a call (loading, draining, model name, media), its deadline, and the gRPC status
+- `worker.servicer`: admission of a call (loading, draining, model name), its deadline, and the gRPC status
   of an engine error.
 - `worker.codec`: the wire contract (`protos`) <-> the engine's request types (sampling, structured output,
-  logprobs, finish reasons).
+  logprobs, finish reasons, media items -> image inputs).
 - `worker.tenancy`: the one mapping of a tenant salt to the engine's cache salt, and a prompt's block hashes.
 - `worker.transfers`: timed `BatchGet` / `BatchPut` calls for the transfer counters.
 

@@ -3,8 +3,10 @@
 Contract: pure functions, no I/O. `sampling_from_proto` raises `InvalidRequestError` for values out of range (proto3
 defaults mean vLLM's defaults); `structured_from_proto` raises it for an unusable structured-output spec;
 `logprob_to_proto` keeps the sampled token and its top `top` alternatives (`prompt_logprobs_to_proto` does so for
-every prompt position but the first, with the token's rank); `FINISH_REASONS` maps the engine's
-finish reasons to the proto enum. The worker services (prefill_service, decode_service) share it through this
+every prompt position but the first, with the token's rank); `FINISH_REASONS` maps the engine's finish reasons to
+the proto enum. `media_from_proto` turns a request's `MediaItem`s into the engine's `ImageInput`s (content hash
+checked to be 32 bytes; the engine checks the spans and decodes the bytes). The worker services (prefill_service,
+decode_service) share it through this
 package; `cache_service` and `sdk` depend on the generated messages alone and never import it.
 """
 
@@ -15,6 +17,7 @@ import json
 from engine.errors import InvalidRequestError
 from engine.outputs import PositionLogprobs
 from engine.sampling import SamplingParams
+from engine.vision.feed import ImageInput
 from engine.structured import (DEFAULT_MAX_REASONING_TOKENS, DEFAULT_MAX_STRING_TOKENS, StructuredOutputParams,
                                ToolSpec)
 from protos import common_pb2
@@ -88,3 +91,13 @@ def prompt_logprobs_to_proto(prompt_logprobs: list[PositionLogprobs | None] | No
         msg.rank = entries[token].rank
         out.append(msg)
     return out
+
+
+def media_from_proto(items) -> tuple[ImageInput, ...]:
+    """`MediaItem`s -> `ImageInput`s, in token order; raises InvalidRequestError for a hash that is not sha256."""
+    out = []
+    for n, item in enumerate(items):
+        if len(item.content_hash) != 32:
+            raise InvalidRequestError(f"media[{n}].content_hash must be 32 bytes (sha256)", param="messages")
+        out.append(ImageInput(item.token_offset, item.num_tokens, item.content_hash, item.data))
+    return tuple(sorted(out, key=lambda m: m.offset))

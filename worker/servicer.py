@@ -3,8 +3,8 @@
 Contract:
 - `WorkerServicer.admit(request, context)` binds the call's request id for log lines (unless the caller's
   `x-request-id` already is), then fails the call UNAVAILABLE while stopping (`stopping_message`) or before the
-  model is loaded, NOT_FOUND when `request.model` names another model and UNIMPLEMENTED when the prompt holds media;
-  it returns the worker otherwise. `checked_worker(model, context)` makes the first three checks alone.
+  model is loaded, NOT_FOUND when `request.model` names another model; it returns the worker otherwise (media in
+  the prompt is the engine's to check). `checked_worker(model, context)` makes the first three checks alone.
 - `fail(context, exc)` ends the call with the status `error_statuses` gives `exc`'s class (first match):
   INVALID_ARGUMENT for `InvalidRequestError`, DEADLINE_EXCEEDED for `RequestTimeoutError`, UNAVAILABLE for
   `EngineDeadError`, plus what a role adds; `handled_errors` is the tuple to catch for it.
@@ -64,10 +64,7 @@ class WorkerServicer:
     async def admit(self, request, context):
         if current_request_id() is None:
             bind_request_id(request.request_id)  # this call's task only
-        worker = await self.checked_worker(request.model, context)
-        if request.media:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "media in prompts is not supported yet")
-        return worker
+        return await self.checked_worker(request.model, context)
 
     async def fail(self, context, exc: Exception) -> NoReturn:
         for kind, code in self.error_statuses:

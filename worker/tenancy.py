@@ -3,15 +3,15 @@
 Contract: `engine_cache_salt(tenant_salt)` is the one mapping from the gateway's tenant salt (bytes, from the
 authenticated principal) to the engine's `cache_salt` (hex text; None for no tenant). Prefill and decode both use
 it, so a prompt's block hashes — and the cache service keys built from them — agree between them.
-`prompt_block_hashes(layout, ids, tenant_salt)` are the hashes of the prompt's full blocks, as the engine computes
-them for its prefix cache (engine/memory/hashing.py).
+`prompt_block_hashes(layout, ids, tenant_salt, media)` are the hashes of the prompt's full blocks, as the engine
+computes them for its prefix cache (engine/memory/hashing.py; `media`: the prompt's image spans).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.memory.hashing import BlockHasher, root_hash
+from engine.memory.hashing import BlockHasher, MediaSpan, root_hash
 from engine.transfer import CacheLayout
 
 
@@ -19,8 +19,10 @@ def engine_cache_salt(tenant_salt: bytes) -> str | None:
     return tenant_salt.hex() if tenant_salt else None
 
 
-def prompt_block_hashes(layout: CacheLayout, ids: Sequence[int], tenant_salt: bytes) -> list[bytes]:
+def prompt_block_hashes(layout: CacheLayout, ids: Sequence[int], tenant_salt: bytes,
+                        media: Sequence[MediaSpan] = ()) -> list[bytes]:
     hashes: list[bytes] = []
-    hasher = BlockHasher(layout.block_size, root_hash(layout.fingerprint, engine_cache_salt(tenant_salt)))
+    hasher = BlockHasher(layout.block_size, root_hash(layout.fingerprint, engine_cache_salt(tenant_salt)),
+                         tuple(media))
     hasher.extend(hashes, list(ids))
     return hashes

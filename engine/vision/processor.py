@@ -18,7 +18,9 @@ Contract:
   (H/p/merge)·(W/p/merge), the number of `<|media_pad|>` tokens it occupies after `expand_media_pads`.
 - `image_prompt(width, height)` is the official placeholder text for one image (original size);
   `expand_media_pads(token_ids, feature_rows_per_image, pad_id)` replaces the k-th `<|media_pad|>` by
-  `feature_rows_per_image[k]` copies (pure; `ValueError` when counts differ).
+  `feature_rows_per_image[k]` copies (pure; `ValueError` when counts differ); `media_spans(expanded, pad_id)` is
+  each image's (offset, length) in the expanded prompt (images are never adjacent: the official placeholder puts
+  `<|media_end|>` after each pad).
 - `to_tensors(images)` is the only function that imports torch: `(pixel_values [ΣL, 3, p, p] float32,
   grid_thws [N, 3] int64)` for `engine.vision.encoder.VisionEncoder`.
 """
@@ -315,3 +317,16 @@ def expand_media_pads(token_ids: list[int], feature_rows_per_image: list[int], p
     for token in token_ids:
         out.extend([pad_id] * next(rows) if token == pad_id else [token])
     return out
+
+
+def media_spans(token_ids: list[int], pad_id: int) -> list[tuple[int, int]]:
+    """(offset, length) of each maximal run of `pad_id` in an expanded prompt: one per image, in order."""
+    spans: list[tuple[int, int]] = []
+    for i, token in enumerate(token_ids):
+        if token != pad_id:
+            continue
+        if spans and spans[-1][0] + spans[-1][1] == i:
+            spans[-1] = (spans[-1][0], spans[-1][1] + 1)
+        else:
+            spans.append((i, 1))
+    return spans

@@ -171,11 +171,12 @@ class Mesh:
         return self.decode_server.worker
 
     async def run(self, prompt: list[int], sampling: common_pb2.SamplingParams, route: str = "remote",
-                  request_id: str | None = None, timeout_s: float = 60.0) -> Run:
+                  request_id: str | None = None, timeout_s: float = 60.0, media: tuple = ()) -> Run:
         """One request through the gateway's mesh client; route "remote" (prefill -> decode) or "local"."""
         client = self.client if route == "remote" else MeshClient([self.decode_address])
         request = MeshRequest(request_id=request_id or f"req-{random.getrandbits(48):x}",
-                              prompt_token_ids=tuple(prompt), sampling=sampling, timeout_s=timeout_s)
+                              prompt_token_ids=tuple(prompt), sampling=sampling, timeout_s=timeout_s,
+                              media=tuple(media))
         run = Run()
         try:
             async with aclosing(client.generate(request)) as events:
