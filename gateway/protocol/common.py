@@ -4,7 +4,8 @@ fields with their checks (`SamplingRequest`), validated once here for chat and c
 Contract:
 - `validate_body(model_type, body)` validates a decoded JSON body with a pydantic model: `ApiError` 400 for a body
   that is not an object or a bad field (the first one, as `param`). Unknown top-level fields are ignored (as vLLM
-  does). Types are strict (no string-to-number or string-to-boolean coercion; an integer is a valid float), and every
+  does), except the vLLM/OpenAI fields this server does not implement (`UNIMPLEMENTED_FIELDS`): set, they are a
+  400 naming them. Types are strict (no string-to-number or string-to-boolean coercion; an integer is a valid float), and every
   number has a range that fits the mesh's protobuf field (uint32 token counts and ids, int32 `top_k`, finite float32
   sampling floats), so no value reaches a proto it cannot be stored in.
 - `check_served(model, served)`: `ApiError` 404 `model_not_found` for a model this gateway does not serve.
@@ -45,9 +46,28 @@ class RequestModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+# Fields of vLLM's or OpenAI's API that a client may expect to work but this server does not implement: refused by
+# name (400 `unsupported_parameter`) when set, never silently ignored like other unknown fields. Value: what to use.
+UNIMPLEMENTED_FIELDS = {
+    "guided_json": "response_format {type: json_schema}", "guided_regex": "", "guided_choice": "",
+    "guided_grammar": "", "guided_decoding_backend": "", "structured_outputs": "response_format",
+    "allowed_token_ids": "", "bad_words": "stop", "truncate_prompt_tokens": "", "logits_processors": "",
+    "prompt_embeds": "", "reasoning_effort": "chat_template_kwargs.thinking_effort",
+}
+
+
+def refuse_unimplemented(body: dict) -> None:
+    for name, instead in UNIMPLEMENTED_FIELDS.items():
+        if body.get(name) not in (None, [], {}, ""):
+            hint = f" (use {instead})" if instead else ""
+            raise ApiError(400, f"'{name}' is not supported by this server{hint}", param=name,
+                           code="unsupported_parameter")
+
+
 def validate_body(model_type: type[M], body: Any) -> M:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    refuse_unimplemented(body)
     try:
         return model_type.model_validate(body)
     except ValidationError as exc:
