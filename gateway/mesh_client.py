@@ -52,6 +52,9 @@ FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_
 FALLBACK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
                   grpc.StatusCode.UNKNOWN}
 PROBE_TIMEOUT_S = 1.0
+# A decode stream that sent its last chunk (with usage) is given this long to end by itself when its consumer stops
+# there, so the worker records it as OK rather than CANCELLED (seconds).
+END_OF_STREAM_S = 1.0
 MAX_MESSAGE_BYTES = 16 << 20
 
 
@@ -279,6 +282,7 @@ class MeshClient:
                       route: str, prompt_logprobs: list[common_pb2.TokenLogprob]) -> AsyncIterator[TokenEvent]:
         """The decode stream as events; `prompt_logprobs` (the prefill's) go on the first one."""
         call = decoder.stub.Decode(request, timeout=_remaining(deadline))
+        finished = False
         try:
             async for chunk in call:
                 event = TokenEvent(index=chunk.index, token_ids=list(chunk.token_ids), logprobs=list(chunk.logprobs),
@@ -291,11 +295,24 @@ class MeshClient:
                 if chunk.HasField("usage"):
                     event.usage = chunk.usage
                     event.route = route
+                    finished = True
                 yield event
         except grpc.aio.AioRpcError as exc:
             raise MeshError(exc.code(), exc.details() or exc.code().name) from None
         finally:
-            call.cancel()
+            await _end_call(call, finished)
+
+
+async def _end_call(call, finished: bool) -> None:
+    """Cancels a decode stream still running (decode aborts the request); one that already sent its last chunk is
+    first given `END_OF_STREAM_S` to end by itself."""
+    try:
+        if finished:
+            await asyncio.wait_for(call.code(), END_OF_STREAM_S)
+    except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+        pass
+    finally:
+        call.cancel()  # a no-op once the call has ended
 
 
 def _remaining(deadline: float | None, cap: float | None = None) -> float | None:
