@@ -72,6 +72,7 @@ class MeshRequest:
     tenant_salt: bytes = b""
     priority: int = 0
     timeout_s: float | None = None  # the whole request, prefill and decode together
+    snapshot_hints: tuple[int, ...] = ()  # prompt positions to snapshot (gateway.hints); sent to prefill and decode
 
 
 @dataclass
@@ -210,7 +211,8 @@ class MeshClient:
             if route != "remote":
                 self.stats.local += 1
             request = decode_pb2.DecodeRequest(request_id=req.request_id, model=req.model, sampling=req.sampling,
-                                               tenant_salt=req.tenant_salt, priority=req.priority, **source)
+                                               tenant_salt=req.tenant_salt, priority=req.priority,
+                                               snapshot_hints=req.snapshot_hints, **source)
             async for event in self._decode(decoder, request, deadline, route, prompt_logprobs):
                 yield event
         finally:
@@ -254,7 +256,8 @@ class MeshClient:
         request = prefill_pb2.PrefillRequest(request_id=req.request_id, model=req.model,
                                              prompt=common_pb2.TokenIds(ids=req.prompt_token_ids),
                                              sampling=req.sampling, tenant_salt=req.tenant_salt,
-                                             priority=req.priority, handoff_ttl_ms=self.handoff_ttl_ms)
+                                             priority=req.priority, handoff_ttl_ms=self.handoff_ttl_ms,
+                                             snapshot_hints=req.snapshot_hints)
         try:
             response = await worker.stub.Prefill(request, timeout=_remaining(deadline))
         except grpc.aio.AioRpcError as exc:

@@ -6,7 +6,9 @@ Contract:
   `response_format` json kinds become the engine's grammar, wrapped in the model's output format); which output
   parsers read the text (the configured ones; with a grammar, the family's own, since its wrapping must be read
   back). Raises `ApiError` 400 for images, a malformed conversation (naming the field: `messages`, `tools`, ...),
-  a prompt beyond the context, and "auto" tool choice without `--enable-auto-tool-choice`.
+  a prompt beyond the context, and "auto" tool choice without `--enable-auto-tool-choice`; and the structure hints
+  (`gateway.hints`: where the system block and every message but the last end, plus the client's
+  `kdamesh_snapshot_hints`, 400 `param: "kdamesh_snapshot_hints"` for one outside the prompt).
 - `render(request)` renders a chat (or /tokenize chat) request with the same checks, nothing else decided.
 - `check_prompt_length(prompt_tokens, max_tokens, limit, param)`: 400 `context_length_exceeded` when the prompt
   (plus `max_tokens` when given) does not fit in `limit` tokens.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from gateway.chat import ChatFormatError, ChatRenderer, RenderedPrompt
 from gateway.config import GatewayConfig
+from gateway.hints import check_client_hints, merge_hints, structure_hints
 from gateway.protocol import ApiError, ChatCompletionRequest, TokenizeChatRequest, sampling_from_chat
 from protos import common_pb2
 
@@ -37,6 +40,7 @@ class ChatPlan:
     sampling: common_pb2.SamplingParams
     tool_parser: str | None  # parser names (gateway.parsers); both None: the text is the content
     reasoning_parser: str | None
+    snapshot_hints: tuple[int, ...] = ()  # prompt positions where reusable parts end (gateway.hints)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -75,6 +79,9 @@ class ChatPlanner:
         response_format = request.response_format_json()
         prompt = self.render(request, tool_choice, response_format)
         check_prompt_length(len(prompt.token_ids), request.completion_limit, self.max_model_len, "messages")
+        client_hints = check_client_hints(request.kdamesh_snapshot_hints, len(prompt.token_ids))
+        hints = merge_hints(client_hints, structure_hints(self.renderer, request.messages, request.tools_json(),
+                                                          request.chat_template_kwargs, prompt.token_ids))
         tool_parser, reasoning_parser = self._parsers(request, tool_choice, response_format)
         parsed = tool_parser is not None or reasoning_parser is not None
         sampling = sampling_from_chat(request, skip_special_tokens=False if parsed else request.skip_special_tokens)
@@ -82,7 +89,7 @@ class ChatPlanner:
                                  prompt.starts_in_reasoning)
         if structured is not None:
             sampling.structured_output.CopyFrom(structured)
-        return ChatPlan(request, prompt, sampling, tool_parser, reasoning_parser)
+        return ChatPlan(request, prompt, sampling, tool_parser, reasoning_parser, hints)
 
     def _parsers(self, request: ChatCompletionRequest, tool_choice, response_format: dict | None):
         """(tool-call parser, reasoning parser) names that read this request's output."""
