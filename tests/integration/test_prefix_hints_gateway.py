@@ -17,7 +17,7 @@ MODEL = "tiny-k3"
 BS = 16
 NO_PERIODIC = dict(snapshot_interval=4096)
 KEYS = "key-a=tenant-a,key-b=tenant-b"
-SYSTEM = " ".join(f"Rule {i}: answer politely and cite the harbour log entry {i * 7}." for i in range(25))
+SYSTEM = " ".join(f"Rule {i}: answer politely and cite the harbour log entry {i * 7}." for i in range(23))
 USERS = ["Where is the lighthouse?", "Which ships were saved in the storm of the old winter?"]
 
 tiny_k3 = checkpoint_fixture("tiny-k3", MODEL, seed=3)
