@@ -6,7 +6,8 @@ Contract:
   `--enable-auto-tool-choice`, `--tool-call-parser`, `--reasoning-parser`, `--max-model-len`, `--max-num-seqs`,
   `--max-num-batched-tokens`, `--dtype`, `--seed`, `--host`, `--port`, `--api-key`, `--served-model-name`,
   `--disable-log-requests`, `--uvicorn-log-level`, ...) and the mesh's own (`--mode`, `--grpc-port`, `--no-restart`,
-  ...). `launch_config_from(ns)` turns the parsed flags into the launcher's `LaunchConfig`.
+  ..., and the KDA snapshot options `--snapshot-interval`, `--snapshot-budget`, `--snapshot-policy` passed to both
+  workers). `launch_config_from(ns)` turns the parsed flags into the launcher's `LaunchConfig`.
 - `add_unbuilt_flags(group)` adds the `vllm serve` flags whose feature is not built yet; the worker roles
   (deploy/serve.py) share them. `refusal(ns)` is the message naming the first such flag set to something other
   than its no-op value (`--tensor-parallel-size` > 1, `--enable-expert-parallel`, `--speculative-config`,
@@ -88,6 +89,10 @@ def _add_engine_flags(g) -> None:
     g.add_argument("--device", default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
+    g.add_argument("--snapshot-interval", default=None, help="tokens between KDA state snapshots, or 'auto'")
+    g.add_argument("--snapshot-budget", default=None, help="bytes for KDA state snapshots per worker, e.g. 2GiB")
+    g.add_argument("--snapshot-policy", default=None, choices=["hybrid", "periodic"],
+                   help="where the workers snapshot KDA state (default: the engine's, hybrid)")
 
 
 def _add_gateway_flags(g) -> None:
@@ -118,7 +123,8 @@ def launch_config_from(ns: argparse.Namespace, log_level: str, log_format: str, 
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
         kv_cache_memory=ns.kv_cache_memory, max_model_len=ns.max_model_len, dtype=ns.dtype,
         load_format=ns.load_format, seed=ns.seed, device=ns.device, enable_prefix_caching=ns.enable_prefix_caching,
-        torch_threads=ns.torch_threads, served_model_name=ns.served_model_name,
+        torch_threads=ns.torch_threads, snapshot_interval=ns.snapshot_interval, snapshot_budget=ns.snapshot_budget,
+        snapshot_policy=ns.snapshot_policy, served_model_name=ns.served_model_name,
         gateway_grpc_port=ns.gateway_grpc_port, api_keys_file=ns.api_keys_file,
         api_keys=None if ns.api_key is None else f"{ns.api_key}=default",
         tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,

@@ -73,6 +73,9 @@ class LaunchConfig:
     device: str | None = None
     enable_prefix_caching: bool = True
     torch_threads: int | None = None
+    snapshot_interval: str | None = None  # KDA state snapshots: tokens between them ("auto"), bytes, policy
+    snapshot_budget: str | None = None
+    snapshot_policy: str | None = None  # "hybrid" | "periodic"
     served_model_name: str | None = None
     # The gateway: its gRPC API port (None: grpc_port + 3, or a free port), tenancy, output parsers.
     gateway_grpc_port: int | None = None
@@ -274,6 +277,8 @@ def _engine_argv(config: LaunchConfig, model: str) -> list[str]:
                         ("--dtype", config.dtype), ("--device", config.device),
                         ("--load-format", config.load_format), ("--seed", config.seed),
                         ("--torch-threads", config.torch_threads),
+                        ("--snapshot-interval", config.snapshot_interval),
+                        ("--snapshot-budget", config.snapshot_budget), ("--snapshot-policy", config.snapshot_policy),
                         ("--served-model-name", config.served_model_name)):
         if value is not None:
             argv += [flag, str(value)]

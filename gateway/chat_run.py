@@ -85,7 +85,7 @@ class ChatRun(Run):
         request = MeshRequest(request_id=self.mesh_id, prompt_token_ids=tuple(self.plan.prompt_ids),
                               sampling=self.plan.sampling, model=self.model, tenant_salt=self.salt,
                               priority=self.plan.request.priority, timeout_s=self.core.config.request_timeout_s,
-                              media=self.plan.media)
+                              media=self.plan.media, snapshot_hints=self.plan.snapshot_hints)
         async with aclosing(self.core.mesh.generate(request)) as events:
             async for event in events:
                 yield event

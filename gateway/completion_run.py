@@ -66,7 +66,8 @@ class CompletionRun(Run):
         job = self.job
         request = MeshRequest(request_id=f"{self.mesh_id}-{p}", prompt_token_ids=tuple(job.prompts[p]),
                               sampling=job.sampling, model=self.model, tenant_salt=self.salt,
-                              priority=job.request.priority, timeout_s=self.core.config.request_timeout_s)
+                              priority=job.request.priority, timeout_s=self.core.config.request_timeout_s,
+                              snapshot_hints=job.snapshot_hints)
         try:
             async with aclosing(self.core.mesh.generate(request)) as events:
                 async for event in events:

@@ -76,6 +76,7 @@ class MeshRequest:
     priority: int = 0
     timeout_s: float | None = None  # the whole request, prefill and decode together
     media: tuple[common_pb2.MediaItem, ...] = ()  # the prompt's images (gateway/media.py), sent to both workers
+    snapshot_hints: tuple[int, ...] = ()  # prompt positions to snapshot (gateway.hints); sent to prefill and decode
 
 
 @dataclass
@@ -215,7 +216,7 @@ class MeshClient:
                 self.stats.local += 1
             request = decode_pb2.DecodeRequest(request_id=req.request_id, model=req.model, sampling=req.sampling,
                                                tenant_salt=req.tenant_salt, priority=req.priority, media=req.media,
-                                               **source)
+                                               snapshot_hints=req.snapshot_hints, **source)
             async for event in self._decode(decoder, request, deadline, route, prompt_logprobs):
                 yield event
         finally:
@@ -260,7 +261,7 @@ class MeshClient:
                                              prompt=common_pb2.TokenIds(ids=req.prompt_token_ids),
                                              sampling=req.sampling, tenant_salt=req.tenant_salt,
                                              priority=req.priority, handoff_ttl_ms=self.handoff_ttl_ms,
-                                             media=req.media)
+                                             media=req.media, snapshot_hints=req.snapshot_hints)
         try:
             response = await worker.stub.Prefill(request, timeout=_remaining(deadline))
         except grpc.aio.AioRpcError as exc:

@@ -9,7 +9,10 @@ Contract:
   checked first, their sizes given to the renderer, each pad expanded to the image's feature rows in
   `prompt_ids`, and `media` holds their `MediaItem`s. Raises `ApiError` for a bad image (see gateway/media.py),
   a malformed conversation (naming the field: `messages`, `tools`, ...),
-  a prompt beyond the context, and "auto" tool choice without `--enable-auto-tool-choice`.
+  a prompt beyond the context, and "auto" tool choice without `--enable-auto-tool-choice`; and the structure hints
+  (`gateway.hints`: where the system block and every message but the last end, plus the client's
+  `kdamesh_snapshot_hints`, 400 `param: "kdamesh_snapshot_hints"` for one outside the prompt), as positions in the
+  prompt the mesh gets (shifted past expanded image pads).
 - `render(request)` renders a chat (or /tokenize chat) request with the same checks, nothing else decided (its
   ids hold one pad per image, as the chat template writes it).
 - `check_prompt_length(prompt_tokens, max_tokens, limit, param)`: 400 `context_length_exceeded` when the prompt
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from gateway.chat import ChatFormatError, ChatRenderer, RenderedPrompt
 from gateway.config import GatewayConfig
 from gateway.media import DecodedImage, MediaConfig, collect_images, expand
+from gateway.hints import check_client_hints, merge_hints, shift_past_media, structure_hints
 from gateway.protocol import ApiError, ChatCompletionRequest, TokenizeChatRequest, sampling_from_chat
 from protos import common_pb2
 
@@ -44,6 +48,7 @@ class ChatPlan:
     reasoning_parser: str | None
     expanded_ids: list[int] | None = None  # with images: the prompt with each pad expanded to its feature rows
     media: tuple[common_pb2.MediaItem, ...] = field(default=())
+    snapshot_hints: tuple[int, ...] = ()  # prompt positions where reusable parts end (gateway.hints)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -97,6 +102,10 @@ class ChatPlanner:
         expanded, media = expand(prompt.token_ids, images, self.media.pad_id) if images else (None, ())
         check_prompt_length(len(expanded or prompt.token_ids), request.completion_limit, self.max_model_len,
                             "messages")
+        client_hints = check_client_hints(request.kdamesh_snapshot_hints, len(prompt.token_ids))
+        hints = merge_hints(client_hints, structure_hints(self.renderer, request.messages, request.tools_json(),
+                                                          request.chat_template_kwargs, prompt.token_ids))
+        hints = shift_past_media(hints, media)
         tool_parser, reasoning_parser = self._parsers(request, tool_choice, response_format)
         parsed = tool_parser is not None or reasoning_parser is not None
         sampling = sampling_from_chat(request, skip_special_tokens=False if parsed else request.skip_special_tokens)
@@ -104,7 +113,7 @@ class ChatPlanner:
                                  prompt.starts_in_reasoning)
         if structured is not None:
             sampling.structured_output.CopyFrom(structured)
-        return ChatPlan(request, prompt, sampling, tool_parser, reasoning_parser, expanded, media)
+        return ChatPlan(request, prompt, sampling, tool_parser, reasoning_parser, expanded, media, hints)
 
     def _parsers(self, request: ChatCompletionRequest, tool_choice, response_format: dict | None):
         """(tool-call parser, reasoning parser) names that read this request's output."""

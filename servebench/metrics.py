@@ -19,6 +19,8 @@ Over the run (`calculate_metrics`), counting successful requests only:
   meets it) / duration;
 - max_output_tokens_per_s: the most output tokens (first chunk + one per ITL) that fell into one 1-second bucket from
   the first request's start; max_concurrent_requests: the peak number of requests in flight ([start, end) intervals).
+- prefix_cache_hit_rate = sum of `usage.prompt_tokens_details.cached_tokens` / sum of prompt tokens, over successful
+  requests (a request whose usage has no cached count adds 0 cached tokens); 0 when there are no prompt tokens.
 Failed requests count in `failed`, contribute 0 to `output_lens` and nothing else.
 """
 
@@ -91,6 +93,16 @@ class BenchmarkMetrics:
     e2el_ms: Stats
     max_output_tokens_per_s: float
     max_concurrent_requests: int
+    total_cached: int = 0  # cached prompt tokens the server reported (usage.prompt_tokens_details.cached_tokens)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return prefix_cache_hit_rate(self.total_cached, self.total_input)
+
+
+def prefix_cache_hit_rate(cached_tokens: int, prompt_tokens: int) -> float:
+    """Cached prompt tokens / prompt tokens (0 without prompt tokens)."""
+    return cached_tokens / prompt_tokens if prompt_tokens > 0 else 0.0
 
 
 def stats_ms(values_s: list[float], percentiles: list[float]) -> Stats:
@@ -178,7 +190,8 @@ def calculate_metrics(outputs: list[RequestOutput], dur_s: float, selected_perce
         total_output=total_output, request_throughput=completed / dur_s, request_goodput=good_completed / dur_s,
         output_throughput=total_output / dur_s, total_token_throughput=(total_input + total_output) / dur_s,
         ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2el_ms=e2el,
-        max_output_tokens_per_s=peak_tokens, max_concurrent_requests=peak_concurrency)
+        max_output_tokens_per_s=peak_tokens, max_concurrent_requests=peak_concurrency,
+        total_cached=sum(o.cached_tokens or 0 for o in outputs if o.success))
     return metrics, actual_output_lens
 
 

@@ -6,7 +6,8 @@ JSON (`--save-result`), in this order:
   `--metadata KEY=VALUE` pairs;
 - the totals: `duration` (s), `completed`, `failed`, `total_input_tokens`, `total_output_tokens`,
   `request_throughput` (req/s), `request_goodput` (req/s, null without `--goodput`), `output_throughput` and
-  `total_token_throughput` (tok/s), `max_output_tokens_per_s`, `max_concurrent_requests`;
+  `total_token_throughput` (tok/s), `max_output_tokens_per_s`, `max_concurrent_requests`; then kdamesh's
+  `prefix_cache_hit_rate` with its two sums, `prefix_cache_cached_tokens` and `prefix_cache_prompt_tokens`;
 - per request, only with `--save-detailed` (as vLLM): `input_lens`, `output_lens`, `ttfts` (s), `itls` (s, a list per
   request), `latencies` (s), `start_times`, `queue_times`, `generated_texts`, `errors`;
 - per metric chosen by `--percentile-metrics` (default `ttft,tpot,itl`; also `e2el`, `client_queue_time`,
@@ -61,6 +62,9 @@ def benchmark_result(metrics: BenchmarkMetrics, outputs: list[RequestOutput], ou
         "errors": [o.error for o in outputs],
         "max_output_tokens_per_s": metrics.max_output_tokens_per_s,
         "max_concurrent_requests": metrics.max_concurrent_requests,
+        "prefix_cache_hit_rate": metrics.prefix_cache_hit_rate,
+        "prefix_cache_cached_tokens": metrics.total_cached,
+        "prefix_cache_prompt_tokens": metrics.total_input,
     }
     extra: dict[str, list[float]] = {}
     if max_concurrency is not None:
@@ -159,6 +163,8 @@ def summary(result: dict[str, Any], selected_metrics: list[str], max_concurrency
     row("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"], ".2f")
     row("Peak concurrent requests:", result["max_concurrent_requests"], ".2f")
     row("Total token throughput (tok/s):", result["total_token_throughput"], ".2f")
+    if "prefix_cache_hit_rate" in result:
+        row("Prefix cache hit rate (%):", 100 * result["prefix_cache_hit_rate"], ".2f")
     for name in selected_metrics:
         if f"mean_{name}_ms" not in result:
             continue

@@ -13,13 +13,15 @@ Contract:
   fields (`stream_options` without `stream`, `min_tokens` above the completion limit) and for fields this gateway
   cannot honour when set to something that matters (`UNSUPPORTED`); `sampling_params(logprobs,
   skip_special_tokens)` builds the mesh `SamplingParams` (`seed` taken modulo 2^64; `logprobs` None: none, k: the
-  sampled token's plus the top k).
+  sampled token's plus the top k). `kdamesh_snapshot_hints` (kdamesh's extension, a list of integers) is checked
+  against the prompt length where that is known (`gateway.hints.check_client_hints`).
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -31,6 +33,8 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024
+MAX_SNAPSHOT_HINTS = 1024
+HINTS_PARAM = "kdamesh_snapshot_hints"
 UINT32_MAX = (1 << 32) - 1  # the mesh's token counts and ids are uint32
 INT32_MAX = (1 << 31) - 1  # top_k is int32
 FLOAT32_MAX = 3.4028234663852886e38  # sampling floats are float32 on the mesh
@@ -72,6 +76,20 @@ def validate_body(model_type: type[M], body: Any) -> M:
         return model_type.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+def merge_hints(*groups: Iterable[int]) -> tuple[int, ...]:
+    """The union of hint groups, sorted, duplicates dropped."""
+    return tuple(sorted({int(h) for group in groups for h in group}))
+
+
+def check_client_hints(hints: Sequence[int] | None, prompt_length: int) -> tuple[int, ...]:
+    """The client's `kdamesh_snapshot_hints`, sorted; 400 naming the field for a value outside [0, prompt_length]."""
+    for hint in hints or ():
+        if not 0 <= hint <= prompt_length:
+            raise ApiError(400, f"'{HINTS_PARAM}' entries must be token positions in [0, {prompt_length}] (the "
+                                f"prompt length), got {hint}", param=HINTS_PARAM)
+    return merge_hints(hints or ())
 
 
 def check_served(model: str | None, served: set[str]) -> None:
@@ -148,6 +166,8 @@ class SamplingRequest(RequestModel):
     cache_salt: str | None = None
     request_id: str | None = None
     logit_bias: dict[str, float] | None = None  # accepted by the OpenAI API, not honoured here (refused when set)
+    # kdamesh's extension: prompt token positions where reusable parts end (gateway/hints.py checks the range)
+    kdamesh_snapshot_hints: list[int] | None = Field(default=None, max_length=MAX_SNAPSHOT_HINTS)
 
     # (field, whether its value changes the result): refused with 400 `unsupported_parameter` when it does
     UNSUPPORTED: ClassVar[tuple] = (("logit_bias", bool),)

@@ -11,7 +11,8 @@ Contract:
   `best_of` only equal to `n`; `logprobs` k returns the sampled token's logprob and the top k — with `echo`, the
   prompt tokens' too (the first `null`), computed in the prefill pass; `max_tokens` 0 needs `echo` (the prompt
   alone); `prompt_logprobs` k (vLLM's) adds a choice's `prompt_logprobs`; `response_format` (vLLM's) makes the
-  whole output that JSON, with no chat format around it.
+  whole output that JSON, with no chat format around it. `kdamesh_snapshot_hints` (kdamesh's extension) must lie in
+  [0, length] of every prompt (400 `param: "kdamesh_snapshot_hints"`); the job carries them as `snapshot_hints`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from gateway.protocol.common import MAX_LOGPROBS, MAX_N, UINT32_MAX, SamplingRequest, check_served, validate_body
+from gateway.protocol.common import (MAX_LOGPROBS, MAX_N, UINT32_MAX, SamplingRequest, check_client_hints,
+                                     check_served, validate_body)
 from gateway.protocol.errors import ApiError
 from protos import common_pb2
 
@@ -99,6 +101,7 @@ class CompletionJob:
     prompt_texts: list[str | None]  # None: given as token ids
     sampling: common_pb2.SamplingParams
     echo_only: bool = False  # `max_tokens` 0 with echo: the mesh runs one token, which is dropped
+    snapshot_hints: tuple[int, ...] = ()  # the client's, checked against every prompt
 
     @property
     def max_tokens(self) -> int | None:
@@ -110,6 +113,7 @@ def parse_completion(body: Any, tokenizer, served: set[str]) -> CompletionJob:
     check_served(request.model, served)
     request.check()
     prompts, texts = _encode_prompts(request.prompt, tokenizer)
+    hints = check_client_hints(request.kdamesh_snapshot_hints, min(len(p) for p in prompts))
     sampling = request.sampling_params(request.logprobs, request.skip_special_tokens)
     if request.max_tokens == 0:
         sampling.max_tokens, sampling.min_tokens = 1, 0
@@ -118,7 +122,7 @@ def parse_completion(body: Any, tokenizer, served: set[str]) -> CompletionJob:
     structured = _structured(request)
     if structured is not None:
         sampling.structured_output.CopyFrom(structured)
-    return CompletionJob(request, prompts, texts, sampling, echo_only=request.max_tokens == 0)
+    return CompletionJob(request, prompts, texts, sampling, echo_only=request.max_tokens == 0, snapshot_hints=hints)
 
 
 def _structured(request: CompletionRequest) -> common_pb2.StructuredOutput | None:

@@ -18,6 +18,7 @@ VLLM_RUN_FIELDS = {"date", "endpoint_type", "backend", "label", "model_id", "tok
 VLLM_TOTAL_FIELDS = {"duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
                      "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
                      "max_output_tokens_per_s", "max_concurrent_requests"}
+KDAMESH_TOTAL_FIELDS = {"prefix_cache_hit_rate", "prefix_cache_cached_tokens", "prefix_cache_prompt_tokens"}
 VLLM_DETAILED_FIELDS = {"input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times",
                         "generated_texts", "errors"}
 VLLM_PERCENTILE_FIELDS = {f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl")
@@ -38,8 +39,9 @@ def _result(timeline, **kw):
 
 def test_result_fields_are_vllms(timeline, tmp_path):
     result = _result(timeline)
-    assert set(result) == VLLM_RUN_FIELDS | VLLM_TOTAL_FIELDS | VLLM_DETAILED_FIELDS | VLLM_PERCENTILE_FIELDS
-    assert set(results.strip_detailed(result)) == VLLM_RUN_FIELDS | VLLM_TOTAL_FIELDS | VLLM_PERCENTILE_FIELDS
+    totals = VLLM_TOTAL_FIELDS | KDAMESH_TOTAL_FIELDS
+    assert set(result) == VLLM_RUN_FIELDS | totals | VLLM_DETAILED_FIELDS | VLLM_PERCENTILE_FIELDS
+    assert set(results.strip_detailed(result)) == VLLM_RUN_FIELDS | totals | VLLM_PERCENTILE_FIELDS
     assert result["request_rate"] == "inf" and result["max_concurrency"] is None
     assert result["request_goodput"] == pytest.approx(1.0)
     assert result["output_lens"] == [4, 1, 0, 3] and result["errors"][2] == "boom"

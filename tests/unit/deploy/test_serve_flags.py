@@ -93,6 +93,20 @@ def test_the_seed_command_reaches_the_launch_config(tmp_path):
     assert services["gateway"].env == {"KDAMESH_API_KEYS": "sk-1=default"}
 
 
+def test_snapshot_flags_reach_both_workers(tmp_path):
+    ns = _mesh([str(tmp_path), "--snapshot-interval", "256", "--snapshot-budget", "2GiB", "--snapshot-policy",
+                "periodic"])
+    services = {s.role: s for s in plan_services(launch_config_from(ns, "info", "text", "none"), str(tmp_path))}
+    for role in ("prefill", "decode"):
+        argv = services[role].argv
+        assert [argv[argv.index(f) + 1] for f in ("--snapshot-interval", "--snapshot-budget", "--snapshot-policy")] \
+            == ["256", "2GiB", "periodic"]
+    assert "--snapshot-budget" not in services["gateway"].argv
+    unset = {s.role: s for s in plan_services(launch_config_from(_mesh([str(tmp_path)]), "info", "text", "none"),
+                                              str(tmp_path))}
+    assert not any(a.startswith("--snapshot") for a in unset["decode"].argv)
+
+
 def test_busy_ports_names_a_port_something_listens_on():
     import socket
 
