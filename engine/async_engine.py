@@ -2,7 +2,7 @@
 
 Contract:
 - `await AsyncEngine.create(args)` loads the model off the event loop and starts the step thread; `await
-  engine.shutdown()` (or `async with`) stops it. Everything that touches `EngineCore` runs on the step thread: the
+  engine.shutdown()` (or `async with`) stops it (and the model's rank processes). Everything that touches `EngineCore` runs on the step thread: the
   event loop only queues commands (`run_in_engine`) and receives outputs through per-request asyncio queues.
 - `generate(request_id, prompt, params, ...)` is an async iterator of delta `RequestOutput`s (token ids, text delta,
   logprobs, finish reason, `num_cached_tokens`), ending after the one with `finished=True`. Invalid input raises
@@ -85,6 +85,7 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self.core.close)  # the model's rank processes (tensor parallelism)
 
     @property
     def is_running(self) -> bool:
