@@ -16,7 +16,7 @@ Contract:
   MLA blocks are replicated, so `read_blocks` reads rank 0's copy and sends no command.
 - Faults: before each command rank 0 checks that every rank process lives; a dead one (or a collective past
   `collective_timeout_s`, e.g. a hung rank) raises `RankFailedError`, and the executor stays failed (every later
-  call raises it too). `close()` sends `shutdown` when the group is healthy, waits `join_timeout_s`, kills what is
+  call raises it too); `healthy()` says so without a collective (any thread may ask). `close()` sends `shutdown` when the group is healthy, waits `join_timeout_s`, kills what is
   left and leaves the group; after it no rank process remains (`rank_pids` names them). A rank whose rank 0 is
   gone exits when its next collective fails.
 - One rank group per process at a time (it is `torch.distributed`'s default group).
@@ -121,6 +121,9 @@ class LocalExecutor:
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self._command("write_blocks", block_ids, data)
 
+    def healthy(self) -> bool:
+        return True
+
     def close(self) -> None:
         return None
 
@@ -180,6 +183,10 @@ class RankGroupExecutor(LocalExecutor):
                 self._failed = RankFailedError(f"rank processes exited: {dead}")
         if self._failed is not None:
             raise RankFailedError(f"the rank group failed: {self._failed}") from self._failed
+
+    def healthy(self) -> bool:
+        """Whether every rank lives and no collective failed (any thread may ask)."""
+        return self._failed is None and all(p.is_alive() for p in self._procs)
 
     def _command(self, name: str, *args: Any) -> Any:
         self.check_ranks()
