@@ -36,6 +36,7 @@ def _up(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
         enable_prefix_caching=args.enable_prefix_caching, torch_threads=args.torch_threads,
+        tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         served_model_name=args.served_model_name, gateway_grpc_port=args.gateway_grpc_port,
         api_keys_file=args.api_keys_file, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -47,6 +48,12 @@ def _serve(args: argparse.Namespace) -> int:
     from deploy.serve import run_role
 
     return run_role(args.role, args.role_args, log_level=args.log_level)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from deploy import plan_cli
+
+    return plan_cli.main(args.plan_args)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -66,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_checkpoint(sub)
     _add_up(sub)
+    sub.add_parser("plan", help="MODEL_DIR [-tp N ...]: per-rank memory, the concurrency that fits, handoff cost",
+                   add_help=False).set_defaults(func=_plan)  # its flags: deploy/plan_cli.py
     sv = sub.add_parser("serve", help="run one service: --role cache|prefill|decode|gateway [its flags]",
                         add_help=False)
     sv.add_argument("--role", required=True, choices=["cache", "prefill", "decode", "gateway"])
@@ -134,6 +143,8 @@ def _add_up_engine_flags(u: argparse.ArgumentParser) -> None:
     u.add_argument("--device", default=None)
     u.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     u.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
+    u.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="rank processes per worker")
+    u.add_argument("--enable-expert-parallel", action="store_true", help="split the routed experts by expert")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
         args.role_args = rest  # the role's own flags, parsed by deploy/serve.py
+    elif args.command == "plan":
+        args.plan_args = rest  # parsed by deploy/plan_cli.py
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     from telemetry.logs import setup_logging

@@ -63,6 +63,8 @@ class LaunchConfig:
     device: str | None = None
     enable_prefix_caching: bool = True
     torch_threads: int | None = None
+    tensor_parallel_size: int | None = None  # rank processes per worker
+    enable_expert_parallel: bool = False
     served_model_name: str | None = None
     # The gateway: its gRPC API port (None: grpc_port + 3, or a free port), tenancy, output parsers.
     gateway_grpc_port: int | None = None
@@ -219,11 +221,14 @@ def _engine_argv(config: LaunchConfig, model: str) -> list[str]:
                         ("--kv-cache-memory", config.kv_cache_memory), ("--max-model-len", config.max_model_len),
                         ("--dtype", config.dtype), ("--device", config.device),
                         ("--torch-threads", config.torch_threads),
+                        ("--tensor-parallel-size", config.tensor_parallel_size),
                         ("--served-model-name", config.served_model_name)):
         if value is not None:
             argv += [flag, str(value)]
     if not config.enable_prefix_caching:
         argv.append("--no-enable-prefix-caching")
+    if config.enable_expert_parallel:
+        argv.append("--enable-expert-parallel")
     return argv
 
 
