@@ -14,6 +14,9 @@ Contract:
   same commands, and so the same collectives, in the same order: `run_step` (the `RankStep` rank 0 planned),
   `copy_slots`, `read_state` (an all-gather), `write_state` / `write_blocks` (each rank keeps its heads), `shutdown`.
   MLA blocks are replicated, so `read_blocks` reads rank 0's copy and sends no command.
+- Idle ranks wait for the next command inside a collective: when no command was sent for a quarter of
+  `collective_timeout_s`, a heartbeat thread sends `ping` (a barrier on every rank), so an idle group stays up and a
+  rank that hangs while idle is noticed too. Commands are serialised by a lock.
 - Faults: before each command rank 0 checks that every rank process lives; a dead one (or a collective past
   `collective_timeout_s`, e.g. a hung rank) raises `RankFailedError`, and the executor stays failed (every later
   call raises it too); `healthy()` says so without a collective (any thread may ask). `close()` sends `shutdown` when the group is healthy, waits `join_timeout_s`, kills what is
@@ -27,6 +30,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import shutil
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -128,6 +133,11 @@ class LocalExecutor:
         return None
 
 
+def _apply(runner: ModelRunner, comm: TorchDistributed, name: str, args: tuple) -> Any:
+    """One command on one rank; `ping` (the idle heartbeat) is a barrier, so a hung rank is seen while idle too."""
+    return comm.barrier() if name == "ping" else getattr(runner, name)(*args)
+
+
 def _rank_main(config: ExecutorConfig, rank: int, model_dir: str, load: LoadConfig, rendezvous: str) -> None:
     """Ranks 1..N-1: join the group, load this rank's slices, then execute rank 0's commands until `shutdown`."""
     import torch.distributed as dist
@@ -136,13 +146,13 @@ def _rank_main(config: ExecutorConfig, rank: int, model_dir: str, load: LoadConf
     comm = _join(config, rendezvous, rank)
     try:
         model = load_model(model_dir, _rank_load(load, rank), RankContext(config.parallel(rank), comm))
-        plan, max_forward_tokens = comm.broadcast_object(None)
+        plan, max_forward_tokens = TorchDistributed().broadcast_object(None)  # the start group: no short timeout
         runner = ModelRunner(model, plan, max_forward_tokens)
         while True:
             name, args = comm.broadcast_object(None)
             if name == "shutdown":
                 return
-            getattr(runner, name)(*args)
+            _apply(runner, comm, name, args)
     finally:
         dist.destroy_process_group()
 
@@ -165,6 +175,9 @@ class RankGroupExecutor(LocalExecutor):
         for p in self._procs:
             p.start()
         self.rank_pids = [p.pid for p in self._procs]
+        self._lock = threading.Lock()  # one command at a time: the step thread's and the heartbeat's
+        self._last = time.monotonic()  # when the latest command was sent
+        self._closed = threading.Event()
         try:
             self.comm = _join(config, rendezvous, 0)
             super().__init__(model_dir, _rank_load(load, 0), RankContext(config.parallel(0), self.comm))
@@ -173,8 +186,20 @@ class RankGroupExecutor(LocalExecutor):
             raise
 
     def start(self, plan, max_forward_tokens: int | None) -> None:
-        self.comm.broadcast_object((plan, max_forward_tokens))
+        TorchDistributed().broadcast_object((plan, max_forward_tokens))
         super().start(plan, max_forward_tokens)
+        self._last = time.monotonic()
+        threading.Thread(target=self._heartbeat, name="kdamesh-tp-heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        """Idle ranks wait for the next command inside a collective that times out: ping them well before."""
+        interval = self.config.collective_timeout_s / 4
+        while not self._closed.wait(interval / 2):
+            if self.healthy() and time.monotonic() - self._last >= interval:
+                try:
+                    self._command("ping")
+                except Exception:  # noqa: BLE001 - recorded in self._failed: healthy() is False from now on
+                    pass
 
     def check_ranks(self) -> None:
         if self._failed is None:
@@ -189,23 +214,27 @@ class RankGroupExecutor(LocalExecutor):
         return self._failed is None and all(p.is_alive() for p in self._procs)
 
     def _command(self, name: str, *args: Any) -> Any:
-        self.check_ranks()
-        try:
-            self.comm.broadcast_object((name, args))
-            return getattr(self.runner, name)(*args)
-        except Exception as exc:  # a lost peer or a collective past its timeout
-            self._failed = exc
+        with self._lock:
             self.check_ranks()
-            raise
+            self._last = time.monotonic()
+            try:
+                self.comm.broadcast_object((name, args))
+                return _apply(self.runner, self.comm, name, args)
+            except Exception as exc:  # a lost peer or a collective past its timeout
+                self._failed = exc
+                self.check_ranks()
+                raise
 
     def close(self) -> None:
         import torch.distributed as dist
 
-        if self._failed is None and all(p.is_alive() for p in self._procs):
-            try:
-                self.comm.broadcast_object(("shutdown", ()))
-            except Exception as exc:  # noqa: BLE001 - the ranks are killed below anyway
-                self._failed = exc
+        self._closed.set()
+        with self._lock:
+            if self._failed is None and all(p.is_alive() for p in self._procs):
+                try:
+                    self.comm.broadcast_object(("shutdown", ()))
+                except Exception as exc:  # noqa: BLE001 - the ranks are killed below anyway
+                    self._failed = exc
         for p in self._procs:
             p.join(self.config.join_timeout_s)
         self._kill()

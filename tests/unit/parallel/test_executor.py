@@ -3,7 +3,8 @@
 Checked: greedy tokens equal TP=1's, with prefix-cache hits (a second round of prompts that share the first
 round's prefixes) and snapshots copied between slots; a state exported at TP=2 continues at TP=1 and the other way
 round (read_state returns all heads, write_state keeps a rank's own); a rank killed with SIGKILL or hung (SIGSTOP)
-makes the next step raise `RankFailedError` within the collective timeout; after `close()` no rank process is left.
+makes the next step raise `RankFailedError` within the collective timeout; an idle group outlives the collective
+timeout (the heartbeat) and a rank hung while idle is noticed; after `close()` no rank process is left.
 """
 
 from __future__ import annotations
@@ -91,3 +92,22 @@ def test_a_failed_rank_fails_the_step_and_leaves_no_process(model_dir, fault):
     finally:
         llm.close()
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_an_idle_group_stays_up_and_a_rank_hung_while_idle_is_noticed(model_dir):
+    timeout_s = 3.0
+    llm = LLM(model_dir, tensor_parallel_size=2, **{**ARGS, "collective_timeout_s": timeout_s})
+    executor = llm.engine.executor
+    try:
+        first = _tokens(llm.generate(PROMPTS[:1], GREEDY))
+        time.sleep(2.5 * timeout_s)  # the ranks wait in a collective that times out: the heartbeat keeps it fed
+        assert executor.healthy()
+        assert _tokens(llm.generate(PROMPTS[:1], GREEDY)) == first
+        os.kill(executor.rank_pids[0], signal.SIGSTOP)
+        t0 = time.monotonic()
+        while executor.healthy() and time.monotonic() - t0 < 4 * timeout_s:
+            time.sleep(0.1)
+        assert not executor.healthy()  # noticed by the heartbeat's barrier, with no request running
+    finally:
+        llm.close()
+    assert not any(_alive(pid) for pid in executor.rank_pids)
