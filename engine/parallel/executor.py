@@ -98,6 +98,11 @@ class LocalExecutor:
     def device(self) -> torch.device:
         return self.model.device
 
+    @property
+    def cache(self):
+        """Rank 0's `CacheTensors` (its KDA heads; MLA blocks are replicated)."""
+        return self.runner.cache
+
     def block_shape(self):
         return self.runner.block_shape()
 
