@@ -27,6 +27,7 @@ from decode_service.server import DecodeServiceConfig
 from decode_service.server import serve as serve_decode
 from engine.config import EngineArgs
 from engine.model.checkpoint import make_checkpoint
+from engine.transfer import RequestState
 from gateway.mesh_client import MeshClient, MeshRequest, PDDecider, TokenEvent
 from prefill_service.server import PrefillServiceConfig
 from prefill_service.server import serve as serve_prefill
@@ -52,6 +53,13 @@ def engine_args(model_dir, **overrides) -> EngineArgs:
                 snapshot_interval=32)
     base.update(overrides)
     return EngineArgs(**base)
+
+
+def zero_kda_state(state: RequestState) -> None:
+    """The negative control's edit of a handoff: every KDA state tensor zeroed (they must be non-zero before)."""
+    assert state.state and all(t.abs().sum() > 0 for t in state.state.values())
+    for tensor in state.state.values():
+        tensor.zero_()
 
 
 def greedy(max_tokens: int, **extra) -> common_pb2.SamplingParams:

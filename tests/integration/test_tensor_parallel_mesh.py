@@ -18,9 +18,9 @@ import time
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.transfer import RequestState
 from gateway.mesh_client import MeshError
-from tests.integration.mesh_harness import Mesh, greedy, prompt_suite, run_bounded, tiny_k3_checkpoint
+from tests.integration.mesh_harness import (Mesh, greedy, prompt_suite, run_bounded, tiny_k3_checkpoint,
+                                            zero_kda_state)
 from tests.integration.test_disaggregated import _decode, _prefill, _rewrite_handoff
 from tests.unit.parallel.test_executor import _alive
 
@@ -72,13 +72,7 @@ def test_zeroed_state_from_a_tp2_prefill_changes_the_output(tiny_k3, reference):
         async with Mesh(tiny_k3, prefill_tp=2) as mesh:
             prompt, sampling = PROMPTS[-2], greedy(MAX_TOKENS)
             response = await _prefill(mesh, prompt, sampling, "zeroed")
-
-            def zero(state: RequestState) -> None:
-                assert state.state and all(t.abs().sum() > 0 for t in state.state.values())
-                for tensor in state.state.values():
-                    tensor.zero_()
-
-            await _rewrite_handoff(mesh, response.handoff_key, zero)
+            await _rewrite_handoff(mesh, response.handoff_key, zero_kda_state)
             zeroed, last = await _decode(mesh, prompt, sampling, response, "zeroed")
             assert last.used_handoff and zeroed[0] == reference[-2][0]
             assert zeroed != reference[-2]
