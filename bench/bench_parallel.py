@@ -10,7 +10,10 @@ Run: `python -m bench.bench_parallel [--preset small-k3] [--tokens 32 512] [--th
    (`SparseMoE.forward` of the first MoE layer, median of `--repeats`) at each token count, and the whole model's
    decode step (one sequence, batch 8). Packed experts are decoded per expert tile inside the MoE
    (kernels/moe/mxfp4.py), so their time includes the decoding.
-Prints markdown; `--out` writes the numbers as JSON too.
+3. The decode step at TP=1 and TP=2 (two gloo rank processes on this CPU, each with `--threads` threads; batch 8
+   after a 32-token prefill each, median of `--repeats` <= 30), and the communication share of rank 0's step: the time
+   inside the collectives (`TimedComm` around the communicator) over the step time.
+`--parts` picks among memory, moe, decode (default: all). Prints markdown; `--out` writes the numbers as JSON too.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -95,9 +99,67 @@ def moe_times(folder: str, token_counts: list[int], repeats: int) -> list[dict]:
     return rows
 
 
+class TimedComm:
+    """A communicator that adds up the wall time spent in its collectives (seconds, `self.seconds`)."""
+
+    def __init__(self, comm):
+        self.comm, self.size, self.rank, self.seconds = comm, comm.size, comm.rank, 0.0
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self._timed(self.comm.all_reduce, x)
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return self._timed(self.comm.all_gather, x, dim)
+
+    def broadcast_object(self, obj, src: int = 0):
+        return self._timed(self.comm.broadcast_object, obj, src)
+
+    def barrier(self) -> None:
+        self._timed(self.comm.barrier)
+
+
+def _decode_step(comm, rank: int, folder: str, repeats: int, threads: int) -> dict:
+    from tests.unit.parallel.ranks import rank_driver
+
+    torch.set_num_threads(threads)
+    timed = TimedComm(comm)
+    model = load_model(folder, LoadConfig(), RankContext(ParallelConfig(comm.size, rank), timed))
+    driver = rank_driver(model, 8)  # 64 positions per sequence: 32 prompt tokens + up to 32 decode steps
+    with torch.inference_mode():
+        driver.step({s: [(17 * s + i) % 7900 for i in range(32)] for s in range(8)})
+        timed.seconds, t0 = 0.0, time.perf_counter()
+        step_ms = median_ms(lambda: driver.step({s: [5] for s in range(8)}), repeats)
+        total = time.perf_counter() - t0
+    return {"step_ms": step_ms, "comm_share": timed.seconds / total if comm.size > 1 else 0.0}
+
+
+def decode_table(folder: str, repeats: int, threads: int) -> list[dict]:
+    from engine.parallel.comm import SingleProcess
+
+    rows = [{"layout": "TP=1", **_decode_step(SingleProcess(), 0, folder, repeats, threads)}]
+    ranks = run_ranks(_decode_step, 2, (folder, repeats, threads), timeout_s=600, threads_per_rank=threads)
+    rows.append({"layout": "TP=2", **ranks[0]})
+    return rows
+
+
 def markdown(result: dict) -> str:
     mb = 1e6
-    lines = [f"**Memory per rank** ({result['preset']}, MXFP4 experts packed, fp32, CPU/gloo)", "",
+    lines = []
+    if "decode" in result:
+        lines += [f"**Decode step, batch 8** ({result['preset']}, {result['threads']} thread(s) per rank)", "",
+                  "| layout | step | communication share (rank 0) |", "| --- | ---: | ---: |"]
+        lines += [f"| {r['layout']} | {r['step_ms']:.2f} ms | {100 * r['comm_share']:.0f}% |" for r in result["decode"]]
+        lines.append("")
+    if "memory" not in result:
+        return "\n".join(lines)
+    lines += [f"**Memory per rank** ({result['preset']}, MXFP4 experts packed, fp32, CPU/gloo)", "",
              "| layout | resident | split | replicated | routed experts | fused padding | planned | KDA state slot |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["memory"]:
@@ -122,12 +184,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--parts", nargs="+", choices=["memory", "moe", "decode"], default=["memory", "moe", "decode"])
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         folder = str(make_checkpoint(args.preset, Path(tmp) / args.preset, seed=0, experts_format="mxfp4"))
-        result = {"preset": args.preset, "threads": args.threads, "tokens": args.tokens,
-                  "memory": memory_table(folder), "moe": moe_times(folder, args.tokens, args.repeats)}
+        result = {"preset": args.preset, "threads": args.threads, "tokens": args.tokens}
+        if "decode" in args.parts:
+            result["decode"] = decode_table(folder, args.repeats, args.threads)
+        if "memory" in args.parts or "moe" in args.parts:  # the two tables print together
+            result.update(memory=memory_table(folder), moe=moe_times(folder, args.tokens, args.repeats))
     print(markdown(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

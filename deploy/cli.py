@@ -59,6 +59,12 @@ def _refuse(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
         parser.error(message)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from deploy import plan_cli
+
+    return plan_cli.main(args.plan_args)
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from servebench.cli import run
 
@@ -76,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_checkpoint(sub)
     _add_up(sub)
+    sub.add_parser("plan", help="MODEL_DIR [-tp N ...]: per-rank memory, the concurrency that fits, handoff cost",
+                   add_help=False).set_defaults(func=_plan)  # its flags: deploy/plan_cli.py
     sv = sub.add_parser("serve", help="`serve MODEL [flags]`: the whole mesh (`vllm serve` flags); "
                                       "`serve --role cache|prefill|decode|gateway [its flags]`: one service",
                         add_help=False)
@@ -114,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
         args.role_args = rest  # the role's own flags, parsed by deploy/serve.py
+    elif args.command == "plan":
+        args.plan_args = rest  # parsed by deploy/plan_cli.py
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     elif args.command == "up":

@@ -8,9 +8,9 @@ Contract:
   `--disable-log-requests`, `--uvicorn-log-level`, ...) and the mesh's own (`--mode`, `--grpc-port`, `--no-restart`,
   ..., and the KDA snapshot options `--snapshot-interval`, `--snapshot-budget`, `--snapshot-policy` passed to both
   workers). `launch_config_from(ns)` turns the parsed flags into the launcher's `LaunchConfig`.
-- `add_unbuilt_flags(group)` adds the `vllm serve` flags whose feature is not built yet; the worker roles
-  (deploy/serve.py) share them. `refusal(ns)` is the message naming the first such flag set to something other
-  than its no-op value (`--tensor-parallel-size` > 1, `--enable-expert-parallel`, `--speculative-config`,
+- `add_vllm_flags(group)` adds the `vllm serve` flags the worker roles (deploy/serve.py) share: tensor and expert
+  parallelism, and those whose feature is not built yet. `refusal(ns)` is the message naming the first such flag
+  set to something other than its no-op value (`--tensor-parallel-size` < 1, `--speculative-config`,
   `--kv-cache-dtype` other than auto, `--gpu-memory-utilization` at all: the KV cache is sized by
   `--kv-cache-memory`), else None. A refused flag is never silently accepted.
 - `--trust-remote-code` is accepted and has no effect: the model code is part of kdamesh, nothing is downloaded.
@@ -23,10 +23,11 @@ import argparse
 PARSER_CHOICES = "'auto' (the model family's format), 'none', kimi_k3 or kimi_k2"
 
 
-def add_unbuilt_flags(g) -> None:
-    """`vllm serve` flags that are accepted at their no-op value only (see `refusal`)."""
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only (tensor parallelism: not built)")
-    g.add_argument("--enable-expert-parallel", action="store_true", help="refused (expert parallelism: not built)")
+def add_vllm_flags(g) -> None:
+    """`vllm serve` flags the workers share: parallelism, and those accepted at their no-op value only (`refusal`)."""
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="rank processes each worker splits its model over (engine/parallel/executor.py)")
+    g.add_argument("--enable-expert-parallel", action="store_true", help="split the routed experts by expert")
     g.add_argument("--speculative-config", default=None, help="refused (speculative decoding: not built)")
     g.add_argument("--kv-cache-dtype", default="auto", help="auto only (the KV cache has the model's dtype)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -35,11 +36,9 @@ def add_unbuilt_flags(g) -> None:
 
 
 def refusal(ns: argparse.Namespace) -> str | None:
-    """The message naming the first flag of `add_unbuilt_flags` that asks for a feature not built yet."""
-    if ns.tensor_parallel_size != 1:
-        return f"--tensor-parallel-size {ns.tensor_parallel_size}: tensor parallelism is not built yet (use 1)"
-    if ns.enable_expert_parallel:
-        return "--enable-expert-parallel: expert parallelism is not built yet"
+    """The message naming the first flag of `add_vllm_flags` that asks for a feature not built yet."""
+    if ns.tensor_parallel_size < 1:
+        return f"--tensor-parallel-size {ns.tensor_parallel_size}: must be at least 1"
     if ns.speculative_config is not None:
         return "--speculative-config: speculative decoding is not built yet"
     if ns.kv_cache_dtype != "auto":
@@ -74,7 +73,7 @@ def add_mesh_flags(p: argparse.ArgumentParser, model_positional: bool) -> None:
                         "default: each service's own, 5 s)")
     p.add_argument("--no-restart", dest="restart", action="store_false",
                    help="a service that exits stops the whole mesh (default: restart it with backoff)")
-    add_unbuilt_flags(p.add_argument_group("vllm serve flags not built yet"))
+    add_vllm_flags(p.add_argument_group("vllm serve: parallelism, and flags not built yet (refused by name)"))
 
 
 def _add_engine_flags(g) -> None:
@@ -123,7 +122,8 @@ def launch_config_from(ns: argparse.Namespace, log_level: str, log_format: str, 
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
         kv_cache_memory=ns.kv_cache_memory, max_model_len=ns.max_model_len, dtype=ns.dtype,
         load_format=ns.load_format, seed=ns.seed, device=ns.device, enable_prefix_caching=ns.enable_prefix_caching,
-        torch_threads=ns.torch_threads, snapshot_interval=ns.snapshot_interval, snapshot_budget=ns.snapshot_budget,
+        torch_threads=ns.torch_threads, tensor_parallel_size=ns.tensor_parallel_size,
+        enable_expert_parallel=ns.enable_expert_parallel, snapshot_interval=ns.snapshot_interval, snapshot_budget=ns.snapshot_budget,
         snapshot_policy=ns.snapshot_policy, served_model_name=ns.served_model_name,
         gateway_grpc_port=ns.gateway_grpc_port, api_keys_file=ns.api_keys_file,
         api_keys=None if ns.api_key is None else f"{ns.api_key}=default",

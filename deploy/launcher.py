@@ -76,6 +76,8 @@ class LaunchConfig:
     snapshot_interval: str | None = None  # KDA state snapshots: tokens between them ("auto"), bytes, policy
     snapshot_budget: str | None = None
     snapshot_policy: str | None = None  # "hybrid" | "periodic"
+    tensor_parallel_size: int | None = None  # rank processes per worker
+    enable_expert_parallel: bool = False
     served_model_name: str | None = None
     # The gateway: its gRPC API port (None: grpc_port + 3, or a free port), tenancy, output parsers.
     gateway_grpc_port: int | None = None
@@ -279,11 +281,14 @@ def _engine_argv(config: LaunchConfig, model: str) -> list[str]:
                         ("--torch-threads", config.torch_threads),
                         ("--snapshot-interval", config.snapshot_interval),
                         ("--snapshot-budget", config.snapshot_budget), ("--snapshot-policy", config.snapshot_policy),
+                        ("--tensor-parallel-size", config.tensor_parallel_size),
                         ("--served-model-name", config.served_model_name)):
         if value is not None:
             argv += [flag, str(value)]
     if not config.enable_prefix_caching:
         argv.append("--no-enable-prefix-caching")
+    if config.enable_expert_parallel:
+        argv.append("--enable-expert-parallel")
     return argv
 
 

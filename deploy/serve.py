@@ -4,7 +4,7 @@ Contract:
 - Each role parses its own flags (`role_parser(role)`); engine flags follow `vllm serve` (`--model`,
   `--max-num-seqs`, `--kv-cache-memory`, `--enable-prefix-caching`, ...). The cache role is the cache service's own
   command line (`cache_service.cli.build_parser`).
-- The worker roles share `deploy.flags.add_unbuilt_flags` (the `vllm serve` flags of features not built yet) and
+- The worker roles share `deploy.flags.add_vllm_flags` (parallelism and the `vllm serve` flags not built yet) and
   refuse, naming it, such a flag set to anything but its no-op value. The gateway role also accepts the workers'
   `--enable-prefix-caching` and `--trust-remote-code` (no effect there), `--disable-log-requests`,
   `--uvicorn-log-level` and `--instance-id` (echoed by its /health: the launcher's readiness check).
@@ -21,7 +21,7 @@ import logging
 import os
 import signal
 
-from deploy.flags import add_unbuilt_flags, refusal
+from deploy.flags import add_vllm_flags, refusal
 from engine.config import EngineArgs
 from telemetry.mesh_auth import mesh_token_from_env
 
@@ -53,7 +53,7 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--snapshot-interval", default="auto", help="tokens between KDA state snapshots, or 'auto'")
-    add_unbuilt_flags(g)  # --tensor-parallel-size, --trust-remote-code, ...: the one table (deploy/flags.py)
+    add_vllm_flags(g)  # --tensor-parallel-size, --trust-remote-code, ...: the one table (deploy/flags.py)
     g.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
 
@@ -65,7 +65,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       kv_cache_memory=int(memory) if memory.isdigit() else memory, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens, max_forward_tokens=ns.max_forward_tokens,
                       max_model_len=ns.max_model_len,
-                      enable_prefix_caching=ns.enable_prefix_caching, snapshot_interval=interval)
+                      enable_prefix_caching=ns.enable_prefix_caching, snapshot_interval=interval,
+                      tensor_parallel_size=ns.tensor_parallel_size, enable_expert_parallel=ns.enable_expert_parallel)
 
 
 def _common(p: argparse.ArgumentParser, default_address: str) -> None:

@@ -2,7 +2,7 @@
 
 Contract:
 - `await AsyncEngine.create(args)` loads the model off the event loop and starts the step thread; `await
-  engine.shutdown()` (or `async with`) stops it. Everything that touches `EngineCore` runs on the step thread: the
+  engine.shutdown()` (or `async with`) stops it (and the model's rank processes). Everything that touches `EngineCore` runs on the step thread: the
   event loop only queues commands (`run_in_engine`) and receives outputs through per-request asyncio queues.
 - `generate(request_id, prompt, params, ...)` is an async iterator of delta `RequestOutput`s (token ids, text delta,
   logprobs, finish reason, `num_cached_tokens`), ending after the one with `finished=True`. Invalid input raises
@@ -11,7 +11,8 @@ Contract:
   per output (and an optional absolute `deadline`, `time.monotonic()` seconds); passing it aborts the request and
   raises `RequestTimeoutError`.
 - `abort(request_id)` ends a request from anywhere; its stream finishes with `finish_reason == "abort"`.
-- If the step loop fails, every stream and later call raises `EngineDeadError`.
+- If the step loop fails, every stream and later call raises `EngineDeadError`. `is_healthy` is False then, and
+  as soon as a rank process of a tensor-parallel engine is gone.
 - The service API of the worker services (engine/core.py), so that they never touch `EngineCore` from the event
   loop: `probe_prefix` (cached prompt tokens by the prefix hit rule, with the queues and pool usage, in one
   command), `prefix_presence`, `import_prefix`, `export_snapshots` run on the step thread between two steps;
@@ -85,10 +86,16 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self.core.close)  # the model's rank processes (tensor parallelism)
 
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None
+
+    @property
+    def is_healthy(self) -> bool:
+        """Running, and (tensor parallelism) every rank process alive: what a worker's health reports."""
+        return self.is_running and self.core.executor.healthy()
 
     # -- the step thread -------------------------------------------------------------------------------------
 

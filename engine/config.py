@@ -8,6 +8,7 @@ Contract:
   `snapshot_memory_fraction` of the remaining bytes as snapshot slots; the MLA block pool takes the rest. The two
   pools are sized independently (a block is `block_size` tokens of MLA latents, never inflated to a state's size).
   `num_kv_blocks` / `num_snapshot_slots` override the computed sizes (tests pin exact pools with them).
+  Under tensor parallelism the budget is per rank and a state slot costs one rank's heads (`tensor_parallel_size`).
 - `snapshot_interval="auto"` is the state's bytes expressed in tokens of KV, rounded to whole blocks (so periodic
   snapshots at most double the memory of the prefix they cover), clamped to [1, MAX_AUTO_INTERVAL_BLOCKS] blocks.
 """
@@ -55,6 +56,9 @@ class EngineArgs:
     num_snapshot_slots: int | None = None  # override the computed snapshot slot count
     num_speculative_tokens: int = 0
     model_fingerprint: str | None = None  # default: derived from config and weight headers
+    tensor_parallel_size: int = 1  # rank processes the model is split over (engine/parallel/executor.py)
+    enable_expert_parallel: bool = False  # split the routed experts by expert across those ranks
+    collective_timeout_s: float = 60.0  # a rank collective waiting longer fails the engine (a hung or lost rank)
 
     def __post_init__(self):
         positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
@@ -84,6 +88,10 @@ class EngineArgs:
             raise EngineConfigError("num_kv_blocks must be positive")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise EngineConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise EngineConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.collective_timeout_s <= 0:
+            raise EngineConfigError(f"collective_timeout_s must be positive, got {self.collective_timeout_s!r}")
 
 
 @dataclass(frozen=True)
@@ -123,7 +131,8 @@ def auto_snapshot_interval(block_size: int, token_bytes: int, state_bytes: int) 
 
 def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> CachePlan:
     bs = args.block_size
-    token_b, state_b = bytes_per_token(config, dtype_bytes), bytes_per_state(config, dtype_bytes)
+    token_b = bytes_per_token(config, dtype_bytes)
+    state_b = bytes_per_state(config, dtype_bytes, tensor_parallel_size=args.tensor_parallel_size)  # one rank's heads
     budget = parse_bytes(args.kv_cache_memory)
     slots_per_request = 1 + args.num_speculative_tokens
     running = args.max_num_seqs * slots_per_request

@@ -27,6 +27,9 @@ Contract:
 - The service API (what the worker services use, through `AsyncEngine`): `validate_prompt` (admission's checks; it
   reads only start-up facts, so any thread may call it), `probe_prefix` (tokens the prefix cache would serve: the
   prefix hit rule of engine/memory/manager.py), `prefix_presence`, `stats` (queues and pool usage), `layout`.
+- Tensor parallelism (`args.tensor_parallel_size` > 1): the model runs on a rank group
+  (engine/parallel/executor.py); this engine is rank 0 (scheduler, sampling) and `close()` stops the ranks. A
+  failed rank makes `step` raise `RankFailedError`.
 """
 
 from __future__ import annotations
@@ -45,12 +48,12 @@ from engine.errors import InvalidRequestError
 from engine.exchange import CacheExchange
 from engine.memory.hashing import BlockHasher, root_hash
 from engine.memory.manager import CacheManager, PrefixPresence
-from engine.model.loader import LoadConfig, load_model
+from engine.model.loader import LoadConfig
 from engine import prompt_logprobs
 from engine.outputs import RequestOutput
 from engine.phase_times import PhaseSnapshot, PhaseTimes
 from engine.request import OutputState, Request, RequestStatus
-from engine.runner import ModelRunner
+from engine.parallel.executor import ExecutorConfig, open_executor
 from engine.sampling import SampleRow, Sampler, SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured import GrammarBackend
@@ -113,7 +116,9 @@ class EngineCore:
 
         self.args = args
         load_config = LoadConfig(load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed)
-        self.model = load_model(args.model, load_config)
+        self.executor = open_executor(ExecutorConfig(args.tensor_parallel_size, args.enable_expert_parallel,
+                                                     args.collective_timeout_s), args.model, load_config)
+        self.model = self.executor.model
         self.config = self.model.config
         self.media = load_media(args.model, load_config, self.config.media_placeholder_token_id, DEFAULT_BUDGET_BYTES)
         tokenizer_dir = Path(args.tokenizer or args.model)
@@ -129,7 +134,8 @@ class EngineCore:
                             model_fingerprint(args.model, self.model.dtype, args.load_format, args.seed))
         self.manager = CacheManager(self.plan, has_kda=self.config.kda is not None)
         self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.plan, args.max_forward_tokens, media=self.media.feeder)
+        self.executor.start(self.plan, args.max_forward_tokens, media=self.media.feeder)  # images: rank 0 plans them
+        self.runner = self.executor  # the runner's interface, on every rank (engine/parallel/executor.py)
         (layers, bs, dim), _ = self.runner.block_shape()
         self.layout = CacheLayout(self.fingerprint, self.plan.block_size, (layers, bs, dim),
                                   {name: shape for name, (shape, _) in self.runner.state_shapes().items()})
@@ -395,6 +401,10 @@ class EngineCore:
         self.manager.check_integrity(self.scheduler.holding())
         for req in self.scheduler.waiting:
             assert not req.block_ids and req.state_group is None, f"waiting {req.request_id} holds cache"
+
+    def close(self) -> None:
+        """Stops the model's rank processes (tensor parallelism; nothing to do at TP=1)."""
+        self.executor.close()
 
     def reset_prefix_cache(self) -> None:
         self.manager.reset_prefix_cache()

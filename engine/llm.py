@@ -9,7 +9,8 @@ Contract:
 - `generate(..., export=True)` attaches to each output a `RequestState` (`.exported`: the KV and KDA state after
   every token but the last sampled one); `resume(states, params)` continues such states in this engine, with
   `params.max_tokens` counting the carried output tokens too.
-- Runs the step loop in the calling thread until all of this call's requests finish.
+- Runs the step loop in the calling thread until all of this call's requests finish. `close()` stops the rank
+  processes of a tensor-parallel engine.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class LLM:
         self.engine_args = EngineArgs(model=str(model), **engine_args)
         self.engine = EngineCore(self.engine_args)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stops the model's rank processes (with `tensor_parallel_size` > 1)."""
+        self.engine.close()
 
     @property
     def tokenizer(self):

@@ -125,10 +125,19 @@ class ModelRunner:
                                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`execute`, plus for chunk i the fp32 logits `[prompt_rows[i], V]` at its first `prompt_rows[i]`
         positions (the prompt-logprob opt-in; all 0: exactly `execute`, nothing extra computed)."""
-        vocab = self.config.vocab_size
         if not any(prompt_rows):
-            return self.execute(out, running_slots), [torch.empty(0, vocab)] * len(out.chunks)
+            return self.execute(out, running_slots), self.no_prompt_rows(out)
         logits = self.run_step(self.plan_step(out, running_slots, prompt_rows))  # [rows of every forward, V]
+        return self.split_prompt_rows(logits, out, running_slots, prompt_rows)
+
+    def no_prompt_rows(self, out: SchedulerOutput) -> list[torch.Tensor]:
+        return [torch.empty(0, self.config.vocab_size)] * len(out.chunks)
+
+    def split_prompt_rows(self, logits: torch.Tensor, out: SchedulerOutput, running_slots: list[int],
+                          prompt_rows: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`run_step`'s logits of a step planned with `prompt_rows` -> (sampling rows `[L, V]`, per chunk its
+        prompt rows `[prompt_rows[i], V]`)."""
+        vocab = self.config.vocab_size
         sampled: list[torch.Tensor] = []
         extra: dict[int, list[torch.Tensor]] = {id(c.req): [] for c in out.chunks}
         at = 0

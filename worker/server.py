@@ -9,6 +9,8 @@ Contract:
   once. `await server.ready()` waits for the load and raises what it raised.
 - Loading (`WorkerServer._load`): `config.torch_threads` set, the `AsyncEngine` created, a `CacheClient` opened when
   `config.cache_address` is set (trace context and `config.mesh_token` on its calls), the role's worker built (`make_worker`), then SERVING.
+  Health turns NOT_SERVING when the engine fails (`AsyncEngine.is_healthy`: its step loop died or, under tensor
+  parallelism, a rank process is gone; checked every `ENGINE_WATCH_S`).
 - `stop(grace)`: NOT_SERVING first, new calls refused (`servicer.stopping`), a load in progress cancelled, running
   calls drained (`drain_calls`, per role), then the worker, the engine, the cache client and `/metrics` closed.
 - The engine gauges (`engine_gauges`: the `EngineStats` the step thread published last, so a scrape never waits
@@ -38,6 +40,7 @@ from telemetry.metrics import (CounterSample, EngineGauges, MetricsServer, Worke
 from telemetry.rpc import client_interceptors, server_interceptors
 
 log = logging.getLogger(__name__)
+ENGINE_WATCH_S = 0.25  # how often a loaded worker checks that its engine (and its rank processes) still run
 
 
 def engine_gauges(engine: AsyncEngine) -> EngineGauges:
@@ -85,6 +88,7 @@ class WorkerServer:
         self.cache: CacheClient | None = None
         self.metrics_http: MetricsServer | None = None
         self._loading: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None  # health follows the engine (`_watch_engine`)
         self.metrics.watch_engine(lambda: engine_gauges(self.engine) if self.worker is not None else None)
         self.metrics.watch_counters(lambda: self.worker_counters(self.worker) if self.worker is not None else [])
 
@@ -126,6 +130,15 @@ class WorkerServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("%s worker ready: model %s loaded in %.1f s", self.role, self.config.model_name,
                  time.perf_counter() - t0)
+        self._watch = asyncio.create_task(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        """NOT_SERVING once the engine fails (its step loop died, or a tensor-parallel rank is gone)."""
+        while self.engine.is_healthy:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        log.error("%s worker: the engine failed; reporting NOT_SERVING", self.role)
+        for name in ("", self.service_name):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def ready(self) -> None:
         """Waits until the model is loaded; raises what loading raised."""
@@ -137,6 +150,8 @@ class WorkerServer:
         self.servicer.stopping = True  # new calls: UNAVAILABLE
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
         await self.drain_calls(grace or 0.0)
         if self.worker is not None:
             await self.worker.drain()

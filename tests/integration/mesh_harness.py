@@ -4,7 +4,8 @@ event loop (engines in their own threads), plus the gateway's `MeshClient` and d
 `async with Mesh(model_dir, ...) as mesh:` starts everything and waits for the models; leaving stops everything.
 `mesh.run(prompt, sampling, route)` sends one request through the gateway's client: route "remote" forces prefill ->
 decode (P/D threshold 0), "local" the colocated path; it returns a `Run` with the tokens, events and usage.
-`tiny_k3_checkpoint(tmp_path_factory)` generates the tiny K3 checkpoint these tests share (seed 3);
+`Mesh(..., prefill_tp=2)` / `decode_tp=2` run that worker's model on 2 rank processes (tensor parallelism; at most
+one worker per process may use TP > 1). `tiny_k3_checkpoint(tmp_path_factory)` generates the tiny K3 checkpoint these tests share (seed 3);
 `run_bounded(coro)` runs a test's coroutine under a time limit (nothing may hang); `await wait_idle(engine)` waits
 until an `AsyncEngine` holds no request, `await assert_all_free(engine)` also checks that its pools got everything
 back.
@@ -26,6 +27,7 @@ from decode_service.server import DecodeServiceConfig
 from decode_service.server import serve as serve_decode
 from engine.config import EngineArgs
 from engine.model.checkpoint import make_checkpoint
+from engine.transfer import RequestState
 from gateway.mesh_client import MeshClient, MeshRequest, PDDecider, TokenEvent
 from prefill_service.server import PrefillServiceConfig
 from prefill_service.server import serve as serve_prefill
@@ -51,6 +53,13 @@ def engine_args(model_dir, **overrides) -> EngineArgs:
                 snapshot_interval=32)
     base.update(overrides)
     return EngineArgs(**base)
+
+
+def zero_kda_state(state: RequestState) -> None:
+    """The negative control's edit of a handoff: every KDA state tensor zeroed (they must be non-zero before)."""
+    assert state.state and all(t.abs().sum() > 0 for t in state.state.values())
+    for tensor in state.state.values():
+        tensor.zero_()
 
 
 def greedy(max_tokens: int, **extra) -> common_pb2.SamplingParams:
@@ -106,11 +115,12 @@ class Mesh:
                  decode_engine: dict | None = None, kv_load_failure_policy: str = "recompute",
                  handoff_ttl_s: float = 30.0, handoff_full_kv: bool = False, with_prefill: bool = True,
                  cache_address: str | None = None, redis_key_prefix: str = "kdamesh:",
-                 cache_data_plane: bool = True):
+                 cache_data_plane: bool = True, prefill_tp: int = 1, decode_tp: int = 1):
         self.model_dir = model_dir
         self.backend = backend
         self.engine_overrides = engine or {}
         self.decode_engine_overrides = decode_engine if decode_engine is not None else self.engine_overrides
+        self.tensor_parallel = {"prefill": prefill_tp, "decode": decode_tp}  # ranks per worker (one TP>1 per process)
         self.policy = kv_load_failure_policy
         self.handoff_ttl_s = handoff_ttl_s
         self.handoff_full_kv = handoff_full_kv
@@ -130,12 +140,12 @@ class Mesh:
         starts = []
         if self.with_prefill:
             self.prefill_server, pport = await serve_prefill(PrefillServiceConfig(
-                engine=engine_args(self.model_dir, **self.engine_overrides), cache_address=self.cache_address,
+                engine=self._engine("prefill", self.engine_overrides), cache_address=self.cache_address,
                 address="127.0.0.1:0", handoff_full_kv=self.handoff_full_kv, cache_timeout_s=5.0))
             self.prefill_address = f"127.0.0.1:{pport}"
             starts.append(self.prefill_server.ready())
         self.decode_server, dport = await serve_decode(DecodeServiceConfig(
-            engine=engine_args(self.model_dir, **self.decode_engine_overrides), cache_address=self.cache_address,
+            engine=self._engine("decode", self.decode_engine_overrides), cache_address=self.cache_address,
             address="127.0.0.1:0", kv_load_failure_policy=self.policy, cache_timeout_s=5.0))
         self.decode_address = f"127.0.0.1:{dport}"
         starts.append(self.decode_server.ready())
@@ -147,6 +157,9 @@ class Mesh:
             if self.with_prefill else None
         self.decode_stub = decode_pb2_grpc.DecodeServiceStub(self._channel(self.decode_address))
         return self
+
+    def _engine(self, role: str, overrides: dict) -> EngineArgs:
+        return engine_args(self.model_dir, **{"tensor_parallel_size": self.tensor_parallel[role], **overrides})
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = grpc.aio.insecure_channel(address)

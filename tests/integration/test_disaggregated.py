@@ -22,7 +22,7 @@ from cache_service.server import serve as serve_cache
 from engine.transfer import RequestState
 from protos import common_pb2, decode_pb2, prefill_pb2
 from tests.integration.mesh_harness import (Mesh, assert_all_free, greedy, prompt_suite, run_bounded,
-                                            tiny_k3_checkpoint, wait_idle)
+                                            tiny_k3_checkpoint, wait_idle, zero_kda_state)
 from tests.fake_clock import FakeClock
 
 
@@ -156,13 +156,7 @@ def test_zeroed_kda_state_changes_the_output(tiny_k3):
             assert last.used_handoff and kept == reference
 
             second = await _prefill(mesh, prompt, sampling, "zeroed")
-
-            def zero(state: RequestState) -> None:
-                assert state.state and all(t.abs().sum() > 0 for t in state.state.values())
-                for tensor in state.state.values():
-                    tensor.zero_()
-
-            await _rewrite_handoff(mesh, second.handoff_key, zero)
+            await _rewrite_handoff(mesh, second.handoff_key, zero_kda_state)
             zeroed, last = await _decode(mesh, prompt, sampling, second, "zeroed")
             assert last.used_handoff, "the zeroed state must be loaded, not recomputed"
             assert zeroed[0] == reference[0]  # the first token was sampled by prefill

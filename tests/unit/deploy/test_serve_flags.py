@@ -17,8 +17,7 @@ from deploy.serve import role_parser
 SEED = ["--tensor-parallel-size", "1", "--trust-remote-code", "--load-format", "fastsafetensors",
         "--enable-prefix-caching", "--enable-auto-tool-choice", "--tool-call-parser", "kimi_k3",
         "--reasoning-parser", "kimi_k3", "--port", "8123"]
-REFUSED = {"--tensor-parallel-size": ["--tensor-parallel-size", "2"],
-           "--enable-expert-parallel": ["--enable-expert-parallel"],
+REFUSED = {"--tensor-parallel-size": ["--tensor-parallel-size", "0"],
            "--speculative-config": ["--speculative-config", '{"method": "mtp"}'],
            "--kv-cache-dtype": ["--kv-cache-dtype", "fp8"],
            "--gpu-memory-utilization": ["--gpu-memory-utilization", "0.9"]}
@@ -60,6 +59,12 @@ def test_the_worker_roles_refuse_the_same_flags(flag, monkeypatch):
     for role, extra in (("prefill", ["--cache-address", "h:1"]), ("decode", [])):
         code, _, err = _main(["serve", "--role", role, "--model", "/m", *extra, *REFUSED[flag]])
         assert code == 2 and flag in err
+
+
+def test_tensor_and_expert_parallelism_reach_the_launch_config(tmp_path):  # built now: no longer refused
+    config = launch_config_from(_mesh([str(tmp_path), "--tensor-parallel-size", "2", "--enable-expert-parallel"]),
+                                "info", "text", "none")
+    assert (config.tensor_parallel_size, config.enable_expert_parallel) == (2, True)
 
 
 def test_an_unknown_flag_gets_argparses_error():

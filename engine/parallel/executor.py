@@ -1,0 +1,268 @@
+"""The model executor the engine drives: the model runner in this process (TP=1) or a group of rank processes.
+
+Contract:
+- `open_executor(config, model_dir, load)` returns a `LocalExecutor` for `tensor_parallel_size == 1` (the model
+  loaded here, unsharded) or a `RankGroupExecutor` for N > 1: it spawns ranks 1..N-1 (multiprocessing `spawn`), this
+  process joins the `torch.distributed` group as rank 0 (gloo on CPU, NCCL on CUDA: engine/parallel/launch.py), and
+  every rank loads only its own slices (`load_model(dir, load, ctx)`; on CUDA rank r uses `cuda:r`).
+- `executor.model` is rank 0's model (its config and dtype size the cache: `engine.config.plan_cache` with
+  `tensor_parallel_size`); `executor.start(plan, max_forward_tokens)` builds the `ModelRunner` on every rank.
+- Then it has the runner's interface: `execute(out, running_slots)` (fp32 logits `[L, V]`, full vocabulary, on rank
+  0 only: sampling happens here), `copy_slots`, `read_blocks`, `write_blocks`, `read_state`, `write_state` (the
+  TP-independent layout: all heads), `block_shape`, `state_shapes`, `device`. In a rank group each call that touches
+  the cache is a command rank 0 broadcasts (`broadcast_object`) before running it itself, so every rank executes the
+  same commands, and so the same collectives, in the same order: `run_step` (the `RankStep` rank 0 planned),
+  `copy_slots`, `read_state` (an all-gather), `write_state` / `write_blocks` (each rank keeps its heads), `shutdown`.
+  MLA blocks are replicated, so `read_blocks` reads rank 0's copy and sends no command.
+- Idle ranks wait for the next command inside a collective: when no command was sent for a quarter of
+  `collective_timeout_s`, a heartbeat thread sends `ping` (a barrier on every rank), so an idle group stays up and a
+  rank that hangs while idle is noticed too. Commands are serialised by a lock.
+- Faults: before each command rank 0 checks that every rank process lives; a dead one (or a collective past
+  `collective_timeout_s`, e.g. a hung rank) raises `RankFailedError`, and the executor stays failed (every later
+  call raises it too); `healthy()` says so without a collective (any thread may ask). `close()` sends `shutdown` when the group is healthy, waits `join_timeout_s`, kills what is
+  left and leaves the group; after it no rank process remains (`rank_pids` names them). A rank whose rank 0 is
+  gone exits when its next collective fails.
+- One rank group per process at a time (it is `torch.distributed`'s default group).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.model.loader import LoadConfig, load_model
+from engine.parallel.comm import SINGLE, RankContext, TorchDistributed
+from engine.parallel.config import ParallelConfig
+from engine.parallel.launch import init_rank
+from engine.runner import ModelRunner
+
+
+class RankFailedError(RuntimeError):
+    """A rank process died or a collective timed out: the model can no longer run."""
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    collective_timeout_s: float = 60.0  # a collective waiting longer fails the group (a hung or lost rank)
+    start_timeout_s: float = 300.0  # how long the ranks may take to start and join
+    join_timeout_s: float = 10.0  # how long `close()` waits for the ranks to exit before killing them
+    threads_per_rank: int = 1  # torch intra-op threads in each spawned rank
+    backend: str | None = None  # None: NCCL with CUDA, else gloo
+
+    def parallel(self, rank: int) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, rank, self.enable_expert_parallel)
+
+
+def _join(config: ExecutorConfig, rendezvous: str, rank: int) -> TorchDistributed:
+    """Joins the group (waiting up to `start_timeout_s` for every rank to start), then opens the group the model's
+    collectives run on, whose operations time out after `collective_timeout_s`."""
+    import torch.distributed as dist
+
+    init_rank(rendezvous, config.tensor_parallel_size, rank, config.backend, config.start_timeout_s)
+    group = dist.new_group(list(range(config.tensor_parallel_size)),
+                           timeout=timedelta(seconds=config.collective_timeout_s))
+    return TorchDistributed(group)
+
+
+def _rank_load(load: LoadConfig, rank: int) -> LoadConfig:
+    if load.device.startswith("cuda"):
+        return LoadConfig(load_format=load.load_format, dtype=load.dtype, device=f"cuda:{rank}", seed=load.seed,
+                          experts_format=load.experts_format)
+    return load
+
+
+class LocalExecutor:
+    """TP=1: the model and its runner in this process."""
+
+    rank_pids: list[int] = []
+
+    def __init__(self, model_dir: str, load: LoadConfig, ctx: RankContext = SINGLE):
+        self.model = load_model(model_dir, load, ctx)
+        self.runner: ModelRunner | None = None
+
+    def start(self, plan, max_forward_tokens: int | None, media=None) -> None:
+        """`media`: rank 0's image feeder (engine.vision.feed); the batches it plans carry the image rows."""
+        self.runner = ModelRunner(self.model, plan, max_forward_tokens, media=media)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def cache(self):
+        """Rank 0's `CacheTensors` (its KDA heads; MLA blocks are replicated)."""
+        return self.runner.cache
+
+    def block_shape(self):
+        return self.runner.block_shape()
+
+    def state_shapes(self):
+        return self.runner.state_shapes()
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.runner.read_blocks(block_ids)  # [num_mla_layers, n, block_size, cache_dim]
+
+    def _command(self, name: str, *args: Any) -> Any:
+        return getattr(self.runner, name)(*args)
+
+    def execute(self, out, running_slots: list[int]) -> torch.Tensor:
+        return self._command("run_step", self.runner.plan_step(out, running_slots))  # [L, V]
+
+    def execute_with_prompt_rows(self, out, running_slots: list[int], prompt_rows: list[int]):
+        """`ModelRunner.execute_with_prompt_rows` on every rank: planned here, run by all."""
+        if not any(prompt_rows):
+            return self.execute(out, running_slots), self.runner.no_prompt_rows(out)
+        logits = self._command("run_step", self.runner.plan_step(out, running_slots, prompt_rows))
+        return self.runner.split_prompt_rows(logits, out, running_slots, prompt_rows)
+
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            self._command("copy_slots", pairs)
+
+    def read_state(self, slot: int) -> dict[str, torch.Tensor]:
+        return self._command("read_state", slot)
+
+    def write_state(self, slot: int, state: dict[str, torch.Tensor]) -> None:
+        self._command("write_state", slot, state)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self._command("write_blocks", block_ids, data)
+
+    def healthy(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        return None
+
+
+def _apply(runner: ModelRunner, comm: TorchDistributed, name: str, args: tuple) -> Any:
+    """One command on one rank; `ping` (the idle heartbeat) is a barrier, so a hung rank is seen while idle too."""
+    return comm.barrier() if name == "ping" else getattr(runner, name)(*args)
+
+
+def _rank_main(config: ExecutorConfig, rank: int, model_dir: str, load: LoadConfig, rendezvous: str) -> None:
+    """Ranks 1..N-1: join the group, load this rank's slices, then execute rank 0's commands until `shutdown`."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(config.threads_per_rank)
+    comm = _join(config, rendezvous, rank)
+    try:
+        model = load_model(model_dir, _rank_load(load, rank), RankContext(config.parallel(rank), comm))
+        plan, max_forward_tokens = TorchDistributed().broadcast_object(None)  # the start group: no short timeout
+        runner = ModelRunner(model, plan, max_forward_tokens)
+        while True:
+            name, args = comm.broadcast_object(None)
+            if name == "shutdown":
+                return
+            _apply(runner, comm, name, args)
+    finally:
+        dist.destroy_process_group()
+
+
+class RankGroupExecutor(LocalExecutor):
+    """TP=N: rank 0 here (the engine, scheduler and sampling), ranks 1..N-1 in spawned processes."""
+
+    def __init__(self, config: ExecutorConfig, model_dir: str, load: LoadConfig):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise RankFailedError("this process already runs a rank group (one per process)")
+        self.config = config
+        self._failed: BaseException | None = None
+        self._workdir = tempfile.mkdtemp(prefix="kdamesh-tp-")
+        rendezvous = str(Path(self._workdir) / "rendezvous")
+        spawn = mp.get_context("spawn")
+        self._procs = [spawn.Process(target=_rank_main, args=(config, r, model_dir, load, rendezvous), daemon=True,
+                                     name=f"kdamesh-rank{r}") for r in range(1, config.tensor_parallel_size)]
+        for p in self._procs:
+            p.start()
+        self.rank_pids = [p.pid for p in self._procs]
+        self._lock = threading.Lock()  # one command at a time: the step thread's and the heartbeat's
+        self._last = time.monotonic()  # when the latest command was sent
+        self._closed = threading.Event()
+        try:
+            self.comm = _join(config, rendezvous, 0)
+            super().__init__(model_dir, _rank_load(load, 0), RankContext(config.parallel(0), self.comm))
+        except BaseException:
+            self._kill()
+            raise
+
+    def start(self, plan, max_forward_tokens: int | None, media=None) -> None:
+        TorchDistributed().broadcast_object((plan, max_forward_tokens))
+        super().start(plan, max_forward_tokens, media)
+        self._last = time.monotonic()
+        threading.Thread(target=self._heartbeat, name="kdamesh-tp-heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        """Idle ranks wait for the next command inside a collective that times out: ping them well before."""
+        interval = self.config.collective_timeout_s / 4
+        while not self._closed.wait(interval / 2):
+            if self.healthy() and time.monotonic() - self._last >= interval:
+                try:
+                    self._command("ping")
+                except Exception:  # noqa: BLE001 - recorded in self._failed: healthy() is False from now on
+                    pass
+
+    def check_ranks(self) -> None:
+        if self._failed is None:
+            dead = [(p.name, p.exitcode) for p in self._procs if not p.is_alive()]
+            if dead:
+                self._failed = RankFailedError(f"rank processes exited: {dead}")
+        if self._failed is not None:
+            raise RankFailedError(f"the rank group failed: {self._failed}") from self._failed
+
+    def healthy(self) -> bool:
+        """Whether every rank lives and no collective failed (any thread may ask)."""
+        return self._failed is None and all(p.is_alive() for p in self._procs)
+
+    def _command(self, name: str, *args: Any) -> Any:
+        with self._lock:
+            self.check_ranks()
+            self._last = time.monotonic()
+            try:
+                self.comm.broadcast_object((name, args))
+                return _apply(self.runner, self.comm, name, args)
+            except Exception as exc:  # a lost peer or a collective past its timeout
+                self._failed = exc
+                self.check_ranks()
+                raise
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        self._closed.set()
+        with self._lock:
+            if self._failed is None and all(p.is_alive() for p in self._procs):
+                try:
+                    self.comm.broadcast_object(("shutdown", ()))
+                except Exception as exc:  # noqa: BLE001 - the ranks are killed below anyway
+                    self._failed = exc
+        for p in self._procs:
+            p.join(self.config.join_timeout_s)
+        self._kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+            p.join(self.config.join_timeout_s)
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+
+def open_executor(config: ExecutorConfig, model_dir: str, load: LoadConfig) -> LocalExecutor:
+    if config.tensor_parallel_size == 1:
+        return LocalExecutor(model_dir, load, RankContext(config.parallel(0)))
+    return RankGroupExecutor(config, model_dir, load)

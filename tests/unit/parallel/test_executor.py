@@ -1,0 +1,113 @@
+"""Phase 2 of tensor parallelism through the engine API: `LLM(..., tensor_parallel_size=2)` on CPU gloo.
+
+Checked: greedy tokens equal TP=1's, with prefix-cache hits (a second round of prompts that share the first
+round's prefixes) and snapshots copied between slots; a state exported at TP=2 continues at TP=1 and the other way
+round (read_state returns all heads, write_state keeps a rank's own); a rank killed with SIGKILL or hung (SIGSTOP)
+makes the next step raise `RankFailedError` within the collective timeout; an idle group outlives the collective
+timeout (the heartbeat) and a rank hung while idle is noticed; after `close()` no rank process is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from engine.llm import LLM
+from engine.model.checkpoint import make_checkpoint
+from engine.parallel.executor import RankFailedError
+from engine.sampling import SamplingParams
+
+PREFIX = [(31 * i + 7) % 7900 for i in range(40)]
+PROMPTS = [PREFIX + [(13 * i + 2) % 7900 for i in range(5 + k)] for k in range(3)]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+ARGS = dict(kv_cache_memory=8 << 20, max_num_seqs=4, max_num_batched_tokens=128, block_size=8, snapshot_interval=16,
+            collective_timeout_s=20.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_checkpoint("tiny-k3", tmp_path_factory.mktemp("tp") / "tiny-k3", seed=5))
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie counts as gone
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _rounds(llm: LLM) -> tuple[list[list[int]], int]:
+    first = llm.generate(PROMPTS[:1], GREEDY)
+    second = llm.generate(PROMPTS, GREEDY)  # the shared prefix now comes from the cache
+    return _tokens(first) + _tokens(second), sum(o.num_cached_tokens for o in second)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    llm = LLM(model_dir, **ARGS)
+    tokens, cached = _rounds(llm)
+    exported = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), export=True)
+    resumed = _tokens(llm.resume([exported[0].exported], GREEDY))
+    return tokens, cached, exported[0].exported, resumed
+
+
+def test_tp2_with_prefix_hits_equals_tp1(model_dir, reference):
+    tokens, cached, state, resumed = reference
+    assert cached > 0
+    llm = LLM(model_dir, tensor_parallel_size=2, **ARGS)
+    try:
+        got, got_cached = _rounds(llm)
+        assert got == tokens and got_cached == cached
+        assert _tokens(llm.resume([state], GREEDY)) == resumed  # a TP=1 export continues at TP=2
+        back = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), export=True)
+    finally:
+        llm.close()
+    assert not any(_alive(pid) for pid in llm.engine.executor.rank_pids)
+    one = LLM(model_dir, **ARGS)
+    assert _tokens(one.resume([back[0].exported], GREEDY)) == resumed  # a TP=2 export continues at TP=1
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_failed_rank_fails_the_step_and_leaves_no_process(model_dir, fault):
+    llm = LLM(model_dir, tensor_parallel_size=2, **{**ARGS, "collective_timeout_s": 5.0})
+    pids = llm.engine.executor.rank_pids
+    try:
+        assert _tokens(llm.generate(PROMPTS[:1], GREEDY))
+        os.kill(pids[0], fault)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailedError):
+            llm.generate(PROMPTS[1:2], GREEDY)
+        assert time.monotonic() - t0 < 15.0
+        with pytest.raises(RankFailedError):  # and stays failed
+            llm.generate(PROMPTS[1:2], GREEDY)
+    finally:
+        llm.close()
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_an_idle_group_stays_up_and_a_rank_hung_while_idle_is_noticed(model_dir):
+    timeout_s = 3.0
+    llm = LLM(model_dir, tensor_parallel_size=2, **{**ARGS, "collective_timeout_s": timeout_s})
+    executor = llm.engine.executor
+    try:
+        first = _tokens(llm.generate(PROMPTS[:1], GREEDY))
+        time.sleep(2.5 * timeout_s)  # the ranks wait in a collective that times out: the heartbeat keeps it fed
+        assert executor.healthy()
+        assert _tokens(llm.generate(PROMPTS[:1], GREEDY)) == first
+        os.kill(executor.rank_pids[0], signal.SIGSTOP)
+        t0 = time.monotonic()
+        while executor.healthy() and time.monotonic() - t0 < 4 * timeout_s:
+            time.sleep(0.1)
+        assert not executor.healthy()  # noticed by the heartbeat's barrier, with no request running
+    finally:
+        llm.close()
+    assert not any(_alive(pid) for pid in executor.rank_pids)
