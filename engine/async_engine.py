@@ -18,6 +18,12 @@ Contract:
   `stats_snapshot()` returns the `EngineStats` the step thread published after its latest step or command batch
   (an immutable object: any thread may read it, e.g. a metrics scrape, without waiting); `layout` and
   `validate_prompt` read only what is fixed when the engine starts.
+- `set_export_sink(sink)`: from then on the engine collects the KDA snapshots leaving its prefix cache (evicted, or a
+  finished handoff's turn end, engine/exchange.py `SnapshotExport`) and calls `sink(exports)` on the step thread
+  after the step or command batch that produced them (the sink must only hand them over, e.g. with
+  `loop.call_soon_threadsafe`); `None` stops the collection. Without a sink nothing is collected or copied.
+- Every `LOG_STATS_INTERVAL_S` with new admissions the step thread logs vLLM's line "Prefix cache hit rate: X%" (over
+  that interval, and since start) with the snapshot memory in use, from the engine's counters.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from collections.abc import Sequence
+
 from engine.config import EngineArgs
 from engine.core import EngineCore, EngineStats, PromptInput
 from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
+from engine.exchange import SnapshotExport
 from engine.memory.manager import PrefixPresence
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
@@ -42,6 +51,31 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_WAIT_TIMEOUT_S = 300.0
 IDLE_POLL_S = 0.05
+LOG_STATS_INTERVAL_S = 10.0
+
+
+class _HitRateLog:
+    """The periodic "Prefix cache hit rate" line (see the module docstring)."""
+
+    def __init__(self, stats: EngineStats, interval_s: float = LOG_STATS_INTERVAL_S):
+        self.interval_s = interval_s
+        self._last = stats
+        self._due = time.monotonic() + interval_s
+
+    def maybe_log(self, stats: EngineStats) -> None:
+        now = time.monotonic()
+        if now < self._due:
+            return
+        self._due = now + self.interval_s
+        looked = stats.prefix_lookup_tokens - self._last.prefix_lookup_tokens
+        if looked <= 0:
+            return
+        hit = stats.prefix_hit_tokens - self._last.prefix_hit_tokens
+        self._last = stats
+        logger.info("Prefix cache hit rate: %.1f%% (%d of %d prompt tokens; %.1f%% since start); KDA snapshots "
+                    "%d (%.1f of %.1f MiB), %d junctions, %d offloaded", 100 * hit / looked, hit, looked,
+                    100 * stats.prefix_hit_rate, stats.num_snapshots, stats.snapshot_bytes / 2 ** 20,
+                    stats.snapshot_budget_bytes / 2 ** 20, stats.num_junctions, stats.num_snapshot_exports)
 
 
 class _Stream:
@@ -67,6 +101,8 @@ class AsyncEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._stats: EngineStats = core.stats()  # replaced (never changed) by the step thread
+        self._export_sink: Callable[[list[SnapshotExport]], None] | None = None
+        self._hit_rate_log = _HitRateLog(self._stats)
         self._thread = threading.Thread(target=self._run, name="kdamesh-engine-step", daemon=True)
         self._thread.start()
 
@@ -96,13 +132,14 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._run_commands()
-                self._stats = self.core.stats()
+                self._publish()
                 if self.core.has_unfinished_requests():
                     for out in self.core.step():
                         stream = self._streams.get(out.request_id)
                         if stream is not None:
                             stream.put(out)
-                    self._stats = self.core.stats()
+                    self._publish()
+                    self._hit_rate_log.maybe_log(self._stats)
                 else:
                     self._wakeup.wait(IDLE_POLL_S)
                     self._wakeup.clear()
@@ -113,6 +150,13 @@ class AsyncEngine:
             for stream in list(self._streams.values()):
                 stream.put(dead)
             self._fail_commands(dead)
+
+    def _publish(self) -> None:
+        """After a step or command batch: the stats snapshot, and the collected exports to the sink."""
+        self._stats = self.core.stats()
+        sink = self._export_sink
+        if sink is not None and self.core.exchange.outbox:
+            sink(self.core.exchange.take_outbox())
 
     def _run_commands(self) -> None:
         with self._lock:
@@ -188,13 +232,25 @@ class AsyncEngine:
     async def export_snapshots(self, block_hashes: list[bytes]) -> list[tuple[bytes, bytes]]:
         return await self.run_in_engine(lambda: self.core.exchange.export_snapshots(block_hashes))
 
+    async def set_export_sink(self, sink: Callable[[list[SnapshotExport]], None] | None) -> None:
+        """Hands the snapshots leaving the prefix cache to `sink` (on the step thread; see the module docstring)."""
+        def install() -> None:
+            self._export_sink = sink
+            self.core.exchange.exporting = sink is not None
+            if sink is None:
+                self.core.exchange.take_outbox()
+        await self.run_in_engine(install)
+
     # -- streams ---------------------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
                        cache_salt: str | None = None, export_on_finish: bool = False,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+                       deadline: float | None = None,
+                       snapshot_hints: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
+        """`snapshot_hints`: prompt token positions to snapshot the KDA state at (`EngineCore.add_request`)."""
         add = lambda: self.core.add_request(request_id, prompt, params, priority=priority,  # noqa: E731
-                                            cache_salt=cache_salt, export_on_finish=export_on_finish)
+                                            cache_salt=cache_salt, export_on_finish=export_on_finish,
+                                            snapshot_hints=tuple(snapshot_hints))
         async for out in self._stream(request_id, add, deadline):
             yield out
 

@@ -5,9 +5,12 @@ Contract:
   `__post_init__` checks each field alone and raises `EngineConfigError` naming it.
 - `plan_cache(args, model_config, dtype_bytes)` turns the memory budget into pool sizes, `CachePlan`:
   the KDA state pool holds `max_num_seqs * (1 + num_speculative_tokens)` running slots, then (with prefix caching)
-  `snapshot_memory_fraction` of the remaining bytes as snapshot slots; the MLA block pool takes the rest. The two
-  pools are sized independently (a block is `block_size` tokens of MLA latents, never inflated to a state's size).
-  `num_kv_blocks` / `num_snapshot_slots` override the computed sizes (tests pin exact pools with them).
+  the snapshot slots: `snapshot_budget` bytes of them when set, else `snapshot_memory_fraction` of the remaining
+  bytes; the MLA block pool takes the rest. The two pools are sized independently (a block is `block_size` tokens of
+  MLA latents, never inflated to a state's size). `num_kv_blocks` / `num_snapshot_slots` override the computed sizes
+  (tests pin exact pools with them). The snapshot slots are the snapshot byte budget: retention within it follows
+  the priorities of engine/memory/policy.py, and `snapshot_policy` ("hybrid" | "periodic") chooses which snapshot
+  points exist.
 - `snapshot_interval="auto"` is the state's bytes expressed in tokens of KV, rounded to whole blocks (so periodic
   snapshots at most double the memory of the prefix they cover), clamped to [1, MAX_AUTO_INTERVAL_BLOCKS] blocks.
 """
@@ -18,6 +21,7 @@ import re
 from dataclasses import dataclass
 
 from engine.errors import EngineConfigError
+from engine.memory.policy import SNAPSHOT_POLICIES
 from engine.model.batch import bytes_per_state, bytes_per_token
 from engine.model.config import ModelConfig
 
@@ -28,15 +32,15 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "tib": 1 << 40}
 
 
-def parse_bytes(value: int | str) -> int:
+def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
     """`4096`, `"512MiB"`, `"2GB"`, `"1.5g"` -> bytes."""
     if isinstance(value, bool):
-        raise EngineConfigError(f"kv_cache_memory {value!r} is not a byte count")
+        raise EngineConfigError(f"{name} {value!r} is not a byte count")
     if isinstance(value, int):
         return value
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
     if not match or match[2].lower() not in _UNITS:
-        raise EngineConfigError(f"kv_cache_memory {value!r} is not a byte count (e.g. 4096, 512MiB, 2GB)")
+        raise EngineConfigError(f"{name} {value!r} is not a byte count (e.g. 4096, 512MiB, 2GB)")
     return int(float(match[1]) * _UNITS[match[2].lower()])
 
 
@@ -61,6 +65,8 @@ class EngineArgs:
     num_snapshot_slots: int | None = None  # override the computed snapshot slot count
     num_speculative_tokens: int = 0
     model_fingerprint: str | None = None  # default: derived from config and weight headers
+    snapshot_policy: str = "hybrid"  # "hybrid": hints, junctions, turn ends too; "periodic": prompt ends + interval
+    snapshot_budget: int | str | None = None  # bytes of KDA snapshots, e.g. "2GiB"; None: snapshot_memory_fraction
 
     def __post_init__(self):
         positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
@@ -90,6 +96,10 @@ class EngineArgs:
             raise EngineConfigError("num_kv_blocks must be positive")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise EngineConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
+        if self.snapshot_policy not in SNAPSHOT_POLICIES:
+            raise EngineConfigError(f"snapshot_policy must be one of {SNAPSHOT_POLICIES}, got {self.snapshot_policy!r}")
+        if self.snapshot_budget is not None and parse_bytes(self.snapshot_budget, "snapshot_budget") < 0:
+            raise EngineConfigError(f"snapshot_budget must be >= 0, got {self.snapshot_budget!r}")
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,12 @@ class CachePlan:
     max_model_len: int
     bytes_per_token: int
     bytes_per_state: int
+    snapshot_policy: str = "hybrid"  # engine/memory/policy.py
+
+    @property
+    def snapshot_budget_bytes(self) -> int:
+        """The bytes the snapshot slots hold: the most KDA snapshots may ever take."""
+        return self.num_snapshot_slots * self.bytes_per_state
 
     @property
     def num_slots(self) -> int:
@@ -142,7 +158,9 @@ def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> Cache
     snapshots = 0
     if caching and state_b:
         snapshots = args.num_snapshot_slots
-        if snapshots is None:
+        if snapshots is None and args.snapshot_budget is not None:
+            snapshots = parse_bytes(args.snapshot_budget, "snapshot_budget") // state_b
+        elif snapshots is None:
             snapshots = int(max(rest, 0) * args.snapshot_memory_fraction) // state_b
     num_blocks = args.num_kv_blocks
     if num_blocks is None:
@@ -161,4 +179,5 @@ def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> Cache
         max_len = args.max_model_len
     return CachePlan(block_size=bs, num_blocks=int(num_blocks), slots_per_request=slots_per_request,
                      num_running_slots=running, num_snapshot_slots=int(snapshots), snapshot_interval=interval,
-                     max_model_len=int(max_len), bytes_per_token=token_b, bytes_per_state=state_b)
+                     max_model_len=int(max_len), bytes_per_token=token_b, bytes_per_state=state_b,
+                     snapshot_policy=args.snapshot_policy)

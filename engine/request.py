@@ -71,6 +71,9 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     grammar: "GrammarState | None" = None  # structured output: the matcher (engine.structured), dropped at finish
+    # extra KDA snapshot points (token positions, block boundaries) -> retention priority: structure hints and
+    # junctions (engine/memory/policy.py)
+    snapshot_points: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.token_ids:
