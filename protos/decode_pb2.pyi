@@ -28,7 +28,7 @@ class LocalPrefill(_message.Message):
     def __init__(self, prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "model", "handoff", "local", "sampling", "tenant_salt", "media", "priority")
+    __slots__ = ("request_id", "model", "handoff", "local", "sampling", "tenant_salt", "media", "priority", "snapshot_hints")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class DecodeRequest(_message.Message):
     TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_HINTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     handoff: HandoffSource
@@ -45,7 +46,8 @@ class DecodeRequest(_message.Message):
     tenant_salt: bytes
     media: _containers.RepeatedCompositeFieldContainer[_common_pb2.MediaItem]
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., handoff: _Optional[_Union[HandoffSource, _Mapping]] = ..., local: _Optional[_Union[LocalPrefill, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[bytes] = ..., media: _Optional[_Iterable[_Union[_common_pb2.MediaItem, _Mapping]]] = ..., priority: _Optional[int] = ...) -> None: ...
+    snapshot_hints: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., handoff: _Optional[_Union[HandoffSource, _Mapping]] = ..., local: _Optional[_Union[LocalPrefill, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[bytes] = ..., media: _Optional[_Iterable[_Union[_common_pb2.MediaItem, _Mapping]]] = ..., priority: _Optional[int] = ..., snapshot_hints: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "stop_token_id", "usage", "used_handoff", "cached_tokens")
