@@ -154,9 +154,12 @@ class AsyncEngine:
     def _publish(self) -> None:
         """After a step or command batch: the stats snapshot, and the collected exports to the sink."""
         self._stats = self.core.stats()
-        sink = self._export_sink
-        if sink is not None and self.core.exchange.outbox:
-            sink(self.core.exchange.take_outbox())
+        sink, exchange = self._export_sink, self.core.exchange
+        exchange.exporting = sink is not None
+        if exchange.outbox:
+            exports = exchange.take_outbox()
+            if sink is not None:
+                sink(exports)
 
     def _run_commands(self) -> None:
         with self._lock:
@@ -232,14 +235,11 @@ class AsyncEngine:
     async def export_snapshots(self, block_hashes: list[bytes]) -> list[tuple[bytes, bytes]]:
         return await self.run_in_engine(lambda: self.core.exchange.export_snapshots(block_hashes))
 
-    async def set_export_sink(self, sink: Callable[[list[SnapshotExport]], None] | None) -> None:
-        """Hands the snapshots leaving the prefix cache to `sink` (on the step thread; see the module docstring)."""
-        def install() -> None:
-            self._export_sink = sink
-            self.core.exchange.exporting = sink is not None
-            if sink is None:
-                self.core.exchange.take_outbox()
-        await self.run_in_engine(install)
+    def set_export_sink(self, sink: Callable[[list[SnapshotExport]], None] | None) -> None:
+        """Hands the snapshots leaving the prefix cache to `sink` (on the step thread; see the module docstring).
+        Any thread may call it: the step thread turns the collection on or off before its next step."""
+        self._export_sink = sink
+        self._wakeup.set()
 
     # -- streams ---------------------------------------------------------------------------------------------
 

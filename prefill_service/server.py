@@ -38,7 +38,7 @@ from protos import prefill_pb2, prefill_pb2_grpc
 from telemetry import tracing
 from telemetry.metrics import CounterSample, RequestTimer
 from worker.codec import FINISH_REASONS, logprob_to_proto, sampling_from_proto
-from worker.server import WorkerServer, start_worker_server, transfer_samples
+from worker.server import WorkerServer, offload_samples, start_worker_server, transfer_samples
 from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class PrefillServicer(WorkerServicer, prefill_pb2_grpc.PrefillServiceServicer):
             job = PrefillJob(request_id=request.request_id, prompt_token_ids=tuple(request.prompt.ids),
                              params=params, tenant_salt=request.tenant_salt, priority=request.priority,
                              handoff_ttl_s=request.handoff_ttl_ms / 1000 if request.handoff_ttl_ms else None,
-                             deadline=call_deadline(context))
+                             deadline=call_deadline(context), snapshot_hints=tuple(request.snapshot_hints))
             result = await worker.prefill(job)
         except self.handled_errors as exc:
             await self.fail(context, exc)
@@ -136,7 +136,8 @@ def worker_counters(worker: PrefillWorker) -> list[CounterSample]:
             CounterSample("published_blocks", "KV blocks stored in the cache service", c.published_blocks),
             CounterSample("published_snapshots", "KDA state snapshots stored in the cache service",
                           c.published_snapshots),
-            CounterSample("publish_failures", "Objects the cache service did not store", c.publish_failures)]
+            CounterSample("publish_failures", "Objects the cache service did not store", c.publish_failures),
+            *offload_samples(c)]
 
 
 # -- lifecycle ---------------------------------------------------------------------------------------------------
