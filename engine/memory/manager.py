@@ -366,11 +366,11 @@ class CacheManager:
         self.block_pool.free(list(blocks)[::-1])
 
     def reserve_snapshot(self, block_hash: bytes) -> int | None:
-        """A snapshot slot for an imported snapshot (turn priority: a request is about to resume from it; never
+        """A snapshot slot for an imported snapshot (the top priority: a request is about to resume from it; never
         exported again, it came from the cache service); None when its last block is not cached or it exists."""
         if not self.snapshots_enabled or self.block_pool.get_cached(block_hash) is None:
             return None
-        return self.state_pool.put_snapshot(block_hash, SnapshotPriority.TURN)
+        return self.state_pool.put_snapshot(block_hash, SnapshotPriority.HINT)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block of a free block and its snapshots (nothing is exported)."""
