@@ -47,6 +47,8 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--snapshot-interval", default="auto", help="tokens between KDA state snapshots, or 'auto'")
+    g.add_argument("--snapshot-budget", default=None, help="bytes for KDA state snapshots, e.g. 2GiB (default: auto)")
+    g.add_argument("--snapshot-policy", default=d.snapshot_policy, choices=["hybrid", "periodic"], help="snapshot points")
     g.add_argument("--tensor-parallel-size", type=int, default=1, choices=[1], help="accepted (1 only for now)")
     g.add_argument("--trust-remote-code", action="store_true", help="accepted, no effect")
     g.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -60,7 +62,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       kv_cache_memory=int(memory) if memory.isdigit() else memory, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens, max_forward_tokens=ns.max_forward_tokens,
                       max_model_len=ns.max_model_len,
-                      enable_prefix_caching=ns.enable_prefix_caching, snapshot_interval=interval)
+                      enable_prefix_caching=ns.enable_prefix_caching, snapshot_interval=interval,
+                      snapshot_budget=ns.snapshot_budget, snapshot_policy=ns.snapshot_policy)
 
 
 def _common(p: argparse.ArgumentParser, default_address: str) -> None:
