@@ -48,7 +48,7 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--snapshot-interval", default="auto", help="tokens between KDA state snapshots, or 'auto'")
     g.add_argument("--snapshot-budget", default=None, help="bytes for KDA state snapshots, e.g. 2GiB (default: auto)")
-    g.add_argument("--snapshot-policy", default=d.snapshot_policy, choices=["hybrid", "periodic"], help="snapshot points")
+    g.add_argument("--snapshot-policy", default=d.snapshot_policy, choices=["hybrid", "periodic"], help="KDA snapshots")
     g.add_argument("--tensor-parallel-size", type=int, default=1, choices=[1], help="accepted (1 only for now)")
     g.add_argument("--trust-remote-code", action="store_true", help="accepted, no effect")
     g.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
