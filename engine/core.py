@@ -92,6 +92,7 @@ class EngineStats:
     num_junctions: int = 0  # snapshot points planned where prompts branch
     num_snapshot_exports: int = 0  # snapshots handed to the outbox (evicted, turn ends)
     num_snapshot_evictions: int = 0
+    num_snapshots_taken: int = 0  # state copies into snapshot slots (each costs one state's bytes of copying)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -389,7 +390,8 @@ class EngineCore:
                            snapshot_bytes=states.num_snapshots * self.plan.bytes_per_state,
                            snapshot_budget_bytes=self.plan.snapshot_budget_bytes,
                            num_junctions=self.manager.num_junctions, num_snapshot_exports=self.manager.num_exports,
-                           num_snapshot_evictions=states.num_snapshot_evictions)
+                           num_snapshot_evictions=states.num_snapshot_evictions,
+                           num_snapshots_taken=self.manager.num_snapshots_taken)
 
     def probe_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
         """Leading tokens of a prompt (`num_tokens`, full blocks hashing to `block_hashes`) that admission would

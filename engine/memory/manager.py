@@ -22,7 +22,7 @@ Contract:
   Their contents are intact until the next forward, `copies_applied()` or pool write, so the caller reads them
   (`take_exports()`) before those; a victim whose slot still awaits its copy is not exported.
 - Counters: `lookup_tokens` (prompt tokens of admitted requests), `hit_tokens` (of those, served from the cache),
-  `num_junctions`, `num_exports`.
+  `num_junctions`, `num_exports`, `num_snapshots_taken` (state copies into snapshot slots after steps).
 """
 
 from __future__ import annotations
@@ -130,6 +130,7 @@ class CacheManager:
         self.hit_tokens = 0
         self.num_junctions = 0
         self.num_exports = 0
+        self.num_snapshots_taken = 0
 
     # -- sizes -----------------------------------------------------------------------------------------------
 
@@ -276,6 +277,7 @@ class CacheManager:
         if rolling:
             self._rolling[req.request_id] = h
         self._unwritten.add(slot)
+        self.num_snapshots_taken += 1
         return [(self.running_slot(req), slot)]
 
     def copies_applied(self) -> None:
