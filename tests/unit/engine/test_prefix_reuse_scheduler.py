@@ -174,3 +174,16 @@ def test_snapshot_budget_sizes_the_snapshot_slots():
     for bad in (dict(snapshot_policy="lru"), dict(snapshot_budget="lots")):
         with pytest.raises(EngineConfigError):
             dataclasses.replace(base, **bad)
+
+
+def test_the_hit_rate_log_line(caplog):
+    from engine.async_engine import _HitRateLog
+    from engine.core import EngineStats
+
+    zero = EngineStats(**{f.name: 0 for f in dataclasses.fields(EngineStats)})
+    log = _HitRateLog(zero, interval_s=0.0)
+    with caplog.at_level("INFO", logger="engine.async_engine"):
+        log.maybe_log(zero)  # nothing admitted since: no line
+        log.maybe_log(dataclasses.replace(zero, prefix_lookup_tokens=4000, prefix_hit_tokens=3000, num_snapshots=3))
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("Prefix cache hit rate: 75.0% (3000 of 4000 prompt tokens; 75.0% since start)")
