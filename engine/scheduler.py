@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field, replace
 
-from engine.memory.manager import CacheManager, StateInit
+from engine.memory.manager import CacheManager, PrefixHit, StateInit
 from engine.request import Request, RequestStatus
 
 
@@ -141,7 +141,7 @@ class Scheduler:
             self._admit(req, hit, n, out)
             budget -= n
 
-    def _admit(self, req: Request, hit, n: int, out: SchedulerOutput) -> None:
+    def _admit(self, req: Request, hit: PrefixHit, n: int, out: SchedulerOutput) -> None:
         init = self.manager.admit(req, hit)
         if not self.manager.allocate(req, n):  # can_admit said it would fit: the pools disagree with it
             raise SchedulerInvariantError(f"request {req.request_id}: admitted but {n} tokens do not fit")

@@ -75,6 +75,25 @@ def test_turn_end_next_turn_hits_the_whole_previous_turn_through_prefill(tiny_k3
         assert ids == reference(prompt, 30)
 
 
+def test_remote_junction_where_the_cache_service_has_the_blocks_but_no_snapshot(tiny_k3, reference):
+    """Prefill's local cache is emptied before each request, so only the cache service's blocks show where the
+    prompts branch: the second request is snapshotted (and published) there, the third loads it."""
+    shared = random_prompts(1, 300, 301, seed=90)[0]  # 18 full blocks (288 tokens) shared
+    prompts = [shared + tail for tail in random_prompts(3, 40, 41, seed=91)]
+
+    async def main():
+        async with Mesh(tiny_k3, engine=NO_PERIODIC) as mesh:
+            engine, got = mesh.prefill_server.engine, []
+            for p in prompts:
+                await engine.run_in_engine(engine.core.reset_prefix_cache)
+                got.append(await mesh.run_direct(p, greedy(8), "remote"))
+                await mesh.drain()
+            assert [r.usage.cached_tokens for r in got] == [0, 0, 288]
+            assert mesh.prefill_worker.counters.remote_loads == 1
+            return [r.ids for r in got]
+    assert run_bounded(main()) == [reference(p) for p in prompts]
+
+
 async def _evict_locally(mesh: Mesh, prompts: list[list[int]], hint: int, salt: bytes = b"") -> None:
     """Colocated requests whose hinted snapshots outnumber the decode engine's two slots: the first ones are
     evicted there, and offloaded."""
