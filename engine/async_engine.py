@@ -20,8 +20,9 @@ Contract:
   `validate_prompt` read only what is fixed when the engine starts.
 - `set_export_sink(sink)`: from then on the engine collects the KDA snapshots leaving its prefix cache (evicted, or a
   finished handoff's turn end, engine/exchange.py `SnapshotExport`) and calls `sink(exports)` on the step thread
-  after the step or command batch that produced them (the sink must only hand them over, e.g. with
-  `loop.call_soon_threadsafe`); `None` stops the collection. Without a sink nothing is collected or copied.
+  after the step or command batch that produced them, before that step's outputs go to their streams (the sink must
+  only hand them over, e.g. with `loop.call_soon_threadsafe`, which then delivers them first); `None` stops the
+  collection. Without a sink nothing is collected or copied.
 - Every `LOG_STATS_INTERVAL_S` with new admissions the step thread logs vLLM's line "Prefix cache hit rate: X%" (over
   that interval, and since start) with the snapshot memory in use, from the engine's counters.
 """
@@ -134,11 +135,12 @@ class AsyncEngine:
                 self._run_commands()
                 self._publish()
                 if self.core.has_unfinished_requests():
-                    for out in self.core.step():
+                    outputs = self.core.step()
+                    self._publish()  # first: a stream that sees its end finds the step's exports handed over
+                    for out in outputs:
                         stream = self._streams.get(out.request_id)
                         if stream is not None:
                             stream.put(out)
-                    self._publish()
                     self._hit_rate_log.maybe_log(self._stats)
                 else:
                     self._wakeup.wait(IDLE_POLL_S)
