@@ -44,7 +44,7 @@ from protos import common_pb2, decode_pb2, decode_pb2_grpc
 from telemetry import tracing
 from telemetry.metrics import CounterSample, RequestTimer, WorkerMetrics
 from worker.codec import FINISH_REASONS, logprob_to_proto, media_from_proto, sampling_from_proto
-from worker.server import WorkerServer, start_worker_server, transfer_samples
+from worker.server import WorkerServer, offload_samples, start_worker_server, transfer_samples
 from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ def job_from_proto(request: decode_pb2.DecodeRequest, deadline: float | None) ->
         raise InvalidRequestError("the prompt is empty", param="prompt")
     return DecodeJob(request_id=request.request_id, prompt_token_ids=prompt, params=params, handoff=handoff,
                      tenant_salt=request.tenant_salt, priority=request.priority, deadline=deadline,
-                     media=media_from_proto(request.media))
+                     media=media_from_proto(request.media), snapshot_hints=tuple(request.snapshot_hints))
 
 
 # -- the servicer ----------------------------------------------------------------------------------------------
@@ -225,7 +225,14 @@ def worker_counters(worker: DecodeWorker) -> list[CounterSample]:
         CounterSample("handoffs", "Decode requests by how their handoff went", c.handoff_failures,
                       (("outcome", "failed"),)),
         CounterSample("recomputed_prompts", "Prompts computed here because their handoff was unusable", c.recomputed),
-        CounterSample("local_requests", "Requests prefilled here (colocated)", c.local_requests)]
+        CounterSample("local_requests", "Requests prefilled here (colocated)", c.local_requests),
+        *transfer_samples("prefix_load", c.remote_load_bytes, c.remote_load_seconds),
+        CounterSample("remote_prefix_loads", "Prefixes loaded from the cache service", c.remote_loads),
+        CounterSample("remote_prefix_load_tokens", "Prompt tokens of the prefixes loaded from the cache service",
+                      c.remote_load_tokens),
+        CounterSample("remote_prefix_load_failures", "Cache lookups or prefix loads that failed (computed instead)",
+                      c.remote_load_failures),
+        *offload_samples(c)]
     samples += [CounterSample("handoff_failures", "Unusable handoffs by reason", n, (("reason", reason),))
                 for reason, n in sorted(dict(c.failure_reasons).items())]  # a copy: the loop thread may add one
     return samples

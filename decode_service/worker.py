@@ -14,8 +14,13 @@ Contract (DESIGN.md "One chat request, end to end", step 4):
 - When the handoff cannot be used (cache service down, handoff expired, missing block, corrupt or mismatched object)
   the worker counts the failure and, with `kv_load_failure_policy="recompute"` (default), prefills the prompt itself
   (greedy and seeded outputs are unchanged); with `"fail"` it raises `HandoffUnavailableError`.
-- Local path (`job.handoff` None, the colocated mode): the engine prefills (using its own prefix cache) and decodes;
-  `n > 1` is served here.
+- Local path (`job.handoff` None, the colocated mode): the engine prefills (using its own prefix cache, and before
+  that the longer prefix the cache service may hold — offloaded snapshots included — loaded as prefill loads it,
+  worker/prefix.py) and decodes; `n > 1` is served here. The job's structure hints (`snapshot_hints`) and the remote
+  junction are snapshot points of the prompt (prefill_service/worker.py), on this path and on the recompute one.
+- With a cache service, the snapshots the engine lets go — evicted ones, and a finished handoff's turn end (the state
+  after its last full block of prompt + output, so the next turn, prefilled anywhere, hits the whole previous
+  turn) — are offloaded to it with their blocks in the background (worker/offload.py); `drain()` waits for them.
 - Leaving the iteration early (client cancel, deadline) aborts the engine request, which frees its blocks and slot.
 - `await probe(prompt, salt)` answers how many leading prompt tokens this worker's prefix cache would serve (the
   engine's prefix hit rule) with the engine's load (running, waiting, KV usage); it runs between two engine steps
@@ -38,6 +43,7 @@ from opentelemetry.trace import Tracer
 from cache_service.client import CacheClient
 from cache_service.objects import Status, object_key
 from engine.async_engine import AsyncEngine
+from engine.memory.policy import hint_points
 from engine.outputs import PositionLogprobs, RequestOutput
 from engine.sampling import SamplingParams
 from engine.transfer import (CorruptObjectError, MissingBlockError, ModelMismatchError, RequestState,
@@ -45,6 +51,8 @@ from engine.transfer import (CorruptObjectError, MissingBlockError, ModelMismatc
 from protos import common_pb2
 from telemetry import tracing
 from worker.codec import prompt_logprobs_to_proto
+from worker.offload import SnapshotPublisher
+from worker.prefix import PrefixCounters, RemotePrefix
 from worker.tenancy import engine_cache_salt, prompt_block_hashes
 from worker.transfers import timed_get
 
@@ -79,6 +87,7 @@ class DecodeJob:
     priority: int = 0
     deadline: float | None = None  # time.monotonic() seconds
     media: tuple = ()  # engine.vision.feed.ImageInput of the prompt's images (pixels for local prefill only)
+    snapshot_hints: tuple[int, ...] = ()  # prompt token positions to snapshot the KDA state at (protos/prefill.proto)
 
 
 @dataclass(frozen=True)
@@ -104,8 +113,9 @@ class TokenBatch:
 
 
 @dataclass
-class DecodeCounters:
-    """Counts since the worker started (read by tests and metrics)."""
+class DecodeCounters(PrefixCounters):
+    """Counts since the worker started (read by tests and metrics); the remote prefix and offload counts are
+    `PrefixCounters`' (worker/prefix.py)."""
 
     handoff_requests: int = 0
     handoff_loaded: int = 0
@@ -141,6 +151,11 @@ class DecodeWorker:
         self.fingerprint: bytes = self.layout.fingerprint
         self.counters = DecodeCounters()
         self._claims: set[asyncio.Task] = set()
+        self.prefix = self.offload = None
+        if cache is not None:
+            self.prefix = RemotePrefix(engine, cache, self.tracer, self.counters)
+            self.offload = SnapshotPublisher(engine, cache, self.counters)
+            self.offload.start()
 
     # -- probe ---------------------------------------------------------------------------------------------------
 
@@ -169,9 +184,11 @@ class DecodeWorker:
                                           tracing.GEN_AI_RESPONSE_FINISH_REASONS: tuple(finish) or None})
 
     async def _decode(self, job: DecodeJob) -> AsyncIterator[TokenBatch]:
+        hint_points(job.snapshot_hints, len(job.prompt_token_ids), self.layout.block_size)  # before anything runs
         if job.handoff is None:
             self.counters.local_requests += 1
-            async for batch in self._generate(job, job.params.n, cached_tokens=None):
+            hints = job.snapshot_hints + await self._load_remote_prefix(job)
+            async for batch in self._generate(job, job.params.n, cached_tokens=None, hints=hints):
                 yield batch
             return
         self.counters.handoff_requests += 1
@@ -192,10 +209,23 @@ class DecodeWorker:
         async for batch in self._continue(job, state):
             yield batch
 
-    async def _generate(self, job: DecodeJob, n: int, cached_tokens: int | None) -> AsyncIterator[TokenBatch]:
+    async def _load_remote_prefix(self, job: DecodeJob) -> tuple[int, ...]:
+        """Loads the cache service's longer prefix of a local prompt -> its remote junction, as a hint."""
+        if self.prefix is None:
+            return ()
+        ids = job.prompt_token_ids
+        hashes = prompt_block_hashes(self.layout, ids, job.tenant_salt)
+        presence = await self.prefix.lookup(hashes, job.tenant_salt, len(ids))
+        await self.prefix.load(len(ids), hashes, job.tenant_salt, presence)
+        junction = self.prefix.junction(presence, len(ids))
+        return (junction,) if junction else ()
+
+    async def _generate(self, job: DecodeJob, n: int, cached_tokens: int | None,
+                        hints: tuple[int, ...] | None = None) -> AsyncIterator[TokenBatch]:
         stream = self.engine.generate(job.request_id, {"prompt_token_ids": list(job.prompt_token_ids)}, job.params,
                                       priority=job.priority, cache_salt=engine_cache_salt(job.tenant_salt),
-                                      deadline=job.deadline, media=job.media)
+                                      deadline=job.deadline, media=job.media,
+                                      snapshot_hints=job.snapshot_hints if hints is None else hints)
         async for batch in self._batches(stream, job, n, cached_tokens, used_handoff=False, carried=0):
             yield batch
 
@@ -287,6 +317,8 @@ class DecodeWorker:
             raise _LoadFailure(reason, str(exc)) from None
 
     async def drain(self) -> None:
-        """Waits for background handoff removals."""
+        """Waits for background handoff removals and snapshot offloads."""
         while self._claims:
             await asyncio.gather(*list(self._claims), return_exceptions=True)
+        if self.offload is not None:
+            await self.offload.drain()

@@ -53,6 +53,8 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--snapshot-interval", default="auto", help="tokens between KDA state snapshots, or 'auto'")
+    g.add_argument("--snapshot-budget", default=None, help="bytes for KDA state snapshots, e.g. 2GiB (default: auto)")
+    g.add_argument("--snapshot-policy", default=d.snapshot_policy, choices=["hybrid", "periodic"], help="KDA snapshots")
     add_vllm_flags(g)  # --tensor-parallel-size, --trust-remote-code, ...: the one table (deploy/flags.py)
     g.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
@@ -66,7 +68,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       max_num_batched_tokens=ns.max_num_batched_tokens, max_forward_tokens=ns.max_forward_tokens,
                       max_model_len=ns.max_model_len,
                       enable_prefix_caching=ns.enable_prefix_caching, snapshot_interval=interval,
-                      tensor_parallel_size=ns.tensor_parallel_size, enable_expert_parallel=ns.enable_expert_parallel)
+                      tensor_parallel_size=ns.tensor_parallel_size, enable_expert_parallel=ns.enable_expert_parallel,
+                      snapshot_budget=ns.snapshot_budget, snapshot_policy=ns.snapshot_policy)
 
 
 def _common(p: argparse.ArgumentParser, default_address: str) -> None:

@@ -19,6 +19,13 @@ Contract:
   `stats_snapshot()` returns the `EngineStats` the step thread published after its latest step or command batch
   (an immutable object: any thread may read it, e.g. a metrics scrape, without waiting); `layout` and
   `validate_prompt` read only what is fixed when the engine starts.
+- `set_export_sink(sink)`: from then on the engine collects the KDA snapshots leaving its prefix cache (evicted, or a
+  finished handoff's turn end, engine/exchange.py `SnapshotExport`) and calls `sink(exports)` on the step thread
+  after the step or command batch that produced them, before that step's outputs go to their streams (the sink must
+  only hand them over, e.g. with `loop.call_soon_threadsafe`, which then delivers them first); `None` stops the
+  collection. Without a sink nothing is collected or copied.
+- Every `LOG_STATS_INTERVAL_S` with new admissions the step thread logs vLLM's line "Prefix cache hit rate: X%" (over
+  that interval, and since start) with the snapshot memory in use, from the engine's counters.
 """
 
 from __future__ import annotations
@@ -31,9 +38,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from collections.abc import Sequence
+
 from engine.config import EngineArgs
 from engine.core import EngineCore, EngineStats, PromptInput
 from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
+from engine.exchange import SnapshotExport
 from engine.memory.manager import PrefixPresence
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
@@ -43,6 +53,31 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_WAIT_TIMEOUT_S = 300.0
 IDLE_POLL_S = 0.05
+LOG_STATS_INTERVAL_S = 10.0
+
+
+class _HitRateLog:
+    """The periodic "Prefix cache hit rate" line (see the module docstring)."""
+
+    def __init__(self, stats: EngineStats, interval_s: float = LOG_STATS_INTERVAL_S):
+        self.interval_s = interval_s
+        self._last = stats
+        self._due = time.monotonic() + interval_s
+
+    def maybe_log(self, stats: EngineStats) -> None:
+        now = time.monotonic()
+        if now < self._due:
+            return
+        self._due = now + self.interval_s
+        looked = stats.prefix_lookup_tokens - self._last.prefix_lookup_tokens
+        if looked <= 0:
+            return
+        hit = stats.prefix_hit_tokens - self._last.prefix_hit_tokens
+        self._last = stats
+        logger.info("Prefix cache hit rate: %.1f%% (%d of %d prompt tokens; %.1f%% since start); KDA snapshots "
+                    "%d (%.1f of %.1f MiB), %d junctions, %d offloaded", 100 * hit / looked, hit, looked,
+                    100 * stats.prefix_hit_rate, stats.num_snapshots, stats.snapshot_bytes / 2 ** 20,
+                    stats.snapshot_budget_bytes / 2 ** 20, stats.num_junctions, stats.num_snapshot_exports)
 
 
 class _Stream:
@@ -68,6 +103,8 @@ class AsyncEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._stats: EngineStats = core.stats()  # replaced (never changed) by the step thread
+        self._export_sink: Callable[[list[SnapshotExport]], None] | None = None
+        self._hit_rate_log = _HitRateLog(self._stats)
         self._thread = threading.Thread(target=self._run, name="kdamesh-engine-step", daemon=True)
         self._thread.start()
 
@@ -103,13 +140,15 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._run_commands()
-                self._stats = self.core.stats()
+                self._publish()
                 if self.core.has_unfinished_requests():
-                    for out in self.core.step():
+                    outputs = self.core.step()
+                    self._publish()  # first: a stream that sees its end finds the step's exports handed over
+                    for out in outputs:
                         stream = self._streams.get(out.request_id)
                         if stream is not None:
                             stream.put(out)
-                    self._stats = self.core.stats()
+                    self._hit_rate_log.maybe_log(self._stats)
                 else:
                     self._wakeup.wait(IDLE_POLL_S)
                     self._wakeup.clear()
@@ -120,6 +159,16 @@ class AsyncEngine:
             for stream in list(self._streams.values()):
                 stream.put(dead)
             self._fail_commands(dead)
+
+    def _publish(self) -> None:
+        """After a step or command batch: the stats snapshot, and the collected exports to the sink."""
+        self._stats = self.core.stats()
+        sink, exchange = self._export_sink, self.core.exchange
+        exchange.exporting = sink is not None
+        if exchange.outbox:
+            exports = exchange.take_outbox()
+            if sink is not None:
+                sink(exports)
 
     def _run_commands(self) -> None:
         with self._lock:
@@ -195,13 +244,22 @@ class AsyncEngine:
     async def export_snapshots(self, block_hashes: list[bytes]) -> list[tuple[bytes, bytes]]:
         return await self.run_in_engine(lambda: self.core.exchange.export_snapshots(block_hashes))
 
+    def set_export_sink(self, sink: Callable[[list[SnapshotExport]], None] | None) -> None:
+        """Hands the snapshots leaving the prefix cache to `sink` (on the step thread; see the module docstring).
+        Any thread may call it: the step thread turns the collection on or off before its next step."""
+        self._export_sink = sink
+        self._wakeup.set()
+
     # -- streams ---------------------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
                        cache_salt: str | None = None, export_on_finish: bool = False,
-                       deadline: float | None = None, media: tuple = ()) -> AsyncIterator[RequestOutput]:
+                       deadline: float | None = None, media: tuple = (),
+                       snapshot_hints: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
+        """`snapshot_hints`: prompt token positions to snapshot the KDA state at (`EngineCore.add_request`)."""
         add = lambda: self.core.add_request(request_id, prompt, params, priority=priority,  # noqa: E731
-                                            cache_salt=cache_salt, export_on_finish=export_on_finish, media=media)
+                                            cache_salt=cache_salt, export_on_finish=export_on_finish, media=media,
+                                            snapshot_hints=tuple(snapshot_hints))
         async for out in self._stream(request_id, add, deadline):
             yield out
 

@@ -5,9 +5,12 @@ Contract:
   `__post_init__` checks each field alone and raises `EngineConfigError` naming it.
 - `plan_cache(args, model_config, dtype_bytes)` turns the memory budget into pool sizes, `CachePlan`:
   the KDA state pool holds `max_num_seqs * (1 + num_speculative_tokens)` running slots, then (with prefix caching)
-  `snapshot_memory_fraction` of the remaining bytes as snapshot slots; the MLA block pool takes the rest. The two
-  pools are sized independently (a block is `block_size` tokens of MLA latents, never inflated to a state's size).
-  `num_kv_blocks` / `num_snapshot_slots` override the computed sizes (tests pin exact pools with them).
+  the snapshot slots: `snapshot_budget` bytes of them when set, else `snapshot_memory_fraction` of the remaining
+  bytes; the MLA block pool takes the rest. The two pools are sized independently (a block is `block_size` tokens of
+  MLA latents, never inflated to a state's size). `num_kv_blocks` / `num_snapshot_slots` override the computed sizes
+  (tests pin exact pools with them). The snapshot slots are the snapshot byte budget: retention within it follows
+  the priorities of engine/memory/policy.py, and `snapshot_policy` ("hybrid" | "periodic") chooses which snapshot
+  points exist.
   Under tensor parallelism the budget is per rank and a state slot costs one rank's heads (`tensor_parallel_size`).
 - `snapshot_interval="auto"` is the state's bytes expressed in tokens of KV, rounded to whole blocks (so periodic
   snapshots at most double the memory of the prefix they cover), clamped to [1, MAX_AUTO_INTERVAL_BLOCKS] blocks.
@@ -18,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import EngineConfigError
+from engine.memory.policy import SNAPSHOT_POLICIES
 from engine.model.batch import bytes_per_state, bytes_per_token
 from engine.model.config import ModelConfig
 from telemetry import units
@@ -26,13 +30,15 @@ MAX_AUTO_INTERVAL_BLOCKS = 4096
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
 
-def parse_bytes(value: int | str) -> int:
+def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
     """`4096`, `"512MiB"`, `"2GB"`, `"1.5g"` -> bytes, by the one unit rule (`telemetry.units.parse_bytes`); an
-    unusable value raises EngineConfigError naming kv_cache_memory, the engine option it sizes."""
+    unusable value raises EngineConfigError naming `name`, the engine option it sizes."""
     try:
+        if isinstance(value, bool):
+            raise ValueError(value)
         return units.parse_bytes(value)
     except ValueError:
-        raise EngineConfigError(f"kv_cache_memory {value!r} is not a byte count (e.g. 4096, 512MiB, 2GB)") from None
+        raise EngineConfigError(f"{name} {value!r} is not a byte count (e.g. 4096, 512MiB, 2GB)") from None
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # rank processes the model is split over (engine/parallel/executor.py)
     enable_expert_parallel: bool = False  # split the routed experts by expert across those ranks
     collective_timeout_s: float = 60.0  # a rank collective waiting longer fails the engine (a hung or lost rank)
+    snapshot_policy: str = "hybrid"  # "hybrid": hints, junctions, turn ends too; "periodic": prompt ends + interval
+    snapshot_budget: int | str | None = None  # bytes of KDA snapshots, e.g. "2GiB"; None: snapshot_memory_fraction
 
     def __post_init__(self):
         positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
@@ -92,6 +100,10 @@ class EngineArgs:
             raise EngineConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.collective_timeout_s <= 0:
             raise EngineConfigError(f"collective_timeout_s must be positive, got {self.collective_timeout_s!r}")
+        if self.snapshot_policy not in SNAPSHOT_POLICIES:
+            raise EngineConfigError(f"snapshot_policy must be one of {SNAPSHOT_POLICIES}, got {self.snapshot_policy!r}")
+        if self.snapshot_budget is not None and parse_bytes(self.snapshot_budget, "snapshot_budget") < 0:
+            raise EngineConfigError(f"snapshot_budget must be >= 0, got {self.snapshot_budget!r}")
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,12 @@ class CachePlan:
     max_model_len: int
     bytes_per_token: int
     bytes_per_state: int
+    snapshot_policy: str = "hybrid"  # engine/memory/policy.py
+
+    @property
+    def snapshot_budget_bytes(self) -> int:
+        """The bytes the snapshot slots hold: the most KDA snapshots may ever take."""
+        return self.num_snapshot_slots * self.bytes_per_state
 
     @property
     def num_slots(self) -> int:
@@ -145,7 +163,9 @@ def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> Cache
     snapshots = 0
     if caching and state_b:
         snapshots = args.num_snapshot_slots
-        if snapshots is None:
+        if snapshots is None and args.snapshot_budget is not None:
+            snapshots = parse_bytes(args.snapshot_budget, "snapshot_budget") // state_b
+        elif snapshots is None:
             snapshots = int(max(rest, 0) * args.snapshot_memory_fraction) // state_b
     num_blocks = args.num_kv_blocks
     if num_blocks is None:
@@ -164,4 +184,5 @@ def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> Cache
         max_len = args.max_model_len
     return CachePlan(block_size=bs, num_blocks=int(num_blocks), slots_per_request=slots_per_request,
                      num_running_slots=running, num_snapshot_slots=int(snapshots), snapshot_interval=interval,
-                     max_model_len=int(max_len), bytes_per_token=token_b, bytes_per_state=state_b)
+                     max_model_len=int(max_len), bytes_per_token=token_b, bytes_per_state=state_b,
+                     snapshot_policy=args.snapshot_policy)

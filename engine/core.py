@@ -10,6 +10,11 @@ Contract:
 - `step()` schedules, runs the model once, commits full blocks and snapshots, samples, detokenises, checks stops,
   frees finished requests, and returns one delta `RequestOutput` per request that changed (see engine/outputs.py).
 - `abort(request_id)` ends a request at once (its output finishes with "abort" on the next `step`).
+- `add_request(..., snapshot_hints=positions)`: token positions of the prompt (where the rendered chat's system/tool
+  block and each earlier message end) at which the KDA state is snapshotted, rounded down to blocks
+  (engine/memory/policy.py `hint_points`; out-of-range positions are an `InvalidRequestError`), so a later prompt
+  sharing that prefix resumes there. With `exchange.exporting` on, `step` collects the snapshots leaving the cache
+  (evicted, or a finished handoff's turn end) into `exchange.outbox` for the owner to offload.
 - Structured output (`params.structured`, engine/structured/): `add_request` compiles the grammar (cached) and
   gives each sequence a matcher; `step` fills the bitmasks of the constrained rows before the forward, masks their
   logits rows (others untouched) before sampling, and advances each matcher with its sampled token. When no
@@ -38,6 +43,7 @@ import hashlib
 import json
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +54,7 @@ from engine.errors import InvalidRequestError
 from engine.exchange import CacheExchange
 from engine.memory.hashing import BlockHasher, root_hash
 from engine.memory.manager import CacheManager, PrefixPresence
+from engine.memory.policy import hint_points
 from engine.model.loader import LoadConfig
 from engine import prompt_logprobs
 from engine.outputs import RequestOutput
@@ -92,6 +99,17 @@ class EngineStats:
     prefix_hit_tokens: int
     num_preemptions: int
     phase_times: PhaseSnapshot | None = None  # cumulative queue / prefill / decode histograms (engine.phase_times)
+    snapshot_bytes: int = 0  # bytes of the snapshots held now (<= snapshot_budget_bytes)
+    snapshot_budget_bytes: int = 0
+    num_junctions: int = 0  # snapshot points planned where prompts branch
+    num_snapshot_exports: int = 0  # snapshots handed to the outbox (evicted, turn ends)
+    num_snapshot_evictions: int = 0
+    num_snapshots_taken: int = 0  # state copies into snapshot slots (each costs one state's bytes of copying)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of admitted prompt tokens served from the prefix cache (0 before any)."""
+        return self.prefix_hit_tokens / self.prefix_lookup_tokens if self.prefix_lookup_tokens else 0.0
 
 
 def model_fingerprint(model_dir: str | Path, dtype: torch.dtype, load_format: str, seed: int) -> bytes:
@@ -209,7 +227,7 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
                     cache_salt: str | None = None, media: tuple[ImageInput, ...] = (),
-                    export_on_finish: bool = False) -> None:
+                    export_on_finish: bool = False, snapshot_hints: Sequence[int] = ()) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be SamplingParams", param="params")
         if request_id in self._parents:
@@ -217,6 +235,7 @@ class EngineCore:
         if export_on_finish and params.n != 1:
             raise InvalidRequestError("export_on_finish needs n == 1", param="n")
         text, ids, max_tokens = self.validate_prompt(prompt, params)
+        points = hint_points(snapshot_hints, len(ids), self.plan.block_size)
         if params.structured is not None:  # structured output: compile now so a bad grammar queues nothing
             self.grammar_backend().compile(params.structured)
         media = check_images(ids, media, self.media.pad_id if self.media.feeder else None, self.media.processor)
@@ -227,7 +246,7 @@ class EngineCore:
             req = Request(request_id=child_id, parent_id=request_id, index=i, prompt_token_ids=ids, params=params,
                           max_tokens=max_tokens, arrival=self._arrivals, hasher=hasher, priority=priority,
                           generator=self._make_generator(params, i), export_on_finish=export_on_finish,
-                          cache_salt=cache_salt, media=media)
+                          cache_salt=cache_salt, media=media, snapshot_points=dict(points))
             req.output = OutputState(params, self.tokenizer, self.eos_token_ids)
             self._attach_grammar(req)
             self._arrivals += 1
@@ -302,6 +321,7 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        self.exchange.collect()  # admission and growth may have evicted what an export reads
         if not out.is_empty:
             self.num_steps += 1
             slots = [self.manager.running_slot(c.req) for c in out.chunks]
@@ -317,7 +337,9 @@ class EngineCore:
             for chunk in out.chunks:
                 chunk.req.num_computed_tokens = chunk.start + chunk.num_tokens
                 copies.extend(self.manager.commit(chunk.req))
+            self.exchange.collect()  # before the copies overwrite evicted snapshots' slots
             self.runner.copy_slots(copies)
+            self.manager.copies_applied()
             rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids if r.params.has_penalties else (),
                               r.generator, self._suppressed(r)) for r in sampled]
             for req, result in zip(sampled, self.sampler.sample(logits, rows)):
@@ -344,8 +366,11 @@ class EngineCore:
             self._num_constrained -= 1
         if status is RequestStatus.FINISHED_ABORTED:
             req.output.abort()
-        elif req.export_on_finish:
-            req.exported = self.exchange.export_request(req)
+        else:
+            self.manager.record_turn_end(req)
+            self.exchange.collect()
+            if req.export_on_finish:
+                req.exported = self.exchange.export_request(req)
         self.scheduler.finish(req, status)
         self.phase_times.observe(req.times)
         self._requests.pop(req.request_id, None)
@@ -386,7 +411,12 @@ class EngineCore:
                            num_snapshot_slots=states.num_snapshot_slots,
                            prefix_lookup_tokens=self.manager.lookup_tokens, prefix_hit_tokens=self.manager.hit_tokens,
                            num_preemptions=self.scheduler.num_preemptions,
-                           phase_times=self.phase_times.snapshot())
+                           phase_times=self.phase_times.snapshot(),
+                           snapshot_bytes=states.num_snapshots * self.plan.bytes_per_state,
+                           snapshot_budget_bytes=self.plan.snapshot_budget_bytes,
+                           num_junctions=self.manager.num_junctions, num_snapshot_exports=self.manager.num_exports,
+                           num_snapshot_evictions=states.num_snapshot_evictions,
+                           num_snapshots_taken=self.manager.num_snapshots_taken)
 
     def probe_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
         """Leading tokens of a prompt (`num_tokens`, full blocks hashing to `block_hashes`) that admission would
@@ -426,6 +456,7 @@ class EngineCore:
             raise InvalidRequestError("an imported request has n == 1", param="n")
         check_request_state(state, self.layout)
         _, prompt, max_tokens = self.validate_prompt(state.prompt_token_ids, params)
+        self.manager.note_sent(state.block_hashes)  # a handoff's full blocks came through the cache service
         media = check_images(prompt, media, self.media.pad_id if self.media.feeder else None, self.media.processor)
         hasher = BlockHasher(self.plan.block_size, root_hash(self.fingerprint, state.cache_salt), media)
         req = Request(request_id=request_id, parent_id=request_id, index=0, prompt_token_ids=prompt, params=params,

@@ -12,10 +12,18 @@ wraps what the worker services need):
 - `import_prefix(blocks, snapshot)` imports a prefix the cache service served: its blocks, then (KDA models) the
   snapshot at its end -> whether the prefix is now resumable here (the snapshot was added).
 - Objects of another model raise `ModelMismatchError`, corrupt or mis-shaped ones `CorruptObjectError` (both
-  `TransferError`, engine/transfer.py); nothing is added from an object that fails.
+  `TransferError`, engine/transfer.py); nothing is added from an object that fails. Imported blocks are remembered
+  as held by the cache service (exports skip them).
+- Outbox (while `exporting`, which the engine's owner turns on when it has somewhere to put them): `collect()` reads
+  the snapshots the cache manager let go (evicted, or a handoff's turn end) out of the pools, with their blocks not
+  sent before, as `SnapshotExport`s (CPU tensors) into `outbox` (at most `MAX_OUTBOX`; older ones are dropped and
+  counted in `num_dropped`); `take_outbox()` hands them over. The engine calls `collect()` wherever the pools are
+  about to be written; so does every import here before it writes.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -25,12 +33,53 @@ from engine.runner import ModelRunner
 from engine.transfer import (CacheLayout, RequestState, check_block_tensor, check_model, check_state_tensors,
                              decode_block, decode_state, encode_block, encode_state)
 
+MAX_OUTBOX = 256
+
+
+@dataclass(frozen=True)
+class SnapshotExport:
+    """A snapshot leaving this engine with the blocks of its prefix the cache service may lack."""
+
+    reason: str  # "evicted" (for room, or its last block was) | "turn_end" (a finished handoff's turn)
+    block_hash: bytes  # the hash of the prefix's last block: the snapshot's name
+    cache_salt: str | None  # the engine cache salt of the request that took it (worker/tenancy.py maps it back)
+    num_tokens: int  # the prefix's length
+    state: dict[str, torch.Tensor]  # conv [num_kda_layers, 3*H*D, W-1], recurrent [num_kda_layers, H, D, D]
+    blocks: tuple[tuple[bytes, torch.Tensor], ...]  # (hash, kv [num_mla_layers, block_size, cache_dim]), in order
+
 
 class CacheExchange:
     def __init__(self, manager: CacheManager, runner: ModelRunner, layout: CacheLayout):
         self.manager = manager
         self.runner = runner
         self.layout = layout
+        self.outbox: list[SnapshotExport] = []
+        self.num_dropped = 0
+
+    # -- the outbox -------------------------------------------------------------------------------------------
+
+    @property
+    def exporting(self) -> bool:
+        return self.manager.exporting
+
+    @exporting.setter
+    def exporting(self, on: bool) -> None:
+        self.manager.exporting = on
+
+    def collect(self) -> None:
+        """Reads the pending exports out of the pools (before anything writes them)."""
+        for p in self.manager.take_exports():
+            kv = self.runner.read_blocks([b for _, b in p.blocks]) if p.blocks else None  # [L, n, bs, dim]
+            blocks = tuple((h, kv[:, i]) for i, (h, _) in enumerate(p.blocks))
+            self.outbox.append(SnapshotExport(p.reason, p.block_hash, p.cache_salt, p.num_tokens,
+                                              self.runner.read_state(p.slot), blocks))
+        if len(self.outbox) > MAX_OUTBOX:
+            self.num_dropped += len(self.outbox) - MAX_OUTBOX
+            del self.outbox[:-MAX_OUTBOX]
+
+    def take_outbox(self) -> list[SnapshotExport]:
+        items, self.outbox = self.outbox, []
+        return items
 
     def export_request(self, req: Request) -> RequestState:
         computed = req.num_computed_tokens
@@ -60,6 +109,8 @@ class CacheExchange:
             check_block_tensor(kv, self.layout)
             blocks[h] = kv
         reserved = self.manager.reserve_blocks(list(blocks))
+        self.manager.note_sent(blocks)
+        self.collect()  # reserving may have evicted blocks that an export reads
         if reserved:
             ids = [b for _, b in reserved]
             self.runner.write_blocks(ids, torch.stack([blocks[h] for h, _ in reserved], dim=1))
@@ -81,6 +132,7 @@ class CacheExchange:
         check_model(fingerprint, self.layout, "a snapshot")
         check_state_tensors(state, self.layout)
         slot = self.manager.reserve_snapshot(h)
+        self.collect()  # the slot may have been an evicted snapshot's
         if slot is None:
             return False
         self.runner.write_state(slot, state)

@@ -6,6 +6,8 @@ Contract:
   params one for all or one per prompt. Every request is validated before any is queued, so a bad one raises
   `InvalidRequestError` and nothing runs; the engine stays usable. Returns one final `RequestOutput` per prompt, in
   order, each with its `n` completions in index order (cumulative fields filled; deltas empty).
+- `generate(..., snapshot_hints=[[positions], ...])`: per prompt, the token positions to snapshot the KDA state at
+  (where its system prompt and messages end; `EngineCore.add_request`), so later prompts sharing them resume there.
 - `generate(..., export=True)` attaches to each output a `RequestState` (`.exported`: the KV and KDA state after
   every token but the last sampled one); `resume(states, params)` continues such states in this engine, with
   `params.max_tokens` counting the carried output tokens too.
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 from engine.config import EngineArgs
 from engine.core import EngineCore, PromptInput
 from engine.errors import InvalidRequestError
+from engine.memory.policy import hint_points
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import SamplingParams
 from engine.transfer import RequestState
@@ -43,20 +46,24 @@ class LLM:
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: Sequence[int] | None = None, check_integrity: bool = False,
-                 export: bool = False) -> list[RequestOutput]:
+                 export: bool = False, snapshot_hints: Sequence[Sequence[int]] | None = None) -> list[RequestOutput]:
         prompt_list = self._as_list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompt_list)
         if len(params_list) != len(prompt_list):
             raise InvalidRequestError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
-        for prompt, p in zip(prompt_list, params_list):  # validate all before queueing any
+        hints = [tuple(h) for h in snapshot_hints] if snapshot_hints is not None else [()] * len(prompt_list)
+        if len(hints) != len(prompt_list):
+            raise InvalidRequestError(f"{len(hints)} snapshot hint lists for {len(prompt_list)} prompts",
+                                      param="snapshot_hints")
+        for prompt, p, h in zip(prompt_list, params_list, hints):  # validate all before queueing any
             if not isinstance(p, SamplingParams):
                 raise InvalidRequestError("sampling_params must be SamplingParams", param="sampling_params")
-            self.engine.validate_prompt(prompt, p)
+            hint_points(h, len(self.engine.validate_prompt(prompt, p)[1]), self.engine.plan.block_size)
         ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
-        for request_id, prompt, p, prio in zip(ids, prompt_list, params_list, priorities):
-            self.engine.add_request(request_id, prompt, p, priority=prio, export_on_finish=export)
+        for request_id, prompt, p, prio, h in zip(ids, prompt_list, params_list, priorities, hints):
+            self.engine.add_request(request_id, prompt, p, priority=prio, export_on_finish=export, snapshot_hints=h)
         return self._run(ids, check_integrity)
 
     def resume(self, states: RequestState | Sequence[RequestState], sampling_params: SamplingParams,

@@ -81,6 +81,9 @@ class Request:
     grammar: "GrammarState | None" = None  # structured output: the matcher (engine.structured), dropped at finish
     times: RequestTimes = field(default_factory=RequestTimes)  # queue / prefill / decode stamps in this engine
     prompt_logprobs: list | None = None  # `params.prompt_logprobs`: per prompt position (engine/prompt_logprobs.py)
+    # extra KDA snapshot points (token positions, block boundaries) -> retention priority: structure hints and
+    # junctions (engine/memory/policy.py)
+    snapshot_points: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.token_ids:

@@ -5,9 +5,12 @@ Contract:
   (`max_num_batched_tokens`) split across requests: running requests first — decodes (one token left) before
   prefill chunks, each in admission order — then waiting requests in `(priority, arrival)` order (lower priority
   value first, FCFS within a priority), while fewer than `max_num_seqs` run. A waiting request that does not fit
-  blocks those behind it (no overtaking).
-- A chunk never crosses the request's next pending snapshot boundary (`CacheManager.next_chunk_end`), so the state
-  after a boundary can be snapshotted; a chunk that reaches the end of the known tokens needs logits.
+  blocks those behind it (no overtaking), except one that waits for a junction: a running request is about to
+  compute the next blocks of its prompt (`CacheManager.junction`), so it is given a snapshot point where the two
+  prompts part — its chunk in this step is cut there if it would cross it — and the waiting request is passed over
+  until that snapshot exists (or the producer leaves), then resumes from it.
+- A chunk never crosses the request's next pending snapshot point (`CacheManager.next_chunk_end`), so the state
+  after it can be snapshotted; a chunk that reaches the end of the known tokens needs logits.
 - When a running request needs a block and none is free, the lowest-priority, latest-arriving running request is
   preempted by recompute: its blocks and slot are freed, `num_computed_tokens` resets to 0 (its outputs are kept)
   and it goes back to the waiting queue at its `(priority, arrival)` position — the front, under FCFS. A step that
@@ -21,7 +24,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field, replace
 
-from engine.memory.manager import CacheManager, StateInit
+from engine.memory.manager import CacheManager, PrefixHit, StateInit
 from engine.request import Request, RequestStatus
 
 
@@ -45,6 +48,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     state_inits: list[StateInit] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    deferred: list[Request] = field(default_factory=list)  # waiting for a junction another request computes
 
     @property
     def num_tokens(self) -> int:
@@ -119,29 +123,49 @@ class Scheduler:
         self._enqueue(victim)
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
             hit = self.manager.lookup(req)
+            junction = self.manager.junction(req, hit, self.running)
+            if junction is not None and junction.producer is not None:
+                budget += self._cut(out, junction.producer, junction.position)
+                out.deferred.append(req)
+                i += 1
+                continue
             start = hit.num_tokens
             n = min(req.num_tokens - start, budget, self.manager.next_chunk_end(req, start) - start)
             if not self.manager.can_admit(hit, n):
                 break
-            self.waiting.pop(0)
-            init = self.manager.admit(req, hit)
-            if not self.manager.allocate(req, n):  # can_admit said it would fit: the pools disagree with it
-                raise SchedulerInvariantError(f"request {req.request_id}: admitted but {n} tokens do not fit")
-            if hit.imported:  # write the carried KV and state; a later preemption recomputes from tokens
-                num_blocks = self.manager.blocks_for(hit.num_tokens)
-                init = replace(init, load=req.imported, load_blocks=tuple(req.block_ids[:num_blocks]))
-                req.imported = None
-            out.state_inits.append(init)
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = start
-            req.status = RequestStatus.RUNNING
-            req.mark_scheduled()
-            self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, start, n))
+            self.waiting.pop(i)
+            self._admit(req, hit, n, out)
             budget -= n
+
+    def _admit(self, req: Request, hit: PrefixHit, n: int, out: SchedulerOutput) -> None:
+        init = self.manager.admit(req, hit)
+        if not self.manager.allocate(req, n):  # can_admit said it would fit: the pools disagree with it
+            raise SchedulerInvariantError(f"request {req.request_id}: admitted but {n} tokens do not fit")
+        if hit.imported:  # write the carried KV and state; a later preemption recomputes from tokens
+            num_blocks = self.manager.blocks_for(hit.num_tokens)
+            init = replace(init, load=req.imported, load_blocks=tuple(req.block_ids[:num_blocks]))
+            req.imported = None
+        out.state_inits.append(init)
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = hit.num_tokens
+        req.status = RequestStatus.RUNNING
+        req.mark_scheduled()
+        self.running.append(req)
+        out.chunks.append(ScheduledChunk(req, hit.num_tokens, n))
+
+    @staticmethod
+    def _cut(out: SchedulerOutput, producer: Request, position: int) -> int:
+        """Ends the producer's chunk of this step at `position` when it would cross it -> the tokens given back."""
+        for chunk in out.chunks:
+            if chunk.req is producer and chunk.start < position < chunk.start + chunk.num_tokens:
+                freed = chunk.start + chunk.num_tokens - position
+                chunk.num_tokens -= freed
+                return freed
+        return 0
 
     # -- leaving ---------------------------------------------------------------------------------------------
 

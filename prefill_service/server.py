@@ -39,7 +39,7 @@ from telemetry import tracing
 from telemetry.metrics import CounterSample, RequestTimer
 from worker.codec import (FINISH_REASONS, logprob_to_proto, media_from_proto, prompt_logprobs_to_proto,
                           sampling_from_proto)
-from worker.server import WorkerServer, start_worker_server, transfer_samples
+from worker.server import WorkerServer, offload_samples, start_worker_server, transfer_samples
 from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class PrefillServicer(WorkerServicer, prefill_pb2_grpc.PrefillServiceServicer):
                              params=params, media=media_from_proto(request.media),
                              tenant_salt=request.tenant_salt, priority=request.priority,
                              handoff_ttl_s=request.handoff_ttl_ms / 1000 if request.handoff_ttl_ms else None,
-                             deadline=call_deadline(context))
+                             deadline=call_deadline(context), snapshot_hints=tuple(request.snapshot_hints))
             result = await worker.prefill(job)
         except self.handled_errors as exc:
             await self.fail(context, exc)
@@ -142,7 +142,8 @@ def worker_counters(worker: PrefillWorker) -> list[CounterSample]:
             CounterSample("published_blocks", "KV blocks stored in the cache service", c.published_blocks),
             CounterSample("published_snapshots", "KDA state snapshots stored in the cache service",
                           c.published_snapshots),
-            CounterSample("publish_failures", "Objects the cache service did not store", c.publish_failures)]
+            CounterSample("publish_failures", "Objects the cache service did not store", c.publish_failures),
+            *offload_samples(c)]
 
 
 # -- lifecycle ---------------------------------------------------------------------------------------------------

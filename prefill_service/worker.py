@@ -5,12 +5,14 @@ Contract (DESIGN.md "One chat request, end to end", step 3, and "Exactly-once ha
   one `BatchPut` holding the prompt's full KV blocks the service lacks and the handoff object, and returns a
   `PrefillResult` (first token, handoff key, cached tokens, timings). Decode continues from the state after N tokens
   with token N+1 as its first input, so every prompt token is applied to the KDA state exactly once.
-- Before computing, the worker loads the longest prefix the cache service can serve (the engine's prefix hit rule,
-  `engine.memory.manager.resumable_blocks`: every block up to a boundary present **and** a KDA snapshot at that
-  boundary, leaving at least one token to compute) when it is longer than what its own prefix cache holds: the
-  blocks and the snapshot are imported into the engine's prefix cache, and the engine's ordinary prefix hit then
-  uses them. A load that fails (missing, corrupt, service down) is counted and the prompt is computed instead; it
-  never fails the request.
+- Before computing, the worker loads the longest prefix the cache service can serve (worker/prefix.py: the engine's
+  prefix hit rule, every block up to a boundary present **and** a KDA snapshot at that boundary, leaving at least
+  one token to compute) when it is longer than what its own prefix cache holds: the blocks and the snapshot are
+  imported into the engine's prefix cache, and the engine's ordinary prefix hit then uses them. A load that fails
+  (missing, corrupt, service down) is counted and the prompt is computed instead; it never fails the request.
+- Snapshot points: the job's structure hints (`snapshot_hints`, checked before anything runs) and the remote
+  junction — where the prompt leaves the blocks the cache service holds without a snapshot there — are passed to
+  the engine as hints, so those states are snapshotted (and published below) for the next prompt on that prefix.
 - The handoff object is an `engine.transfer.RequestState` (layout `request_state/v1`): the sampler state, the KDA
   state after the whole prompt and, by default, only the KV of the tail partial block (`transfer.lean_handoff`:
   `kv` holds the last `ceil(N/bs) - N//bs` blocks); the full blocks travel as ordinary content-addressed
@@ -19,15 +21,15 @@ Contract (DESIGN.md "One chat request, end to end", step 3, and "Exactly-once ha
 - When the first token already ends the output (EOS / stop token / stop string, or `max_tokens == 1`) no handoff is
   published and `finish_reason` is set.
 - KDA state snapshots the engine took at this prompt's block boundaries are published after the response, in the
-  background (reading them waits for the engine's next step); `drain()` waits for those publications.
+  background (reading them waits for the engine's next step); snapshots the engine evicts are offloaded to the cache
+  service with their blocks (worker/offload.py); `drain()` waits for both.
 - The engine is reached only through `AsyncEngine`'s service API (never `EngineCore` from the event loop).
 - Errors: `InvalidRequestError` for a bad request (n > 1, prompt too long, bad parameters) before anything runs;
   `HandoffPublishError` when the handoff could not be stored (the caller should prefill elsewhere or colocate);
   `RequestTimeoutError` past the deadline.
 - Tracing (the tracer passed in; default the global provider's): a `prefill` span per request (prompt, cached and
-  hit tokens, handoff bytes, published blocks), with children `prefix.lookup` (blocks looked up, blocks the service
-  holds, hit tokens of the usable prefix), `prefix.load` (blocks and bytes loaded) and `handoff.publish` (objects,
-  blocks and bytes stored); a failure sets `error.type`. `counters` also counts the bytes and seconds of every
+  hit tokens, handoff bytes, published blocks), with children `prefix.lookup` and `prefix.load` (worker/prefix.py)
+  and `handoff.publish` (objects, blocks and bytes stored); a failure sets `error.type`. `counters` also counts the bytes and seconds of every
   transfer to and from the cache service (the metrics read them).
 """
 
@@ -47,14 +49,16 @@ from cache_service.client import CacheClient, PutObject
 from cache_service.objects import Status, object_key
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
-from engine.memory.manager import resumable_blocks
+from engine.memory.policy import hint_points
 from engine.outputs import PositionLogprobs, RequestOutput
 from engine.sampling import SamplingParams
-from engine.transfer import RequestState, TransferError, encode_block, lean_handoff
+from engine.transfer import RequestState, encode_block, lean_handoff
 from protos import common_pb2
 from telemetry import tracing
+from worker.offload import SnapshotPublisher
+from worker.prefix import PrefixCounters, RemotePrefix
 from worker.tenancy import engine_cache_salt, prompt_block_hashes
-from worker.transfers import timed_get, timed_put
+from worker.transfers import timed_put
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +85,7 @@ class PrefillJob:
     priority: int = 0
     handoff_ttl_s: float | None = None  # None: the cache service's handoff default (30 s)
     deadline: float | None = None  # time.monotonic() seconds
+    snapshot_hints: tuple[int, ...] = ()  # prompt token positions to snapshot the KDA state at (protos/prefill.proto)
 
 
 @dataclass(frozen=True)
@@ -111,21 +116,17 @@ class PrefillResult:
 
 
 @dataclass
-class PrefillCounters:
-    """Counts since the worker started (read by tests and metrics)."""
+class PrefillCounters(PrefixCounters):
+    """Counts since the worker started (read by tests and metrics); the remote prefix and offload counts are
+    `PrefixCounters`' (worker/prefix.py)."""
 
     requests: int = 0
-    remote_loads: int = 0  # prefixes loaded from the cache service
-    remote_load_tokens: int = 0
-    remote_load_failures: int = 0  # lookups or loads that failed (the prompt was computed instead)
     published_blocks: int = 0
     published_snapshots: int = 0
     publish_failures: int = 0  # objects the cache service did not store
-    # transfers to and from the cache service: payload bytes, and the wall time of the calls (seconds)
+    # transfers to the cache service: payload bytes, and the wall time of the calls (seconds)
     published_bytes: int = 0  # blocks, handoffs and snapshots put
     publish_seconds: float = 0.0
-    remote_load_bytes: int = 0  # prefix blocks and snapshots read
-    remote_load_seconds: float = 0.0
 
 
 class PrefillWorker:
@@ -143,6 +144,9 @@ class PrefillWorker:
         self.block_size: int = self.layout.block_size
         self.has_kda = self.layout.has_kda
         self.counters = PrefillCounters()
+        self.prefix = RemotePrefix(engine, cache, self.tracer, self.counters, enabled=load_remote_prefix)
+        self.offload = SnapshotPublisher(engine, cache, self.counters)
+        self.offload.start()
         self._background: set[asyncio.Task] = set()
 
     # -- the request -------------------------------------------------------------------------------------------
@@ -165,14 +169,16 @@ class PrefillWorker:
         if params.n != 1:
             raise InvalidRequestError("prefill hands off one sequence (n == 1); serve n > 1 colocated", param="n")
         _, _, max_tokens = self.engine.validate_prompt(ids, params)  # before anything runs
+        hint_points(job.snapshot_hints, len(ids), self.block_size)
         salt = job.tenant_salt
         hashes = prompt_block_hashes(self.layout, ids, salt, job.media)
 
-        remote_blocks, remote_snaps = await self._lookup(hashes, salt, len(ids))
-        await self._load_prefix(len(ids), hashes, salt, remote_blocks, remote_snaps)
+        presence = await self.prefix.lookup(hashes, salt, len(ids))
+        await self.prefix.load(len(ids), hashes, salt, presence)
+        junction = self.prefix.junction(presence, len(ids))
         t_loaded = time.perf_counter()
 
-        final = await self._compute(job, ids)
+        final = await self._compute(job, ids, job.snapshot_hints + ((junction,) if junction else ()))
         t_computed = time.perf_counter()
         completion = final.outputs[0]
         state: RequestState = final.exported
@@ -181,9 +187,9 @@ class PrefillWorker:
         if finish == "length" and max_tokens > 1:
             finish = None  # only prefill's own one-token limit: decode continues
 
-        handoff_key, handoff_bytes, published = await self._publish(job, state, hashes, remote_blocks,
+        handoff_key, handoff_bytes, published = await self._publish(job, state, hashes, presence.blocks,
                                                                     with_handoff=finish is None)
-        self._publish_snapshots_later(hashes, remote_snaps, salt)
+        self._publish_snapshots_later(hashes, presence.snapshots, salt)
         t_done = time.perf_counter()
         return PrefillResult(
             request_id=job.request_id, first_token_id=first,
@@ -195,87 +201,18 @@ class PrefillWorker:
             timings=PrefillTimings(load_ms=(t_loaded - t0) * 1e3, compute_ms=(t_computed - t_loaded) * 1e3,
                                    publish_ms=(t_done - t_computed) * 1e3, total_ms=(t_done - t0) * 1e3))
 
-    async def _compute(self, job: PrefillJob, ids: list[int]) -> RequestOutput:
+    async def _compute(self, job: PrefillJob, ids: list[int], hints: tuple[int, ...]) -> RequestOutput:
         """Runs the prompt and samples one token with the request's parameters; returns the final output."""
         one = dataclasses.replace(job.params, max_tokens=1, min_tokens=min(job.params.min_tokens, 1))
         final = None
         async for out in self.engine.generate(job.request_id, {"prompt_token_ids": ids}, one,
                                               priority=job.priority, cache_salt=engine_cache_salt(job.tenant_salt),
-                                              export_on_finish=True, deadline=job.deadline, media=job.media):
+                                              export_on_finish=True, deadline=job.deadline, media=job.media,
+                                              snapshot_hints=hints):
             final = out
         if final is None or final.exported is None:
             raise PrefillAbortedError(f"request {job.request_id!r} was aborted before its first token")
         return final
-
-    # -- remote prefix -----------------------------------------------------------------------------------------
-
-    async def _lookup(self, hashes: list[bytes], salt: bytes, num_tokens: int) -> tuple[list[bool], list[bool]]:
-        """Presence of each full block and snapshot in the cache service (all False when it cannot answer)."""
-        absent = [False] * len(hashes)
-        if not hashes:
-            return absent, absent
-        with tracing.child_span(self.tracer, "prefix.lookup", {tracing.BLOCKS: len(hashes)}) as span:
-            blocks, snaps = await asyncio.gather(
-                self.cache.lookup(self.fingerprint, salt, KV_BLOCK, hashes, include_presence=True),
-                self.cache.lookup(self.fingerprint, salt, SNAPSHOT, hashes, include_presence=True) if self.has_kda
-                else _no_lookup())
-            if blocks.error or snaps.error:
-                log.warning("cache lookup failed: %s", blocks.error or snaps.error)
-                self.counters.remote_load_failures += 1
-                tracing.mark_error(span, "lookup_failed", blocks.error or snaps.error)
-                return absent, absent
-            present = blocks.present or absent
-            present_snaps = (snaps.present or absent) if self.has_kda else list(absent)
-            usable = resumable_blocks(num_tokens, self.block_size, present, present_snaps if self.has_kda else None)
-            tracing.set_attributes(span, {tracing.HIT_BLOCKS: sum(present),
-                                          tracing.HIT_TOKENS: usable * self.block_size})
-            return present, present_snaps
-
-    async def _load_prefix(self, num_tokens: int, hashes: list[bytes], salt: bytes, remote_blocks: list[bool],
-                           remote_snaps: list[bool]) -> None:
-        """Imports the cache service's longest usable prefix when it beats the local one. On failure the objects it
-        tried are marked absent in `remote_blocks` / `remote_snaps`, so they are published again."""
-        if not self.load_remote_prefix or not hashes:
-            return
-        bs = self.block_size
-        remote = resumable_blocks(num_tokens, bs, remote_blocks, remote_snaps if self.has_kda else None)
-        if remote == 0:
-            return  # nothing to load: no need to ask the engine (between two of its steps)
-        local = await self.engine.prefix_presence(hashes)  # a hint: admission decides what is used
-        if remote <= resumable_blocks(num_tokens, bs, local.blocks, local.snapshots if self.has_kda else None):
-            return
-        wanted = [i for i in range(remote) if not local.blocks[i]]
-        keys = [object_key(self.fingerprint, salt, KV_BLOCK, hashes[i]) for i in wanted]
-        if self.has_kda:
-            keys.append(object_key(self.fingerprint, salt, SNAPSHOT, hashes[remote - 1]))
-
-        def failed(why: str) -> None:
-            log.info("remote prefix of %d blocks not loaded (%s); computing it", remote, why)
-            self.counters.remote_load_failures += 1
-            for i in wanted:
-                remote_blocks[i] = False
-            if self.has_kda:
-                remote_snaps[remote - 1] = False
-
-        with tracing.child_span(self.tracer, "prefix.load", {tracing.BLOCKS: len(wanted), tracing.KEYS: len(keys),
-                                                             tracing.HIT_TOKENS: remote * bs}) as span:
-            got, nbytes, seconds = await timed_get(self.cache, keys, span)
-            self.counters.remote_load_bytes += nbytes
-            self.counters.remote_load_seconds += seconds
-            bad = [r for r in got if r.status != Status.FOUND]
-            if bad:
-                tracing.mark_error(span, bad[0].status.name, bad[0].message or None)
-                return failed(f"{bad[0].status.name} {bad[0].message}".strip())
-            block_data = [r.data for r in got[:len(wanted)]]
-            snapshot = got[-1].data if self.has_kda else None
-            try:
-                loaded = await self.engine.import_prefix(block_data, snapshot)
-            except TransferError as exc:
-                tracing.mark_error(span, "rejected", str(exc))
-                return failed(f"rejected: {exc}")
-            if loaded:
-                self.counters.remote_loads += 1
-                self.counters.remote_load_tokens += remote * bs
 
     # -- publishing ---------------------------------------------------------------------------------------------
 
@@ -346,12 +283,7 @@ class PrefillWorker:
         self.counters.publish_failures += len(results) - stored
 
     async def drain(self) -> None:
-        """Waits for the background snapshot publications started so far."""
+        """Waits for the background snapshot publications and offloads started so far."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
-
-
-async def _no_lookup():
-    from cache_service.client import LookupResult
-
-    return LookupResult(0, [])
+        await self.offload.drain()

@@ -10,6 +10,10 @@ Modules:
   logprobs, finish reasons, media items -> image inputs).
 - `worker.tenancy`: the one mapping of a tenant salt to the engine's cache salt, and a prompt's block hashes.
 - `worker.transfers`: timed `BatchGet` / `BatchPut` calls for the transfer counters.
+- `worker.prefix`: a prompt's prefix in the cache service — lookup, load into the engine (the prefix hit rule), and
+  the remote junction (where the service holds the blocks but no snapshot) — for prefill and a colocated decode.
+- `worker.offload`: the KDA snapshots the engine lets go (evicted, a handoff's turn end) stored in the cache service
+  with their blocks, in the background.
 
 Imports (downward only): engine, protos, the cache service's client side, telemetry.
 """

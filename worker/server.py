@@ -16,7 +16,8 @@ Contract:
 - The engine gauges (`engine_gauges`: the `EngineStats` the step thread published last, so a scrape never waits
   for a step; they feed the engine-level `vllm:` series too, labelled `config.model_name`) and the worker's
   counters are exported through `servicer.metrics` while a worker exists;
-  `transfer_samples(op, bytes, seconds)` are the two counters every role keeps per kind of cache-service transfer.
+  `transfer_samples(op, bytes, seconds)` are the two counters every role keeps per kind of cache-service transfer,
+  `offload_samples(counters)` the snapshot offloads both roles count (worker/offload.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from telemetry.grpc_server import start_grpc_server
 from telemetry.metrics import (CounterSample, EngineGauges, MetricsServer, WorkerMetrics, metrics_host,
                                start_metrics_server)
 from telemetry.rpc import client_interceptors, server_interceptors
+from worker.prefix import PrefixCounters
 
 log = logging.getLogger(__name__)
 ENGINE_WATCH_S = 0.25  # how often a loaded worker checks that its engine (and its rank processes) still run
@@ -63,6 +65,15 @@ def transfer_samples(op: str, nbytes: int, seconds: float) -> list[CounterSample
     return [CounterSample("transfer_bytes", "Payload bytes moved to or from the cache service", nbytes, labels),
             CounterSample("transfer_seconds", "Wall time of the cache service calls that moved them (seconds)",
                           seconds, labels)]
+
+
+def offload_samples(c: PrefixCounters) -> list[CounterSample]:
+    """The offloads of snapshots the engine let go (worker/offload.py), as counters."""
+    return [*transfer_samples("snapshot_offload", c.offload_bytes, c.offload_seconds),
+            CounterSample("offloaded_snapshots", "KDA snapshots the engine evicted (or a finished turn's end), stored "
+                          "in the cache service", c.offloaded_snapshots),
+            CounterSample("offloaded_blocks", "KV blocks stored with offloaded snapshots", c.offloaded_blocks),
+            CounterSample("offload_failures", "Snapshot offloads dropped, refused or failed", c.offload_failures)]
 
 
 class WorkerServer:

@@ -4,6 +4,8 @@ event loop (engines in their own threads), plus the gateway's `MeshClient` and d
 `async with Mesh(model_dir, ...) as mesh:` starts everything and waits for the models; leaving stops everything.
 `mesh.run(prompt, sampling, route)` sends one request through the gateway's client: route "remote" forces prefill ->
 decode (P/D threshold 0), "local" the colocated path; it returns a `Run` with the tokens, events and usage.
+`mesh.run_direct(prompt, sampling, route, hints=..., tenant_salt=...)` sends it over the worker stubs themselves, with
+the request fields the gateway's client does not set yet (structure hints, a tenant salt).
 `Mesh(..., prefill_tp=2)` / `decode_tp=2` run that worker's model on 2 rank processes (tensor parallelism; at most
 one worker per process may use TP > 1). `tiny_k3_checkpoint(tmp_path_factory)` generates the tiny K3 checkpoint these tests share (seed 3);
 `run_bounded(coro)` runs a test's coroutine under a time limit (nothing may hang); `await wait_idle(engine)` waits
@@ -31,7 +33,7 @@ from engine.transfer import RequestState
 from gateway.mesh_client import MeshClient, MeshRequest, PDDecider, TokenEvent
 from prefill_service.server import PrefillServiceConfig
 from prefill_service.server import serve as serve_prefill
-from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 VOCAB = 7936  # the generated tokenizer's base tokens
 CHECKPOINT_SEED = 3
@@ -203,6 +205,33 @@ class Mesh:
         finally:
             if client is not self.client:
                 await client.close()
+        return run
+
+    async def run_direct(self, prompt: list[int], sampling: common_pb2.SamplingParams, route: str = "remote",
+                         hints: tuple[int, ...] = (), tenant_salt: bytes = b"", timeout_s: float = 30.0) -> Run:
+        """One request over the stubs: `Prefill` then `Decode` from its handoff ("remote"), or a local `Decode`."""
+        request_id = f"direct-{random.getrandbits(48):x}"
+        run, ids = Run(route=route), common_pb2.TokenIds(ids=prompt)
+        request = decode_pb2.DecodeRequest(request_id=request_id, sampling=sampling, tenant_salt=tenant_salt,
+                                           snapshot_hints=hints)
+        if route == "local":
+            request.local.prompt.CopyFrom(ids)
+        else:
+            first = await self.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
+                request_id=request_id, prompt=ids, sampling=sampling, tenant_salt=tenant_salt, snapshot_hints=hints),
+                timeout=timeout_s)
+            if first.finish_reason:
+                run.tokens[0] = [first.first_token_id]
+                run.usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=1,
+                                             cached_tokens=first.cached_tokens)
+                return run
+            request.handoff.CopyFrom(decode_pb2.HandoffSource(
+                handoff_key=first.handoff_key, first_token_id=first.first_token_id, prompt=ids,
+                cached_tokens=first.cached_tokens))
+        async for chunk in self.decode_stub.Decode(request, timeout=timeout_s):
+            run.tokens.setdefault(chunk.index, []).extend(chunk.token_ids)
+            if chunk.HasField("usage"):
+                run.usage = chunk.usage
         return run
 
     async def drain(self) -> None:

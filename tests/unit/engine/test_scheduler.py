@@ -189,7 +189,9 @@ def test_prefix_hit_resumes_at_the_last_snapshot_before_the_end():
     other = req("other", list(range(12)) + [99] * 10)  # shares 12 tokens: the snapshot at 8 applies
     sched.add(other)
     out = sched.schedule()
-    assert chunks(out)[-1] == ("other", 8, 8)  # ... up to the next boundary (16) lacking a snapshot
+    # ... up to its junction at 12, where its chain leaves the cached blocks (the hybrid policy; under the periodic
+    # one, up to the next boundary (16) lacking a snapshot: test_prefix_reuse_scheduler.py)
+    assert chunks(out)[-1] == ("other", 8, 4)
     assert out.state_inits == [StateInit(dst=1, src=4)]
 
 
