@@ -3,8 +3,10 @@
 Contract:
 - Every request's `num_computed_tokens` catches up with `len(token_ids)`. A step is a token budget
   (`max_num_batched_tokens`) split across requests: running requests first — decodes (one token left) before
-  prefill chunks, each in admission order — then waiting requests in `(priority, arrival)` order (lower priority
-  value first, FCFS within a priority), while fewer than `max_num_seqs` run. A waiting request that does not fit
+  prefill chunks, each in admission order — then waiting requests in `admission_order()` (lower priority value
+  first; within a priority, tenants take turns — the requests' `cache_salt` — so one tenant's queued work delays
+  another tenant's next request by at most one admission per other tenant; FCFS within a tenant), while
+  fewer than `max_num_seqs` run. A waiting request that does not fit
   blocks those behind it (no overtaking), except one that waits for a junction: a running request is about to
   compute the next blocks of its prompt (`CacheManager.junction`), so it is given a snapshot point where the two
   prompts part — its chunk in this step is cut there if it would cross it — and the waiting request is passed over
@@ -66,6 +68,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # admission order
+        self._turns: dict[str | None, int] = {}  # tenant (cache salt) with work -> its next turn (admission_order)
         self.num_preemptions = 0
 
     @property
@@ -74,6 +77,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
+        self._turns.setdefault(req.cache_salt, self._turn(req.cache_salt))  # a joining tenant starts level
         self._enqueue(req)
 
     def _enqueue(self, req: Request) -> None:
@@ -123,23 +127,45 @@ class Scheduler:
         self._enqueue(victim)
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[i]
+        self._forget_idle_tenants()
+        for req in self.admission_order():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             hit = self.manager.lookup(req)
             junction = self.manager.junction(req, hit, self.running)
             if junction is not None and junction.producer is not None:
                 budget += self._cut(out, junction.producer, junction.position)
                 out.deferred.append(req)
-                i += 1
                 continue
             start = hit.num_tokens
             n = min(req.num_tokens - start, budget, self.manager.next_chunk_end(req, start) - start)
             if not self.manager.can_admit(hit, n):
                 break
-            self.waiting.pop(i)
+            self.waiting.remove(req)
             self._admit(req, hit, n, out)
+            self._turns[req.cache_salt] = self._turn(req.cache_salt) + 1
             budget -= n
+
+    def admission_order(self) -> list[Request]:
+        """The waiting requests in the order they are admitted: by priority, then by tenant turn (a tenant — the
+        requests' `cache_salt` — takes one turn per admission; its k-th waiting request comes at its turn + k), then
+        FCFS. So tenants alternate, and a tenant's queue delays another tenant's next request by at most one
+        admission per other tenant; with one tenant this is `(priority, arrival)` order."""
+        turn: dict[str | None, int] = {}
+        keyed = []
+        for req in self.waiting:  # (priority, arrival) order
+            k = turn.setdefault(req.cache_salt, self._turn(req.cache_salt))
+            keyed.append(((req.priority, k, req.arrival), req))
+            turn[req.cache_salt] = k + 1
+        return [req for _, req in sorted(keyed, key=lambda item: item[0])]
+
+    def _turn(self, tenant: str | None) -> int:
+        """A tenant's next turn; one that (re)joins (`add`) starts at the lowest turn of the tenants with work."""
+        return self._turns.get(tenant, min(self._turns.values(), default=0))
+
+    def _forget_idle_tenants(self) -> None:
+        active = {r.cache_salt for r in self.waiting} | {r.cache_salt for r in self.running}
+        self._turns = {t: n for t, n in self._turns.items() if t in active}
 
     def _admit(self, req: Request, hit: PrefixHit, n: int, out: SchedulerOutput) -> None:
         init = self.manager.admit(req, hit)
