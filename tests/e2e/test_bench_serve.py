@@ -15,7 +15,8 @@ RUN_FIELDS = {"date", "endpoint_type", "backend", "label", "model_id", "tokenize
               "burstiness", "max_concurrency"}
 TOTAL_FIELDS = {"duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
                 "request_goodput", "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
-                "max_concurrent_requests"}
+                "max_concurrent_requests", "prefix_cache_hit_rate", "prefix_cache_cached_tokens",
+                "prefix_cache_prompt_tokens"}
 DETAILED_FIELDS = {"input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times",
                    "generated_texts", "errors"}
 
