@@ -13,7 +13,8 @@ Contract (in addition to `store.Store`'s):
   every key (a get: counted as misses) within the operation's deadline (`redis_deadlines`): `op_timeout_s`
   (default: the read timeout) plus at most one read timeout, i.e. <= 4 s with the defaults (connect 0.5 s, read
   2 s; one immediate retry for a stale connection, none after a timeout). After a timeout the store answers at
-  once, without asking Redis, for `backoff_s` (default 1 s; `gate.stalled`); a refused connection costs no wait.
+  once, without asking Redis, for `backoff_s` (default 5 s: long enough to cover the rest of a request, prefill and
+  a fallback decode alike; `gate.stalled`); a refused connection costs no wait.
 - Checksums are verified on every read; a mismatch is CORRUPT, counted, and the object is deleted. Puts verify them
   too, unless built with `verify_puts=False` by a caller that computed every checksum itself from the very bytes it
   passes (the direct data plane client: one checksum pass instead of two).
@@ -71,7 +72,7 @@ class RedisStore(Store):
                  socket_timeout_s: float = 2.0, connect_timeout_s: float = 0.5, max_connections: int = 64,
                  socket_read_bytes: int = 1 << 20, inline_bytes: int = DEFAULT_INLINE_BYTES,
                  verify_puts: bool = True, raise_when_unavailable: bool = False,
-                 clock: Callable[[], float] = time.time, op_timeout_s: float | None = None, backoff_s: float = 1.0):
+                 clock: Callable[[], float] = time.time, op_timeout_s: float | None = None, backoff_s: float = 5.0):
         if chunk_bytes <= 0 or inline_bytes < 0:
             raise ValueError(f"need chunk_bytes > 0 and inline_bytes >= 0, got {chunk_bytes}, {inline_bytes}")
         self.url = url
