@@ -38,8 +38,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 class ChildChecks:
     """One module's Triton checks: registered by name, run together in one interpreter-mode child."""
 
-    def __init__(self, module_name: str):
+    def __init__(self, module_name: str, timeout_s: float = 240):
         self.module_name = module_name
+        self.timeout_s = timeout_s  # the whole child: every check of the module
         self.checks: dict[str, Callable[[], None]] = {}
         self._results: dict[str, list] | None = None  # the child's report, once it has run
 
@@ -53,7 +54,7 @@ class ChildChecks:
 
     def results(self, tmp_dir_factory: pytest.TempPathFactory) -> dict[str, list]:
         if self._results is None:
-            self._results = run_in_child(self.module_name, tmp_dir_factory.mktemp("triton"))
+            self._results = run_in_child(self.module_name, tmp_dir_factory.mktemp("triton"), self.timeout_s)
         return self._results
 
     def pytest_test(self) -> Callable:

@@ -14,7 +14,7 @@ from kernels.moe.grouped import moe_experts_grouped
 from kernels.moe.mxfp4 import MXFP4Weight, dequantize, moe_experts_mxfp4
 from kernels.moe.router import route
 from kernels.registry import _IMPLS
-from tests.triton_child import run_checks_here, run_in_child
+from tests.triton_child import ChildChecks
 from tests.unit.kernels.test_mxfp4 import _packed_experts
 
 SITU = GatedActivation("situ", beta=4.0, linear_beta=25.0)
@@ -77,15 +77,6 @@ def check_registry_targets_resolve():
         assert callable(getattr(importlib.import_module(module_name), func_name))
 
 
-CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
-
-
-def _run_checks_here(path: str) -> None:
-    run_checks_here(CHECKS, path)
-
-
-def test_triton_moe_in_interpreter(tmp_path):
-    results = run_in_child("tests.unit.kernels.test_mxfp4_triton", tmp_path, timeout_s=300)
-    assert set(results) == set(CHECKS)
-    failed = {name: tb for name, (ok, tb) in results.items() if not ok}
-    assert not failed, "\n".join(f"{n}:\n{tb}" for n, tb in failed.items())
+TRITON_CHECKS = ChildChecks(__name__, timeout_s=300)
+TRITON_CHECKS.checks.update({name: fn for name, fn in globals().items() if name.startswith("check_")})
+test_triton_interpreted = TRITON_CHECKS.pytest_test()  # one test per check, all run in one interpreter child
