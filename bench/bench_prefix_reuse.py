@@ -65,7 +65,7 @@ Client = Generator[Job, Result, None]
 def checkpoint(preset: str, model: str | None) -> Path:
     if model:
         return Path(model)
-    from deploy.launcher import kdamesh_home
+    from deploy.checkpoints import kdamesh_home
     from engine.model.checkpoint import make_checkpoint
 
     folder = kdamesh_home() / "checkpoints" / preset

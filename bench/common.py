@@ -22,7 +22,7 @@ def best_time(fn: Callable[[], object], repeats: int = 1) -> float:
 
 def model_folder(args: argparse.Namespace) -> Path:
     """`--model` when given, else the generated checkpoint of `--preset` under $KDAMESH_HOME (made on first use)."""
-    from deploy.launcher import default_model_dir
+    from deploy.checkpoints import default_model_dir
 
     return Path(args.model) if args.model else default_model_dir(args.preset)
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -43,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from telemetry.mesh_auth import MESH_TOKEN_ENV, mesh_token_from_env, new_mesh_token
+from deploy.checkpoints import default_model_dir
 from deploy.supervisor import RestartPolicy, Supervisor
 
-DEFAULT_PRESET = "small-k3"
 API_KEYS_ENV = "KDAMESH_API_KEYS"
 FAMILY_FORMATS = {"kimi_k3": "kimi_k3", "kimi_linear": "kimi_k2"}
 MODES = ("disaggregated", "colocated")
@@ -106,34 +105,6 @@ class LaunchConfig:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------------
-
-
-def kdamesh_home() -> Path:
-    return Path(os.environ.get("KDAMESH_HOME") or Path.home() / ".cache" / "kdamesh")
-
-
-# Bumped whenever make_checkpoint writes a folder differently (session 4: tokenizer.json + tokenization_kimi.py, the
-# K3 vision tower): a generated checkpoint with another stamp is made again instead of served stale.
-GENERATOR_VERSION = "2"
-GENERATOR_STAMP = ".kdamesh-generator"
-
-
-def default_model_dir(preset: str = DEFAULT_PRESET) -> Path:
-    """The generated checkpoint of `preset` under $KDAMESH_HOME, created on first use (and again when it was made
-    by an older generator: its `GENERATOR_STAMP` differs from `GENERATOR_VERSION`)."""
-    folder = kdamesh_home() / "checkpoints" / preset
-    stamp = folder / GENERATOR_STAMP
-    if not (folder / "config.json").is_file() or not stamp.is_file() or stamp.read_text() != GENERATOR_VERSION:
-        from engine.model.checkpoint import make_checkpoint
-
-        print(f"kdamesh: generating the {preset} checkpoint in {folder} (first run, or a newer layout)…", flush=True)
-        tmp = folder.with_name(folder.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        make_checkpoint(preset, tmp)
-        (tmp / GENERATOR_STAMP).write_text(GENERATOR_VERSION)
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)  # a half-written checkpoint is never mistaken for a whole one
-    return folder
 
 
 def free_port(host: str = "127.0.0.1") -> int:

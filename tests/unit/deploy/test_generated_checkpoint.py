@@ -1,7 +1,7 @@
 """`kdamesh up`'s generated checkpoint is made once, kept while its generator stamp is current, and made again when
 an older generator wrote it (so a cache from before a layout change is never served stale)."""
 
-from deploy import launcher
+from deploy import checkpoints
 
 
 def test_made_once_then_kept_then_remade_when_stale(tmp_path, monkeypatch):
@@ -15,10 +15,10 @@ def test_made_once_then_kept_then_remade_when_stale(tmp_path, monkeypatch):
         (out / "tokenizer.json").write_text("{}")
 
     monkeypatch.setattr("engine.model.checkpoint.make_checkpoint", fake_make)
-    folder = launcher.default_model_dir("tiny-k3")
-    assert calls == ["tiny-k3"] and (folder / launcher.GENERATOR_STAMP).read_text() == launcher.GENERATOR_VERSION
-    assert launcher.default_model_dir("tiny-k3") == folder and calls == ["tiny-k3"]  # current: kept
-    (folder / launcher.GENERATOR_STAMP).unlink()  # as a folder from before the stamp existed
+    folder = checkpoints.default_model_dir("tiny-k3")
+    assert calls == ["tiny-k3"] and (folder / checkpoints.GENERATOR_STAMP).read_text() == checkpoints.GENERATOR_VERSION
+    assert checkpoints.default_model_dir("tiny-k3") == folder and calls == ["tiny-k3"]  # current: kept
+    (folder / checkpoints.GENERATOR_STAMP).unlink()  # as a folder from before the stamp existed
     (folder / "tokenizer.json").unlink()
-    assert launcher.default_model_dir("tiny-k3") == folder and calls == ["tiny-k3", "tiny-k3"]
+    assert checkpoints.default_model_dir("tiny-k3") == folder and calls == ["tiny-k3", "tiny-k3"]
     assert (folder / "tokenizer.json").is_file() and not folder.with_name("tiny-k3.tmp").exists()
