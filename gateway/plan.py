@@ -1,21 +1,21 @@
 """Everything decided about a chat request before it reaches the mesh (`ChatPlan`), and the prompt-length rule.
 
 Contract:
-- `ChatPlanner(renderer, config, max_model_len).plan(request, fetched)` renders a validated chat request and decides: the
-  prompt ids; the sampling parameters with structured output (`tool_choice` "required" / named and
+- `ChatPlanner(renderer, config, max_model_len).plan(request, fetched)` renders a validated chat request and
+  decides: the prompt ids; the sampling parameters with structured output (`tool_choice` "required" / named and
   `response_format` json kinds become the engine's grammar, wrapped in the model's output format); which output
   parsers read the text (the configured ones; with a grammar, the family's own, since its wrapping must be read
   back). Images (`media`, gateway/media.py; None: a text-only model, whose image parts are a 400) are decoded and
-  checked first — data: URLs, and the bytes of http(s) / file: URLs in `fetched` (read before planning, by
-  gateway/media_fetch.py, since planning is synchronous) — their sizes given to the renderer, each pad expanded to the image's feature rows in
-  `prompt_ids`, and `media` holds their `MediaItem`s. Raises `ApiError` for a bad image (see gateway/media.py),
-  a malformed conversation (naming the field: `messages`, `tools`, ...),
+  checked first — data: URLs, and the bytes of http(s) / file: URLs in `fetched` (read before planning by
+  gateway/media_fetch.py, since planning is synchronous) —, their sizes given to the renderer, each pad expanded
+  to the image's feature rows in `prompt_ids`, and `media` holds their `MediaItem`s. Raises `ApiError` for a bad
+  image (see gateway/media.py), a malformed conversation (naming the field: `messages`, `tools`, ...),
   a prompt beyond the context, and "auto" tool choice without `--enable-auto-tool-choice`; and the structure hints
   (`gateway.hints`: where the system block and every message but the last end, plus the client's
   `kdamesh_snapshot_hints`, 400 `param: "kdamesh_snapshot_hints"` for one outside the prompt), as positions in the
   prompt the mesh gets (shifted past expanded image pads).
-- `render(request, fetched)` renders a chat (or /tokenize chat) request with the same checks, nothing else decided (its
-  ids hold one pad per image, as the chat template writes it).
+- `render(request, fetched)` renders a chat (or /tokenize chat) request with the same checks, nothing else decided
+  (its ids hold one pad per image, as the chat template writes it).
 - `check_prompt_length(prompt_tokens, max_tokens, limit, param)`: 400 `context_length_exceeded` when the prompt
   (plus `max_tokens` when given) does not fit in `limit` tokens.
 """

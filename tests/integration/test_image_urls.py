@@ -1,7 +1,7 @@
 """Image URLs through the gateway on an in-process tiny-k3 mesh (the harness of test_images.py), with
 `--allowed-media-domains 127.0.0.1` and `--allowed-local-media-path DIR`: an http URL of a loopback server and a
-file: URL of the same image give the same greedy tokens and prompt as its data URL — over REST and over the gRPC
-API through the SDK — and a different image's URL gives other tokens (negative control). Every bad URL (host not
+file: URL of the same image give the same greedy tokens and prompt as its data URL — over REST (and /tokenize) and
+over the gRPC API through the SDK — and a different image's URL gives other tokens (negative control). Every bad URL (host not
 listed, redirect to one, too large, slow, 404, not an image, a file outside the directory or `..` out of it) is its
 4xx over REST (INVALID_ARGUMENT / the SDK's error over gRPC) and the next request is served. The default gateway
 (no flags) refuses both kinds naming the flag: tests/integration/test_images.py."""
@@ -58,6 +58,9 @@ def test_allowed_urls_equal_the_data_url_and_bad_ones_are_4xx(tiny_k3, tmp_path)
             want = _tokens(await _chat(gw, chat(data_url(A))))
             assert _tokens(await _chat(gw, chat(server.url("/a.png")))) == want
             assert _tokens(await _chat(gw, chat((root / "a.png").as_uri()))) == want
+            tokenized = [(await gw.http.post("/tokenize", json={"model": MODEL, "messages": chat(url)})).json()
+                         for url in (data_url(A), server.url("/a.png"))]
+            assert tokenized[0]["tokens"] == tokenized[1]["tokens"]  # /tokenize fetches too
             other = _tokens(await _chat(gw, chat(server.url("/c.png"))))
             assert other[0] == want[0] and other[2] != want[2]  # negative control: the fetched bytes matter
             await _bad_urls(gw, server, root, want)
@@ -69,7 +72,7 @@ def test_allowed_urls_equal_the_data_url_and_bad_ones_are_4xx(tiny_k3, tmp_path)
                     await client.chat(MODEL, chat(server.url("/a.png", "localhost")), sampling=sampling)
                 assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
                 assert "--allowed-media-domains" in info.value.message
-            assert server.hits["/a.png"] == 2  # REST and gRPC; never for a refused host
+            assert server.hits["/a.png"] == 3  # chat and tokenize over REST, chat over gRPC; never a refused host
     with MediaServer(ROUTES) as server:
         run(main(server), timeout_s=200)
 

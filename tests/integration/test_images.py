@@ -7,7 +7,8 @@
   returns a completion whose greedy text equals the model-level greedy (`SequenceDriver` fed the encoder's rows)
   on the same expanded prompt, and so does the gRPC API through the SDK (inline image bytes), from the cache;
 - Workers: a bad `MediaItem` (bytes that are no image, a span that does not match the image, a hash that is not
-  sha256) is INVALID_ARGUMENT on both routes, and the next request is served; every bad-image kind is its 4xx naming the part, and the workers keep serving; without the flags an http(s) or file: URL is 400 naming
+  sha256) is INVALID_ARGUMENT on both routes, and the next request is served; every bad-image kind is its 4xx
+  naming the part, and the workers keep serving; without the flags an http(s) or file: URL is 400 naming
   `--allowed-media-domains` / `--allowed-local-media-path` (allowed URLs: test_image_urls.py).
 """
 
