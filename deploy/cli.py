@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deploy.flags import add_mesh_flags, launch_config_from, refusal
+from deploy.flags import add_mesh_flags, launch_config_from, media_refusal, refusal
 
 SERVE_MODEL_HELP = ("Serve MODEL with the whole mesh on localhost (cache, prefill, decode, gateway), as `kdamesh up "
                     "--model MODEL` does; takes the `vllm serve` flags that apply and refuses, naming it, a flag "
@@ -53,8 +53,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _refuse(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
-    """argparse's error (exit 2) naming a flag whose feature is not built yet."""
-    message = refusal(ns)
+    """argparse's error (exit 2) naming a flag whose feature is not built yet, or whose value the gateway refuses."""
+    message = refusal(ns) or media_refusal(ns)
     if message is not None:
         parser.error(message)
 

@@ -13,6 +13,10 @@ Contract:
   set to something other than its no-op value (`--tensor-parallel-size` < 1, `--speculative-config`,
   `--kv-cache-dtype` other than auto, `--gpu-memory-utilization` at all: the KV cache is sized by
   `--kv-cache-memory`), else None. A refused flag is never silently accepted.
+- `add_media_flags(group)` adds the gateway's image URL flags, shared by `up` / `serve MODEL` and
+  `serve --role gateway`: `--allowed-media-domains HOST [HOST ...]`, `--allowed-local-media-path DIR` (vLLM's
+  names; unset here means off, see gateway/media_fetch.py) and `--media-fetch-timeout-s`. `media_refusal(ns)` is
+  the message naming one with a bad value (a URL instead of a host name, a path that is no directory), else None.
 - `--trust-remote-code` is accepted and has no effect: the model code is part of kdamesh, nothing is downloaded.
 """
 
@@ -45,6 +49,28 @@ def refusal(ns: argparse.Namespace) -> str | None:
         return f"--kv-cache-dtype {ns.kv_cache_dtype}: only auto (the model's dtype) is built"
     if ns.gpu_memory_utilization is not None:
         return "--gpu-memory-utilization: not built; size the KV cache of each worker with --kv-cache-memory"
+    return None
+
+
+def add_media_flags(g) -> None:
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="host names whose http(s) image URLs the gateway fetches (exact names, any port); "
+                        "unset: none (only data: URLs, and files under --allowed-local-media-path)")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="a directory whose files image parts may name as file:///... URLs (symlinks and .. must "
+                        "resolve inside it); unset: none. Only for trusted clients")
+    g.add_argument("--media-fetch-timeout-s", type=float, default=5.0,
+                   help="deadline of fetching one image URL, redirects and body included (seconds)")
+
+
+def media_refusal(ns: argparse.Namespace) -> str | None:
+    """The message naming an `add_media_flags` flag whose value the gateway would refuse, else None."""
+    from gateway.media_fetch import MediaFetchConfig
+
+    try:
+        MediaFetchConfig(tuple(ns.allowed_media_domains or ()), ns.allowed_local_media_path, ns.media_fetch_timeout_s)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
@@ -105,6 +131,7 @@ def _add_gateway_flags(g) -> None:
         g.add_argument(flag, default="auto", help=PARSER_CHOICES)
     g.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
                    help='tool_choice "auto" (needs a tool-call parser)')
+    add_media_flags(g)
     g.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")
     g.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug",
                                                                   "trace"],
@@ -129,5 +156,7 @@ def launch_config_from(ns: argparse.Namespace, log_level: str, log_format: str, 
         api_keys=None if ns.api_key is None else f"{ns.api_key}=default",
         tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
         enable_auto_tool_choice=ns.enable_auto_tool_choice, disable_log_requests=ns.disable_log_requests,
+        allowed_media_domains=tuple(ns.allowed_media_domains or ()),
+        allowed_local_media_path=ns.allowed_local_media_path, media_fetch_timeout_s=ns.media_fetch_timeout_s,
         uvicorn_log_level=ns.uvicorn_log_level, log_level=log_level.upper(), log_format=log_format,
         trace_exporter=trace_exporter, metrics_port=ns.metrics_port, grace_s=ns.grace_s, restart=ns.restart)

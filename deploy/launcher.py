@@ -88,6 +88,9 @@ class LaunchConfig:
     enable_auto_tool_choice: bool = True
     disable_log_requests: bool = False  # the gateway writes no access-log line per request
     uvicorn_log_level: str | None = None  # the gateway's HTTP server log level (None: log_level)
+    allowed_media_domains: tuple[str, ...] = ()  # image URLs the gateway may read (gateway/media_fetch.py)
+    allowed_local_media_path: str | None = None
+    media_fetch_timeout_s: float | None = None  # None: the gateway's default (5 s)
     log_level: str = "INFO"
     log_format: str = "text"  # "text" | "json" (telemetry/logs.py), for every service
     trace_exporter: str = "auto"  # "auto" | "none" | "console" | "otlp" (telemetry/tracing.py), for every service
@@ -275,6 +278,15 @@ def _engine_argv(config: LaunchConfig, model: str) -> list[str]:
     return argv
 
 
+def _media_flags(config: LaunchConfig) -> list[str]:
+    argv = ["--allowed-media-domains", *config.allowed_media_domains] if config.allowed_media_domains else []
+    if config.allowed_local_media_path:
+        argv += ["--allowed-local-media-path", str(Path(config.allowed_local_media_path).resolve())]
+    if config.media_fetch_timeout_s is not None:
+        argv += ["--media-fetch-timeout-s", str(config.media_fetch_timeout_s)]
+    return argv
+
+
 def _gateway(config: LaunchConfig, model: str, decode: str, prefill: str, grace: list[str]) -> Service:
     host = config.host
     argv = ["--model", model, "--host", host, "--http-port", str(config.http_port), "--mode", config.mode,
@@ -302,6 +314,7 @@ def _gateway(config: LaunchConfig, model: str, decode: str, prefill: str, grace:
         argv.append("--disable-log-requests")
     if config.uvicorn_log_level:
         argv += ["--uvicorn-log-level", config.uvicorn_log_level]
+    argv += _media_flags(config)
     env = {API_KEYS_ENV: config.api_keys} if config.api_keys is not None else None
     return Service("gateway", f"http://{host}:{config.http_port}", argv, env=env,
                    grpc_api=f"{host}:{grpc_api_port}", metrics=f"http://{host}:{config.http_port}/metrics",

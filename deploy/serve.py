@@ -7,7 +7,8 @@ Contract:
 - The worker roles share `deploy.flags.add_vllm_flags` (parallelism and the `vllm serve` flags not built yet) and
   refuse, naming it, such a flag set to anything but its no-op value. The gateway role also accepts the workers'
   `--enable-prefix-caching` and `--trust-remote-code` (no effect there), `--disable-log-requests`,
-  `--uvicorn-log-level` and `--instance-id` (echoed by its /health: the launcher's readiness check).
+  `--uvicorn-log-level` and `--instance-id` (echoed by its /health: the launcher's readiness check), and the image
+  URL flags (`deploy.flags.add_media_flags`); a flag value its config refuses is argparse's error naming it.
 - `run_role(role, argv)` prints one line `kdamesh <role> service listening on HOST:PORT` once the service is ready
   (for prefill and decode: once the model is loaded; a model that fails to load exits 1), then serves until SIGINT
   or SIGTERM, when it stops gracefully (`--grace-s` seconds for calls in flight) and returns 0.
@@ -21,7 +22,7 @@ import logging
 import os
 import signal
 
-from deploy.flags import add_vllm_flags, refusal
+from deploy.flags import add_media_flags, add_vllm_flags, refusal
 from engine.config import EngineArgs
 from telemetry.mesh_auth import mesh_token_from_env
 
@@ -161,7 +162,8 @@ def _gateway_serving_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _gateway_guard_flags(p: argparse.ArgumentParser) -> None:
-    """The gateway's per-request caps (gateway/caps.py) and what API keys guard beyond the API."""
+    """The gateway's per-request caps (gateway/caps.py), what API keys guard beyond the API, and the image URLs it
+    may read (gateway/media_fetch.py)."""
     p.add_argument("--max-prompts-per-request", type=int, default=256, help="prompts in one /v1/completions")
     p.add_argument("--max-sequences-per-request", type=int, default=256,
                    help="n x prompts: sequences one request may generate")
@@ -169,6 +171,7 @@ def _gateway_guard_flags(p: argparse.ArgumentParser) -> None:
                    help="tokens in one prompt, 413 beyond (default: the context length alone)")
     p.add_argument("--public-docs", action="store_true", help="serve /openapi.json, /docs, /redoc without a key")
     p.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
+    add_media_flags(p)
 
 
 def gateway_config_from(ns: argparse.Namespace, api_keys: str | None = None):
@@ -190,6 +193,9 @@ def gateway_config_from(ns: argparse.Namespace, api_keys: str | None = None):
                          enable_auto_tool_choice=ns.enable_auto_tool_choice, block_size=ns.block_size,
                          max_model_len=ns.max_model_len, health_check_interval_s=ns.health_check_interval_s,
                          shutdown_grace_s=ns.grace_s, mesh_token=mesh_token_from_env(),
+                         allowed_media_domains=tuple(ns.allowed_media_domains or ()),
+                         allowed_local_media_path=ns.allowed_local_media_path,
+                         media_fetch_timeout_s=ns.media_fetch_timeout_s,
                          instance_id=ns.instance_id)
 
 
@@ -252,8 +258,11 @@ def run_role(role: str, argv: list[str], log_level: str = "INFO") -> int:
 
         if ns.disable_log_requests:
             logging.getLogger("uvicorn.access").disabled = True
-        asyncio.run(serve(gateway_config_from(ns, os.environ.get(API_KEYS_ENV)),
-                          log_level=ns.uvicorn_log_level or log_level))
+        try:
+            config = gateway_config_from(ns, os.environ.get(API_KEYS_ENV))
+        except ValueError as exc:  # a flag's value the gateway refuses: argparse's error naming it (exit 2)
+            parser.error(str(exc))
+        asyncio.run(serve(config, log_level=ns.uvicorn_log_level or log_level))
         return 0
     if refusal(ns) is not None:
         parser.error(refusal(ns))

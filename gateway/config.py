@@ -12,6 +12,8 @@ Contract:
   per minute, 256 requests in flight); 0 means unlimited.
 - `request_caps()` are the per-request caps (gateway/caps.py): `--max-prompts-per-request`,
   `--max-sequences-per-request` (n × prompts), `--max-prompt-tokens`.
+- `media_fetch()` is the image URL policy (gateway/media_fetch.py): `--allowed-media-domains`,
+  `--allowed-local-media-path` (both unset: only data: URLs), `--media-fetch-timeout-s`.
 - `public_docs` / `public_metrics`: with API keys configured, `/openapi.json`, `/docs`, `/redoc` (and `/metrics`)
   need a key too unless these open them.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.caps import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_SEQUENCES, RequestCaps
+from gateway.media_fetch import DEFAULT_TIMEOUT_S, MediaFetchConfig
 from gateway.mesh_client import MeshClient, PDDecider
 from gateway.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from gateway.ratelimit import TenantLimits
@@ -67,6 +70,10 @@ class GatewayConfig:
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES
     max_prompt_tokens: int | None = None
+    # Image URLs the gateway may read (gateway/media_fetch.py): http(s) hosts, a local directory, the fetch deadline.
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
+    media_fetch_timeout_s: float = DEFAULT_TIMEOUT_S
     # With API keys configured: serve the API docs / the Prometheus metrics without a key.
     public_docs: bool = False
     public_metrics: bool = False
@@ -113,6 +120,7 @@ class GatewayConfig:
             raise ValueError("health_check_interval_s must be positive")
         self.tenant_limits()  # validates the limits
         self.request_caps()  # and the caps
+        self.media_fetch()  # and the image URL policy
 
     @property
     def model_name(self) -> str:
@@ -132,6 +140,9 @@ class GatewayConfig:
 
     def request_caps(self) -> RequestCaps:
         return RequestCaps(self.max_prompts_per_request, self.max_sequences_per_request, self.max_prompt_tokens)
+
+    def media_fetch(self) -> MediaFetchConfig:
+        return MediaFetchConfig(self.allowed_media_domains, self.allowed_local_media_path, self.media_fetch_timeout_s)
 
     def make_mesh(self) -> MeshClient:
         prefill = self.prefill_addresses if self.mode == "disaggregated" else ()

@@ -12,7 +12,9 @@ Contract:
   limiter and metrics. `start()` loads what was not given, logs whether the gateway is open, and starts the periodic
   worker health checks; `close()` stops them (and closes a mesh it created).
 - `authenticate(authorization)` -> `Principal`, or `ApiError` 401 (open mode: every request is anonymous).
-- `plan_chat(request)` -> `ChatPlan` (gateway.plan); `ApiError` 400 for what cannot be served.
+- `await plan_chat(request)` -> `ChatPlan` (gateway.plan); `ApiError` 400 for what cannot be served. Its image URLs
+  that are not data: URLs are fetched first (`MediaFetcher`, gateway/media_fetch.py: the one place they are
+  allowed or refused), so the event loop never waits on them; `await tokenize(request)` does the same for a chat.
 - `chat(principal, plan, ...)` / `complete(principal, job, ...)` admit the request (`ApiError` 429 with a
   `Retry-After` header when over a limit; 400 for a completion prompt beyond the context; the per-request caps of
   gateway/caps.py: 400 for too many prompts or sequences, 413 for a prompt over `--max-prompt-tokens`) and return a run
@@ -20,7 +22,7 @@ Contract:
   run opens its root span here and finishes it on `close()`.
 - The cache salt passed to the mesh is derived from the authenticated principal (`CacheSalter`); a client's
   `cache_salt` is only mixed in. Tenants therefore never share prefix-cache entries.
-- `tokenize` / `detokenize` / `model_cards` answer vLLM's /tokenize, /detokenize and /v1/models.
+- `tokenize` (async) / `detokenize` / `model_cards` answer vLLM's /tokenize, /detokenize and /v1/models.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from gateway.chat_run import ChatRun
 from gateway.completion_run import CompletionRun
 from gateway.config import GatewayConfig
 from gateway.media import load_media_config
+from gateway.media_fetch import MediaFetcher
 from gateway.mesh_client import MeshClient
 from gateway.metrics import GatewayMetrics
 from gateway.plan import ChatPlan, ChatPlanner, check_prompt_length
@@ -82,6 +85,7 @@ class GatewayCore:
         self.family = read_family(config.model)
         self.max_model_len = config.max_model_len or model_max_len(config.model)
         self.caps = config.request_caps()
+        self.fetcher = MediaFetcher(config.media_fetch())
         self.created = int(time.time())
         self._own_mesh = mesh is None
         self._health_task: asyncio.Task | None = None
@@ -124,6 +128,7 @@ class GatewayCore:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
             self._health_task = None
+        await self.fetcher.close()
         if self._own_mesh and self.mesh is not None:
             await self.mesh.close()
             self.mesh = None
@@ -167,8 +172,15 @@ class GatewayCore:
 
     # -- runs --------------------------------------------------------------------------------------------------
 
-    def plan_chat(self, request: ChatCompletionRequest) -> ChatPlan:
-        return self.planner.plan(request)
+    async def plan_chat(self, request: ChatCompletionRequest) -> ChatPlan:
+        return self.planner.plan(request, await self._fetch_media(request.messages))
+
+    async def _fetch_media(self, messages: list) -> Mapping[str, bytes]:
+        """The bytes of the image URLs that are not data: URLs (none for a text-only model: the planner refuses)."""
+        media = self.planner.media
+        if media is None:
+            return {}
+        return await self.fetcher.fetch(messages, media.max_images, media.processor.max_image_bytes)
 
     def chat(self, principal: Principal, plan: ChatPlan, *, api: str = "rest",
              trace: RequestTrace | None = None) -> ChatRun:
@@ -197,10 +209,10 @@ class GatewayCore:
 
     # -- tokenizer and models ----------------------------------------------------------------------------------
 
-    def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
+    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
         if isinstance(request, TokenizeCompletionRequest):
             return self.tokenizer.encode(request.prompt)  # what /v1/completions feeds the model
-        return self.planner.render(request).token_ids
+        return self.planner.render(request, await self._fetch_media(request.messages)).token_ids
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -108,7 +108,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
 
         async def start(principal: Principal, trace: RequestTrace) -> Run:
             chat = parse_chat(chat_body(request), core.served)
-            return core.chat(principal, core.plan_chat(chat), api="grpc", trace=trace)
+            return core.chat(principal, await core.plan_chat(chat), api="grpc", trace=trace)
 
         async for message in self._stream(context, "Chat", "chat", start, gateway_pb2.ChatResponse,
                                           lambda run, event: chat_choice(core.tokenizer, event)):
@@ -144,7 +144,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         core = self.core
         try:
             self._principal(context)
-            tokens = core.tokenize(parse_tokenize(tokenize_body(request), core.served))
+            tokens = await core.tokenize(parse_tokenize(tokenize_body(request), core.served))
         except ApiError as exc:
             await self._fail(context, "tokenize", exc)
         return gateway_pb2.TokenizeResponse(token_ids=tokens, count=len(tokens), max_model_len=core.max_model_len)

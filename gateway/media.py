@@ -4,12 +4,16 @@ Contract:
 - `MediaConfig` (frozen): the checkpoint's preprocessing (`engine.vision.processor.ProcessorConfig`, limits
   included), the `<|media_pad|>` id, and `max_images` per request. `load_media_config(model_dir)` -> None for a
   checkpoint without `vision_config` (images are then refused with 400 "this model is text-only").
-- `collect_images(messages, config)` walks the conversation in the renderer's order (messages, then their content
-  parts) and decodes each `image_url` part (`detail` is accepted and ignored: K3 has one resolution rule). Only
-  base64 `data:` URLs are read; an http(s) URL is refused with 400 naming `--allowed-media-domains` and a
-  `file:` URL naming `--allowed-local-media-path` (this gateway fetches nothing yet; those flags are not
-  offered). A bad image is an `ApiError` (param `messages`) whose message starts with the part
-  (`messages[i].content[j]: ...`): 413 for too many bytes or pixels, 400 for everything else (`ImageInputError.reason` is the error `code`); more than `max_images` is 400.
+- `image_urls(messages, max_images)` -> (where, url) of every image part, in the renderer's order (messages, then
+  their content parts; `where` is `messages[i].content[j]`): 400 `too_many_images` past `max_images`, 400 for a
+  part without `image_url.url`. gateway/media_fetch.py reads the same list.
+- `collect_images(messages, config, fetched)` decodes each image part (`detail` is accepted and ignored: K3 has one
+  resolution rule): a base64 `data:` URL, or the bytes `fetched` holds for its URL (http(s) and `file:` URLs,
+  fetched — or refused, naming `--allowed-media-domains` / `--allowed-local-media-path` — by
+  gateway/media_fetch.py before planning; a URL it holds no bytes for is 400 `media_url_not_allowed`). Fetched
+  bytes pass the same checks as a data URL's. A bad image is an `ApiError` (param `messages`) whose message starts
+  with the part (`messages[i].content[j]: ...`): 413 for too many bytes or pixels, 400 for everything else
+  (`ImageInputError.reason` is the error `code`).
 - `expand(token_ids, images, pad_id)` -> (the prompt with each image's pad expanded to its feature rows, one
   `common_pb2.MediaItem` per image: sha256 of its bytes, token offset, feature rows, bytes, MIME type).
 Torch-free: it uses only the processor's numpy / Pillow side.
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,41 +75,39 @@ def image_parts(messages: Sequence) -> list[tuple[str, object]]:
     return found
 
 
-def collect_images(messages: Sequence, config: MediaConfig) -> list[DecodedImage]:
+def image_urls(messages: Sequence, max_images: int) -> list[tuple[str, str]]:
     parts = image_parts(messages)
-    if len(parts) > config.max_images:
-        raise ApiError(400, f"the request has {len(parts)} images; at most {config.max_images} are allowed",
+    if len(parts) > max_images:
+        raise ApiError(400, f"the request has {len(parts)} images; at most {max_images} are allowed",
                        param="messages", code="too_many_images")
-    return [_load(where, part, config) for where, part in parts]
+    return [(where, _url(where, part)) for where, part in parts]
+
+
+def collect_images(messages: Sequence, config: MediaConfig, fetched: Mapping[str, bytes]) -> list[DecodedImage]:
+    return [_load(where, url, config, fetched) for where, url in image_urls(messages, config.max_images)]
 
 
 def _url(where: str, part) -> str:
     image_url = part.get("image_url") if isinstance(part, dict) else getattr(part, "image_url", None)
     url = image_url.get("url") if isinstance(image_url, dict) else getattr(image_url, "url", image_url)
     if not isinstance(url, str) or not url:
-        raise ApiError(400, f"{where}: an image part needs image_url.url (a base64 data: URL)", param="messages")
+        raise ApiError(400, f"{where}: an image part needs image_url.url (a base64 data: URL, or an http(s) or file: "
+                            "URL the gateway may read)", param="messages")
     return url
 
 
-def _load(where: str, part, config: MediaConfig) -> DecodedImage:
-    url = _url(where, part)
-    scheme = url.split(":", 1)[0].lower()
-    if scheme in ("http", "https"):
-        raise ApiError(400, f"{where}: fetching {scheme} image URLs is off (vLLM's --allowed-media-domains would "
-                            "allow them; this gateway does not offer it yet): send the image as a base64 data: "
-                            "URL", param="messages", code="media_url_not_allowed")
-    if scheme == "file":
-        raise ApiError(400, f"{where}: local image files are off (vLLM's --allowed-local-media-path would allow "
-                            "them; this gateway does not offer it yet): send the image as a base64 data: URL",
+def _load(where: str, url: str, config: MediaConfig, fetched: Mapping[str, bytes]) -> DecodedImage:
+    source: bytes | str | None = url if url.split(":", 1)[0].lower() == "data" else fetched.get(url)
+    if source is None:
+        raise ApiError(400, f"{where}: image_url.url was not fetched; only base64 data: URLs, and the http(s) and "
+                            "file: URLs allowed by --allowed-media-domains / --allowed-local-media-path, are read",
                        param="messages", code="media_url_not_allowed")
-    if scheme != "data":
-        raise ApiError(400, f"{where}: image_url.url must be a base64 data: URL", param="messages")
     try:
-        image = decode_image(url, config.processor)
+        image = decode_image(source, config.processor)
     except ImageInputError as exc:
         raise ApiError(413 if exc.reason in TOO_LARGE else 400, f"{where}: {exc}", param="messages",
                        code=exc.reason) from None
-    data = _payload(url)
+    data = source if isinstance(source, bytes) else _payload(source)
     rows = plan_resize(image.width, image.height, config.processor).feature_rows
     return DecodedImage(data, MIME_TYPES.get(image.format or "", "application/octet-stream"), image.size, rows)
 

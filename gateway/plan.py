@@ -1,20 +1,21 @@
 """Everything decided about a chat request before it reaches the mesh (`ChatPlan`), and the prompt-length rule.
 
 Contract:
-- `ChatPlanner(renderer, config, max_model_len).plan(request)` renders a validated chat request and decides: the
-  prompt ids; the sampling parameters with structured output (`tool_choice` "required" / named and
+- `ChatPlanner(renderer, config, max_model_len).plan(request, fetched)` renders a validated chat request and
+  decides: the prompt ids; the sampling parameters with structured output (`tool_choice` "required" / named and
   `response_format` json kinds become the engine's grammar, wrapped in the model's output format); which output
   parsers read the text (the configured ones; with a grammar, the family's own, since its wrapping must be read
   back). Images (`media`, gateway/media.py; None: a text-only model, whose image parts are a 400) are decoded and
-  checked first, their sizes given to the renderer, each pad expanded to the image's feature rows in
-  `prompt_ids`, and `media` holds their `MediaItem`s. Raises `ApiError` for a bad image (see gateway/media.py),
-  a malformed conversation (naming the field: `messages`, `tools`, ...),
+  checked first — data: URLs, and the bytes of http(s) / file: URLs in `fetched` (read before planning by
+  gateway/media_fetch.py, since planning is synchronous) —, their sizes given to the renderer, each pad expanded
+  to the image's feature rows in `prompt_ids`, and `media` holds their `MediaItem`s. Raises `ApiError` for a bad
+  image (see gateway/media.py), a malformed conversation (naming the field: `messages`, `tools`, ...),
   a prompt beyond the context, and "auto" tool choice without `--enable-auto-tool-choice`; and the structure hints
   (`gateway.hints`: where the system block and every message but the last end, plus the client's
   `kdamesh_snapshot_hints`, 400 `param: "kdamesh_snapshot_hints"` for one outside the prompt), as positions in the
   prompt the mesh gets (shifted past expanded image pads).
-- `render(request)` renders a chat (or /tokenize chat) request with the same checks, nothing else decided (its
-  ids hold one pad per image, as the chat template writes it).
+- `render(request, fetched)` renders a chat (or /tokenize chat) request with the same checks, nothing else decided
+  (its ids hold one pad per image, as the chat template writes it).
 - `check_prompt_length(prompt_tokens, max_tokens, limit, param)`: 400 `context_length_exceeded` when the prompt
   (plus `max_tokens` when given) does not fit in `limit` tokens.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from gateway.chat import ChatFormatError, ChatRenderer, RenderedPrompt
 from gateway.config import GatewayConfig
@@ -35,6 +37,7 @@ from protos import common_pb2
 CHAT_FIELDS = ("messages", "tools", "tool_choice", "response_format", "chat_template_kwargs")
 IMAGE_PARTS = ("image_url", "image", "input_image")
 StructuredOutput = common_pb2.StructuredOutput
+NOTHING_FETCHED: Mapping[str, bytes] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -70,16 +73,16 @@ class ChatPlanner:
         self.config = config
         self.max_model_len = max_model_len
 
-    def render(self, request: ChatCompletionRequest | TokenizeChatRequest, tool_choice=None,
-               response_format: dict | None = None) -> RenderedPrompt:
-        return self._render(request, tool_choice, response_format, self._images(request))
+    def render(self, request: ChatCompletionRequest | TokenizeChatRequest,
+               fetched: Mapping[str, bytes] = NOTHING_FETCHED) -> RenderedPrompt:
+        return self._render(request, None, None, self._images(request, fetched))
 
-    def _images(self, request) -> list[DecodedImage]:
+    def _images(self, request, fetched: Mapping[str, bytes]) -> list[DecodedImage]:
         if not _has_images(request.messages):
             return []
         if self.media is None:
             raise ApiError(400, "this model is text-only; image inputs are not supported", param="messages")
-        return collect_images(request.messages, self.media)
+        return collect_images(request.messages, self.media, fetched)
 
     def _render(self, request, tool_choice, response_format: dict | None,
                 images: list[DecodedImage]) -> RenderedPrompt:
@@ -91,13 +94,13 @@ class ChatPlanner:
         except ChatFormatError as exc:
             raise ApiError(400, str(exc), param=_chat_param(str(exc))) from None
 
-    def plan(self, request: ChatCompletionRequest) -> ChatPlan:
+    def plan(self, request: ChatCompletionRequest, fetched: Mapping[str, bytes] = NOTHING_FETCHED) -> ChatPlan:
         tool_choice = request.effective_tool_choice
         if tool_choice == "auto" and not (self.config.enable_auto_tool_choice and self.config.tool_call_parser):
             raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                                 "set", param="tool_choice")
         response_format = request.response_format_json()
-        images = self._images(request)
+        images = self._images(request, fetched)
         prompt = self._render(request, tool_choice, response_format, images)
         expanded, media = expand(prompt.token_ids, images, self.media.pad_id) if images else (None, ())
         check_prompt_length(len(expanded or prompt.token_ids), request.completion_limit, self.max_model_len,

@@ -114,7 +114,7 @@ async def tokenize(request: Request):
     core = _core(request)
     _principal(request)
     body = parse_tokenize(await read_json(request), core.served)
-    tokens = core.tokenize(body)
+    tokens = await core.tokenize(body)
     reply = {"tokens": tokens, "count": len(tokens), "max_model_len": core.max_model_len}
     if body.return_token_strs:
         reply["token_strs"] = core.tokenizer.convert_ids_to_tokens(tokens)
@@ -142,7 +142,7 @@ async def chat_completions(request: Request):
     async def start(principal: Principal, trace: RequestTrace) -> Run:
         core = _core(request)
         chat = parse_chat(await read_json(request), core.served)
-        return core.chat(principal, core.plan_chat(chat), trace=trace)
+        return core.chat(principal, await core.plan_chat(chat), trace=trace)
 
     return await _respond(request, "chat", start, CHAT)
 

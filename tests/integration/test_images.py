@@ -7,7 +7,9 @@
   returns a completion whose greedy text equals the model-level greedy (`SequenceDriver` fed the encoder's rows)
   on the same expanded prompt, and so does the gRPC API through the SDK (inline image bytes), from the cache;
 - Workers: a bad `MediaItem` (bytes that are no image, a span that does not match the image, a hash that is not
-  sha256) is INVALID_ARGUMENT on both routes, and the next request is served; every bad-image kind is its 4xx naming the part, and the workers keep serving.
+  sha256) is INVALID_ARGUMENT on both routes, and the next request is served; every bad-image kind is its 4xx
+  naming the part, and the workers keep serving; without the flags an http(s) or file: URL is 400 naming
+  `--allowed-media-domains` / `--allowed-local-media-path` (allowed URLs: test_image_urls.py).
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ BAD = {  # name -> (url, status, code)
     "file url": ("file:///etc/passwd", 400, "media_url_not_allowed"),
 }
 
+NAMED_FLAG = {"http url": "--allowed-media-domains", "file url": "--allowed-local-media-path"}
+
 
 def test_bad_images_are_4xx_and_the_workers_keep_serving(tiny_k3):
     async def post(http: httpx.AsyncClient, messages: list[dict]) -> httpx.Response:
@@ -157,6 +161,7 @@ def test_bad_images_are_4xx_and_the_workers_keep_serving(tiny_k3):
                 error = response.json()["error"]
                 assert (response.status_code, error["code"]) == (status, code), (name, response.text)
                 assert error["param"] == "messages" and error["message"].startswith("messages[0].content[1]: "), name
+                assert NAMED_FLAG.get(name, "") in error["message"], name  # no flags: the refusal names the flag
             too_many = await post(gw.http, chat(data_url(A), data_url(A), data_url(C)))
             assert too_many.status_code == 400 and too_many.json()["error"]["code"] == "too_many_images"
             ok = await post(gw.http, chat(data_url(A)))

@@ -121,3 +121,29 @@ def test_busy_ports_names_a_port_something_listens_on():
         taken = squatter.getsockname()[1]
         free = free_port()
         assert busy_ports("127.0.0.1", [free, taken]) == [taken]
+
+
+def test_image_url_flags_reach_the_gateway_config(tmp_path):
+    from deploy.serve import gateway_config_from
+
+    ns = _mesh([str(tmp_path), "--allowed-media-domains", "img.example.com", "127.0.0.1",
+                "--allowed-local-media-path", str(tmp_path), "--media-fetch-timeout-s", "2.5"])
+    services = {s.role: s for s in plan_services(launch_config_from(ns, "info", "text", "none"), str(tmp_path))}
+    gateway = gateway_config_from(role_parser("gateway").parse_args(services["gateway"].argv))
+    fetch = gateway.media_fetch()
+    assert (fetch.allowed_domains, fetch.local_root, fetch.timeout_s) == \
+           (("img.example.com", "127.0.0.1"), tmp_path.resolve(), 2.5)
+    unset = {s.role: s for s in plan_services(launch_config_from(_mesh([str(tmp_path)]), "info", "text", "none"),
+                                              str(tmp_path))}
+    off = gateway_config_from(role_parser("gateway").parse_args(unset["gateway"].argv)).media_fetch()
+    assert (off.allowed_domains, off.local_root) == ((), None)  # the default: only data: URLs
+
+
+@pytest.mark.parametrize("bad", [["--allowed-local-media-path", "/no/such/dir"],
+                                 ["--allowed-media-domains", "https://img.example.com"]])
+def test_a_bad_image_url_flag_is_refused_naming_it(bad, monkeypatch):
+    monkeypatch.setattr("gateway.app.serve", lambda *a, **k: pytest.fail("a refused flag must not start"))
+    for head in (["serve", "/m"], ["up", "--model", "/m"], ["serve", "--role", "gateway", "--model", "/m",
+                                                              "--decode-addresses", "h:1", "--mode", "colocated"]):
+        code, _, err = _main([*head, *bad])
+        assert code == 2 and bad[0] in err, (head, err)
