@@ -180,7 +180,8 @@ class CacheManager:
         if not self.snapshots_enabled:
             return end
         for b in self.policy.candidates(req, computed, end):
-            if not self.state_pool.has_snapshot(req.block_hashes[b // self.block_size - 1]):
+            i = b // self.block_size - 1  # a point among a verification's drafts has no hash yet: it lacks one
+            if i >= len(req.block_hashes) or not self.state_pool.has_snapshot(req.block_hashes[i]):
                 return b
         return end
 
