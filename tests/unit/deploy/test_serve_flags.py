@@ -121,3 +121,16 @@ def test_busy_ports_names_a_port_something_listens_on():
         taken = squatter.getsockname()[1]
         free = free_port()
         assert busy_ports("127.0.0.1", [free, taken]) == [taken]
+
+
+def test_a_speculative_config_reaches_both_workers():
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    config = launch_config_from(_mesh(["/m", "--speculative-config", spec]), "info", "text", None)
+    assert config.speculative_config == spec
+    from deploy.launcher import _engine_argv
+    from deploy.serve import engine_args_from
+
+    argv = _engine_argv(config, "/m")
+    assert argv[argv.index("--speculative-config") + 1] == spec
+    ns = role_parser("decode").parse_args(["--model", "/m", "--speculative-config", spec])
+    assert engine_args_from(ns).speculative_config.num_speculative_tokens == 3
