@@ -10,9 +10,11 @@ Contract:
   workers). `launch_config_from(ns)` turns the parsed flags into the launcher's `LaunchConfig`.
 - `add_vllm_flags(group)` adds the `vllm serve` flags the worker roles (deploy/serve.py) share: tensor and expert
   parallelism, and those whose feature is not built yet. `refusal(ns)` is the message naming the first such flag
-  set to something other than its no-op value (`--tensor-parallel-size` < 1, `--speculative-config`,
-  `--kv-cache-dtype` other than auto, `--gpu-memory-utilization` at all: the KV cache is sized by
-  `--kv-cache-memory`), else None. A refused flag is never silently accepted.
+  set to something other than its no-op value (`--tensor-parallel-size` < 1, `--kv-cache-dtype` other than auto,
+  `--gpu-memory-utilization` at all: the KV cache is sized by `--kv-cache-memory`) or a `--speculative-config`
+  that does not parse (engine/spec/config.py: the message names the JSON field), else None. A refused flag is never silently accepted.
+- `--speculative-config '{json}'` (vLLM's field names) goes to both workers: every request of a worker speculates
+  (docs/api.md says which run plain).
 - `add_media_flags(group)` adds the gateway's image URL flags, shared by `up` / `serve MODEL` and
   `serve --role gateway`: `--allowed-media-domains HOST [HOST ...]`, `--allowed-local-media-path DIR` (vLLM's
   names; unset here means off, see gateway/media_fetch.py) and `--media-fetch-timeout-s`. `media_refusal(ns)` is
@@ -32,7 +34,9 @@ def add_vllm_flags(g) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="rank processes each worker splits its model over (engine/parallel/executor.py)")
     g.add_argument("--enable-expert-parallel", action="store_true", help="split the routed experts by expert")
-    g.add_argument("--speculative-config", default=None, help="refused (speculative decoding: not built)")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4} (engine/spec/config.py)')
     g.add_argument("--kv-cache-dtype", default="auto", help="auto only (the KV cache has the model's dtype)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="refused: size the KV cache with --kv-cache-memory")
@@ -44,7 +48,13 @@ def refusal(ns: argparse.Namespace) -> str | None:
     if ns.tensor_parallel_size < 1:
         return f"--tensor-parallel-size {ns.tensor_parallel_size}: must be at least 1"
     if ns.speculative_config is not None:
-        return "--speculative-config: speculative decoding is not built yet"
+        from engine.errors import EngineConfigError
+        from engine.spec.config import SpeculativeConfig
+
+        try:
+            SpeculativeConfig.parse(ns.speculative_config)
+        except EngineConfigError as e:
+            return f"--speculative-config: {e}"
     if ns.kv_cache_dtype != "auto":
         return f"--kv-cache-dtype {ns.kv_cache_dtype}: only auto (the model's dtype) is built"
     if ns.gpu_memory_utilization is not None:
@@ -152,6 +162,7 @@ def launch_config_from(ns: argparse.Namespace, log_level: str, log_format: str, 
         torch_threads=ns.torch_threads, tensor_parallel_size=ns.tensor_parallel_size,
         enable_expert_parallel=ns.enable_expert_parallel, snapshot_interval=ns.snapshot_interval, snapshot_budget=ns.snapshot_budget,
         snapshot_policy=ns.snapshot_policy, served_model_name=ns.served_model_name,
+        speculative_config=ns.speculative_config,
         gateway_grpc_port=ns.gateway_grpc_port, api_keys_file=ns.api_keys_file,
         api_keys=None if ns.api_key is None else f"{ns.api_key}=default",
         tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,

@@ -77,6 +77,7 @@ class LaunchConfig:
     snapshot_budget: str | None = None
     snapshot_policy: str | None = None  # "hybrid" | "periodic"
     tensor_parallel_size: int | None = None  # rank processes per worker
+    speculative_config: str | None = None  # --speculative-config JSON for both workers (engine/spec/config.py)
     enable_expert_parallel: bool = False
     served_model_name: str | None = None
     # The gateway: its gRPC API port (None: grpc_port + 3, or a free port), tenancy, output parsers.
@@ -268,6 +269,7 @@ def _engine_argv(config: LaunchConfig, model: str) -> list[str]:
                         ("--snapshot-interval", config.snapshot_interval),
                         ("--snapshot-budget", config.snapshot_budget), ("--snapshot-policy", config.snapshot_policy),
                         ("--tensor-parallel-size", config.tensor_parallel_size),
+                        ("--speculative-config", config.speculative_config),
                         ("--served-model-name", config.served_model_name)):
         if value is not None:
             argv += [flag, str(value)]

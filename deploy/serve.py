@@ -70,7 +70,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
                       max_model_len=ns.max_model_len,
                       enable_prefix_caching=ns.enable_prefix_caching, snapshot_interval=interval,
                       tensor_parallel_size=ns.tensor_parallel_size, enable_expert_parallel=ns.enable_expert_parallel,
-                      snapshot_budget=ns.snapshot_budget, snapshot_policy=ns.snapshot_policy)
+                      snapshot_budget=ns.snapshot_budget, snapshot_policy=ns.snapshot_policy,
+                      speculative_config=ns.speculative_config)
 
 
 def _common(p: argparse.ArgumentParser, default_address: str) -> None:

@@ -24,6 +24,8 @@ Contract:
   after the step or command batch that produced them, before that step's outputs go to their streams (the sink must
   only hand them over, e.g. with `loop.call_soon_threadsafe`, which then delivers them first); `None` stops the
   collection. Without a sink nothing is collected or copied.
+- Every `LOG_STATS_INTERVAL_S` with new drafts (speculative decoding) it logs vLLM's "SpecDecoding metrics: Mean
+  acceptance length: …" line over the interval.
 - Every `LOG_STATS_INTERVAL_S` with new admissions the step thread logs vLLM's line "Prefix cache hit rate: X%" (over
   that interval, and since start) with the snapshot memory in use, from the engine's counters.
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import threading
 import time
@@ -61,7 +64,7 @@ class _HitRateLog:
 
     def __init__(self, stats: EngineStats, interval_s: float = LOG_STATS_INTERVAL_S):
         self.interval_s = interval_s
-        self._last = stats
+        self._last = self._spec_last = stats
         self._due = time.monotonic() + interval_s
 
     def maybe_log(self, stats: EngineStats) -> None:
@@ -69,6 +72,7 @@ class _HitRateLog:
         if now < self._due:
             return
         self._due = now + self.interval_s
+        self._log_spec(stats)
         looked = stats.prefix_lookup_tokens - self._last.prefix_lookup_tokens
         if looked <= 0:
             return
@@ -78,6 +82,20 @@ class _HitRateLog:
                     "%d (%.1f of %.1f MiB), %d junctions, %d offloaded", 100 * hit / looked, hit, looked,
                     100 * stats.prefix_hit_rate, stats.num_snapshots, stats.snapshot_bytes / 2 ** 20,
                     stats.snapshot_budget_bytes / 2 ** 20, stats.num_junctions, stats.num_snapshot_exports)
+
+    def _log_spec(self, stats: EngineStats) -> None:
+        """vLLM's "SpecDecoding metrics" line over the interval (only when there were drafts)."""
+        last, self._spec_last = self._spec_last, stats
+        drafts = stats.spec_num_drafts - last.spec_num_drafts
+        if drafts <= 0:
+            return
+        drafted = stats.spec_num_draft_tokens - last.spec_num_draft_tokens
+        accepted = stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens
+        per_pos = [(a - b) / drafts for a, b in itertools.zip_longest(stats.spec_accepted_per_pos,
+                                                                       last.spec_accepted_per_pos, fillvalue=0)]
+        logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d tokens, "
+                    "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%", 1 + accepted / drafts,
+                    accepted, drafted, ", ".join(f"{r:.3f}" for r in per_pos), 100 * accepted / max(drafted, 1))
 
 
 class _Stream:

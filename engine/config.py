@@ -12,6 +12,10 @@ Contract:
   the priorities of engine/memory/policy.py, and `snapshot_policy` ("hybrid" | "periodic") chooses which snapshot
   points exist.
   Under tensor parallelism the budget is per rank and a state slot costs one rank's heads (`tensor_parallel_size`).
+- `speculative_config` (`--speculative-config`, engine/spec/config.py: a JSON string, a dict or a
+  `SpeculativeConfig`) is parsed into a `SpeculativeConfig`; it sets `num_speculative_tokens` (which must then be
+  unset or equal), so the state pool reserves 1 + k slots per running request. `num_speculative_tokens` alone
+  only reserves the slots. A verification is never split across forwards: `max_forward_tokens` must hold 1 + k.
 - `snapshot_interval="auto"` is the state's bytes expressed in tokens of KV, rounded to whole blocks (so periodic
   snapshots at most double the memory of the prefix they cover), clamped to [1, MAX_AUTO_INTERVAL_BLOCKS] blocks.
 """
@@ -24,6 +28,7 @@ from engine.errors import EngineConfigError
 from engine.memory.policy import SNAPSHOT_POLICIES
 from engine.model.batch import bytes_per_state, bytes_per_token
 from engine.model.config import ModelConfig
+from engine.spec.config import SpeculativeConfig
 from telemetry import units
 
 MAX_AUTO_INTERVAL_BLOCKS = 4096
@@ -67,6 +72,7 @@ class EngineArgs:
     collective_timeout_s: float = 60.0  # a rank collective waiting longer fails the engine (a hung or lost rank)
     snapshot_policy: str = "hybrid"  # "hybrid": hints, junctions, turn ends too; "periodic": prompt ends + interval
     snapshot_budget: int | str | None = None  # bytes of KDA snapshots, e.g. "2GiB"; None: snapshot_memory_fraction
+    speculative_config: SpeculativeConfig | dict | str | None = None  # engine/spec/config.py; None: no speculation
 
     def __post_init__(self):
         positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
@@ -96,6 +102,7 @@ class EngineArgs:
             raise EngineConfigError("num_kv_blocks must be positive")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise EngineConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
+        self._resolve_speculative()
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise EngineConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.collective_timeout_s <= 0:
@@ -104,6 +111,20 @@ class EngineArgs:
             raise EngineConfigError(f"snapshot_policy must be one of {SNAPSHOT_POLICIES}, got {self.snapshot_policy!r}")
         if self.snapshot_budget is not None and parse_bytes(self.snapshot_budget, "snapshot_budget") < 0:
             raise EngineConfigError(f"snapshot_budget must be >= 0, got {self.snapshot_budget!r}")
+
+    def _resolve_speculative(self) -> None:
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is None:
+            return
+        k = spec.num_speculative_tokens
+        if self.num_speculative_tokens not in (0, k):
+            raise EngineConfigError(f"num_speculative_tokens {self.num_speculative_tokens} disagrees with "
+                                    f"speculative_config's {k}")
+        object.__setattr__(self, "num_speculative_tokens", k)
+        if self.max_forward_tokens is not None and self.max_forward_tokens < 1 + k:
+            raise EngineConfigError(f"max_forward_tokens {self.max_forward_tokens} must hold a verification of "
+                                    f"1 + {k} positions")
 
 
 @dataclass(frozen=True)

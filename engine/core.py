@@ -7,8 +7,11 @@ Contract:
   changes) and queues `params.n` sequences. A prompt is a str (tokenised without special tokens), a list of ids,
   or `{"prompt_token_ids": [...]}` / `{"prompt": str}`. Admission rejects requests that can never run: an empty
   prompt, ids outside the vocabulary, `len(prompt) + max_tokens > max_model_len`, or more KV blocks than the pool.
-- `step()` schedules, runs the model once, commits full blocks and snapshots, samples, detokenises, checks stops,
+- `step()` schedules, runs the model once, samples, commits full blocks and snapshots, detokenises, checks stops,
   frees finished requests, and returns one delta `RequestOutput` per request that changed (see engine/outputs.py).
+- Speculative decoding (`args.speculative_config`, engine/spec/): before scheduling, the drafter proposes tokens for
+  the running decodes; the step verifies them in the same forward (engine/spec/decoding.py) and appends the
+  accepted drafts plus one token, so a request may gain up to 1 + k tokens in a step.
 - `abort(request_id)` ends a request at once (its output finishes with "abort" on the next `step`).
 - `add_request(..., snapshot_hints=positions)`: token positions of the prompt (where the rendered chat's system/tool
   block and each earlier message end) at which the KDA state is snapshotted, rounded down to blocks
@@ -40,6 +43,7 @@ Contract:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import random
 from collections.abc import Sequence
@@ -60,8 +64,9 @@ from engine.outputs import RequestOutput
 from engine.phase_times import PhaseTimes
 from engine.request import OutputState, Request, RequestStatus
 from engine.parallel.executor import ExecutorConfig, open_executor
-from engine.sampling import SampleRow, Sampler, SamplingParams
-from engine.stats import EngineStats, model_fingerprint
+from engine.sampling import SampleResult, SampleRow, Sampler, SamplingParams
+from engine.spec.setup import open_spec_decoding
+from engine.stats import EngineStats, engine_stats, model_fingerprint
 from engine.scheduler import Scheduler
 from engine.structured import GrammarBackend
 from engine.vision.cache import DEFAULT_BUDGET_BYTES
@@ -112,6 +117,7 @@ class EngineCore:
                                   {name: shape for name, (shape, _) in self.runner.state_shapes().items()})
         self.exchange = CacheExchange(self.manager, self.runner, self.layout)
         self.sampler = Sampler()
+        self.spec = open_spec_decoding(args, self.model, self.manager, self.plan, self.executor)
         self._seed_rng = random.Random(args.seed)
         self._parents: dict[str, _Parent] = {}
         self._requests: dict[str, Request] = {}  # child id -> request, unfinished
@@ -273,40 +279,68 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        if self.spec is not None:
+            self.spec.preempted(out.preempted)
         self.exchange.collect()  # admission and growth may have evicted what an export reads
         if not out.is_empty:
             self.num_steps += 1
-            slots = [self.manager.running_slot(c.req) for c in out.chunks]
-            sampled = [c.req for c in out.chunks if c.needs_logits]
-            masks = self._fill_grammar_masks(sampled)  # structured output: CPU work before the forward
-            wanted = [prompt_logprobs.rows_wanted(c.req, c.start, c.num_tokens) for c in out.chunks]
-            logits, prompt_logits = self.runner.execute_with_prompt_rows(out, slots, wanted)  # [L, V], [rows_i, V]
-            for chunk, chunk_logits in zip(out.chunks, prompt_logits):
-                prompt_logprobs.record(chunk.req, chunk.start, chunk_logits, self.tokenizer)
-            if masks is not None:
-                self.grammar_backend().apply(logits, masks, [i for i, r in enumerate(sampled) if r.grammar])
+            results = self._run_and_sample(out)
+            finished = [f for chunk, res in zip([c for c in out.chunks if c.needs_logits], results)
+                        if (f := self._append(chunk.req, res)) is not None]
             copies = []
-            for chunk in out.chunks:
-                chunk.req.num_computed_tokens = chunk.start + chunk.num_tokens
-                copies.extend(self.manager.commit(chunk.req))
+            for chunk in out.chunks:  # a verification keeps what was appended (the last token + accepted drafts)
+                states = self.spec.settle(chunk.req, chunk.start, chunk.req.num_tokens - 1 - chunk.start) \
+                    if chunk.draft else None
+                if not chunk.draft:
+                    chunk.req.num_computed_tokens = chunk.start + chunk.num_tokens
+                copies.extend(self.manager.commit(chunk.req, states))
             self.exchange.collect()  # before the copies overwrite evicted snapshots' slots
             self.runner.copy_slots(copies)
             self.manager.copies_applied()
-            rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids if r.params.has_penalties else (),
-                              r.generator, self._suppressed(r)) for r in sampled]
-            for req, result in zip(sampled, self.sampler.sample(logits, rows)):
-                if not self._advance_grammar(req, result.token_id):
-                    self._finish(req, RequestStatus.FINISHED_ABORTED)
-                    continue
-                req.append_token(result.token_id)
-                reason = req.output.add_token(result, req.num_output_tokens, req.max_tokens,
-                                              req.num_tokens >= self.plan.max_model_len)
-                self._touched.append(req)
-                if reason is not None:
-                    status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
-                    self._finish(req, status)
+            if self.spec is not None:
+                self.spec.observe(out.chunks, self.runner.take_tapped())
+                self.spec.clear(self.scheduler.running)
+            for req, status in finished:
+                self._finish(req, status)
         return self._collect_outputs()
+
+    def _run_and_sample(self, out) -> list[list[SampleResult]]:
+        """Runs the step's forward -> per chunk that needs logits, the tokens it emits (one, or a verification's
+        accepted drafts and the token after them)."""
+        slots = [self.manager.running_slot(c.req) for c in out.chunks]
+        chunks = [c for c in out.chunks if c.needs_logits]
+        sampled = [c.req for c in chunks]
+        masks = self._fill_grammar_masks(sampled)  # structured output: CPU work before the forward
+        wanted = [prompt_logprobs.rows_wanted(c.req, c.start, c.num_tokens) for c in out.chunks]
+        logits, prompt_logits = self.runner.execute_with_prompt_rows(out, slots, wanted)  # [rows, V], [rows_i, V]
+        for chunk, chunk_logits in zip(out.chunks, prompt_logits):
+            prompt_logprobs.record(chunk.req, chunk.start, chunk_logits, self.tokenizer)
+        firsts = list(itertools.accumulate([1 + len(c.draft) for c in chunks], initial=0))  # first row per chunk
+        heads = logits[firsts[:-1]] if any(c.draft for c in chunks) else logits  # [L, V] one row per chunk
+        if masks is not None:  # constrained requests never verify: their one row is their head row
+            self.grammar_backend().apply(heads, masks, [i for i, r in enumerate(sampled) if r.grammar])
+        plain = [i for i, c in enumerate(chunks) if not c.draft]
+        rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids if r.params.has_penalties else (),
+                          r.generator, self._suppressed(r)) for r in (sampled[i] for i in plain)]
+        picked = iter(self.sampler.sample(heads[plain] if len(plain) < len(chunks) else heads, rows))
+        return [self.spec.verify(c.req, c.draft, logits[firsts[i]: firsts[i + 1]]) if c.draft else [next(picked)]
+                for i, c in enumerate(chunks)]
+
+    def _append(self, req: Request, results: list[SampleResult]) -> tuple[Request, RequestStatus] | None:
+        """Appends the sampled tokens in order, up to one that finishes the request -> (req, how) when it did."""
+        for result in results:
+            if not self._advance_grammar(req, result.token_id):
+                return req, RequestStatus.FINISHED_ABORTED
+            req.append_token(result.token_id)
+            reason = req.output.add_token(result, req.num_output_tokens, req.max_tokens,
+                                          req.num_tokens >= self.plan.max_model_len)
+            self._touched.append(req)
+            if reason is not None:
+                return req, RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+        return None
 
     def _suppressed(self, req: Request) -> tuple[int, ...]:
         if req.num_output_tokens >= req.params.min_tokens or req.grammar is not None:
@@ -317,6 +351,8 @@ class EngineCore:
         if req.grammar is not None:  # structured output: release the matcher
             req.grammar = None
             self._num_constrained -= 1
+        if self.spec is not None:
+            self.spec.finished(req)
         if status is RequestStatus.FINISHED_ABORTED:
             req.output.abort()
         else:
@@ -356,20 +392,7 @@ class EngineCore:
     # -- observability and checks ----------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        pool, states = self.manager.block_pool, self.manager.state_pool
-        return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                           kv_usage=pool.usage, num_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
-                           num_cached_blocks=pool.num_cached_blocks, num_state_groups=states.num_groups,
-                           num_free_state_groups=states.num_free_groups, num_snapshots=states.num_snapshots,
-                           num_snapshot_slots=states.num_snapshot_slots,
-                           prefix_lookup_tokens=self.manager.lookup_tokens, prefix_hit_tokens=self.manager.hit_tokens,
-                           num_preemptions=self.scheduler.num_preemptions,
-                           phase_times=self.phase_times.snapshot(),
-                           snapshot_bytes=states.num_snapshots * self.plan.bytes_per_state,
-                           snapshot_budget_bytes=self.plan.snapshot_budget_bytes,
-                           num_junctions=self.manager.num_junctions, num_snapshot_exports=self.manager.num_exports,
-                           num_snapshot_evictions=states.num_snapshot_evictions,
-                           num_snapshots_taken=self.manager.num_snapshots_taken)
+        return engine_stats(self.manager, self.scheduler, self.phase_times, self.plan, self.spec)
 
     def probe_prefix(self, block_hashes: list[bytes], num_tokens: int) -> int:
         """Leading tokens of a prompt (`num_tokens`, full blocks hashing to `block_hashes`) that admission would

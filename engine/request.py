@@ -6,6 +6,10 @@ Contract:
   sample that follows it, so a running request always has at least one token to compute.
 - `block_ids` (MLA blocks, in position order) and `state_group` (running KDA slots) are set and cleared only by
   `engine.memory.manager.CacheManager`; `block_hashes` grows as full blocks of `token_ids` become known.
+  `slot_offset` says which slot of the group holds the running state (speculative verification moves it to the
+  slot of the last accepted position instead of copying; 0 at admission).
+- `draft` (speculative decoding, engine/spec/): the drafter's proposal for the tokens after `token_ids`, set before
+  a step and cleared after it; never part of `token_ids` until verification accepts it.
 - A request with `n > 1` is `n` `Request`s (ids `"{i}_{parent}"`) under one `parent_id`.
 - Output state (`OutputState`) turns sampled ids into text deltas with `IncrementalDetokenizer`, matches stop
   strings on the text with `engine.formats.stop.StopMatcher` (the gateway's rule too: a stream holds back the last
@@ -35,6 +39,7 @@ from engine.sampling import SampleResult, SamplingParams
 from engine.transfer import RequestState
 
 if TYPE_CHECKING:
+    from engine.spec.drafter import Draft
     from engine.structured import GrammarState
 
 
@@ -76,6 +81,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     state_group: int | None = None
+    slot_offset: int = 0  # the running slot within the group (engine/memory/manager.py)
+    draft: "Draft | None" = None  # speculative decoding: the proposal verified in the next step
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     grammar: "GrammarState | None" = None  # structured output: the matcher (engine.structured), dropped at finish

@@ -21,6 +21,14 @@ Contract:
 - Images (`media`, an `engine.vision.feed.MediaFeeder`, None for a text-only model): `plan_step` encodes the step's
   new images in one call before the first forward, and every forward's batch carries the image rows its pieces
   cover (`mm_embeds` / `mm_positions`).
+- Speculative verification (engine/spec/): a chunk with `draft` tokens computes the request's last token and the
+  drafts as one piece; every position gets a logits row (`1 + len(draft)` rows, in order), the piece is never cut
+  across forwards, and the KDA state after each position goes to the chunk's `out_slots` (the scratch slots of the
+  request's group; `ForwardBatch.state_out_slots`). Other pieces of such a forward keep their state in their own
+  slot (out-slot -1 for every token but the last). Forwards without a verification are built as before.
+- Drafter taps (`taps`, set by the engine from `Drafter.taps`): each forward also captures the tapped hidden rows
+  of all its tokens (engine/spec/taps.py); `take_tapped()` returns those of the latest step `[T, len(taps) * D]`
+  (chunk order, every token of every piece) and forgets them.
 - `copy_slots(pairs)` copies KDA state slots (snapshots after a step).
 - `read_blocks` / `write_blocks` / `read_state` / `write_state` move cache contents in and out as tensors
   (`engine.transfer` serialises them): blocks as `[num_mla_layers, n, block_size, cache_dim]` in MLA layer order,
@@ -59,6 +67,13 @@ class Piece:
     slot: int  # the request's running KDA slot
     needs_logits: bool
     prompt_rows: int = 0  # logits also at the first `prompt_rows` positions (prompt logprobs), before the last's
+    draft: tuple[int, ...] = ()  # speculative verification: draft tokens after the request's known tokens
+    out_slots: tuple[int, ...] = ()  # verification: the KDA slot receiving the state after each position
+
+    @property
+    def num_logits(self) -> int:
+        """Sampling rows: one for the last position, or one per position of a verification."""
+        return 1 + len(self.draft) if self.draft else int(self.needs_logits)
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,7 @@ class RankStep:
     zero_slots: list[int] = field(default_factory=list)
     inits: list[SlotInit] = field(default_factory=list)
     batches: list[ForwardBatch] = field(default_factory=list)
+    taps: tuple[int, ...] = ()  # drafter taps to capture (engine/spec/taps.py)
 
 
 class ModelRunner:
@@ -98,6 +114,8 @@ class ModelRunner:
                                            kda_heads=model.num_local_kda_heads)
         self.mla_layers = sorted(self.cache.kv)
         self.kda_layers = sorted(self.cache.recurrent)
+        self.taps: tuple[int, ...] = ()
+        self._tapped: list[torch.Tensor] = []
 
     def execute(self, out: SchedulerOutput, running_slots: list[int]) -> torch.Tensor:
         """Runs the step; `running_slots[i]` is the KDA slot of `out.chunks[i].req`."""
@@ -113,12 +131,12 @@ class ModelRunner:
         if self.media is not None:
             self.media.prepare(pieces)  # encodes the step's new images (one call) before any batch takes their rows
         groups = split_forwards(pieces, self.max_forward_tokens)
-        return RankStep(zero, inits, [self.build_batch(group) for group in groups])
+        return RankStep(zero, inits, [self.build_batch(group) for group in groups], self.taps)
 
     @staticmethod
     def _pieces(out: SchedulerOutput, running_slots: list[int], prompt_rows: list[int] | None) -> list[Piece]:
         rows = prompt_rows or [0] * len(out.chunks)
-        return [Piece(c.req, c.start, c.num_tokens, slot, c.needs_logits, n)
+        return [Piece(c.req, c.start, c.num_tokens, slot, c.needs_logits, n, c.draft, c.out_slots)
                 for c, slot, n in zip(out.chunks, running_slots, rows)]
 
     def execute_with_prompt_rows(self, out: SchedulerOutput, running_slots: list[int], prompt_rows: list[int]
@@ -145,9 +163,8 @@ class ModelRunner:
             for piece in group:  # build_batch's row order: a piece's prompt rows, then its sampling row
                 extra[id(piece.req)].append(logits[at: at + piece.prompt_rows])  # [prompt_rows, V]
                 at += piece.prompt_rows
-                if piece.needs_logits:
-                    sampled.append(logits[at: at + 1])
-                    at += 1
+                sampled.append(logits[at: at + piece.num_logits])
+                at += piece.num_logits
         joined = [torch.cat(extra[id(c.req)]) if extra[id(c.req)] else torch.empty(0, vocab) for c in out.chunks]
         return (torch.cat(sampled) if sampled else torch.empty(0, vocab, device=self.device)), joined  # [L, V]
 
@@ -161,26 +178,41 @@ class ModelRunner:
             else:
                 self.write_blocks(list(init.blocks), init.kv)
                 self.write_state(init.dst, init.state)
-        logits = [self.model(batch.to(self.device), self.cache) for batch in step.batches]
+        from engine.spec.taps import forward_with_taps
+
+        logits, self._tapped = [], []
+        for batch in step.batches:
+            rows, hidden = forward_with_taps(self.model, batch.to(self.device), self.cache, step.taps)
+            logits.append(rows)
+            if hidden is not None:
+                self._tapped.append(hidden)
         return logits[0] if len(logits) == 1 else torch.cat(logits)  # [L, V]
+
+    def take_tapped(self) -> torch.Tensor | None:
+        """The latest step's tapped hidden rows `[T, len(taps) * D]` (None without taps); forgotten after."""
+        tapped, self._tapped = self._tapped, []
+        return torch.cat(tapped) if tapped else None
 
     def build_batch(self, pieces: list[Piece]) -> ForwardBatch:
         bs = self.block_size
         ids: list[int] = []
-        cu, seq_lens, slot_mapping, logits_rows = [0], [], [], []
+        cu, seq_lens, slot_mapping, logits_rows, out_slots = [0], [], [], [], []
+        verifying = any(c.draft for c in pieces)
         max_blocks = max(-(-(c.start + c.num_tokens) // bs) for c in pieces)
         tables = torch.zeros(len(pieces), max_blocks, dtype=torch.int32)
         for n, chunk in enumerate(pieces):
             req, start, end = chunk.req, chunk.start, chunk.start + chunk.num_tokens
-            ids.extend(req.token_ids[start:end])
+            ids.extend(req.token_ids[start:end - len(chunk.draft)])
+            ids.extend(chunk.draft)
             cu.append(cu[-1] + chunk.num_tokens)
             seq_lens.append(end)
             blocks = req.block_ids[: -(-end // bs)]
             tables[n, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             logits_rows.extend(range(cu[-2], cu[-2] + chunk.prompt_rows))  # prompt logprobs (opt-in)
-            if chunk.needs_logits:
-                logits_rows.append(cu[-1] - 1)
+            logits_rows.extend(range(cu[-1] - chunk.num_logits, cu[-1]))
+            if verifying:  # verification pieces keep each position's state; the others only their own final one
+                out_slots.extend(chunk.out_slots or [-1] * (chunk.num_tokens - 1) + [chunk.slot])
         mm_positions, mm_embeds = self.media.inputs(pieces) if self.media is not None else (None, None)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long),
@@ -191,6 +223,7 @@ class ModelRunner:
             state_indices=torch.tensor([c.slot for c in pieces], dtype=torch.long),
             logits_indices=torch.tensor(logits_rows, dtype=torch.long),
             mm_embeds=mm_embeds, mm_positions=mm_positions,  # [M, hidden], [M]
+            state_out_slots=torch.tensor(out_slots, dtype=torch.long) if verifying else None,  # [T]
         )
 
     def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
@@ -242,10 +275,13 @@ class ModelRunner:
 
 def split_forwards(pieces: list[Piece], limit: int) -> list[list[Piece]]:
     """Groups of at most `limit` tokens, in order; a piece longer than what is left of a group is cut (only its
-    last part keeps `needs_logits`)."""
+    last part keeps `needs_logits`), except a verification, which starts the next group instead."""
     groups: list[list[Piece]] = [[]]
     room = limit
     for piece in pieces:
+        if piece.draft and piece.num_tokens > room:
+            groups.append([])
+            room = limit
         while piece.num_tokens > room:
             if room > 0:
                 head_rows = min(piece.prompt_rows, room)

@@ -160,20 +160,33 @@ class Sampler:
         return [self._sample_row(logits[i], row) for i, row in enumerate(rows)]
 
     def _sample_row(self, logits: torch.Tensor, row: SampleRow) -> SampleResult:
+        x = self.target_logits(logits, row)
+        if row.params.greedy:
+            token = int(x.argmax())
+        else:
+            probs = torch.softmax(x, dim=-1)  # [V]
+            noise = torch.empty_like(probs).exponential_(generator=row.generator)  # [V]
+            token = int((probs / noise).argmax())  # exponential race == a categorical draw
+        return self.result(logits, token, row.params)
+
+    @staticmethod
+    def target_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+        """The row's processed logits [V] (penalties, suppressed stop ids; then temperature, min_p, top_k, top_p
+        unless greedy): greedy picks their argmax, sampling draws from their softmax (so does speculative
+        verification, engine/spec/verify.py). `logits` itself is never changed."""
         p = row.params
-        raw = logits
         x = apply_penalties(logits.clone(), p, row.prompt_token_ids, row.output_token_ids) if p.has_penalties \
             else logits
         if row.suppress_ids:
             x = x.clone() if x is logits else x
             x[torch.tensor(list(row.suppress_ids), dtype=torch.long)] = float("-inf")
-        if p.greedy:
-            token = int(x.argmax())
-        else:
+        if not p.greedy:
             x = apply_filters(x / p.temperature, p.top_k, p.top_p, p.min_p)
-            probs = torch.softmax(x, dim=-1)  # [V]
-            noise = torch.empty_like(probs).exponential_(generator=row.generator)  # [V]
-            token = int((probs / noise).argmax())  # exponential race == a categorical draw
+        return x
+
+    @staticmethod
+    def result(raw: torch.Tensor, token: int, p: SamplingParams) -> SampleResult:
+        """`SampleResult` of `token` chosen from raw logits [V] (logprobs when the params ask for them)."""
         result = SampleResult(token)
         if p.logprobs is not None:
             logprobs = torch.log_softmax(raw, dim=-1)  # [V]

@@ -17,6 +17,11 @@ Contract:
   preempted by recompute: its blocks and slot are freed, `num_computed_tokens` resets to 0 (its outputs are kept)
   and it goes back to the waiting queue at its `(priority, arrival)` position — the front, under FCFS. A step that
   preempted admits no waiting request.
+- Speculative decoding: a running request with one token left and a `draft` (set by engine/spec/ before the step)
+  is a verification: its drafts are tokens whose `num_computed_tokens` catches up too, so the chunk is the last
+  token plus as many drafts as the budget and the next pending snapshot point leave room for (the rest of the
+  draft is dropped; with none left it is a plain decode). The chunk carries the drafts and the out-slots of the
+  KDA state after each position (`CacheManager.verify_slots`); blocks are allocated for every position.
 - `schedule()` changes pool holdings (admission, growth, preemption) but not `num_computed_tokens` of scheduled
   chunks; the engine applies the step's results (`EngineCore._update`). `abort` and `finish` release everything.
 """
@@ -39,10 +44,12 @@ class ScheduledChunk:
     req: Request
     start: int  # num_computed_tokens before the step
     num_tokens: int
+    draft: tuple[int, ...] = ()  # verification: the draft tokens after the known ones (the chunk's last positions)
+    out_slots: tuple[int, ...] = ()  # verification: KDA slot receiving the state after each position
 
     @property
     def needs_logits(self) -> bool:
-        return self.start + self.num_tokens == self.req.num_tokens
+        return self.start + self.num_tokens - len(self.draft) == self.req.num_tokens
 
 
 @dataclass
@@ -103,13 +110,16 @@ class Scheduler:
 
     def _schedule_running(self, req: Request, budget: int, out: SchedulerOutput) -> int:
         start = req.num_computed_tokens
-        n = min(req.num_tokens - start, budget, self.manager.next_chunk_end(req, start) - start)
+        known = req.num_tokens - start
+        want = known + (len(req.draft.tokens) if req.draft is not None and known == 1 else 0)
+        n = min(want, budget, self.manager.next_chunk_end(req, start, start + want) - start)
         while not self.manager.allocate(req, n):
             victim = max(self.running, key=lambda r: r.sort_key)
             self._preempt(victim, out)
             if victim is req:
                 return 0
-        out.chunks.append(ScheduledChunk(req, start, n))
+        draft = req.draft.tokens[: n - known] if n > known else ()
+        out.chunks.append(ScheduledChunk(req, start, n, draft, self.manager.verify_slots(req, n) if draft else ()))
         return n
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
@@ -120,6 +130,7 @@ class Scheduler:
         self.running.remove(victim)
         self.manager.free(victim)
         victim.num_computed_tokens = 0
+        victim.draft = None
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1

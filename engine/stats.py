@@ -37,11 +37,22 @@ class EngineStats:
     num_snapshot_exports: int = 0  # snapshots handed to the outbox (evicted, turn ends)
     num_snapshot_evictions: int = 0
     num_snapshots_taken: int = 0  # state copies into snapshot slots (each costs one state's bytes of copying)
+    # speculative decoding (engine/spec/decoding.py), vLLM's counters: verifications with drafts, draft tokens,
+    # accepted drafts, accepted drafts per position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def prefix_hit_rate(self) -> float:
         """Fraction of admitted prompt tokens served from the prefix cache (0 before any)."""
         return self.prefix_hit_tokens / self.prefix_lookup_tokens if self.prefix_lookup_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """1 + accepted drafts per verification (vLLM's convention: the bonus token counts); 0 before any."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
 def model_fingerprint(model_dir: str | Path, dtype: torch.dtype, load_format: str, seed: int) -> bytes:
@@ -58,3 +69,24 @@ def model_fingerprint(model_dir: str | Path, dtype: torch.dtype, load_format: st
             with open(path, "rb") as f:
                 h.update(f.read(1 << 20))
     return h.digest()
+
+
+def engine_stats(manager, scheduler, phase_times, plan, spec) -> EngineStats:
+    """The `EngineStats` of an engine's parts now (`spec`: its `engine.spec.decoding.SpecDecoding` or None)."""
+    pool, states = manager.block_pool, manager.state_pool
+    return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                       kv_usage=pool.usage, num_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
+                       num_cached_blocks=pool.num_cached_blocks, num_state_groups=states.num_groups,
+                       num_free_state_groups=states.num_free_groups, num_snapshots=states.num_snapshots,
+                       num_snapshot_slots=states.num_snapshot_slots,
+                       prefix_lookup_tokens=manager.lookup_tokens, prefix_hit_tokens=manager.hit_tokens,
+                       num_preemptions=scheduler.num_preemptions, phase_times=phase_times.snapshot(),
+                       snapshot_bytes=states.num_snapshots * plan.bytes_per_state,
+                       snapshot_budget_bytes=plan.snapshot_budget_bytes,
+                       num_junctions=manager.num_junctions, num_snapshot_exports=manager.num_exports,
+                       num_snapshot_evictions=states.num_snapshot_evictions,
+                       num_snapshots_taken=manager.num_snapshots_taken,
+                       spec_num_drafts=spec.num_drafts if spec else 0,
+                       spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+                       spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+                       spec_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else ())

@@ -46,6 +46,8 @@ _IMPLS: dict[str, dict[str, str]] = {
         "torch": "kernels.conv.torch_ops:causal_conv1d_decode",
         "triton": "kernels.conv.triton_ops:causal_conv1d_decode",
     },
+    "kda_verify": {"torch": "kernels.kda.recurrent:kda_verify_pooled"},
+    "conv_verify": {"torch": "kernels.conv.torch_ops:causal_conv1d_verify"},
     "mla_attention": {
         "torch": "kernels.attention.torch_paged:mla_paged_attention",
         "triton": "kernels.attention.triton_paged:mla_paged_attention",

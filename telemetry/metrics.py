@@ -172,6 +172,10 @@ class EngineGauges:
     queue_time: BucketCounts | None = None  # the engine's cumulative request phase histograms (telemetry.vllm)
     prefill_time: BucketCounts | None = None
     decode_time: BucketCounts | None = None
+    spec_num_drafts: int = 0  # speculative decoding (cumulative; telemetry.vllm's vllm:spec_decode_* series)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # empty: the worker does not speculate (no series)
 
 
 class EngineCollector(Collector):

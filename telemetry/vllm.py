@@ -17,6 +17,10 @@ Which process exposes which, so that summing over pods never counts one request 
   prompt tokens), `vllm:num_preemptions_total`, and the phase histograms `vllm:request_queue_time_seconds`,
   `vllm:request_prefill_time_seconds`, `vllm:request_decode_time_seconds` (engine/phase_times.py: a request handed
   from prefill to decode counts its queue and prefill on the prefill worker, its decode on the decode worker).
+  A worker that speculates (`--speculative-config`) adds vLLM's speculative decoding counters:
+  `vllm:spec_decode_num_drafts_total`, `vllm:spec_decode_num_draft_tokens_total`,
+  `vllm:spec_decode_num_accepted_tokens_total` and `vllm:spec_decode_num_accepted_tokens_per_pos_total{position}`
+  (mean acceptance length = 1 + accepted / drafts, as vLLM's dashboards compute it).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ ENGINE_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
                  "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
                  "vllm:request_decode_time_seconds")
+SPEC_DECODE_SERIES = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                      "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
 HISTOGRAM_SERIES = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
                     "vllm:e2e_request_latency_seconds", "vllm:request_time_per_output_token_seconds",
                     "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_queue_time_seconds",
@@ -131,6 +137,10 @@ class EngineSeries(Protocol):
     queue_time: BucketCounts | None
     prefill_time: BucketCounts | None
     decode_time: BucketCounts | None
+    spec_num_drafts: int
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
+    spec_accepted_per_pos: tuple[int, ...]
 
 
 def histogram_family(name: str, documentation: str, model_name: str, h: BucketCounts) -> HistogramMetricFamily:
@@ -175,3 +185,21 @@ class VllmEngineCollector(Collector):
                               ("vllm:request_decode_time_seconds", "DECODE phase", g.decode_time)):
             if h is not None:
                 yield histogram_family(name, f"Histogram of time spent in {what} for request.", self._model, h)
+        if g.spec_accepted_per_pos:
+            yield from self._spec_decode(g)
+
+    def _spec_decode(self, g: EngineSeries) -> Iterator[Metric]:
+        m = [self._model]
+        for name, doc, value in (("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", g.spec_num_drafts),
+                                 ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                  g.spec_num_draft_tokens),
+                                 ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                  g.spec_num_accepted_tokens)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(m, value)
+            yield family
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=["model_name", "position"])
+        for pos, value in enumerate(g.spec_accepted_per_pos):
+            per_pos.add_metric([self._model, str(pos)], value)
+        yield per_pos

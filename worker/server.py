@@ -56,7 +56,10 @@ def engine_gauges(engine: AsyncEngine) -> EngineGauges:
                         snapshot_slots=stats.num_snapshot_slots, prefix_lookup_tokens=stats.prefix_lookup_tokens,
                         prefix_hit_tokens=stats.prefix_hit_tokens, preemptions=stats.num_preemptions,
                         queue_time=phases.queue if phases else None, prefill_time=phases.prefill if phases else None,
-                        decode_time=phases.decode if phases else None)
+                        decode_time=phases.decode if phases else None, spec_num_drafts=stats.spec_num_drafts,
+                        spec_num_draft_tokens=stats.spec_num_draft_tokens,
+                        spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
+                        spec_accepted_per_pos=stats.spec_accepted_per_pos)
 
 
 def transfer_samples(op: str, nbytes: int, seconds: float) -> list[CounterSample]:

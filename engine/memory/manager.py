@@ -173,14 +173,15 @@ class CacheManager:
     def snapshot_boundaries(self, req: Request) -> set[int]:
         return self.policy.prompt_ends(req)
 
-    def next_chunk_end(self, req: Request, computed: int) -> int:
+    def next_chunk_end(self, req: Request, computed: int, end: int | None = None) -> int:
         """Where the chunk starting at `computed` must end: the next snapshot point still lacking a snapshot, else
-        all."""
-        end = req.num_tokens
+        `end` (default: all known tokens; a verification passes its last draft position + 1)."""
+        end = req.num_tokens if end is None else end
         if not self.snapshots_enabled:
             return end
         for b in self.policy.candidates(req, computed, end):
-            if not self.state_pool.has_snapshot(req.block_hashes[b // self.block_size - 1]):
+            i = b // self.block_size - 1  # a point among a verification's drafts has no hash yet: it lacks one
+            if i >= len(req.block_hashes) or not self.state_pool.has_snapshot(req.block_hashes[i]):
                 return b
         return end
 
@@ -213,6 +214,7 @@ class CacheManager:
         req.block_ids = list(hit.block_ids)
         req.num_computed_tokens = hit.num_tokens
         req.state_group = self.state_pool.allocate_group()
+        req.slot_offset = 0
         self._committed[req.request_id] = len(hit.block_ids)
         slot = self.state_pool.running_slot(req.state_group)
         if hit.imported:
@@ -241,26 +243,57 @@ class CacheManager:
         if req.state_group is not None:
             self.state_pool.free_group(req.state_group)
             req.state_group = None
+            req.slot_offset = 0
         self._committed.pop(req.request_id, None)
         rolling = self._rolling.pop(req.request_id, None)
         if rolling is not None:
             self._info[rolling].owner = None
 
     def running_slot(self, req: Request) -> int:
-        return self.state_pool.running_slot(req.state_group)
+        """The slot of the request's group that holds its running state (`req.slot_offset`)."""
+        return self.state_pool.running_slot(req.state_group) + req.slot_offset
+
+    # -- speculative verification ----------------------------------------------------------------------------
+
+    def verify_slots(self, req: Request, num_tokens: int) -> tuple[int, ...]:
+        """Out-slots of a verification of `num_tokens` positions: the group's slots after the running one, in turn
+        (the last may be the running slot itself: the kernels read every state before writing any)."""
+        spr = self.state_pool.slots_per_request
+        assert num_tokens <= spr, f"{num_tokens} verified positions, {spr} slots per request"
+        base = self.state_pool.running_slot(req.state_group)
+        return tuple(base + (req.slot_offset + 1 + i) % spr for i in range(num_tokens))
+
+    def settle_verification(self, req: Request, start: int, kept: int) -> dict[int, int]:
+        """After a verification from `start` whose first `kept` positions are committed: the running slot becomes
+        the out-slot of the last kept position (an index change, no copy), the blocks past the committed tokens
+        go back to the pool (rejected positions' KV is dropped; they were never in the prefix cache) ->
+        {computed tokens p: slot holding the state after p} for the kept positions (for `commit`)."""
+        slots = self.verify_slots(req, kept)
+        req.num_computed_tokens = start + kept
+        req.slot_offset = (req.slot_offset + kept) % self.state_pool.slots_per_request
+        keep = self.blocks_for(req.num_computed_tokens)
+        tail, req.block_ids = req.block_ids[keep:], req.block_ids[:keep]
+        self.block_pool.free(reversed(tail))
+        return {start + 1 + i: slot for i, slot in enumerate(slots)}
 
     # -- after a step ----------------------------------------------------------------------------------------
 
-    def commit(self, req: Request) -> list[tuple[int, int]]:
-        """Registers newly computed full blocks; returns the snapshot copies (running slot -> snapshot slot)."""
+    def commit(self, req: Request, states: dict[int, int] | None = None) -> list[tuple[int, int]]:
+        """Registers newly computed full blocks; returns the snapshot copies (running slot -> snapshot slot).
+        `states` (a verification, `settle_verification`): slots holding the state after earlier token counts of
+        this step, so a rolling turn end crossed inside the verified positions is snapshotted from its slot."""
         if not self.caching:
             return []
         full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
         for i in range(self._committed.get(req.request_id, 0), full):
             self.block_pool.cache(req.block_ids[i], req.block_hashes[i])
         self._committed[req.request_id] = full
-        p = req.num_computed_tokens
+        p, src = req.num_computed_tokens, self.running_slot(req)
         point = self.policy.point(req, p) if self.snapshots_enabled else None
+        for b in sorted(states or (), reverse=True):
+            if point is not None:
+                break
+            p, src, point = b, states[b], self.policy.point(req, b)
         if point is None:
             return []
         priority, rolling = point
@@ -280,7 +313,7 @@ class CacheManager:
             self._rolling[req.request_id] = h
         self._unwritten.add(slot)
         self.num_snapshots_taken += 1
-        return [(self.running_slot(req), slot)]
+        return [(src, slot)]
 
     def copies_applied(self) -> None:
         """The runner applied the copies `commit` returned: those slots now hold their snapshots."""

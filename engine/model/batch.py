@@ -9,6 +9,9 @@ Contract:
   the state after all `seq_lens[n]` tokens. Nothing else in the cache is touched.
 - With `mm_embeds` / `mm_positions` set, row `mm_positions[i]` of the step enters the model as `mm_embeds[i]`
   instead of its token's embedding (K3 image features at `<|media_pad|>` tokens); nothing else changes.
+- With `state_out_slots` set (speculative verification, engine/spec/), sequence n still starts from slot
+  `state_indices[n]`, but the KDA state (conv window and recurrent state) after each new token t goes to slot
+  `state_out_slots[t]` when that is >= 0 and nowhere when it is -1; the in-slot changes only where it is named.
 - `CacheTensors` holds per-layer tensors only; which blocks and slots belong to whom is the engine's business.
   Under tensor parallelism a rank's state slots hold its `kda_heads` = H/N heads (conv channels `3*(H/N)*D`);
   the MLA latent cache is replicated (every rank writes the same latents).
@@ -35,6 +38,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None  # [L] int64 rows of input_ids to score; None: last of each sequence
     mm_embeds: torch.Tensor | None = None  # [M, hidden] input embeddings (image features) used instead of tokens'
     mm_positions: torch.Tensor | None = None  # [M] int64 rows of input_ids whose embedding mm_embeds replaces
+    state_out_slots: torch.Tensor | None = None  # [T] int64 KDA slot receiving the state after each token (-1: none)
 
     @property
     def num_seqs(self) -> int:

@@ -76,7 +76,11 @@ class KDAMixer(nn.Module):
         qkv, f_low, b, gate = self.in_proj(x)  # [T, 3*H*D], [T, D], [T, H], [T, H*D] or low-rank [T, D]
         conv_w = self._conv_weight()  # [3HD, W]
         conv_pool = cache.conv[self.layer_index]
-        if batch.is_pure_decode:
+        verify = batch.state_out_slots is not None  # speculative verification: keep the state after each token
+        if verify:
+            qkv = get_kernel("conv_verify", x.device)(qkv, conv_w, conv_pool, batch.state_indices, batch.cu_seqlens,
+                                                      batch.state_out_slots)
+        elif batch.is_pure_decode:
             qkv = get_kernel("conv_decode", x.device)(qkv, conv_w, conv_pool, batch.state_indices)
         else:
             qkv = get_kernel("conv_prefill", x.device)(qkv, conv_w, conv_pool, batch.state_indices,
@@ -87,7 +91,10 @@ class KDAMixer(nn.Module):
         beta = torch.sigmoid(b.float())  # [T, H]
         state_pool = cache.recurrent[self.layer_index]
         scale = dh ** -0.5
-        if batch.is_pure_decode:
+        if verify:
+            o = get_kernel("kda_verify", x.device)(q, k, v, g, beta, scale, state_pool, batch.state_indices,
+                                                   batch.cu_seqlens, batch.state_out_slots)
+        elif batch.is_pure_decode:
             o = get_kernel("kda_decode", x.device)(q, k, v, g, beta, scale, state_pool, batch.state_indices)
         else:
             o = get_kernel("kda_prefill", x.device)(q, k, v, g, beta, scale, batch.cu_seqlens, state_pool,

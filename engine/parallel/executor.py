@@ -126,6 +126,13 @@ class LocalExecutor:
         logits = self._command("run_step", self.runner.plan_step(out, running_slots, prompt_rows))
         return self.runner.split_prompt_rows(logits, out, running_slots, prompt_rows)
 
+    def set_taps(self, taps: tuple[int, ...]) -> None:
+        """Drafter taps every planned step captures (rank 0 plans; engine/spec/taps.py)."""
+        self.runner.taps = tuple(taps)
+
+    def take_tapped(self) -> torch.Tensor | None:
+        return self.runner.take_tapped()  # rank 0's capture of the latest step
+
     def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             self._command("copy_slots", pairs)

@@ -22,6 +22,8 @@ Contract (one `Drafter` per engine; every call comes from the engine's step thre
 - `rollback(req_id, num_tokens)`: forget everything observed at positions ≥ `num_tokens` (preemption by recompute
   rolls back to 0). `release(req_id)`: the request is finished or aborted; drop its state.
 - A drafter never changes the target's outputs: verification decides every token (engine/spec/accept.py).
+- Construction: each method's factory `build(config, target: DraftTarget) -> Drafter` (registered in
+  engine/spec/config.py `DRAFTER_FACTORIES`); `DraftTarget` is what the engine knows of its target at start-up.
 """
 
 from __future__ import annotations
@@ -46,6 +48,19 @@ class DraftQuery:
 class Draft:
     tokens: tuple[int, ...]
     probs: torch.Tensor | None = None  # [len(tokens), vocab] fp32; None: deterministic (one-hot) proposals
+
+
+@dataclass(frozen=True)
+class DraftTarget:
+    """The target a drafter serves: its model (a `KimiForCausalLM`, for shared embedding / LM head), checkpoint
+    folder, device, dtype and the engine's limits."""
+
+    model: object  # engine.model.model.KimiForCausalLM (typed loosely: this module imports no engine model code)
+    model_dir: str
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_seqs: int
 
 
 class Drafter(ABC):

@@ -45,3 +45,24 @@ def causal_conv1d_naive(
         finals.append(padded[padded.shape[0] - (W - 1) :].t())  # [C, W-1]
     final_window = torch.stack(finals).to(window_dtype) if finals else x.new_zeros(0, C, W - 1, dtype=window_dtype)
     return y.to(x.dtype), final_window
+
+
+def causal_conv1d_verify_naive(x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor,
+                               state_indices: torch.Tensor, cu_seqlens: torch.Tensor,
+                               out_slots: torch.Tensor) -> torch.Tensor:
+    """Oracle of the `conv_verify` op: token by token, sequence n starts from the window in pool slot
+    `state_indices[n]`; the window after token t is written to slot `out_slots[t]` when that is >= 0 (all reads
+    happen before any write, so an out-slot may be the in-slot). Returns y [T, C] in x's dtype."""
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    ys, writes = [], []
+    for n in range(len(bounds) - 1):
+        window = conv_state_pool[int(state_indices[n])].clone()  # [C, W-1]
+        for t in range(bounds[n], bounds[n + 1]):
+            y, final = causal_conv1d_naive(x[t: t + 1], weight, window.unsqueeze(0))
+            window = final[0]
+            ys.append(y)
+            if int(out_slots[t]) >= 0:
+                writes.append((int(out_slots[t]), window))
+    for slot, window in writes:
+        conv_state_pool[slot] = window.to(conv_state_pool.dtype)
+    return torch.cat(ys) if ys else x.new_zeros(0, x.shape[1])

@@ -7,6 +7,11 @@ Contract (same math as `kernels.conv.naive.causal_conv1d_naive`; W = kernel widt
   place. Slots not named in `state_indices` are never read or written.
 - `causal_conv1d_decode(x [N, C], weight [C, W], conv_state_pool, state_indices [N]) -> y [N, C]`: one token per
   sequence; the slot's window shifts left by one in place.
+- `causal_conv1d_verify(x, weight, conv_state_pool, state_indices [N], cu_seqlens [N+1], out_slots [T]) -> y`
+  (speculative verification): sequence n starts from the window in slot `state_indices[n]`, and the window after
+  token t is written to slot `out_slots[t]` when that is >= 0 (-1: not kept). Every window is read before any is
+  written, so an out-slot may be an in-slot; out-slots must not repeat. The per-slot window is the rollback unit:
+  the engine keeps the window after each verified position and picks the accepted one.
 - fp32 arithmetic; `y` in `x.dtype`; windows stored in the pool's dtype. No per-token Python loops: prefill loops
   over sequences and blocks of `ROW_BLOCK` rows, each tap one multiply-add over contiguous rows (a depthwise
   `F.conv1d` over the [C, T] transpose was ~10x slower on CPU).
@@ -85,3 +90,29 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state_pool:
     else:
         conv_state_pool[slots] = shifted
     return F.silu(y).to(x.dtype)
+
+
+def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor,
+                         state_indices: torch.Tensor, cu_seqlens: torch.Tensor, out_slots: torch.Tensor) -> torch.Tensor:
+    T, C = x.shape
+    taps = weight.to(torch.float32).t().contiguous()  # [W, C]
+    pad = taps.shape[0] - 1
+    windows = conv_state_pool[state_indices.to(torch.int64)].to(torch.float32).transpose(1, 2)  # [N, W-1, C], a copy
+    y = torch.empty(T, C, dtype=torch.float32, device=x.device)
+    out = out_slots.to(device=x.device, dtype=torch.int64)
+    bounds = cu_seqlens.tolist()
+    slots, kept = [], []
+    for n in range(len(bounds) - 1):
+        start, end = bounds[n], bounds[n + 1]
+        tokens = x[start:end].to(torch.float32)  # [L, C]
+        _depthwise_taps(windows[n], tokens, taps, y[start:end])
+        wanted = (out[start:end] >= 0).nonzero().flatten()  # [m] token offsets whose window is kept
+        if wanted.numel():
+            u = torch.cat([windows[n], tokens])  # [W-1+L, C]; the window after token i is u[i+1 : i+W]
+            rows = wanted[:, None] + 1 + torch.arange(pad, device=x.device)  # [m, W-1]
+            kept.append(u[rows])  # [m, W-1, C]
+            slots.append(out[start:end][wanted])
+    F.silu(y, inplace=True)
+    if slots:
+        conv_state_pool[torch.cat(slots)] = torch.cat(kept).transpose(1, 2).to(conv_state_pool.dtype)
+    return y.to(x.dtype)

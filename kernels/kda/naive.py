@@ -52,3 +52,20 @@ def kda_naive(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None):
             o[t] = torch.einsum("hk,hkv->hv", scale * q_t, S)
         final[n] = S
     return o.to(v.dtype), final
+
+
+def kda_verify_naive(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, out_slots):
+    """Oracle of the `kda_verify` op: sequence n starts from `state_pool[state_indices[n]]`; the state after token
+    t is written to `state_pool[out_slots[t]]` when that is >= 0 (all reads before any write). Returns o."""
+    cu = default_cu_seqlens(cu_seqlens, k.shape[0], q.device).tolist()
+    outs, writes = [], []
+    for n in range(len(cu) - 1):
+        state = state_pool[int(state_indices[n])].unsqueeze(0)  # [1, H, K, V]
+        for t in range(cu[n], cu[n + 1]):
+            o, state = kda_naive(q[t: t + 1], k[t: t + 1], v[t: t + 1], g[t: t + 1], beta[t: t + 1], scale, state)
+            outs.append(o)
+            if int(out_slots[t]) >= 0:
+                writes.append((int(out_slots[t]), state[0]))
+    for slot, state in writes:
+        state_pool[slot] = state.to(state_pool.dtype)
+    return torch.cat(outs) if outs else v.new_zeros(0, *v.shape[1:])

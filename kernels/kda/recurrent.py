@@ -11,6 +11,12 @@ computed in fp32 (fp64 for fp64 inputs), o returned in v's dtype.
   ([S, H, K, V] fp32) and the updated state is written back to the same slot in place. Other slots are untouched.
   `state_indices` must not repeat. Consecutive slots (the engine hands running slots out lowest first) are stepped
   in place in the pool, with no gather or scatter copy of the states.
+- `kda_verify_pooled(q, k, v, g, beta, scale, state_pool, state_indices [N], cu_seqlens [N+1], out_slots [T]) -> o`
+  (speculative verification): sequence n starts from `state_pool[state_indices[n]]`; the state after token t is
+  written to `state_pool[out_slots[t]]` when that is >= 0 (-1: not kept). Every state is read before any is
+  written (an out-slot may be an in-slot); out-slots must not repeat. Sequences that keep a state before their last
+  token, and single tokens, are stepped with `kda_step` (a decode's numerics); the others (prefill chunks in the
+  same batch) run in the chunked form (`kernels.kda.chunked.chunk_kda`).
 """
 
 from __future__ import annotations
@@ -90,3 +96,51 @@ def kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices):
     state_pool.index_copy_(0, idx, state.to(state_pool.dtype))
     return o.to(v.dtype)
 
+
+
+def kda_verify_pooled(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, out_slots):
+    """See the module docstring; returns o [T, H, V] in v's dtype."""
+    from kernels.kda.chunked import chunk_kda
+
+    dtype = compute_dtype(q, k, v, g, beta, state_pool)
+    device = q.device
+    cu = cu_seqlens.tolist()
+    out = out_slots.tolist()
+    init = state_pool.index_select(0, state_indices.to(device=state_pool.device, dtype=torch.int64)).to(dtype)
+    stepped = [n for n in range(len(cu) - 1)
+               if cu[n + 1] - cu[n] == 1 or any(s >= 0 for s in out[cu[n]: cu[n + 1] - 1])]
+    chunked = [n for n in range(len(cu) - 1) if cu[n + 1] > cu[n] and n not in set(stepped)]
+    o = torch.empty(v.shape, dtype=dtype, device=device)  # [T, H, V]
+    writes: list[tuple[int, torch.Tensor]] = []
+    if chunked:
+        rows = torch.cat([torch.arange(cu[n], cu[n + 1], device=device) for n in chunked])
+        lens = torch.tensor([cu[n + 1] - cu[n] for n in chunked], dtype=torch.int64, device=device)
+        sub_cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+        o_c, final = chunk_kda(q[rows], k[rows], v[rows], g[rows], beta[rows], scale, init[chunked], sub_cu)
+        o[rows] = o_c.to(dtype)
+        writes.extend((out[cu[n + 1] - 1], final[i]) for i, n in enumerate(chunked) if out[cu[n + 1] - 1] >= 0)
+    if stepped:
+        writes.extend(_step_keeping(q, k, v, g, beta, scale, init, cu, out, stepped, o, dtype))
+    if writes:
+        slots = torch.tensor([s for s, _ in writes], dtype=torch.int64, device=state_pool.device)
+        state_pool.index_copy_(0, slots, torch.stack([s for _, s in writes]).to(state_pool.dtype))
+    return o.to(v.dtype)
+
+
+def _step_keeping(q, k, v, g, beta, scale, init, cu, out, seqs, o, dtype):
+    """Steps sequences `seqs` token by token from `init`, filling `o`; -> (slot, state) after each kept token."""
+    order = sorted(seqs, key=lambda n: cu[n] - cu[n + 1])  # longest first: the running ones are a prefix
+    state = init[order].clone()  # [B, H, K, V]
+    starts = torch.tensor([cu[n] for n in order], dtype=torch.int64, device=q.device)
+    lens = [cu[n + 1] - cu[n] for n in order]
+    inputs = [x.to(dtype) for x in (q, k, v, g, beta)]
+    kept = []
+    for t in range(lens[0]):
+        active = sum(1 for n in lens if n > t)
+        tok = starts[:active] + t  # [a]
+        o[tok], _ = kda_step(state[:active], *(x[tok] for x in inputs), scale)
+        for i in range(active):
+            slot = out[cu[order[i]] + t]
+            if slot >= 0:
+                kept.append((slot, state[i].clone()))
+    return kept

@@ -147,3 +147,16 @@ def test_a_bad_image_url_flag_is_refused_naming_it(bad, monkeypatch):
                                                               "--decode-addresses", "h:1", "--mode", "colocated"]):
         code, _, err = _main([*head, *bad])
         assert code == 2 and bad[0] in err, (head, err)
+
+
+def test_a_speculative_config_reaches_both_workers():
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    config = launch_config_from(_mesh(["/m", "--speculative-config", spec]), "info", "text", None)
+    assert config.speculative_config == spec
+    from deploy.launcher import _engine_argv
+    from deploy.serve import engine_args_from
+
+    argv = _engine_argv(config, "/m")
+    assert argv[argv.index("--speculative-config") + 1] == spec
+    ns = role_parser("decode").parse_args(["--model", "/m", "--speculative-config", spec])
+    assert engine_args_from(ns).speculative_config.num_speculative_tokens == 3

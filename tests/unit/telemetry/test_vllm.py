@@ -4,6 +4,8 @@ cumulative buckets, and the gateway's request metrics count tokens, reasons and 
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -119,3 +121,20 @@ def test_finished_reason_names():
     assert [finished_reason(r) for r in ("stop", "length", "abort", "tool_calls", None)] == \
         ["stop", "length", "abort", "stop", "stop"]
 
+
+
+def test_a_speculating_worker_exposes_vllms_spec_decode_counters():
+    phases = PhaseTimes()
+    metrics = WorkerMetrics(CollectorRegistry(), "decode", with_tpot=True, model_name="kimi")
+    metrics.watch_engine(lambda: dataclasses.replace(_gauges(phases), spec_num_drafts=10, spec_num_draft_tokens=30,
+                                                     spec_num_accepted_tokens=17, spec_accepted_per_pos=(9, 5, 3)))
+    samples = samples_of(metrics.registry)
+    m = {"model_name": "kimi"}
+    assert value(samples, "vllm:spec_decode_num_drafts_total", **m) == 10
+    assert value(samples, "vllm:spec_decode_num_draft_tokens_total", **m) == 30
+    assert value(samples, "vllm:spec_decode_num_accepted_tokens_total", **m) == 17
+    assert [value(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i), **m)
+            for i in range(3)] == [9, 5, 3]
+    plain = WorkerMetrics(CollectorRegistry(), "decode", with_tpot=True, model_name="kimi")
+    plain.watch_engine(lambda: _gauges(phases))
+    assert "spec_decode" not in generate_latest(plain.registry).decode()  # no speculation: no series

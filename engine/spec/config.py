@@ -1,0 +1,123 @@
+"""`SpeculativeConfig`: the `--speculative-config` JSON (vLLM's field names) and the drafter registry.
+
+Contract:
+- `SpeculativeConfig.parse(value)` takes a JSON object string, a dict or a `SpeculativeConfig` (None stays None)
+  and returns the frozen, validated config. Fields (vLLM's names and defaults): `method` (`ngram` | `mtp` |
+  `dspark`, required), `num_speculative_tokens` (k >= 1, required), `model` (the drafter checkpoint folder: required
+  by `dspark`; `mtp` reads the target's own MTP layers, `ngram` needs none), `prompt_lookup_min` /
+  `prompt_lookup_max` (n-gram lengths; vLLM's defaulting: both unset -> 5 and 5, one set -> the other equals it;
+  min <= max), `draft_sample_method` (`greedy` | `probabilistic`), `rejection_sample_method` (`standard` |
+  `block`). Any other field, a wrong type or value raises `EngineConfigError` naming the field.
+- `DRAFTER_FACTORIES` maps a method to `"module:function"` of its factory (imported lazily), None while the method
+  is not built in this tree: such a method is refused at parse time with a message naming it. A factory is
+  `build(config: SpeculativeConfig, target: engine.spec.drafter.DraftTarget) -> Drafter`.
+Torch-free: `engine.config` and the command lines import it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from engine.errors import EngineConfigError
+
+METHODS = ("ngram", "mtp", "dspark")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+REJECTION_SAMPLE_METHODS = ("standard", "block")
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM: both prompt_lookup_min and _max unset
+
+# method -> "module:function" of its drafter factory; None: not built here (refused)
+DRAFTER_FACTORIES: dict[str, str | None] = {
+    "ngram": "engine.spec.ngram:build",
+    "mtp": None,  # engine.spec.mtp:build (Kimi K3's MTP layers)
+    "dspark": None,  # engine.spec.dspark:build (a k3_dspark drafter checkpoint)
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    draft_sample_method: str = "greedy"
+    rejection_sample_method: str = "standard"
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise EngineConfigError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise EngineConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise EngineConfigError(f"speculative_config: unknown field {unknown[0]!r} (supported: {sorted(known)})")
+        for name in ("method", "num_speculative_tokens"):
+            if name not in value:
+                raise EngineConfigError(f"speculative_config: {name!r} is required")
+        return cls(**value)
+
+    def __post_init__(self):
+        _check_choice("method", self.method, METHODS)
+        if DRAFTER_FACTORIES.get(self.method) is None:
+            raise EngineConfigError(f"speculative_config: method {self.method!r} is not built in this kdamesh "
+                                    f"(available: {[m for m, f in DRAFTER_FACTORIES.items() if f]})")
+        k = self.num_speculative_tokens
+        if not _is_int(k) or k < 1:
+            raise EngineConfigError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise EngineConfigError(f"speculative_config: model must be a checkpoint path, got {self.model!r}")
+        if self.method == "dspark" and self.model is None:
+            raise EngineConfigError("speculative_config: model (the k3_dspark drafter checkpoint) is required "
+                                    "for method 'dspark'")
+        if self.method == "ngram" and self.model is not None:
+            raise EngineConfigError("speculative_config: model is not used by method 'ngram' (prompt lookup)")
+        _check_choice("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
+        _check_choice("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
+        self._resolve_lookup()
+
+    def _resolve_lookup(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None and (not _is_int(value) or value < 1):
+                raise EngineConfigError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        if self.method != "ngram":
+            if lo is not None or hi is not None:
+                name = "prompt_lookup_min" if lo is not None else "prompt_lookup_max"
+                raise EngineConfigError(f"speculative_config: {name} applies to method 'ngram' only")
+            return
+        if lo is None and hi is None:
+            lo = hi = DEFAULT_PROMPT_LOOKUP
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        if lo > hi:
+            raise EngineConfigError(f"speculative_config: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    def to_json(self) -> str:
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)
+                           if getattr(self, f.name) != f.default or f.name in ("method", "num_speculative_tokens")})
+
+
+def factory_path(method: str) -> str:
+    """"module:function" of the method's drafter factory (the method was checked by `SpeculativeConfig`)."""
+    path = DRAFTER_FACTORIES.get(method)
+    if path is None:
+        raise EngineConfigError(f"speculative method {method!r} is not built in this kdamesh")
+    return path
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise EngineConfigError(f"speculative_config: {name} must be one of {list(choices)}, got {value!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,57 @@
+"""`--speculative-config` parsing (vLLM's field names, clear errors naming the field) and n-gram prompt lookup."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineArgs
+from engine.errors import EngineConfigError
+from engine.spec.config import SpeculativeConfig
+from engine.spec.ngram import lookup
+
+
+def test_parse_defaults_like_vllm():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
+                                    "prompt_lookup_max": 4}).prompt_lookup_min == 4
+    assert c.rejection_sample_method == "standard" and c.draft_sample_method == "greedy"
+
+
+@pytest.mark.parametrize("value, field", [
+    ('{"method": "ngram", "num_speculative_tokens": 3, "bogus": 1}', "bogus"),
+    ('{"method": "eagle", "num_speculative_tokens": 3}', "method"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "ngram"}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+     "prompt_lookup_min"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"}',
+     "rejection_sample_method"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "x"}', "draft_sample_method"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "/x"}', "model"),
+    ("not json", "JSON"),
+])
+def test_bad_configs_name_the_field(value, field):
+    with pytest.raises(EngineConfigError, match=field):
+        SpeculativeConfig.parse(value)
+
+
+def test_engine_args_take_k_from_the_config():
+    args = EngineArgs(model="m", speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
+    assert args.num_speculative_tokens == 4 and isinstance(args.speculative_config, SpeculativeConfig)
+    with pytest.raises(EngineConfigError, match="num_speculative_tokens"):
+        EngineArgs(model="m", num_speculative_tokens=2, speculative_config={"method": "ngram",
+                                                                           "num_speculative_tokens": 4})
+    with pytest.raises(EngineConfigError, match="max_forward_tokens"):
+        EngineArgs(model="m", max_forward_tokens=2, speculative_config={"method": "ngram",
+                                                                       "num_speculative_tokens": 4})
+
+
+def test_ngram_lookup_semantics():
+    # longest n-gram first, its earliest occurrence, never past the known tokens
+    assert lookup([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 1, 3, 2) == (9, 2)
+    assert lookup([5, 1, 2, 8, 1, 2], 1, 2, 3) == (8, 1, 2)
+    assert lookup([4, 1, 2, 6, 1, 2], 1, 1, 2) == (6, 1)  # n = 1: "2" first occurs at index 2 -> 6, 1
+    assert lookup([1, 2, 3], 1, 3, 3) == ()  # no earlier occurrence
+    assert lookup([7, 7], 2, 3, 2) == ()  # fewer tokens than needed for a match
+    assert lookup([3, 4, 3], 1, 2, 5) == (4, 3)  # stops at the end of the known tokens
