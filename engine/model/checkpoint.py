@@ -9,6 +9,8 @@ preset and seed give the same bytes. K3 presets can write routed experts as MXFP
 K3 presets also write their vision tower and projector (`vision_tower.*`, `mm_projector.*`, seeded from their own
 generator, so the text weights of a seed do not depend on the tower) and `preprocessor_config.json`
 (`media_proc_cfg` in the released form, see `engine.vision.processor`).
+K3 presets with `num_nextn_predict_layers` also write their MTP layers (`model.layers.{N + i}.*`, engine/spec/mtp_model.py),
+seeded per tensor name, so the target's weights of a seed do not depend on them either.
 `text_overrides` replaces fields of the (text) config, for variants of a preset (e.g. a wider expert intermediate).
 """
 
@@ -52,8 +54,9 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str 
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_generation_config(raw), indent=2) + "\n")
     vision = _vision_weights(config, seed, DTYPES[dtype], out)
+    mtp = _mtp_weights(config, seed, DTYPES[dtype], experts_format == "mxfp4")
     save_weights(model, out, dtype=DTYPES[dtype], max_shard_bytes=max_shard_bytes,
-                 experts_mxfp4=experts_format == "mxfp4", extra_tensors=vision)
+                 experts_mxfp4=experts_format == "mxfp4", extra_tensors=mtp | vision)
     _write_tokenizer(out, config.family)
     vision_params = sum(t.numel() for t in vision.values())
     logger.info("wrote %s checkpoint (%s parameters, %s of them vision) to %s", preset,
@@ -73,6 +76,12 @@ def _vision_weights(config: ModelConfig, seed: int, dtype: torch.dtype, out: Pat
     media = ProcessorConfig(patch_size=config.vision.patch_size, merge_kernel_size=config.vision.merge_kernel[0])
     (out / PROCESSOR_FILE).write_text(json.dumps({"media_proc_cfg": media.media_proc_cfg()}, indent=2) + "\n")
     return vision_tensors(encoder, dtype)
+
+
+def _mtp_weights(config: ModelConfig, seed: int, dtype: torch.dtype, mxfp4: bool) -> dict[str, torch.Tensor]:
+    from engine.spec.mtp_model import mtp_tensors
+
+    return mtp_tensors(config, seed, dtype, experts_mxfp4=mxfp4, round_experts=_round_experts_to_mxfp4 if mxfp4 else None)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

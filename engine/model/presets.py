@@ -87,10 +87,12 @@ def _vision(text_hidden: int, hidden: int, layers: int, heads: int, inter: int, 
     }
 
 
-def _kimi_k3(text: dict, q_lora: int, latent: int, block_size: int, vision: dict) -> dict:
-    """Wraps a text config in the released `kimi_k3` layout with the K3 forms switched on."""
+def _kimi_k3(text: dict, q_lora: int, latent: int, block_size: int, vision: dict, mtp_layers: int = 0) -> dict:
+    """Wraps a text config in the released `kimi_k3` layout with the K3 forms switched on (`mtp_layers`: the
+    `num_nextn_predict_layers` the checkpoint carries)."""
     text = copy.deepcopy(text)
     text.update({
+        "num_nextn_predict_layers": mtp_layers,
         "hidden_act": "situ",
         "activation_situ_beta": 4.0,
         "activation_situ_linear_beta": 25.0,
@@ -140,7 +142,7 @@ def _tiny_k3() -> dict:
                                  kv_lora=32, nope=16, rope=8, v_dim=16, experts=8, top_k=2, shared=1, moe_inter=32,
                                  inter=128, groups=4, topk_group=2),
                     q_lora=32, latent=32, block_size=2,
-                    vision=_vision(64, hidden=32, layers=2, heads=2, inter=64, pos_grid=16))
+                    vision=_vision(64, hidden=32, layers=2, heads=2, inter=64, pos_grid=16), mtp_layers=1)
 
 
 def _small_k3() -> dict:
@@ -148,7 +150,7 @@ def _small_k3() -> dict:
                                  mla_heads=12, kv_lora=256, nope=64, rope=32, v_dim=64, experts=32, top_k=4,
                                  shared=2, moe_inter=256, inter=2048),
                     q_lora=384, latent=384, block_size=4,
-                    vision=_vision(768, hidden=256, layers=4, heads=4, inter=1024, pos_grid=64))
+                    vision=_vision(768, hidden=256, layers=4, heads=4, inter=1024, pos_grid=64), mtp_layers=1)
 
 
 def _k3_93_pattern() -> dict:
