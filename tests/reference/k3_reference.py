@@ -382,6 +382,10 @@ def load_reference_k3(model_dir: str | Path) -> nn.Module:
     model = model.float().eval().requires_grad_(False)
 
     state = _read_checkpoint(model_dir)
+    mtp_layers = range(raw["text_config"]["num_hidden_layers"],
+                       raw["text_config"]["num_hidden_layers"] + int(raw["text_config"].get("num_nextn_predict_layers") or 0))
+    mtp = tuple(f"{TEXT_PREFIX}model.layers.{i}." for i in mtp_layers)  # MTP layers: no part of the official model
+    state = {n: t for n, t in state.items() if not n.startswith(mtp)} if mtp else state
     params = dict(model.state_dict())
     for name, tensor in list(state.items()):
         if name.endswith("self_attn.A_log") and name in params:
