@@ -203,7 +203,8 @@ def _file_source(load_config: LoadConfig, files: list[Path], header: dict, model
     if load_config.load_format == "fastsafetensors":
         if importlib.util.find_spec("fastsafetensors") is not None:
             logger.info("loading weights through fastsafetensors on %s", load_config.device)
-            return FastSafetensorsSource(files, header, model.ctx, load_config.device, owner, SET_ASIDE_PREFIXES)
+            return FastSafetensorsSource(files, header, model.ctx, load_config.device, owner,
+                                         SET_ASIDE_PREFIXES + model.config.mtp_weight_prefixes)
         logger.warning("fastsafetensors is not installed; loading with safetensors instead")
     return SafetensorsSource(header)
 
