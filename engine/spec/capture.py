@@ -7,7 +7,7 @@ on (plain residual models: the residual stream after the layer; K3 attention res
 sum of its block, `prefix_sum + ffn_out`, as vLLM's `aux_hidden_state_layers` capture with id `i + 1`);
 `FINAL_TAP` is the final hidden state before `model.norm`. The rule itself lives in
 `engine.model.model.KimiTextModel.forward`; this function checks the ids and names the bad one.
-Empty `taps` is refused: a drafter without taps needs no capture (call the model).
+Empty `taps` runs the plain forward and returns `(logits, None)`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ class TapError(ValueError):
 def check_taps(num_layers: int, taps: Sequence[int]) -> tuple[int, ...]:
     """`taps` as a tuple, each a layer id in `[0, num_layers)` or `FINAL_TAP`, no repeats."""
     taps = tuple(int(t) for t in taps)
-    if not taps:
-        raise TapError("forward_with_taps needs at least one tap (a drafter without taps reads no hidden state)")
     bad = [t for t in taps if t != FINAL_TAP and not 0 <= t < num_layers]
     if bad:
         raise TapError(f"tap ids {bad} are not layers of the target (0..{num_layers - 1}) nor FINAL_TAP "
@@ -39,8 +37,10 @@ def check_taps(num_layers: int, taps: Sequence[int]) -> tuple[int, ...]:
 
 
 def forward_with_taps(model, batch: ForwardBatch, cache: CacheTensors, taps: Sequence[int]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(logits [L, V] fp32, hidden [T, len(taps) * D])` of one target step (`model`: a `KimiForCausalLM`)."""
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(logits [L, V] fp32, hidden [T, len(taps) * D] or None)` of one target step (`model`: a `KimiForCausalLM`)."""
     taps = check_taps(model.config.num_hidden_layers, taps)
+    if not taps:
+        return model(batch, cache), None
     logits, hidden = model(batch, cache, taps=taps)
     return logits, hidden

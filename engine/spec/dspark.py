@@ -170,3 +170,9 @@ def build_dspark_drafter(target_model, drafter_dir: Path, spec_config) -> DSpark
     """The `dspark` drafter for a loaded target from its own folder (`speculative_config.model`)."""
     return DSparkDrafter(load_dspark(drafter_dir, target_model), spec_config.num_speculative_tokens,
                          spec_config.draft_sample_method)
+
+
+def build(config, target) -> Drafter:
+    """The speculative core's factory form (`DRAFTER_FACTORIES`): `config` a `SpeculativeConfig`, `target` a
+    `DraftTarget` (its `model` and `model_dir`)."""
+    return build_dspark_drafter(target.model, Path(config.model), config)

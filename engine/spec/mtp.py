@@ -126,3 +126,9 @@ def build_mtp_drafter(target_model, target_dir: Path, spec_config) -> MTPDrafter
         raise MTPError(f"{target_dir} has {len(layers)} MTP layers (num_nextn_predict_layers); the mtp drafter "
                        "drafts with exactly one")
     return MTPDrafter(layers[0], spec_config.num_speculative_tokens, spec_config.draft_sample_method)
+
+
+def build(config, target) -> Drafter:
+    """The speculative core's factory form (`DRAFTER_FACTORIES`): `config` a `SpeculativeConfig`, `target` a
+    `DraftTarget` (its `model` and `model_dir`)."""
+    return build_mtp_drafter(target.model, Path(target.model_dir), config)

@@ -68,8 +68,15 @@ def test_taps_leave_logits_and_cache_unchanged(k3):
             assert torch.equal(t, getattr(cache2, store)[layer])
 
 
-@pytest.mark.parametrize("taps", [(), (4,), (-2,), (1, 1)])
+@pytest.mark.parametrize("taps", [(4,), (-2,), (1, 1)])
 def test_bad_taps_are_refused(k3, taps):
     batch, cache = one_sequence(k3, tokens(3))
     with pytest.raises(TapError):
         forward_with_taps(k3, batch, cache, taps)
+
+
+def test_no_taps_is_the_plain_forward(k3):
+    batch, cache = one_sequence(k3, tokens(7))
+    logits, hidden = forward_with_taps(k3, batch, cache, ())
+    batch2, cache2 = one_sequence(k3, tokens(7))
+    assert hidden is None and torch.equal(logits, k3(batch2, cache2))

@@ -115,3 +115,13 @@ def test_missing_tensor_is_named_and_shared_weights_are_ignored(k3, dspark_dir, 
     save_file(tensors, str(path))
     with pytest.raises(CheckpointError, match="markov_w2"):
         build_dspark_drafter(k3, folder, _spec(folder))
+
+
+def test_factory_forms(k3, k3_dir, dspark_dir):
+    from engine.spec import dspark, mtp
+
+    target = SimpleNamespace(model=k3, model_dir=str(k3_dir))
+    assert isinstance(mtp.build(SimpleNamespace(num_speculative_tokens=2, model=None, draft_sample_method="greedy"),
+                                target), mtp.MTPDrafter)
+    built = dspark.build(_spec(dspark_dir, k=2), target)
+    assert isinstance(built, dspark.DSparkDrafter) and built.k == 2
