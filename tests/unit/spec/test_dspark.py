@@ -125,3 +125,13 @@ def test_factory_forms(k3, k3_dir, dspark_dir):
                                 target), mtp.MTPDrafter)
     built = dspark.build(_spec(dspark_dir, k=2), target)
     assert isinstance(built, dspark.DSparkDrafter) and built.k == 2
+
+
+def test_forward_train_trains(k3, dspark_dir, seq):
+    ids, hidden = seq
+    model = build_dspark_drafter(k3, dspark_dir, _spec(dspark_dir)).model.requires_grad_(True)
+    anchors = torch.tensor([2, 9, 17])
+    logits = model.forward_train(hidden.clone(), torch.tensor(ids), anchors)  # [B, N, V]
+    targets = torch.tensor(ids)[anchors[:, None] + 1 + torch.arange(4)]
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    assert all(p.grad is not None for p in model.parameters())

@@ -139,3 +139,12 @@ def test_missing_mtp_tensor_is_named(tmp_path, k3_dir):
 
 def test_taps_and_type(drafter):
     assert isinstance(drafter, MTPDrafter) and drafter.taps == (FINAL_TAP,)
+
+
+def test_forward_train_trains(k3, k3_dir, seq):
+    ids, hidden = seq
+    layer = build_mtp_drafter(k3, k3_dir, _spec()).layer.requires_grad_(True)
+    logits = layer.forward_train(hidden.clone(), torch.tensor(ids))[:-1]  # the last row's target is past the end
+    torch.nn.functional.cross_entropy(logits, torch.tensor(ids[2:])).backward()
+    no_grad = [n for n, p in layer.named_parameters() if p.grad is None]
+    assert no_grad == ["block_sparse_moe.gate.e_score_correction_bias"]  # selection only, as in DeepSeek's router
