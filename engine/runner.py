@@ -27,7 +27,7 @@ Contract:
   request's group; `ForwardBatch.state_out_slots`). Other pieces of such a forward keep their state in their own
   slot (out-slot -1 for every token but the last). Forwards without a verification are built as before.
 - Drafter taps (`taps`, set by the engine from `Drafter.taps`): each forward also captures the tapped hidden rows
-  of all its tokens (engine/spec/taps.py); `take_tapped()` returns those of the latest step `[T, len(taps) * D]`
+  of all its tokens (engine/spec/capture.py); `take_tapped()` returns those of the latest step `[T, len(taps) * D]`
   (chunk order, every token of every piece) and forgets them.
 - `copy_slots(pairs)` copies KDA state slots (snapshots after a step).
 - `read_blocks` / `write_blocks` / `read_state` / `write_state` move cache contents in and out as tensors
@@ -94,7 +94,7 @@ class RankStep:
     zero_slots: list[int] = field(default_factory=list)
     inits: list[SlotInit] = field(default_factory=list)
     batches: list[ForwardBatch] = field(default_factory=list)
-    taps: tuple[int, ...] = ()  # drafter taps to capture (engine/spec/taps.py)
+    taps: tuple[int, ...] = ()  # drafter taps to capture (engine/spec/capture.py)
 
 
 class ModelRunner:
@@ -178,7 +178,7 @@ class ModelRunner:
             else:
                 self.write_blocks(list(init.blocks), init.kv)
                 self.write_state(init.dst, init.state)
-        from engine.spec.taps import forward_with_taps
+        from engine.spec.capture import forward_with_taps
 
         logits, self._tapped = [], []
         for batch in step.batches:

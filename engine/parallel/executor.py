@@ -127,7 +127,7 @@ class LocalExecutor:
         return self.runner.split_prompt_rows(logits, out, running_slots, prompt_rows)
 
     def set_taps(self, taps: tuple[int, ...]) -> None:
-        """Drafter taps every planned step captures (rank 0 plans; engine/spec/taps.py)."""
+        """Drafter taps every planned step captures (rank 0 plans; engine/spec/capture.py)."""
         self.runner.taps = tuple(taps)
 
     def take_tapped(self) -> torch.Tensor | None:

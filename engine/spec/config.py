@@ -29,8 +29,8 @@ DEFAULT_PROMPT_LOOKUP = 5  # vLLM: both prompt_lookup_min and _max unset
 # method -> "module:function" of its drafter factory; None: not built here (refused)
 DRAFTER_FACTORIES: dict[str, str | None] = {
     "ngram": "engine.spec.ngram:build",
-    "mtp": None,  # engine.spec.mtp:build (Kimi K3's MTP layers)
-    "dspark": None,  # engine.spec.dspark:build (a k3_dspark drafter checkpoint)
+    "mtp": "engine.spec.mtp:build",  # Kimi K3's MTP layers
+    "dspark": "engine.spec.dspark:build",  # a k3_dspark drafter checkpoint
 }
 
 

@@ -10,7 +10,7 @@ from engine.model.layers import ResidualStream, attn_res_mix
 from engine.model.loader import load_model
 from engine.spec.capture import TapError, forward_with_taps
 from engine.spec.drafter import FINAL_TAP
-from tests.unit.spec.conftest import one_sequence, tokens
+from tests.unit.engine.spec.drafters.conftest import one_sequence, tokens
 
 
 def _streams_by_hand(model, ids):

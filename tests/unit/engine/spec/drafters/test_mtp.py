@@ -15,8 +15,8 @@ from engine.spec.capture import forward_with_taps
 from engine.spec.drafter import FINAL_TAP, DraftQuery
 from engine.spec.mtp import MTPDrafter, build_mtp_drafter
 from engine.spec.mtp_model import MTPError
-from tests.unit.spec.conftest import SEED, one_sequence, tokens
-from tests.unit.spec.naive import naive_mtp_logits
+from tests.unit.engine.spec.drafters.conftest import SEED, one_sequence, tokens
+from tests.unit.engine.spec.drafters.naive import naive_mtp_logits
 
 
 def _spec(k=3, method="greedy"):

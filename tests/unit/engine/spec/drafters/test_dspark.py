@@ -16,8 +16,8 @@ from engine.model.loader import CheckpointError
 from engine.spec.capture import forward_with_taps
 from engine.spec.drafter import DraftQuery
 from engine.spec.dspark import build_dspark_drafter
-from tests.unit.spec.conftest import one_sequence, tokens
-from tests.unit.spec.naive import naive_dspark_logits
+from tests.unit.engine.spec.drafters.conftest import one_sequence, tokens
+from tests.unit.engine.spec.drafters.naive import naive_dspark_logits
 
 
 def _spec(folder, k=4, method="greedy"):
