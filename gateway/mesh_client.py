@@ -18,6 +18,8 @@ Contract:
   (the prefixes this gateway sent it before, per tenant salt) + `load_weight` x requests in flight from this
   gateway; ties go to the first listed. No healthy decode worker: `MeshError(UNAVAILABLE)`; no healthy prefill
   worker: the colocated path.
+- Pool membership: `set_worker_addresses(role, addresses)` replaces a pool's workers (service discovery,
+  gateway/discovery.py); see `Router.set_addresses`.
 - Health: `check_health()` asks every worker's gRPC health service once and marks it healthy or unhealthy in its
   router (an unhealthy worker gets no new requests until it passes again); `run_health_checks(interval_s)` does that
   until cancelled (the gateway runs it as a background task). `on_health_change(address, healthy)` is called on
@@ -39,7 +41,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.routing import NoHealthyWorker, PDDecider, Router, RouterConfig, prompt_block_hashes
+from gateway.routing import (NoHealthyWorker, PDDecider, Router, RouterConfig, parse_worker_list,
+                             prompt_block_hashes)
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from telemetry import mesh_auth
 from telemetry.rpc import client_interceptors
@@ -56,6 +59,8 @@ PROBE_TIMEOUT_S = 1.0
 # there, so the worker records it as OK rather than CANCELLED (seconds).
 END_OF_STREAM_S = 1.0
 MAX_MESSAGE_BYTES = 16 << 20
+# A worker removed from its pool (service discovery) keeps its channel this long for the calls it still serves (s).
+RETIRED_CHANNEL_GRACE_S = 600.0
 
 
 class MeshError(Exception):
@@ -134,10 +139,49 @@ class MeshClient:
         self.block_size = block_size
         self.on_health_change = on_health_change  # (address, healthy) on every transition
         self.stats = MeshStats()
+        self._router_config = router_config
+        self._mesh_token = mesh_token
+        self._retired: list[_Worker] = []  # removed by `set_worker_addresses`; channels closing
+        self._retiring: set[asyncio.Task] = set()
 
     async def close(self) -> None:
-        for w in list(self.decoders.values()) + list(self.prefillers.values()):
+        for task in list(self._retiring):
+            task.cancel()
+        for w in list(self.decoders.values()) + list(self.prefillers.values()) + self._retired:
             await w.channel.close()
+
+    async def set_worker_addresses(self, role: str, addresses: Sequence[str]) -> tuple[tuple[str, ...], ...]:
+        """Replaces the worker set of a pool (`role` "decode" or "prefill"): what service discovery calls after each
+        resolution. New workers get a channel and join the pool's router (empty index, healthy); removed workers
+        leave the router at once and their channel closes once their calls in flight end (at most
+        `RETIRED_CHANNEL_GRACE_S`). The decode pool may not become empty (`ValueError`: keep the last resolution);
+        an empty prefill pool sends every request down the colocated path. Returns `(added, removed)`."""
+        if role not in ("decode", "prefill"):
+            raise ValueError(f"role must be 'decode' or 'prefill', got {role!r}")
+        wanted = parse_worker_list(list(addresses))
+        if role == "decode" and not wanted:
+            raise ValueError("the decode pool needs at least one worker address")
+        workers = self.decoders if role == "decode" else self.prefillers
+        stub = decode_pb2_grpc.DecodeServiceStub if role == "decode" else prefill_pb2_grpc.PrefillServiceStub
+        router = self.decode_router if role == "decode" else self.prefill_router
+        if router is None:  # the first prefill workers of a gateway that started without any
+            if not wanted:
+                return (), ()
+            router = self.prefill_router = Router(wanted, self._router_config)
+            added, removed = wanted, ()
+        else:
+            added, removed = router.set_addresses(wanted)
+        for address in added:
+            workers[address] = _Worker(address, stub, self._mesh_token)
+        for address in removed:
+            self._retire(workers.pop(address))
+        return added, removed
+
+    def _retire(self, worker: _Worker) -> None:
+        self._retired.append(worker)
+        task = asyncio.get_running_loop().create_task(worker.channel.close(grace=RETIRED_CHANNEL_GRACE_S))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     async def health(self, timeout_s: float = 1.0) -> dict[str, bool]:
         """address -> whether the worker reports SERVING."""
@@ -157,6 +201,8 @@ class MeshClient:
         results = await self.health(timeout_s)
         for address, ok in results.items():
             router = self.decode_router if address in self.decoders else self.prefill_router
+            if address not in self.decoders and address not in self.prefillers:
+                continue  # removed from its pool while being checked
             if router.is_healthy(address) == ok:
                 continue
             if ok:

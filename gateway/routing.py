@@ -14,7 +14,9 @@ Contract:
 - Health: workers start healthy; `mark_unhealthy` / `mark_healthy` are called by the app's health-check loop.
   Marking a worker unhealthy forgets its remembered prefixes (it may come back with an empty cache); its in-flight
   count stays until those requests `finish`.
-- Thread-safe; nothing blocks. Unknown addresses raise `KeyError`.
+- Pool membership: `set_addresses(addresses)` replaces the worker set (service discovery calls it through
+  `MeshClient.set_worker_addresses`); new workers start empty and healthy, removed ones get no new requests.
+- Thread-safe; nothing blocks. Unknown addresses raise `KeyError`, except `finish` (a no-op for a removed worker).
 - The P/D decision (`PDDecider`, used by `gateway.mesh_client.MeshClient` for every request): prefill on the decode
   worker ("local") when there is no healthy prefill worker, the request has `n > 1`, or prefill is saturated
   (`max_prefill_inflight` prefills in flight from this gateway; 0: no limit); else remote prefill exactly when at
@@ -118,6 +120,25 @@ class Router:
     def addresses(self) -> tuple[str, ...]:
         return tuple(self._workers)
 
+    def set_addresses(self, addresses: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Replaces the pool's worker set (what service discovery resolved: every pod of a headless Service).
+
+        - A new address joins with an empty prefix index, healthy until a health check or its event stream says
+          otherwise, and no requests in flight.
+        - An address no longer listed is dropped at once: it gets no new requests; its requests in flight finish
+          normally (their later `finish(address)` is a no-op).
+        - An address listed before and now keeps its state (index, health, in-flight count).
+        - The list order becomes the tie-break order. Duplicates raise `ValueError`; an empty list is allowed
+          (the pool is empty until the next resolution: `pick` raises `NoHealthyWorker`).
+        Returns `(added, removed)` addresses, in order (the caller opens / closes their channels and streams)."""
+        wanted = parse_worker_list(list(addresses))
+        with self._lock:
+            old = self._workers
+            added = tuple(a for a in wanted if a not in old)
+            removed = tuple(a for a in old if a not in wanted)
+            self._workers = {a: old.get(a) or _WorkerState(a) for a in wanted}
+            return added, removed
+
     def pick(self, block_hashes: Sequence[bytes] = ()) -> Pick:
         """The cheapest healthy worker for a prompt with these full-block hashes; changes nothing."""
         with self._lock:
@@ -143,8 +164,9 @@ class Router:
     def finish(self, address: str) -> None:
         """A request on `address` ended (finished, failed or cancelled)."""
         with self._lock:
-            worker = self._workers[address]
-            worker.active = max(0, worker.active - 1)
+            worker = self._workers.get(address)
+            if worker is not None:  # None: dropped by `set_addresses` while the request ran
+                worker.active = max(0, worker.active - 1)
 
     def mark_healthy(self, address: str) -> None:
         with self._lock:

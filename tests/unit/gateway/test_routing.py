@@ -173,3 +173,20 @@ def test_pd_decider_probes_only_when_the_answer_matters():
     assert not PDDecider(0).needs_probe(10_000)  # always remote: nothing to ask
     with pytest.raises(ValueError):
         PDDecider(min_uncached_tokens=-1)
+
+
+def test_set_addresses_adds_empty_workers_and_drops_removed_ones():
+    r = Router([A, B])
+    r.start(A, prompt(4))
+    r.start(B, prompt(12, seed=1))
+    assert r.set_addresses([B, C]) == ((C,), (A,))
+    assert r.addresses == (B, C)
+    assert r.pick(prompt(4)).address == C  # A's prefix left with A; C is empty and idle, B busy
+    assert r.pick(prompt(12, seed=1)).address == B  # B kept its state (0 + 8 × 1 < 12)
+    r.finish(A)  # A's request in flight ends after A left: nothing to do
+    assert r.active(B) == 1 and r.is_healthy(C)
+    with pytest.raises(ValueError):
+        r.set_addresses([B, B])
+    r.set_addresses([])
+    with pytest.raises(NoHealthyWorker):
+        r.pick()
