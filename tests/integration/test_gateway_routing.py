@@ -95,7 +95,7 @@ def test_prefix_and_load_aware_routing_skips_unhealthy_workers(tiny_k3):
             addresses = (mesh.decode_address, f"127.0.0.1:{port}")
             try:
                 async with running_gateway(mesh, tiny_k3, colocated=True, decode_addresses=addresses,
-                                           health_check_interval_s=0.1, route_load_weight=64.0) as gw:
+                                           health_check_interval_s=0.1, route_load_weight=1024.0) as gw:
                     client = openai.AsyncOpenAI(base_url=gw.openai_base_url, api_key="x", max_retries=0)
                     pool = Pool(gw, client, dict(zip(addresses, (mesh.decode_server, second))), *addresses)
                     await _load_then_prefix_affinity(pool)
