@@ -7,9 +7,9 @@ Contract:
 - Cost (`pick(prompt)`): the healthy worker of least
   `cost = uncached_tokens + load_weight * queue + kv_usage_weight * kv_usage`, where `uncached_tokens` are the prompt
   tokens the worker would have to prefill (all of them but `WorkerIndex.cached_tokens`: the engine's prefix hit rule
-  over the hashes the worker reported), `queue = max(active, running + waiting)` (`active`: this gateway's requests
-  in flight there, known at once; `running + waiting`: the worker's own report, which also counts other gateways'
-  requests) and `kv_usage` the reported fraction of its KV pool in use. Ties go to the worker listed first. No
+  over the hashes the worker reported), `queue = active + max(0, running + waiting - active_then)` (`active`: this gateway's
+  requests in flight there, known at once; `running + waiting`: the worker's last report, of which the `active_then`
+  this gateway had in flight when it arrived are its own: the rest are other gateways') and `kv_usage` the reported fraction of its KV pool in use. Ties go to the worker listed first. No
   healthy worker: `NoHealthyWorker`. `costs(prompt)` lists every healthy worker's `Pick`.
 - Nothing is guessed: a worker whose index is not live (no snapshot yet, a gap or a new epoch until the resync, a
   broken stream) or whose stream was silent for `config.stale_after_s` counts as holding nothing.
@@ -67,7 +67,7 @@ class Pick:
     address: str
     cached_tokens: int
     uncached_tokens: int
-    queue: int  # max(this gateway's requests in flight, the worker's running + waiting)
+    queue: int  # this gateway's requests in flight + the others the worker last reported
     kv_usage: float
     cost: float
 
@@ -87,6 +87,7 @@ class _WorkerState:
         self.address = address
         self.healthy = True
         self.active = 0
+        self.active_at_report = 0  # `active` when the worker's last load report arrived
         self.index = WorkerIndex()
 
 
@@ -159,7 +160,10 @@ class Router:
         """One message of `address`'s stream -> `APPLIED`, or `RESYNC` (resubscribe; see `WorkerIndex.apply`)."""
         with self._lock:
             worker = self._workers.get(address)
-            return RESYNC if worker is None else worker.index.apply(message, self._clock())
+            if worker is None:
+                return RESYNC
+            worker.active_at_report = worker.active
+            return worker.index.apply(message, self._clock())
 
     def clear_index(self, address: str) -> None:
         """`address`'s stream broke or went silent: it counts as holding nothing until its next snapshot."""
@@ -214,7 +218,8 @@ class Router:
             index.clear()  # silent for too long: nothing it said can be trusted
         cached = index.cached_tokens(prompt) if prompt is not None else 0
         uncached = (prompt.num_tokens if prompt is not None else 0) - cached
-        queue = max(worker.active, index.load.running + index.load.waiting)
+        others = max(0, index.load.running + index.load.waiting - worker.active_at_report)
+        queue = worker.active + others
         cost = uncached + self.config.load_weight * queue + self.config.kv_usage_weight * index.load.kv_usage
         return Pick(worker.address, cached, uncached, queue, index.load.kv_usage, cost)
 

@@ -5,8 +5,9 @@ Contract:
   on and takes the listing it starts from (`AsyncEngine.start_cache_events`, one step-thread command), then a task
   drains the recorded events every `config.poll_interval_s` (`take_cache_events`, no step-thread wait), numbers
   them (consecutive from 0; `epoch` is random per publisher, so a restarted worker is told apart), applies them to
-  the mirror and sends them to every subscriber as one batch; with nothing to send for `config.heartbeat_s` it sends
-  an empty batch (a heartbeat). Every message carries the worker's load as of the engine's last step. When the
+  the mirror and sends them to every subscriber as one batch; with no events it sends an empty batch (a heartbeat)
+  when the load changed or nothing was sent for `config.heartbeat_s`. Every message carries the worker's load as of
+  the engine's last step (running, waiting, KV usage to 3 decimals). When the
   engine lost events (its sink overflowed) the publisher lists the cache again and sends every subscriber a fresh
   snapshot at the current number.
 - `subscribe()` returns a subscription whose first message is a snapshot of the mirror (taken in the same event-loop
@@ -94,6 +95,7 @@ class KVEventPublisher:
         self._subscriptions: set[Subscription] = set()
         self._task: asyncio.Task | None = None
         self._last_sent = time.monotonic()
+        self._last_load: kv_events_pb2.WorkerLoad | None = None
 
     async def start(self) -> None:
         self._reset(await self.engine.start_cache_events())
@@ -142,7 +144,7 @@ class KVEventPublisher:
             batch = kv_events_pb2.KVEventBatch(events=[kv_events_pb2.KVEvent(kind=EVENT_KINDS[k], block_hash=h)
                                                        for k, h in events])
             self._broadcast(self._message(first, events=batch))
-        elif time.monotonic() - self._last_sent >= self.config.heartbeat_s:
+        elif self._load() != self._last_load or time.monotonic() - self._last_sent >= self.config.heartbeat_s:
             self._broadcast(self._message(self.sequence, events=kv_events_pb2.KVEventBatch()))
 
     def _apply(self, kind: CacheEventKind, block_hash: bytes) -> None:
@@ -165,11 +167,14 @@ class KVEventPublisher:
             if sub.ended:
                 self._subscriptions.discard(sub)
 
-    def _message(self, sequence: int, **body) -> kv_events_pb2.KVEventMessage:
+    def _load(self) -> kv_events_pb2.WorkerLoad:
         stats = self.engine.stats_snapshot()
-        load = kv_events_pb2.WorkerLoad(running=stats.num_running, waiting=stats.num_waiting,
-                                        kv_usage=stats.kv_usage)
-        return kv_events_pb2.KVEventMessage(epoch=self.epoch, sequence=sequence, load=load, **body)
+        return kv_events_pb2.WorkerLoad(running=stats.num_running, waiting=stats.num_waiting,
+                                        kv_usage=round(stats.kv_usage, 3))
+
+    def _message(self, sequence: int, **body) -> kv_events_pb2.KVEventMessage:
+        self._last_load = self._load()
+        return kv_events_pb2.KVEventMessage(epoch=self.epoch, sequence=sequence, load=self._last_load, **body)
 
     def _snapshot_message(self) -> kv_events_pb2.KVEventMessage:
         listing = self._listing

@@ -46,6 +46,12 @@ class CacheEventSink:
                 self._lost = True
             self._events.append((kind, block_hash))
 
+    @property
+    def pending(self) -> int:
+        """Events recorded and not drained yet."""
+        with self._lock:
+            return len(self._events)
+
     def drain(self) -> tuple[list[tuple[CacheEventKind, bytes]], bool]:
         """-> (the events recorded since the last drain, in order; whether some were lost since then)."""
         with self._lock:

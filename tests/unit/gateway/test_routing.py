@@ -51,22 +51,23 @@ def test_prefix_affinity_follows_what_the_worker_reported():
 
 
 def test_cost_function():
-    """cost = uncached tokens + load_weight × max(in flight here, running + waiting) + kv_usage_weight × usage."""
+    """cost = uncached tokens + load_weight × queue + kv_usage_weight × usage; queue = in flight from here + what
+    the worker reported beyond what this gateway had in flight when the report came."""
     r = Router([A, B, C], RouterConfig(load_weight=100.0, kv_usage_weight=200.0))
     key = prompt(12, extra=0)  # 192 tokens
-    r.apply_kv_event(A, holding(key, 4, worker_load=load(running=1, waiting=1, kv_usage=0.5)))
-    r.apply_kv_event(B, holding(key, 10, worker_load=load(running=2, kv_usage=0.25)))
-    r.start(B)
-    r.start(B)
-    r.start(B)  # three in flight from here beat the two it reported (its report lags)
+    r.apply_kv_event(A, holding(key, 4, worker_load=load(running=1, waiting=1, kv_usage=0.5)))  # 2 of others
+    for _ in range(3):
+        r.start(B)
+    r.apply_kv_event(B, holding(key, 10, worker_load=load(running=2, kv_usage=0.25)))  # 2 of our 3 (lagging)
     costs = [(p.address, p.cached_tokens, p.queue, p.kv_usage, p.cost) for p in r.costs(key)]
     assert costs == [(A, 64, 2, 0.5, 128 + 200 + 100), (B, 160, 3, 0.25, 32 + 300 + 50), (C, 0, 0, 0.0, 192)]
     assert r.pick(key).address == C
     r.finish(B)
-    r.finish(B)  # B: max(1, 2) = 2 → 32 + 200 + 50 = 282 > C's 192 still
-    assert r.pick(key).address == C
-    r.apply_kv_event(B, batch(sequence=0, worker_load=load()))  # B idle now: 32 + 100 (one in flight)
-    assert (r.pick(key).address, r.pick(key).cost) == (B, 132.0)
+    r.finish(B)  # B: 1 in flight, no others → 32 + 100 + 50
+    assert (r.pick(key).address, r.pick(key).cost) == (B, 182.0)
+    r.start(A)
+    r.apply_kv_event(A, batch(sequence=0, worker_load=load(running=3, waiting=1)))  # ours 1, others 3
+    assert r.costs(key)[0].queue == 4
 
 
 def test_prefix_affinity_beats_load_up_to_a_point():
