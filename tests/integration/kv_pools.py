@@ -39,13 +39,14 @@ def families(tenants: int = 4, prefixes: int = 4, seed: int = 0) -> list[Family]
     return [Family(bytes([t + 1]) * 16, p) for t in range(tenants) for p in shared]
 
 
-async def start_worker(mesh: Mesh, role: str, model_dir, address: str = "127.0.0.1:0"):
-    """Another worker of `role` on the mesh's cache service -> (server, address)."""
+async def start_worker(mesh: Mesh, role: str, model_dir, address: str = "127.0.0.1:0", engine: dict | None = None):
+    """Another worker of `role` on the mesh's cache service -> (server, address); `engine`: engine overrides."""
+    args = engine_args(model_dir, **(engine or {}))
     if role == "prefill":
-        server, port = await serve_prefill(PrefillServiceConfig(engine=engine_args(model_dir), address=address,
+        server, port = await serve_prefill(PrefillServiceConfig(engine=args, address=address,
                                                                 cache_address=mesh.cache_address, cache_timeout_s=5.0))
     else:
-        server, port = await serve_decode(DecodeServiceConfig(engine=engine_args(model_dir), address=address,
+        server, port = await serve_decode(DecodeServiceConfig(engine=args, address=address,
                                                               cache_address=mesh.cache_address, cache_timeout_s=5.0))
     await server.ready()
     return server, f"127.0.0.1:{port}"
