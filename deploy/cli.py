@@ -36,7 +36,12 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from deploy.launcher import up
 
-    return up(launch_config_from(args, args.log_level, args.log_format, args.trace_exporter))
+    try:
+        config = launch_config_from(args, args.log_level, args.log_format, args.trace_exporter)
+    except ValueError as exc:  # LaunchConfig's checks (mode, replicas)
+        print(f"kdamesh up: {exc}", file=sys.stderr)
+        return 2
+    return up(config)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -93,7 +93,12 @@ def add_mesh_flags(p: argparse.ArgumentParser, model_positional: bool) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", "--http-port", dest="http_port", type=int, default=8000, help="the gateway's REST port")
     p.add_argument("--grpc-port", type=int, default=None,
-                   help="first of three consecutive ports for the cache, prefill and decode services (default: free)")
+                   help="first of consecutive ports for the cache, prefill and decode services, in that order "
+                        "(default: free)")
+    p.add_argument("--prefill-replicas", type=int, default=1,
+                   help="prefill workers (disaggregated mode), each on its own ports; the gateway routes over them")
+    p.add_argument("--decode-replicas", type=int, default=1,
+                   help="decode workers, each on its own ports; the gateway routes over them")
     p.add_argument("--cache-backend", default="memory", help="'memory' or redis://host:port/db")
     p.add_argument("--cache-byte-budget", default=None, help="memory backend budget, e.g. 4GiB")
     p.add_argument("--pd-min-uncached-tokens", type=int, default=256,
@@ -102,8 +107,8 @@ def add_mesh_flags(p: argparse.ArgumentParser, model_positional: bool) -> None:
     _add_engine_flags(p.add_argument_group("engine (both workers)"))
     _add_gateway_flags(p.add_argument_group("gateway"))
     p.add_argument("--metrics-port", type=int, default=None,
-                   help="first of three consecutive Prometheus /metrics ports for the cache, prefill and decode "
-                        "services (default: free); the gateway's /metrics is on its REST port")
+                   help="first of consecutive Prometheus /metrics ports for the cache, prefill and decode services "
+                        "(default: free); the gateway's /metrics is on its REST port")
     p.add_argument("--grace-s", type=float, default=None,
                    help="on Ctrl-C/SIGTERM: how long every service lets calls and streams in flight finish (seconds; "
                         "default: each service's own, 5 s)")
@@ -170,4 +175,5 @@ def launch_config_from(ns: argparse.Namespace, log_level: str, log_format: str, 
         allowed_media_domains=tuple(ns.allowed_media_domains or ()),
         allowed_local_media_path=ns.allowed_local_media_path, media_fetch_timeout_s=ns.media_fetch_timeout_s,
         uvicorn_log_level=ns.uvicorn_log_level, log_level=log_level.upper(), log_format=log_format,
-        trace_exporter=trace_exporter, metrics_port=ns.metrics_port, grace_s=ns.grace_s, restart=ns.restart)
+        trace_exporter=trace_exporter, metrics_port=ns.metrics_port, grace_s=ns.grace_s, restart=ns.restart,
+        prefill_replicas=ns.prefill_replicas, decode_replicas=ns.decode_replicas)

@@ -14,8 +14,12 @@ Contract:
 - No orphans: every child gets `PR_SET_PDEATHSIG` (SIGTERM) on Linux, so it also ends if the launcher is killed.
 - Without `--model`, the `small-k3` generated checkpoint is created on first run under
   `$KDAMESH_HOME/checkpoints/small-k3` (default `~/.cache/kdamesh`) and reused afterwards.
-- The gateway also serves the public gRPC API on `gateway_grpc_port` (default: `grpc_port + 3` when `grpc_port` is
-  given, else a free port), printed as a `gateway_grpc HOST:PORT` line. Its output parsers default to the model's
+- Pools: `prefill_replicas` / `decode_replicas` workers of each role (`--prefill-replicas N --decode-replicas M`),
+  each with its own gRPC and metrics port, all supervised; the gateway gets every address (deploy/mesh_plan.py).
+- Salt secret: the gateway gets `KDAMESH_CACHE_SALT_SECRET` — the launcher's own, else a fresh random one per
+  launch — so a restarted gateway derives the same tenant salts (gateway/tenancy.py).
+- The gateway also serves the public gRPC API on `gateway_grpc_port` (default: the port after the last worker's
+  when `grpc_port` is given, else a free port), printed as a `gateway_grpc HOST:PORT` line. Its output parsers default to the model's
   family (`--tool-call-parser` / `--reasoning-parser` "auto", `--enable-auto-tool-choice` on); "none" turns one
   off. API keys: `KDAMESH_API_KEYS` in the launcher's environment (or `api_keys`) and `api_keys_file` reach the
   gateway only; without keys the mesh is open. Mesh token: every child gets the same `KDAMESH_MESH_TOKEN` (the
@@ -33,132 +37,23 @@ import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 from telemetry.mesh_auth import MESH_TOKEN_ENV, mesh_token_from_env, new_mesh_token
+from gateway.tenancy import SALT_SECRET_ENV
 from deploy.checkpoints import default_model_dir
+from deploy.mesh_plan import (API_KEYS_ENV, FAMILY_FORMATS, MODES, LaunchConfig, Service,  # noqa: F401 (re-exported)
+                              _engine_argv, free_port, plan_services)
 from deploy.supervisor import RestartPolicy, Supervisor
 
-API_KEYS_ENV = "KDAMESH_API_KEYS"
-FAMILY_FORMATS = {"kimi_k3": "kimi_k3", "kimi_linear": "kimi_k2"}
-MODES = ("disaggregated", "colocated")
 INSTANCE_HEADER = "X-Kdamesh-Instance"  # the gateway's /health echoes its --instance-id
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
-    model: str | None = None  # None: the generated DEFAULT_PRESET checkpoint (created on first run)
-    mode: str = "disaggregated"
-    host: str = "127.0.0.1"
-    http_port: int = 8000  # the gateway's REST API
-    grpc_port: int | None = None  # first port of the mesh's gRPC services (cache, prefill, decode); None: free ports
-    cache_backend: str = "memory"  # or redis://host:port/db
-    cache_byte_budget: str | None = None  # memory backend budget, e.g. 4GiB (None: the service default)
-    pd_min_uncached_tokens: int = 256
-    kv_load_failure_policy: str = "recompute"
-    # Engine options of both workers (None: the engine's defaults).
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    kv_cache_memory: str | None = None
-    max_model_len: int | None = None
-    dtype: str | None = None
-    load_format: str | None = None  # safetensors | fastsafetensors | dummy
-    seed: int | None = None
-    device: str | None = None
-    enable_prefix_caching: bool = True
-    torch_threads: int | None = None
-    snapshot_interval: str | None = None  # KDA state snapshots: tokens between them ("auto"), bytes, policy
-    snapshot_budget: str | None = None
-    snapshot_policy: str | None = None  # "hybrid" | "periodic"
-    tensor_parallel_size: int | None = None  # rank processes per worker
-    speculative_config: str | None = None  # --speculative-config JSON for both workers (engine/spec/config.py)
-    enable_expert_parallel: bool = False
-    served_model_name: str | None = None
-    # The gateway: its gRPC API port (None: grpc_port + 3, or a free port), tenancy, output parsers.
-    gateway_grpc_port: int | None = None
-    api_keys: str | None = None  # KDAMESH_API_KEYS for the gateway (None: the launcher's own environment's)
-    api_keys_file: str | None = None
-    tool_call_parser: str = "auto"  # "auto": the model family's format; "none": off; or a parser name
-    reasoning_parser: str = "auto"
-    enable_auto_tool_choice: bool = True
-    disable_log_requests: bool = False  # the gateway writes no access-log line per request
-    uvicorn_log_level: str | None = None  # the gateway's HTTP server log level (None: log_level)
-    allowed_media_domains: tuple[str, ...] = ()  # image URLs the gateway may read (gateway/media_fetch.py)
-    allowed_local_media_path: str | None = None
-    media_fetch_timeout_s: float | None = None  # None: the gateway's default (5 s)
-    log_level: str = "INFO"
-    log_format: str = "text"  # "text" | "json" (telemetry/logs.py), for every service
-    trace_exporter: str = "auto"  # "auto" | "none" | "console" | "otlp" (telemetry/tracing.py), for every service
-    # First of three consecutive /metrics ports (cache, prefill, decode); None: free ports.
-    metrics_port: int | None = None
-    startup_timeout_s: float = 600.0
-    stop_timeout_s: float = 15.0  # per service, after SIGTERM, before SIGKILL (at least grace_s + 10 s)
-    # Shutdown grace of every service (`--grace-s`, seconds); None: each service's default (5 s).
-    grace_s: float | None = None
-    restart: bool = True  # restart a service that exits (with backoff); False: stop the mesh instead
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-
-
 # -- helpers ---------------------------------------------------------------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-@dataclass
-class Service:
-    role: str
-    address: str  # host:port (the gateway: its REST base URL)
-    argv: list[str]
-    proc: subprocess.Popen | None = None
-    env: dict[str, str] | None = None  # extra environment of this service only
-    grpc_api: str | None = None  # the gateway's public gRPC API (host:port)
-    metrics: str | None = None  # its Prometheus /metrics URL
-    ports: tuple[int, ...] = ()  # every port it listens on (checked free before anything starts)
-    instance_id: str | None = None  # the gateway: the nonce its /health echoes (X-Kdamesh-Instance)
-
-    def start(self, log_level: str, log_format: str = "text", trace_exporter: str = "auto") -> None:
-        cmd = [sys.executable, "-m", "deploy.cli", "--log-level", log_level, "--log-format", log_format,
-               "--trace-exporter", trace_exporter, "serve", "--role", self.role, *self.argv]
-        env = {k: v for k, v in os.environ.items() if self.role == "gateway" or k != API_KEYS_ENV}
-        env.update(self.env or {})
-        self.proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-                                     process_group=0, env=env)
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, timeout_s: float) -> None:
-        if not self.alive:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def _grpc_ready(address: str) -> bool:
@@ -225,123 +120,13 @@ class _Stop(Exception):
 # -- the mesh --------------------------------------------------------------------------------------------------------
 
 
-def plan_services(config: LaunchConfig, model: str) -> list[Service]:
-    """The processes to start, in start order, with their flags."""
-    host = config.host
-    grpc_ports = _ports(host, config.grpc_port)
-    cache, prefill, decode = (f"{host}:{p}" for p in grpc_ports)
-    metrics = {role: (port, f"http://{host}:{port}/metrics")
-               for role, port in zip(("cache", "prefill", "decode"), _ports(host, config.metrics_port))}
-    grace = [] if config.grace_s is None else ["--grace-s", str(config.grace_s)]
-    engine = _engine_argv(config, model) + grace
-    cache_argv = ["--address", cache, "--cache-backend", config.cache_backend,
-                  "--metrics-port", str(metrics["cache"][0]), *grace]
-    if config.cache_byte_budget:
-        cache_argv += ["--byte-budget", config.cache_byte_budget]
-    ports = {role: (grpc, metrics[role][0]) for role, grpc in zip(("cache", "prefill", "decode"), grpc_ports)}
-    services = [Service("cache", cache, cache_argv, metrics=metrics["cache"][1], ports=ports["cache"])]
-    if config.mode == "disaggregated":
-        services.append(Service("prefill", prefill, ["--address", prefill, "--cache-address", cache,
-                                                     "--metrics-port", str(metrics["prefill"][0]), *engine],
-                                metrics=metrics["prefill"][1], ports=ports["prefill"]))
-    services.append(Service("decode", decode, ["--address", decode, "--cache-address", cache,
-                                               "--kv-load-failure-policy", config.kv_load_failure_policy,
-                                               "--metrics-port", str(metrics["decode"][0]), *engine],
-                            metrics=metrics["decode"][1], ports=ports["decode"]))
-    services.append(_gateway(config, model, decode, prefill, grace))
-    return services
-
-
-def _ports(host: str, first: int | None) -> list[int]:
-    """Three ports: `first` and the next two, or three free ones."""
-    return [first, first + 1, first + 2] if first is not None else [free_port(host) for _ in range(3)]
-
-
-def _engine_argv(config: LaunchConfig, model: str) -> list[str]:
-    """The engine flags of both workers (only those set)."""
-    argv = ["--model", model]
-    for flag, value in (("--max-num-seqs", config.max_num_seqs),
-                        ("--max-num-batched-tokens", config.max_num_batched_tokens),
-                        ("--kv-cache-memory", config.kv_cache_memory), ("--max-model-len", config.max_model_len),
-                        ("--dtype", config.dtype), ("--device", config.device),
-                        ("--load-format", config.load_format), ("--seed", config.seed),
-                        ("--torch-threads", config.torch_threads),
-                        ("--snapshot-interval", config.snapshot_interval),
-                        ("--snapshot-budget", config.snapshot_budget), ("--snapshot-policy", config.snapshot_policy),
-                        ("--tensor-parallel-size", config.tensor_parallel_size),
-                        ("--speculative-config", config.speculative_config),
-                        ("--served-model-name", config.served_model_name)):
-        if value is not None:
-            argv += [flag, str(value)]
-    if not config.enable_prefix_caching:
-        argv.append("--no-enable-prefix-caching")
-    if config.enable_expert_parallel:
-        argv.append("--enable-expert-parallel")
-    return argv
-
-
-def _media_flags(config: LaunchConfig) -> list[str]:
-    argv = ["--allowed-media-domains", *config.allowed_media_domains] if config.allowed_media_domains else []
-    if config.allowed_local_media_path:
-        argv += ["--allowed-local-media-path", str(Path(config.allowed_local_media_path).resolve())]
-    if config.media_fetch_timeout_s is not None:
-        argv += ["--media-fetch-timeout-s", str(config.media_fetch_timeout_s)]
-    return argv
-
-
-def _gateway(config: LaunchConfig, model: str, decode: str, prefill: str, grace: list[str]) -> Service:
-    host = config.host
-    argv = ["--model", model, "--host", host, "--http-port", str(config.http_port), "--mode", config.mode,
-            "--decode-addresses", decode, "--pd-min-uncached-tokens", str(config.pd_min_uncached_tokens), *grace]
-    if config.mode == "disaggregated":
-        argv += ["--prefill-addresses", prefill]
-    if config.served_model_name:
-        argv += ["--served-model-name", config.served_model_name]
-    if config.gateway_grpc_port is not None:
-        grpc_api_port = config.gateway_grpc_port
-    else:
-        grpc_api_port = config.grpc_port + 3 if config.grpc_port is not None else free_port(host)
-    argv += ["--grpc-port", str(grpc_api_port)]
-    tool_parser = _parser_flag(config.tool_call_parser, model)
-    reasoning_parser = _parser_flag(config.reasoning_parser, model)
-    if tool_parser:
-        argv += ["--tool-call-parser", tool_parser]
-        if config.enable_auto_tool_choice:
-            argv.append("--enable-auto-tool-choice")
-    if reasoning_parser:
-        argv += ["--reasoning-parser", reasoning_parser]
-    if config.api_keys_file:
-        argv += ["--api-keys-file", config.api_keys_file]
-    if config.disable_log_requests:
-        argv.append("--disable-log-requests")
-    if config.uvicorn_log_level:
-        argv += ["--uvicorn-log-level", config.uvicorn_log_level]
-    argv += _media_flags(config)
-    env = {API_KEYS_ENV: config.api_keys} if config.api_keys is not None else None
-    return Service("gateway", f"http://{host}:{config.http_port}", argv, env=env,
-                   grpc_api=f"{host}:{grpc_api_port}", metrics=f"http://{host}:{config.http_port}/metrics",
-                   ports=(config.http_port, grpc_api_port))
-
-
-def _parser_flag(value: str, model: str) -> str | None:
-    """"auto" -> the model family's output format (None when unknown); "none" -> None; else the name itself."""
-    if value == "none":
-        return None
-    if value != "auto":
-        return value
-    try:
-        family = json.loads((Path(model) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return None
-    return FAMILY_FORMATS.get(family)
-
-
 def up(config: LaunchConfig) -> int:
     model = config.model or str(default_model_dir())
     services = _preflight(config, model)
     if services is None:
         return 2
     give_mesh_token(services, mesh_token_from_env() or new_mesh_token())  # one per launch, unless set
+    give_salt_secret(services, os.environ.get(SALT_SECRET_ENV) or secrets.token_hex(32))
     stopping = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -378,6 +163,15 @@ def give_mesh_token(services: list[Service], token: str) -> None:
     """Every service gets `token` in its environment (KDAMESH_MESH_TOKEN)."""
     for s in services:
         s.env = {**(s.env or {}), MESH_TOKEN_ENV: token}
+
+
+def give_salt_secret(services: list[Service], secret: str) -> None:
+    """The gateway gets `secret` as KDAMESH_CACHE_SALT_SECRET (gateway/tenancy.py derives every tenant's cache salt
+    from it), in its environment for every restart too: a restarted gateway derives the same salts, so its tenants
+    keep their workers' and the cache service's prefix hits."""
+    for s in services:
+        if s.role == "gateway":
+            s.env = {**(s.env or {}), SALT_SECRET_ENV: secret}
 
 
 def _preflight(config: LaunchConfig, model: str) -> list[Service] | None:
@@ -425,18 +219,15 @@ def wait_ready(services: list[Service], timeout_s: float) -> None:
 
 
 def _print_endpoints(config: LaunchConfig, model: str, services: list[Service]) -> None:
-    by_role = {s.role: s for s in services}
+    gateway, cache = services[-1], services[0]
     lines = [f"kdamesh is up: {config.mode} mesh serving {config.served_model_name or Path(model).name} ({model})",
-             f"  REST     {by_role['gateway'].address}/v1   (OpenAI-compatible: /v1/chat/completions, "
+             f"  REST     {gateway.address}/v1   (OpenAI-compatible: /v1/chat/completions, "
              f"/v1/completions, /v1/models; /tokenize, /metrics, /health)",
-             f"  gRPC     {by_role['gateway'].grpc_api}   (kdamesh.v1.Generation, the sdk/ client)",
-             f"  cache    {by_role['cache'].address}   (backend {config.cache_backend}; {by_role['cache'].metrics})"]
-    if "prefill" in by_role:
-        lines.append(f"  prefill  {by_role['prefill'].address}   ({by_role['prefill'].metrics})")
-    lines.append(f"  decode   {by_role['decode'].address}   ({by_role['decode'].metrics})")
+             f"  gRPC     {gateway.grpc_api}   (kdamesh.v1.Generation, the sdk/ client)",
+             f"  cache    {cache.address}   (backend {config.cache_backend}; {cache.metrics})"]
+    lines += [f"  {s.name:<8} {s.address}   ({s.metrics})" for s in services if s.role in ("prefill", "decode")]
     lines.append("Ctrl-C or SIGTERM stops everything.")
-    endpoints = {s.role: s.address for s in services}
-    lines.append("metrics " + json.dumps({s.role: s.metrics for s in services}))
-    lines.append("endpoints " + json.dumps(endpoints))
-    lines.append(f"gateway_grpc {by_role['gateway'].grpc_api}")
+    lines.append("metrics " + json.dumps({s.name: s.metrics for s in services}))
+    lines.append("endpoints " + json.dumps({s.name: s.address for s in services}))
+    lines.append(f"gateway_grpc {gateway.grpc_api}")
     print("\n".join(lines), flush=True)

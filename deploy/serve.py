@@ -144,7 +144,6 @@ def _add_gateway_role_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=["kimi_k3", "kimi_k2"])
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto"; needs --tool-call-parser)')
-    p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (prefix routing)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length reported by /tokenize and /v1/models (default: the checkpoint's)")
     p.add_argument("--health-check-interval-s", type=float, default=5.0,
@@ -191,7 +190,7 @@ def gateway_config_from(ns: argparse.Namespace, api_keys: str | None = None):
                          max_sequences_per_request=ns.max_sequences_per_request, public_docs=ns.public_docs,
                          public_metrics=ns.public_metrics,
                          tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-                         enable_auto_tool_choice=ns.enable_auto_tool_choice, block_size=ns.block_size,
+                         enable_auto_tool_choice=ns.enable_auto_tool_choice,
                          max_model_len=ns.max_model_len, health_check_interval_s=ns.health_check_interval_s,
                          shutdown_grace_s=ns.grace_s, mesh_token=mesh_token_from_env(),
                          allowed_media_domains=tuple(ns.allowed_media_domains or ()),

@@ -47,7 +47,8 @@ from engine.config import EngineArgs
 from engine.core import EngineCore, EngineStats, PromptInput
 from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
 from engine.exchange import SnapshotExport
-from engine.memory.manager import PrefixPresence
+from engine.memory.events import CacheEventKind
+from engine.memory.manager import CacheListing, PrefixPresence
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.transfer import CacheLayout, RequestState
@@ -254,6 +255,15 @@ class AsyncEngine:
 
     async def prefix_presence(self, block_hashes: list[bytes]) -> PrefixPresence:
         return await self.run_in_engine(lambda: self.core.prefix_presence(block_hashes))
+
+    async def start_cache_events(self) -> CacheListing:
+        """Turns on the prefix cache's event recording and lists what it holds now (`CacheManager.start_events`);
+        the events `take_cache_events` returns afterwards change that listing."""
+        return await self.run_in_engine(self.core.manager.start_events)
+
+    def take_cache_events(self) -> tuple[list[tuple[CacheEventKind, bytes]], bool]:
+        """The cache events recorded since the last call and whether some were lost (`CacheEventSink.drain`)."""
+        return self.core.manager.events.drain()
 
     async def import_prefix(self, blocks: list[bytes], snapshot: bytes | None) -> bool:
         """Imports a served prefix (see `CacheExchange.import_prefix`); raises `TransferError` for a bad object."""

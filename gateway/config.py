@@ -81,16 +81,14 @@ class GatewayConfig:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     enable_auto_tool_choice: bool = False
-    # Tokens per KV block of the workers (prefix-aware routing hashes prompts in blocks of this size).
-    block_size: int = 16
     # Context length the gateway reports (/tokenize, /v1/models); None: the checkpoint's. Workers enforce their own.
     max_model_len: int | None = None
     # Echoed by GET /health as X-Kdamesh-Instance: the launcher's proof that it reached its own gateway.
     instance_id: str | None = None
     # Seconds between gRPC health checks of the workers.
     health_check_interval_s: float = 5.0
-    # One in-flight request costs as much as this many uncached prompt blocks (routing).
-    route_load_weight: float = 8.0
+    # One queued request on a worker costs as much as this many uncached prompt tokens (routing, gateway/routing.py).
+    route_load_weight: float = 128.0
     # The shared mesh token sent on every worker call (KDAMESH_MESH_TOKEN); None: the workers are open.
     mesh_token: str | None = field(default=None, repr=False)
 
@@ -112,8 +110,6 @@ class GatewayConfig:
             raise ValueError("--tool-call-parser and --reasoning-parser name different output formats")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.health_check_interval_s <= 0:
@@ -148,5 +144,5 @@ class GatewayConfig:
         prefill = self.prefill_addresses if self.mode == "disaggregated" else ()
         return MeshClient(self.decode_addresses, prefill,
                           PDDecider(self.pd_min_uncached_tokens, self.pd_max_prefill_inflight), self.handoff_ttl_ms,
-                          block_size=self.block_size, router_config=RouterConfig(load_weight=self.route_load_weight),
+                          router_config=RouterConfig(load_weight=self.route_load_weight), model=self.model_name,
                           mesh_token=self.mesh_token)

@@ -10,7 +10,7 @@ detokenisation and stop strings, gateway.text; reasoning / tool-call parsers) ->
 Contract:
 - `GatewayCore(config, ...)` owns the tokenizer, chat renderer, mesh client, tenant directory, cache salter, rate
   limiter and metrics. `start()` loads what was not given, logs whether the gateway is open, and starts the periodic
-  worker health checks; `close()` stops them (and closes a mesh it created).
+  worker health checks and the KV event subscriptions (routing); `close()` stops them (and closes a mesh it created).
 - `authenticate(authorization)` -> `Principal`, or `ApiError` 401 (open mode: every request is anonymous).
 - `await plan_chat(request)` -> `ChatPlan` (gateway.plan); `ApiError` 400 for what cannot be served. Its image URLs
   that are not data: URLs are fetched first (`MediaFetcher`, gateway/media_fetch.py: the one place they are
@@ -108,6 +108,7 @@ class GatewayCore:
         for address in list(self.mesh.decoders) + list(self.mesh.prefillers):
             self._health_changed(address, True)
         self._health_task = asyncio.create_task(self.mesh.run_health_checks(self.config.health_check_interval_s))
+        self.mesh.start_kv_events()
         self._log_start()
 
     def _log_start(self) -> None:
@@ -124,6 +125,8 @@ class GatewayCore:
                  self.config.mode, list(self.config.decode_addresses), list(self.config.prefill_addresses))
 
     async def close(self) -> None:
+        if self.mesh is not None:
+            await self.mesh.stop_kv_events()
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)

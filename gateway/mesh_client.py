@@ -10,14 +10,19 @@ Contract:
   down, worker gone), the request falls back to the colocated path on the decode worker (counted in
   `stats.prefill_fallbacks`).
 - Colocated path: `Decode` with a local prompt; the decode worker prefills with its own prefix cache.
-- The decision's inputs come from here: the chosen decode worker's prefix hit (asked with `Probe` when
-  `PDDecider.needs_probe`; a failed probe counts as no hit), and the prefills this gateway has in flight.
+- The decision's inputs come from here: the chosen decode worker's prefix hit (its KV-event index, the same
+  `Pick` that chose it; no call), and the prefills this gateway has in flight.
 - Errors: `MeshError` with the gRPC status code and message of the failing call (INVALID_ARGUMENT, NOT_FOUND,
   DEADLINE_EXCEEDED, UNAVAILABLE, ...); the REST layer maps it to an HTTP status.
-- Worker choice (`gateway.routing.Router`, one per pool): the healthy worker of least cost = uncached prompt blocks
-  (the prefixes this gateway sent it before, per tenant salt) + `load_weight` x requests in flight from this
-  gateway; ties go to the first listed. No healthy decode worker: `MeshError(UNAVAILABLE)`; no healthy prefill
-  worker: the colocated path.
+- Worker choice (`gateway.routing.Router`, one per pool): the healthy worker of least cost = uncached prompt tokens
+  on that worker (its prefix index, fed by its KV event stream: `start_kv_events()` subscribes to every worker,
+  gateway/kv_events.py; the prompt is hashed as the engine hashes it, `prompt_key`) + a load term (queue and KV
+  usage); ties go to the first listed. No healthy decode worker: `MeshError(UNAVAILABLE)`; no healthy prefill
+  worker: the colocated path. When a worker reports fewer cached tokens than its index promised (a local prefill's
+  first chunk, a prefill response), the index is emptied and resubscribed (`Router.observe`,
+  `stats.stale_beliefs`), so no second request is routed on that belief.
+- Pool membership: `set_worker_addresses(role, addresses)` replaces a pool's workers (service discovery,
+  gateway/discovery.py); see `Router.set_addresses`.
 - Health: `check_health()` asks every worker's gRPC health service once and marks it healthy or unhealthy in its
   router (an unhealthy worker gets no new requests until it passes again); `run_health_checks(interval_s)` does that
   until cancelled (the gateway runs it as a background task). `on_health_change(address, healthy)` is called on
@@ -39,7 +44,10 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.routing import NoHealthyWorker, PDDecider, Router, RouterConfig, prompt_block_hashes
+from engine.memory.hashing import MediaSpan
+from gateway.kv_events import KVEventSubscriber, SubscriberConfig
+from gateway.prefix_index import PromptKey
+from gateway.routing import NoHealthyWorker, PDDecider, Pick, Router, RouterConfig, parse_worker_list
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from telemetry import mesh_auth
 from telemetry.rpc import client_interceptors
@@ -51,11 +59,12 @@ FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_
                 common_pb2.FINISH_REASON_ERROR: "error"}
 FALLBACK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
                   grpc.StatusCode.UNKNOWN}
-PROBE_TIMEOUT_S = 1.0
 # A decode stream that sent its last chunk (with usage) is given this long to end by itself when its consumer stops
 # there, so the worker records it as OK rather than CANCELLED (seconds).
 END_OF_STREAM_S = 1.0
 MAX_MESSAGE_BYTES = 16 << 20
+# A worker removed from its pool (service discovery) keeps its channel this long for the calls it still serves (s).
+RETIRED_CHANNEL_GRACE_S = 600.0
 
 
 class MeshError(Exception):
@@ -102,6 +111,7 @@ class MeshStats:
     handoff_bytes: int = 0  # handoff objects published by prefill workers (bytes)
     prefill_ms: float = 0.0  # prefill workers' own time (load + compute + publish), summed (milliseconds)
     publish_ms: float = 0.0  # of which publishing blocks and handoffs
+    stale_beliefs: int = 0  # requests whose worker served fewer cached tokens than its KV-event index promised
 
 
 class _Worker:
@@ -118,26 +128,93 @@ class _Worker:
 
 class MeshClient:
     def __init__(self, decode_addresses: Sequence[str], prefill_addresses: Sequence[str] = (),
-                 decider: PDDecider | None = None, handoff_ttl_ms: int = 0, *, block_size: int = 16,
+                 decider: PDDecider | None = None, handoff_ttl_ms: int = 0, *,
                  router_config: RouterConfig = RouterConfig(), on_health_change=None,
-                 mesh_token: str | None = None):
+                 mesh_token: str | None = None, model: str = "",
+                 subscriber_config: SubscriberConfig | None = None):
         if not decode_addresses:
             raise ValueError("the mesh needs at least one decode worker")
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
         self.decoders = {a: _Worker(a, decode_pb2_grpc.DecodeServiceStub, mesh_token) for a in decode_addresses}
         self.prefillers = {a: _Worker(a, prefill_pb2_grpc.PrefillServiceStub, mesh_token) for a in prefill_addresses}
         self.decode_router = Router(list(self.decoders), router_config)
         self.prefill_router = Router(list(self.prefillers), router_config) if self.prefillers else None
         self.decider = decider or PDDecider()
         self.handoff_ttl_ms = handoff_ttl_ms
-        self.block_size = block_size
         self.on_health_change = on_health_change  # (address, healthy) on every transition
         self.stats = MeshStats()
+        self._router_config = router_config
+        self._mesh_token = mesh_token
+        self._retired: list[_Worker] = []  # removed by `set_worker_addresses`; channels closing
+        self._retiring: set[asyncio.Task] = set()
+        self.model = model  # the served model name the event subscriptions ask for ("": any)
+        self.subscriber_config = subscriber_config or SubscriberConfig(stale_after_s=router_config.stale_after_s)
+        self.subscribers: dict[str, KVEventSubscriber] = {}
+        self._events_started = False
+
+    def start_kv_events(self) -> None:
+        """Subscribes to every worker's KV event stream (call on the event loop; idempotent). Until then every
+        worker's index is empty: routing by load alone."""
+        self._events_started = True
+        for address, worker in [*self.decoders.items(), *self.prefillers.items()]:
+            self._subscribe(address, worker)
+
+    async def stop_kv_events(self) -> None:
+        self._events_started = False
+        subscribers, self.subscribers = list(self.subscribers.values()), {}
+        await asyncio.gather(*(s.stop() for s in subscribers))
+
+    def _subscribe(self, address: str, worker: _Worker) -> None:
+        if address in self.subscribers:
+            return
+        router = self.decode_router if address in self.decoders else self.prefill_router
+        subscriber = KVEventSubscriber(address, worker.channel, router, self.model, self.subscriber_config)
+        self.subscribers[address] = subscriber
+        subscriber.start()
 
     async def close(self) -> None:
-        for w in list(self.decoders.values()) + list(self.prefillers.values()):
+        await self.stop_kv_events()
+        for task in list(self._retiring):
+            task.cancel()
+        for w in list(self.decoders.values()) + list(self.prefillers.values()) + self._retired:
             await w.channel.close()
+
+    async def set_worker_addresses(self, role: str, addresses: Sequence[str]) -> tuple[tuple[str, ...], ...]:
+        """Replaces the worker set of a pool (`role` "decode" or "prefill"): what service discovery calls after each
+        resolution. New workers get a channel and join the pool's router (empty index, healthy); removed workers
+        leave the router at once and their channel closes once their calls in flight end (at most
+        `RETIRED_CHANNEL_GRACE_S`). The decode pool may not become empty (`ValueError`: keep the last resolution);
+        an empty prefill pool sends every request down the colocated path. Returns `(added, removed)`."""
+        if role not in ("decode", "prefill"):
+            raise ValueError(f"role must be 'decode' or 'prefill', got {role!r}")
+        wanted = parse_worker_list(list(addresses))
+        if role == "decode" and not wanted:
+            raise ValueError("the decode pool needs at least one worker address")
+        workers = self.decoders if role == "decode" else self.prefillers
+        stub = decode_pb2_grpc.DecodeServiceStub if role == "decode" else prefill_pb2_grpc.PrefillServiceStub
+        router = self.decode_router if role == "decode" else self.prefill_router
+        if router is None:  # the first prefill workers of a gateway that started without any
+            if not wanted:
+                return (), ()
+            router = self.prefill_router = Router(wanted, self._router_config)
+            added, removed = wanted, ()
+        else:
+            added, removed = router.set_addresses(wanted)
+        for address in added:
+            workers[address] = _Worker(address, stub, self._mesh_token)
+            if self._events_started:
+                self._subscribe(address, workers[address])
+        for address in removed:
+            subscriber = self.subscribers.pop(address, None)
+            if subscriber is not None:
+                await subscriber.stop()
+            self._retire(workers.pop(address))
+        return added, removed
+
+    def _retire(self, worker: _Worker) -> None:
+        self._retired.append(worker)
+        task = asyncio.get_running_loop().create_task(worker.channel.close(grace=RETIRED_CHANNEL_GRACE_S))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     async def health(self, timeout_s: float = 1.0) -> dict[str, bool]:
         """address -> whether the worker reports SERVING."""
@@ -157,6 +234,8 @@ class MeshClient:
         results = await self.health(timeout_s)
         for address, ok in results.items():
             router = self.decode_router if address in self.decoders else self.prefill_router
+            if address not in self.decoders and address not in self.prefillers:
+                continue  # removed from its pool while being checked
             if router.is_healthy(address) == ok:
                 continue
             if ok:
@@ -178,27 +257,29 @@ class MeshClient:
                 log.exception("health check round failed")
             await asyncio.sleep(interval_s)
 
-    def block_hashes(self, req: MeshRequest) -> list[bytes]:
-        """The prompt's full-block hashes as the routers see them (salted per tenant, namespaced per model)."""
-        salt = req.tenant_salt.hex() if req.tenant_salt else None
-        return prompt_block_hashes(req.prompt_token_ids, self.block_size, salt, namespace=req.model.encode())
+    def prompt_key(self, req: MeshRequest) -> PromptKey:
+        """The prompt as the routers see it: hashed like the engine does (the tenant's engine cache salt,
+        worker/tenancy.py; the images' content hashes), in each worker's hash space."""
+        media = tuple(sorted((MediaSpan(m.token_offset, m.num_tokens, m.content_hash) for m in req.media),
+                             key=lambda m: m.offset))
+        return PromptKey(req.prompt_token_ids, req.tenant_salt.hex() if req.tenant_salt else None, media)
 
     # -- one request --------------------------------------------------------------------------------------------
 
     async def generate(self, req: MeshRequest) -> AsyncIterator[TokenEvent]:
         deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s
-        hashes = self.block_hashes(req)
+        key = self.prompt_key(req)
         try:
-            pick = self.decode_router.route(hashes)
+            pick = self.decode_router.route(key)
         except NoHealthyWorker as exc:
             raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no healthy decode worker ({exc})") from None
         decoder = self.decoders[pick.address]
         try:
-            route = await self._route(req, decoder, deadline)
+            route = self._route(req, pick)
             source: dict = {"local": decode_pb2.LocalPrefill(prompt=common_pb2.TokenIds(ids=req.prompt_token_ids))}
             prompt_logprobs: list[common_pb2.TokenLogprob] = []
             if route == "remote":
-                response = await self._prefill(req, hashes, deadline)
+                response = await self._prefill(req, key, deadline)
                 if response is None:
                     route = "fallback"
                 elif response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -217,7 +298,11 @@ class MeshClient:
             request = decode_pb2.DecodeRequest(request_id=req.request_id, model=req.model, sampling=req.sampling,
                                                tenant_salt=req.tenant_salt, priority=req.priority, media=req.media,
                                                snapshot_hints=req.snapshot_hints, **source)
+            belief = pick if route != "remote" and _comparable(req) else None  # a local prefill reports its hit
             async for event in self._decode(decoder, request, deadline, route, prompt_logprobs):
+                if belief is not None and event.cached_tokens is not None:
+                    self._observe(self.decode_router, belief, event.cached_tokens)
+                    belief = None
                 yield event
         finally:
             self.decode_router.finish(pick.address)
@@ -228,31 +313,30 @@ class MeshClient:
     def _any_prefill_healthy(self) -> bool:
         return any(self.prefill_router.is_healthy(a) for a in self.prefill_router.addresses)
 
-    async def _route(self, req: MeshRequest, decoder: _Worker, deadline: float | None) -> str:
-        """The P/D decision for this request ("remote" or "local"), with its inputs gathered here."""
-        n, choices = len(req.prompt_token_ids), req.sampling.n or 1
+    def _route(self, req: MeshRequest, pick: Pick) -> str:
+        """The P/D decision for this request ("remote" or "local"): the decode pick's cached tokens come from the
+        same KV-event index that chose the worker."""
         have_prefill = self.prefill_router is not None and self._any_prefill_healthy()
-        cached = 0
-        if self.decider.needs_probe(n, choices, have_prefill):
-            cached = await self._probe(req, decoder, deadline)
         inflight = self._prefill_inflight() if have_prefill else 0
-        return self.decider.decide(n, choices, cached, inflight, have_prefill=have_prefill)
+        return self.decider.decide(len(req.prompt_token_ids), req.sampling.n or 1, pick.cached_tokens, inflight,
+                                   have_prefill=have_prefill)
 
-    async def _probe(self, req: MeshRequest, decoder: _Worker, deadline: float | None) -> int:
-        """Prompt tokens in the decode worker's prefix cache (0 when the probe fails)."""
-        request = decode_pb2.ProbeRequest(model=req.model, prompt=common_pb2.TokenIds(ids=req.prompt_token_ids),
-                                          tenant_salt=req.tenant_salt)
-        try:
-            return (await decoder.stub.Probe(request, timeout=_remaining(deadline, PROBE_TIMEOUT_S))).cached_tokens
-        except grpc.aio.AioRpcError as exc:
-            log.debug("probe of %s failed: %s", decoder.address, exc.code().name)
-            return 0
+    def _observe(self, router: Router, pick: Pick, actual_tokens: int) -> None:
+        """A worker served `actual_tokens` from its cache where its index promised `pick.cached_tokens`: fewer
+        means the index is wrong; it is emptied and resubscribed before another request relies on it."""
+        if router.observe(pick.address, pick.cached_tokens, actual_tokens):
+            self.stats.stale_beliefs += 1
+            log.info("%s served %d cached tokens where its index promised %d; resyncing its KV events",
+                     pick.address, actual_tokens, pick.cached_tokens)
+            subscriber = self.subscribers.get(pick.address)
+            if subscriber is not None:
+                subscriber.resync()
 
-    async def _prefill(self, req: MeshRequest, hashes: list[bytes],
+    async def _prefill(self, req: MeshRequest, key: PromptKey,
                        deadline: float | None) -> prefill_pb2.PrefillResponse | None:
         """The prefill response, or None when the request should fall back to the colocated path."""
         try:
-            pick = self.prefill_router.route(hashes)
+            pick = self.prefill_router.route(key)
         except NoHealthyWorker:
             self.stats.prefill_fallbacks += 1
             return None
@@ -273,6 +357,8 @@ class MeshClient:
             raise MeshError(exc.code(), exc.details() or exc.code().name) from None
         finally:
             self.prefill_router.finish(pick.address)
+        if _comparable(req):
+            self._observe(self.prefill_router, pick, response.cached_tokens)
         self.stats.remote += 1
         self.stats.handoff_bytes += response.handoff_bytes
         self.stats.prefill_ms += response.timings.total_ms
@@ -314,6 +400,12 @@ async def _end_call(call, finished: bool) -> None:
         pass
     finally:
         call.cancel()  # a no-op once the call has ended
+
+
+def _comparable(req: MeshRequest) -> bool:
+    """Whether the cached tokens a worker reports for `req` measure its prefix cache (prompt logprobs compute the
+    whole prompt, whatever is cached)."""
+    return not req.sampling.HasField("prompt_logprobs")
 
 
 def _remaining(deadline: float | None, cap: float | None = None) -> float | None:

@@ -1,36 +1,44 @@
-"""Worker choice for one pool (prefill or decode): prefix-aware, load-aware, health-aware; and the P/D decision.
+"""Worker choice for one pool (prefill or decode) from the workers' KV event streams, and the P/D decision.
 
 Contract:
 - `Router(addresses, config)` serves one pool (`--prefill-workers` or `--decode-workers`, parsed by
-  `parse_worker_list`). `pick(block_hashes)` returns the healthy worker of least
-  `cost = uncached_blocks + load_weight * active`, where `uncached_blocks` counts the prompt's full blocks after the
-  longest prefix the worker has likely cached, and `active` is the number of requests this gateway has in flight on it.
-  Ties go to the worker listed first. No healthy worker: `NoHealthyWorker`.
-- `block_hashes` is the prompt's chain of full-block hashes (`prompt_block_hashes`: the engine's chained hashing with
-  the tenant's cache salt, so affinity never crosses tenants); a hash names its whole prefix.
-- What a worker has cached is inferred, not asked: `start(address, block_hashes)` records the chain (the worker will
-  hold those blocks) in a per-worker LRU of at most `config.prefix_capacity` hashes, and counts the request in flight;
-  `finish(address)` uncounts it. `route(block_hashes)` is `pick` + `start` under one lock.
+  `parse_worker_list`). Each worker has a `WorkerIndex` (gateway/prefix_index.py) fed by its KV event stream
+  (`apply_kv_event`, from gateway/kv_events.py): what its prefix cache holds, and its load as it last reported.
+- Cost (`pick(prompt)`): the healthy worker of least
+  `cost = uncached_tokens + load_weight * queue + kv_usage_weight * kv_usage`, where `uncached_tokens` are the prompt
+  tokens the worker would have to prefill (all of them but `WorkerIndex.cached_tokens`: the engine's prefix hit rule
+  over the hashes the worker reported), `queue = active + max(0, running + waiting - active_then)` (`active`: this gateway's
+  requests in flight there, known at once; `running + waiting`: the worker's last report, of which the `active_then`
+  this gateway had in flight when it arrived are its own: the rest are other gateways') and `kv_usage` the reported fraction of its KV pool in use. Ties go to the worker listed first. No
+  healthy worker: `NoHealthyWorker`. `costs(prompt)` lists every healthy worker's `Pick`.
+- Nothing is guessed: a worker whose index is not live (no snapshot yet, a gap or a new epoch until the resync, a
+  broken stream) or whose stream was silent for `config.stale_after_s` counts as holding nothing.
+- `route(prompt)` is `pick` + `start` under one lock; `finish(address)` ends a request. `observe(address, predicted,
+  actual)`: a request reported fewer cached tokens than its pick predicted: the index was wrong (events not yet
+  arrived, or a restart not yet seen), so it is emptied at once — no second request is routed on that belief —
+  and the caller resubscribes.
 - Health: workers start healthy; `mark_unhealthy` / `mark_healthy` are called by the app's health-check loop.
-  Marking a worker unhealthy forgets its remembered prefixes (it may come back with an empty cache); its in-flight
-  count stays until those requests `finish`.
-- Thread-safe; nothing blocks. Unknown addresses raise `KeyError`.
+  Marking a worker unhealthy empties its index; its in-flight count stays until those requests `finish`.
+- Pool membership: `set_addresses(addresses)` replaces the worker set (service discovery calls it through
+  `MeshClient.set_worker_addresses`); new workers start empty and healthy, removed ones get no new requests.
+- Thread-safe; nothing blocks. Unknown addresses raise `KeyError`, except `finish` and `apply_kv_event` (no-ops for a
+  removed worker).
 - The P/D decision (`PDDecider`, used by `gateway.mesh_client.MeshClient` for every request): prefill on the decode
   worker ("local") when there is no healthy prefill worker, the request has `n > 1`, or prefill is saturated
   (`max_prefill_inflight` prefills in flight from this gateway; 0: no limit); else remote prefill exactly when at
-  least `min_uncached_tokens` prompt tokens are not in the chosen decode worker's prefix cache
-  (`should_prefill_remotely`). The decode worker is asked what it holds (`Probe`) only when the answer can change
-  the decision (`needs_probe`: the prompt reaches the threshold).
+  least `min_uncached_tokens` prompt tokens are not in the chosen decode worker's prefix cache — the same index the
+  decode pick read (`Pick.cached_tokens`; `should_prefill_remotely`).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.memory.hashing import BlockHasher, root_hash
+from gateway.prefix_index import RESYNC, PromptKey, WorkerIndex
+from protos import kv_events_pb2
 
 
 class NoHealthyWorker(Exception):
@@ -39,24 +47,28 @@ class NoHealthyWorker(Exception):
 
 @dataclass(frozen=True)
 class RouterConfig:
-    # One request in flight costs as much as this many uncached blocks to prefill (8 blocks = 128 tokens at 16).
-    load_weight: float = 8.0
-    # Block hashes remembered per worker (LRU); 65536 hashes ≈ 1M tokens of prefixes at block size 16, ≈ 6 MB.
-    prefix_capacity: int = 65536
+    # One queued request (in flight here, or running/waiting as the worker reports) costs this many uncached tokens.
+    load_weight: float = 128.0
+    # A full KV pool costs this many uncached tokens (it preempts or queues; proportional below).
+    kv_usage_weight: float = 256.0
+    # A worker whose event stream said nothing for this long (seconds) counts as holding nothing (heartbeats: 0.5 s).
+    stale_after_s: float = 3.0
 
     def __post_init__(self):
-        if self.load_weight < 0:
-            raise ValueError(f"load_weight must be >= 0, got {self.load_weight}")
-        if self.prefix_capacity < 0:
-            raise ValueError(f"prefix_capacity must be >= 0, got {self.prefix_capacity}")
+        if self.load_weight < 0 or self.kv_usage_weight < 0:
+            raise ValueError(f"load_weight and kv_usage_weight must be >= 0, got {self.load_weight}, "
+                             f"{self.kv_usage_weight}")
+        if self.stale_after_s <= 0:
+            raise ValueError(f"stale_after_s must be positive, got {self.stale_after_s}")
 
 
 @dataclass(frozen=True)
 class Pick:
     address: str
-    cached_blocks: int
-    uncached_blocks: int
-    active: int
+    cached_tokens: int
+    uncached_tokens: int
+    queue: int  # this gateway's requests in flight + the others the worker last reported
+    kv_usage: float
     cost: float
 
 
@@ -70,47 +82,23 @@ def parse_worker_list(text: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(addresses)
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None,
-                        namespace: bytes = b"") -> list[bytes]:
-    """The chained hashes of the prompt's full blocks, salted per tenant; `namespace` (e.g. the model name)
-    separates models served by the same pool."""
-    hashes: list[bytes] = []
-    BlockHasher(block_size, root_hash(namespace, cache_salt)).extend(hashes, token_ids)
-    return hashes
-
-
 class _WorkerState:
     def __init__(self, address: str):
         self.address = address
         self.healthy = True
         self.active = 0
-        self.prefixes: OrderedDict[bytes, None] = OrderedDict()
-
-    def cached_blocks(self, block_hashes: Sequence[bytes]) -> int:
-        """Length of the longest prefix of `block_hashes` whose every block is remembered."""
-        n = 0
-        for h in block_hashes:
-            if h not in self.prefixes:
-                break
-            n += 1
-        return n
-
-    def remember(self, block_hashes: Sequence[bytes], capacity: int) -> None:
-        """Refreshes the chain deepest block first, so its root is the most recent entry and eviction takes the
-        deepest blocks of the oldest chains first (what remains is still a prefix)."""
-        for h in reversed(block_hashes):
-            self.prefixes[h] = None
-            self.prefixes.move_to_end(h)
-        while len(self.prefixes) > capacity:
-            self.prefixes.popitem(last=False)
+        self.active_at_report = 0  # `active` when the worker's last load report arrived
+        self.index = WorkerIndex()
 
 
 class Router:
-    def __init__(self, addresses: Sequence[str], config: RouterConfig = RouterConfig()):
+    def __init__(self, addresses: Sequence[str], config: RouterConfig = RouterConfig(),
+                 clock: Callable[[], float] = time.monotonic):
         if not addresses:
             raise ValueError("a router needs at least one worker address")
         addresses = parse_worker_list(list(addresses))
         self.config = config
+        self._clock = clock
         self._workers = {a: _WorkerState(a) for a in addresses}
         self._lock = threading.Lock()
 
@@ -118,33 +106,91 @@ class Router:
     def addresses(self) -> tuple[str, ...]:
         return tuple(self._workers)
 
-    def pick(self, block_hashes: Sequence[bytes] = ()) -> Pick:
-        """The cheapest healthy worker for a prompt with these full-block hashes; changes nothing."""
-        with self._lock:
-            return self._pick(block_hashes)
+    def set_addresses(self, addresses: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Replaces the pool's worker set (what service discovery resolved: every pod of a headless Service).
 
-    def costs(self, block_hashes: Sequence[bytes] = ()) -> list[Pick]:
+        - A new address joins with an empty prefix index, healthy until a health check or its event stream says
+          otherwise, and no requests in flight.
+        - An address no longer listed is dropped at once: it gets no new requests; its requests in flight finish
+          normally (their later `finish(address)` is a no-op).
+        - An address listed before and now keeps its state (index, health, in-flight count).
+        - The list order becomes the tie-break order. Duplicates raise `ValueError`; an empty list is allowed
+          (the pool is empty until the next resolution: `pick` raises `NoHealthyWorker`).
+        Returns `(added, removed)` addresses, in order (the caller opens / closes their channels and streams)."""
+        wanted = parse_worker_list(list(addresses))
+        with self._lock:
+            old = self._workers
+            added = tuple(a for a in wanted if a not in old)
+            removed = tuple(a for a in old if a not in wanted)
+            self._workers = {a: old.get(a) or _WorkerState(a) for a in wanted}
+            return added, removed
+
+    def pick(self, prompt: PromptKey | None = None) -> Pick:
+        """The cheapest healthy worker for `prompt` (None: an empty prompt, load only); changes nothing."""
+        with self._lock:
+            return self._pick(prompt)
+
+    def costs(self, prompt: PromptKey | None = None) -> list[Pick]:
         """Every healthy worker's cost for this prompt, in list order (for metrics and debugging)."""
         with self._lock:
-            return self._costs(block_hashes)
+            return self._costs(prompt)
 
-    def route(self, block_hashes: Sequence[bytes] = ()) -> Pick:
+    def route(self, prompt: PromptKey | None = None) -> Pick:
         """`pick` then `start` on the chosen worker, atomically; call `finish(pick.address)` when the request ends."""
         with self._lock:
-            choice = self._pick(block_hashes)
-            self._start(self._workers[choice.address], block_hashes)
+            choice = self._pick(prompt)
+            self._workers[choice.address].active += 1
             return choice
 
-    def start(self, address: str, block_hashes: Sequence[bytes] = ()) -> None:
-        """A request with these block hashes starts on `address`."""
+    def start(self, address: str) -> None:
+        """A request starts on `address`."""
         with self._lock:
-            self._start(self._workers[address], block_hashes)
+            self._workers[address].active += 1
 
     def finish(self, address: str) -> None:
         """A request on `address` ended (finished, failed or cancelled)."""
         with self._lock:
-            worker = self._workers[address]
-            worker.active = max(0, worker.active - 1)
+            worker = self._workers.get(address)
+            if worker is not None:  # None: dropped by `set_addresses` while the request ran
+                worker.active = max(0, worker.active - 1)
+
+    # -- the KV event streams -----------------------------------------------------------------------------------
+
+    def apply_kv_event(self, address: str, message: kv_events_pb2.KVEventMessage) -> str:
+        """One message of `address`'s stream -> `APPLIED`, or `RESYNC` (resubscribe; see `WorkerIndex.apply`)."""
+        with self._lock:
+            worker = self._workers.get(address)
+            if worker is None:
+                return RESYNC
+            worker.active_at_report = worker.active
+            return worker.index.apply(message, self._clock())
+
+    def clear_index(self, address: str) -> None:
+        """`address`'s stream broke or went silent: it counts as holding nothing until its next snapshot."""
+        with self._lock:
+            worker = self._workers.get(address)
+            if worker is not None:
+                worker.index.clear()
+
+    def observe(self, address: str, predicted_tokens: int, actual_tokens: int) -> bool:
+        """A request routed to `address` on a belief of `predicted_tokens` cached tokens was served `actual_tokens`
+        from the worker's cache; True (the index was emptied: resubscribe) when the belief was too high."""
+        if actual_tokens >= predicted_tokens:
+            return False
+        with self._lock:
+            worker = self._workers.get(address)
+            if worker is None or not worker.index.live:
+                return False
+            worker.index.resyncs += 1
+            worker.index.clear()
+            return True
+
+    def index(self, address: str) -> WorkerIndex:
+        """`address`'s prefix index (read it under no assumption of stability: for tests and metrics)."""
+        with self._lock:
+            return self._workers[address].index
+
+    # -- health -------------------------------------------------------------------------------------------------
 
     def mark_healthy(self, address: str) -> None:
         with self._lock:
@@ -154,7 +200,7 @@ class Router:
         with self._lock:
             worker = self._workers[address]
             worker.healthy = False
-            worker.prefixes.clear()
+            worker.index.clear()
 
     def is_healthy(self, address: str) -> bool:
         with self._lock:
@@ -164,24 +210,28 @@ class Router:
         with self._lock:
             return self._workers[address].active
 
-    def _cost(self, worker: _WorkerState, block_hashes: Sequence[bytes]) -> Pick:
-        cached = worker.cached_blocks(block_hashes)
-        uncached = len(block_hashes) - cached
-        return Pick(worker.address, cached, uncached, worker.active,
-                    uncached + self.config.load_weight * worker.active)
+    # -- cost ---------------------------------------------------------------------------------------------------
 
-    def _costs(self, block_hashes: Sequence[bytes]) -> list[Pick]:
-        return [self._cost(w, block_hashes) for w in self._workers.values() if w.healthy]
+    def _cost(self, worker: _WorkerState, prompt: PromptKey | None, now: float) -> Pick:
+        index = worker.index
+        if index.expired(now, self.config.stale_after_s):
+            index.clear()  # silent for too long: nothing it said can be trusted
+        cached = index.cached_tokens(prompt) if prompt is not None else 0
+        uncached = (prompt.num_tokens if prompt is not None else 0) - cached
+        others = max(0, index.load.running + index.load.waiting - worker.active_at_report)
+        queue = worker.active + others
+        cost = uncached + self.config.load_weight * queue + self.config.kv_usage_weight * index.load.kv_usage
+        return Pick(worker.address, cached, uncached, queue, index.load.kv_usage, cost)
 
-    def _pick(self, block_hashes: Sequence[bytes]) -> Pick:
-        picks = self._costs(block_hashes)
+    def _costs(self, prompt: PromptKey | None) -> list[Pick]:
+        now = self._clock()
+        return [self._cost(w, prompt, now) for w in self._workers.values() if w.healthy]
+
+    def _pick(self, prompt: PromptKey | None) -> Pick:
+        picks = self._costs(prompt)
         if not picks:
-            raise NoHealthyWorker(f"no healthy worker among {', '.join(self._workers)}")
+            raise NoHealthyWorker(f"no healthy worker among {', '.join(self._workers) or 'no workers'}")
         return min(picks, key=lambda p: p.cost)  # min keeps the first of equal costs: list order breaks ties
-
-    def _start(self, worker: _WorkerState, block_hashes: Sequence[bytes]) -> None:
-        worker.active += 1
-        worker.remember(block_hashes, self.config.prefix_capacity)
 
 
 def should_prefill_remotely(uncached_tokens: int, min_uncached_tokens: int, prefill_saturated: bool) -> bool:
@@ -202,12 +252,6 @@ class PDDecider:
     def __post_init__(self):
         if self.min_uncached_tokens < 0 or self.max_prefill_inflight < 0:
             raise ValueError("min_uncached_tokens and max_prefill_inflight must be >= 0")
-
-    def needs_probe(self, num_prompt_tokens: int, n: int = 1, have_prefill: bool = True) -> bool:
-        """Whether the decode worker's prefix hit can change the decision (remote prefill is possible and the
-        prompt reaches the threshold)."""
-        return (have_prefill and n == 1 and self.min_uncached_tokens > 0
-                and num_prompt_tokens >= self.min_uncached_tokens)
 
     def decide(self, num_prompt_tokens: int, n: int, cached_tokens: int, prefill_inflight: int,
                have_prefill: bool) -> str:

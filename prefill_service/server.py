@@ -39,6 +39,7 @@ from telemetry import tracing
 from telemetry.metrics import CounterSample, RequestTimer
 from worker.codec import (FINISH_REASONS, logprob_to_proto, media_from_proto, prompt_logprobs_to_proto,
                           sampling_from_proto)
+from worker.kv_events import KVEventConfig
 from worker.server import WorkerServer, offload_samples, start_worker_server, transfer_samples
 from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
 
@@ -69,6 +70,8 @@ class PrefillServiceConfig:
     metrics_port: int | None = None
     # The shared mesh token: required on calls to this worker and sent on its cache calls; None: open worker.
     mesh_token: str | None = field(default=None, repr=False)
+    # The KV event stream to the gateways (worker/kv_events.py): drain period, heartbeat, subscriber queue.
+    kv_events: KVEventConfig = KVEventConfig()
 
     @property
     def model_name(self) -> str:

@@ -8,10 +8,13 @@ Contract:
   `/metrics` server when `config.metrics_port` is set, begins loading the model and returns `(server, port)` at
   once. `await server.ready()` waits for the load and raises what it raised.
 - Loading (`WorkerServer._load`): `config.torch_threads` set, the `AsyncEngine` created, a `CacheClient` opened when
-  `config.cache_address` is set (trace context and `config.mesh_token` on its calls), the role's worker built (`make_worker`), then SERVING.
+  `config.cache_address` is set (trace context and `config.mesh_token` on its calls), the role's worker built
+  (`make_worker`), the KV event stream started (worker/kv_events.py, `config.kv_events`), then SERVING.
+- Every worker also serves `KVEventService` (protos/kv_events.proto): the gateway's view of its prefix cache.
   Health turns NOT_SERVING when the engine fails (`AsyncEngine.is_healthy`: its step loop died or, under tensor
   parallelism, a rank process is gone; checked every `ENGINE_WATCH_S`).
-- `stop(grace)`: NOT_SERVING first, new calls refused (`servicer.stopping`), a load in progress cancelled, running
+- `stop(grace)`: NOT_SERVING first, new calls refused (`servicer.stopping`), a load in progress cancelled, the KV
+  event streams ended, running
   calls drained (`drain_calls`, per role), then the worker, the engine, the cache client and `/metrics` closed.
 - The engine gauges (`engine_gauges`: the `EngineStats` the step thread published last, so a scrape never waits
   for a step; they feed the engine-level `vllm:` series too, labelled `config.model_name`) and the worker's
@@ -39,6 +42,8 @@ from telemetry.grpc_server import start_grpc_server
 from telemetry.metrics import (CounterSample, EngineGauges, MetricsServer, WorkerMetrics, metrics_host,
                                start_metrics_server)
 from telemetry.rpc import client_interceptors, server_interceptors
+from protos import kv_events_pb2_grpc
+from worker.kv_events import KVEventPublisher, KVEventServicer
 from worker.prefix import PrefixCounters
 
 log = logging.getLogger(__name__)
@@ -101,6 +106,8 @@ class WorkerServer:
         self.engine: AsyncEngine | None = None
         self.cache: CacheClient | None = None
         self.metrics_http: MetricsServer | None = None
+        self.kv_event_servicer: KVEventServicer | None = None  # set by `start_worker_server`
+        self.kv_events: KVEventPublisher | None = None  # once loaded
         self._loading: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None  # health follows the engine (`_watch_engine`)
         self.metrics.watch_engine(lambda: engine_gauges(self.engine) if self.worker is not None else None)
@@ -140,6 +147,9 @@ class WorkerServer:
                                      interceptors=[*client_interceptors(self.tracer_provider),
                                                    *mesh_auth.client_interceptors(self.config.mesh_token)])
         self.servicer.worker = self.make_worker()
+        self.kv_events = KVEventPublisher(self.engine, self.config.kv_events)
+        await self.kv_events.start()
+        self.kv_event_servicer.publisher = self.kv_events
         for name in ("", self.service_name):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("%s worker ready: model %s loaded in %.1f s", self.role, self.config.model_name,
@@ -166,6 +176,8 @@ class WorkerServer:
             self._loading.cancel()
         if self._watch is not None:
             self._watch.cancel()
+        if self.kv_events is not None:
+            await self.kv_events.stop()  # ends the event streams, which would otherwise hold the drain
         await self.drain_calls(grace or 0.0)
         if self.worker is not None:
             await self.worker.drain()
@@ -189,11 +201,18 @@ async def start_worker_server(server_cls: type[WorkerServer], servicer_cls: type
     metrics = WorkerMetrics(registry if registry is not None else CollectorRegistry(), server_cls.role,
                             with_tpot=server_cls.with_tpot, model_name=config.model_name)
     servicer = servicer_cls(config, metrics)
+    kv_event_servicer = KVEventServicer(servicer)
+
+    def add_servicers(grpc_server: grpc.aio.Server) -> None:
+        add_servicer(servicer, grpc_server)
+        kv_events_pb2_grpc.add_KVEventServiceServicer_to_server(kv_event_servicer, grpc_server)
+
     grpc_server, port, health_servicer = await start_grpc_server(
-        config.address, server_cls.service_name, lambda s: add_servicer(servicer, s), config.max_message_bytes,
+        config.address, server_cls.service_name, add_servicers, config.max_message_bytes,
         server_interceptors(server_cls.role, tracer_provider=tracer_provider, metrics=metrics.rpc),
         mesh_token=config.mesh_token)
     server = server_cls(config, grpc_server, port, health_servicer, servicer, tracer_provider)
+    server.kv_event_servicer = kv_event_servicer
     if config.metrics_port is not None:
         server.metrics_http = start_metrics_server(config.metrics_port, metrics_host(config.address),
                                                    metrics.registry)

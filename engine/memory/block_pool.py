@@ -10,6 +10,7 @@ Contract (vLLM v1's block pool, with one change noted):
   when it holds no hash (an uncached block is reused before any cached one is evicted — the change from vLLM).
 - The queue starts as `0, 1, …, num_blocks-1`, so allocation order is deterministic; tests pin exact ids.
 - `cache(block, hash)` registers a full, written block; a hash already registered keeps its first block.
+- `events` (engine/memory/events.py) records every hash registered and evicted, when turned on.
 """
 
 from __future__ import annotations
@@ -17,19 +18,23 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
+from engine.memory.events import CacheEventKind, CacheEventSink
+
 
 class NoFreeBlocksError(RuntimeError):
     """`allocate` was asked for more blocks than are free (callers check `num_free_blocks` first)."""
 
 
 class KVBlockPool:
-    def __init__(self, num_blocks: int, on_evict: Callable[[bytes], None] | None = None):
+    def __init__(self, num_blocks: int, on_evict: Callable[[bytes], None] | None = None,
+                 events: CacheEventSink | None = None):
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # head first
         self._cached: dict[bytes, int] = {}
         self._on_evict = on_evict
+        self.events = events if events is not None else CacheEventSink()
         self.num_evictions = 0
 
     @property
@@ -88,7 +93,11 @@ class KVBlockPool:
             return False
         self.block_hash[block] = block_hash
         self._cached[block_hash] = block
+        self.events.record(CacheEventKind.BLOCK_STORED, block_hash)
         return True
+
+    def cached_hashes(self) -> list[bytes]:
+        return list(self._cached)
 
     def evict_all(self) -> int:
         """Forgets every cached hash of a free block (resetting the prefix cache); returns how many."""
@@ -104,6 +113,7 @@ class KVBlockPool:
         self.block_hash[block] = None
         del self._cached[h]
         self.num_evictions += 1
+        self.events.record(CacheEventKind.BLOCK_REMOVED, h)
         if self._on_evict is not None:
             self._on_evict(h)
 

@@ -3,7 +3,7 @@
 Contract:
 - A request holds `block_ids` covering at least its `num_computed_tokens` (plus the tokens of the step being
   scheduled) and one running slot group (`state_group`) while it runs; `free(req)` returns both.
-- Prefix hit rule (`resumable_blocks`, the one rule: admission, the decode worker's probe and the prefill worker's
+- Prefix hit rule (`resumable_blocks`, engine/memory/hit_rule.py, the one rule: admission, the decode worker's probe and the prefill worker's
   choice between its own cache and the cache service's all use it): a request resumes at the longest prefix `p`
   such that every block up to `p` is cached, a KDA snapshot keyed by the hash of block `p/block_size - 1` exists,
   and `p < len(token_ids)` (at least one token is computed, to produce logits). Without KDA layers any cached block
@@ -21,19 +21,22 @@ Contract:
   (`record_turn_end`) are queued as `PendingExport`s naming the slot and the blocks (not sent before) to read out.
   Their contents are intact until the next forward, `copies_applied()` or pool write, so the caller reads them
   (`take_exports()`) before those; a victim whose slot still awaits its copy is not exported.
+- Events: `events` (engine/memory/events.py) records the blocks and snapshots stored and removed once
+  `start_events()` turned it on; that call also returns the `CacheListing` they start from.
 - Counters: `lookup_tokens` (prompt tokens of admitted requests), `hit_tokens` (of those, served from the cache),
   `num_junctions`, `num_exports`, `num_snapshots_taken` (state copies into snapshot slots after steps).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import CachePlan
 from engine.memory.block_pool import KVBlockPool
+from engine.memory.events import CacheEventSink
+from engine.memory.hit_rule import resumable_blocks
 from engine.memory.policy import Junction, SnapshotPolicy, plan_junction
 from engine.memory.state_pool import SnapshotPriority, StatePool
 from engine.request import Request
@@ -42,25 +45,22 @@ from engine.transfer import RequestState
 MIN_SENT_MEMORY = 1024  # block hashes remembered as already in the cache service (at least; 4 per pool block)
 
 
-def resumable_blocks(num_tokens: int, block_size: int, blocks: Iterable[bool], snapshots: Iterable[bool] | None) -> int:
-    """The prefix hit rule, in blocks: all of `blocks` (presence of the full blocks, in order) up to the prefix
-    present, a snapshot at its last block (when `snapshots` is given: the model has KDA layers), and at least one
-    of `num_tokens` tokens left to compute. The iterables are read in step, up to the first absent block."""
-    best = 0
-    for i, (present, snapshot) in enumerate(zip(blocks, itertools.repeat(True) if snapshots is None else snapshots)):
-        if not present or (i + 1) * block_size >= num_tokens:
-            break
-        if snapshot:
-            best = i + 1
-    return best
-
-
 @dataclass(frozen=True)
 class PrefixPresence:
     """Which of a prompt's full blocks (by hash, in order) a prefix cache holds, and which have a KDA snapshot."""
 
     blocks: list[bool]
     snapshots: list[bool]
+
+
+@dataclass(frozen=True)
+class CacheListing:
+    """Everything the prefix cache holds at one moment (`CacheManager.start_events`)."""
+
+    block_hashes: list[bytes]
+    snapshot_hashes: list[bytes]
+    block_size: int
+    snapshots_required: bool  # the model has KDA layers: a hit must end at a snapshot (`resumable_blocks`)
 
 
 @dataclass(frozen=True)
@@ -114,9 +114,10 @@ class CacheManager:
         self.has_kda = has_kda
         self.caching = plan.snapshot_interval > 0
         self.policy = SnapshotPolicy(plan.block_size, plan.snapshot_interval, plan.snapshot_policy)
+        self.events = CacheEventSink()  # off until `start_events`
         self.state_pool = StatePool(plan.num_running_slots // plan.slots_per_request, plan.slots_per_request,
-                                    plan.num_snapshot_slots, on_evict=self._snapshot_evicted)
-        self.block_pool = KVBlockPool(plan.num_blocks, on_evict=self._block_evicted)
+                                    plan.num_snapshot_slots, on_evict=self._snapshot_evicted, events=self.events)
+        self.block_pool = KVBlockPool(plan.num_blocks, on_evict=self._block_evicted, events=self.events)
         self._committed: dict[str, int] = {}  # request id -> blocks registered in the cache so far
         self._info: dict[bytes, SnapshotInfo] = {}  # snapshots taken here (not imported ones)
         self._rolling: dict[str, bytes] = {}  # request id -> its rolling turn-end snapshot
@@ -169,6 +170,13 @@ class CacheManager:
     def presence(self, hashes: Sequence[bytes]) -> PrefixPresence:
         return PrefixPresence([self.block_pool.get_cached(h) is not None for h in hashes],
                               [self.state_pool.has_snapshot(h) for h in hashes])
+
+    def start_events(self) -> CacheListing:
+        """Turns `events` on (nothing pending) and lists what the cache holds now: the state the events that follow
+        change. Call on the step thread (between steps)."""
+        self.events.restart()
+        return CacheListing(self.block_pool.cached_hashes(), self.state_pool.snapshot_hashes(),
+                            self.block_size, self.has_kda and self.caching)
 
     def snapshot_boundaries(self, req: Request) -> set[int]:
         return self.policy.prompt_ends(req)

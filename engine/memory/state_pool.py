@@ -13,6 +13,7 @@ Contract:
   `on_evict(hash, slot)` is called for such a victim before its slot is handed out again (its contents are still
   intact then, so the caller can read them out). Putting a hash that exists refreshes it and keeps the higher of the
   two priorities. `get_snapshot` marks a snapshot as used.
+- `events` (engine/memory/events.py) records every snapshot stored and removed (evicted or dropped), when on.
 - A snapshot whose last block leaves the block pool's cache is dropped (`drop_snapshot`, wired to the block pool's
   eviction by the cache manager), so a snapshot always belongs to a prefix whose last block is known to the cache.
 """
@@ -22,6 +23,8 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Callable
+
+from engine.memory.events import CacheEventKind, CacheEventSink
 
 
 class SnapshotPriority(enum.IntEnum):
@@ -38,7 +41,7 @@ class NoFreeSlotsError(RuntimeError):
 
 class StatePool:
     def __init__(self, num_groups: int, slots_per_request: int, num_snapshot_slots: int,
-                 on_evict: Callable[[bytes, int], None] | None = None):
+                 on_evict: Callable[[bytes, int], None] | None = None, events: CacheEventSink | None = None):
         self.num_groups = num_groups
         self.slots_per_request = slots_per_request
         self.num_running_slots = num_groups * slots_per_request
@@ -49,6 +52,7 @@ class StatePool:
         self._snapshots: dict[bytes, tuple[int, SnapshotPriority]] = {}  # hash -> (slot, priority)
         self._lru = [OrderedDict() for _ in SnapshotPriority]  # per priority: hashes, least recently used first
         self._on_evict = on_evict
+        self.events = events if events is not None else CacheEventSink()
         self.num_snapshot_evictions = 0
 
     @property
@@ -121,6 +125,7 @@ class StatePool:
             self._free_snapshot_slots.append(slot)
         slot = self._free_snapshot_slots.pop(0)
         self._link(block_hash, slot, SnapshotPriority(priority))
+        self.events.record(CacheEventKind.SNAPSHOT_STORED, block_hash)
         return slot
 
     def drop_snapshot(self, block_hash: bytes) -> int | None:
@@ -138,7 +143,11 @@ class StatePool:
     def _unlink(self, block_hash: bytes) -> int:
         slot, priority = self._snapshots.pop(block_hash)
         del self._lru[priority][block_hash]
+        self.events.record(CacheEventKind.SNAPSHOT_REMOVED, block_hash)
         return slot
+
+    def snapshot_hashes(self) -> list[bytes]:
+        return list(self._snapshots)
 
     def snapshot_order(self) -> list[bytes]:
         """Snapshot hashes, next to be evicted first (lowest priority first, least recently used first)."""

@@ -8,7 +8,8 @@ decode (P/D threshold 0), "local" the colocated path; it returns a `Run` with th
 the request fields the gateway's client does not set yet (structure hints, a tenant salt).
 `Mesh(..., prefill_tp=2)` / `decode_tp=2` run that worker's model on 2 rank processes (tensor parallelism; at most
 one worker per process may use TP > 1). `tiny_k3_checkpoint(tmp_path_factory)` generates the tiny K3 checkpoint these tests share (seed 3);
-`run_bounded(coro)` runs a test's coroutine under a time limit (nothing may hang); `await wait_idle(engine)` waits
+`run_bounded(coro)` runs a test's coroutine under a time limit (nothing may hang); `settle_kv_events(client,
+servers)` waits until the workers' KV events reached a mesh client's routers; `await wait_idle(engine)` waits
 until an `AsyncEngine` holds no request, `await assert_all_free(engine)` also checks that its pools got everything
 back.
 """
@@ -110,6 +111,23 @@ async def assert_all_free(engine) -> None:
     await engine.check_integrity()
     pool = engine.core.manager.block_pool
     assert pool.num_free_blocks == pool.num_blocks, "a finished request kept blocks"
+
+
+async def settle_kv_events(client: MeshClient, servers: dict, timeout_s: float = 10.0) -> None:
+    """Waits until every KV event the workers' engines recorded so far reached `client`'s routers (`servers`:
+    address -> worker server): nothing pending in a sink, every index live at its publisher's sequence."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            settled = True
+            for address, server in servers.items():
+                router = client.decode_router if address in client.decoders else client.prefill_router
+                index = router.index(address)
+                settled &= (server.engine.core.manager.events.pending == 0 and index.live
+                            and index.epoch == server.kv_events.epoch
+                            and index.next_sequence == server.kv_events.sequence)
+            if settled:
+                return
+            await asyncio.sleep(0.01)
 
 
 class Mesh:

@@ -1,4 +1,4 @@
-"""Routing over several decode workers (`--decode-workers a,b`): prefix affinity (a repeated prompt returns to the
+"""Routing over several decode workers (`--decode-workers a,b`): prefix affinity from the workers' KV events (a repeated prompt returns to the
 worker that cached it), load awareness (a busy worker is passed over), and health (a worker that stops answering
 its health checks gets no requests; the gateway reports it)."""
 
@@ -13,7 +13,7 @@ import pytest
 from decode_service.server import DecodeServiceConfig
 from decode_service.server import serve as serve_decode
 from tests.integration.gateway_harness import checkpoint_fixture, run, running_gateway
-from tests.integration.mesh_harness import Mesh, engine_args
+from tests.integration.mesh_harness import Mesh, engine_args, settle_kv_events
 
 MODEL = "tiny-k3"
 
@@ -40,8 +40,15 @@ class Pool:
         return {a: s.worker.counters.local_requests for a, s in self.servers.items()}
 
     async def ask(self, topic: str, max_tokens: int = 2):
-        return await self.client.chat.completions.create(model=MODEL, messages=_prompt(topic), max_tokens=max_tokens,
-                                                         temperature=0)
+        reply = await self.client.chat.completions.create(model=MODEL, messages=_prompt(topic),
+                                                          max_tokens=max_tokens, temperature=0)
+        await self.settle()
+        return reply
+
+    async def settle(self) -> None:
+        """The workers' KV events so far reached the gateway (routing is then deterministic)."""
+        live = {a: s for a, s in self.servers.items() if s.kv_events is not None and not s.servicer.stopping}
+        await settle_kv_events(self.gw.core.mesh, live)
 
 
 async def _load_then_prefix_affinity(pool: Pool) -> None:
@@ -49,10 +56,11 @@ async def _load_then_prefix_affinity(pool: Pool) -> None:
     await pool.ask("lighthouses")  # both idle and uncached: the first listed worker
     assert pool.counts() == {first: 1, second: 0}
     # Load: while a long request runs on the first worker, a new prompt goes to the second (one request in flight
-    # weighs as much as 64 uncached blocks; the prompts share only the template's first blocks).
+    # weighs as much as 1024 uncached tokens; the prompts share only the template's first blocks).
     busy = await pool.client.chat.completions.create(model=MODEL, messages=_prompt("lighthouses"), max_tokens=2000,
                                                      stream=True, extra_body={"ignore_eos": True})
     await busy.__anext__()
+    await pool.settle()
     assert pool.counts() == {first: 2, second: 0}
     await pool.ask("glaciers")
     assert pool.counts() == {first: 2, second: 1}
@@ -95,7 +103,7 @@ def test_prefix_and_load_aware_routing_skips_unhealthy_workers(tiny_k3):
             addresses = (mesh.decode_address, f"127.0.0.1:{port}")
             try:
                 async with running_gateway(mesh, tiny_k3, colocated=True, decode_addresses=addresses,
-                                           health_check_interval_s=0.1, route_load_weight=64.0) as gw:
+                                           health_check_interval_s=0.1, route_load_weight=1024.0) as gw:
                     client = openai.AsyncOpenAI(base_url=gw.openai_base_url, api_key="x", max_retries=0)
                     pool = Pool(gw, client, dict(zip(addresses, (mesh.decode_server, second))), *addresses)
                     await _load_then_prefix_affinity(pool)

@@ -19,7 +19,7 @@ from gateway.mesh_client import MeshClient, MeshError, MeshRequest, PDDecider
 from prefill_service.server import PrefillServiceConfig
 from prefill_service.server import serve as serve_prefill
 from protos import common_pb2, decode_pb2, prefill_pb2
-from tests.integration.mesh_harness import (VOCAB, Mesh, assert_all_free, engine_args, greedy, run_bounded,
+from tests.integration.mesh_harness import (VOCAB, Mesh, assert_all_free, engine_args, greedy, run_bounded, settle_kv_events,
                                             tiny_k3_checkpoint)
 
 
@@ -165,7 +165,6 @@ def test_graceful_stop_finishes_streams_in_flight(tiny_k3):
 
 def test_probe_and_the_pd_decider(tiny_k3):
     decider = PDDecider(min_uncached_tokens=40)
-    assert not decider.needs_probe(39) and decider.needs_probe(40)
     assert decider.decide(64, 1, cached_tokens=48, prefill_inflight=0, have_prefill=True) == "local"
     assert decider.decide(64, 1, cached_tokens=16, prefill_inflight=0, have_prefill=True) == "remote"
     assert decider.decide(64, 2, cached_tokens=0, prefill_inflight=0, have_prefill=True) == "local"
@@ -185,6 +184,9 @@ def test_probe_and_the_pd_decider(tiny_k3):
             assert (await mesh.decode_stub.Probe(other_salt, timeout=5)).cached_tokens == 0
 
             client = MeshClient([mesh.decode_address], [mesh.prefill_address], PDDecider(min_uncached_tokens=40))
+            client.start_kv_events()  # the decision reads the decode worker's KV-event index (what Probe answers)
+            await settle_kv_events(client, {mesh.decode_address: mesh.decode_server,
+                                            mesh.prefill_address: mesh.prefill_server})
             try:
                 routes = {}
                 for name, prompt in (("cached", long), ("short", short), ("new", _prompt(64, 7))):

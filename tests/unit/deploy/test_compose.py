@@ -101,3 +101,29 @@ def test_otel_collector_pipelines_are_wired():
     assert jaeger and config["exporters"][jaeger[0]]["endpoint"] == "jaeger:4317"
     for extension in config["service"].get("extensions", []):
         assert extension in config["extensions"]
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
+def test_compose_pools_override_gives_the_gateway_every_worker(gpu):
+    services = compose_config(gpu, pools=True)["services"]
+    assert {"prefill", "prefill-2", "decode", "decode-2"} <= set(services)
+    listening = {}
+    for name in ("prefill", "prefill-2", "decode", "decode-2"):
+        service = services[name]
+        command = service["command"]
+        listening[name] = int(command[command.index("--address") + 1].rsplit(":", 1)[1])
+        assert service["healthcheck"]["test"][0] == "CMD" and service["volumes"], name
+        assert service["depends_on"]["cache"]["condition"] == "service_healthy"
+        assert service["environment"]["KDAMESH_MESH_TOKEN"], name
+        if gpu:
+            (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+            assert device["driver"] == "nvidia", name
+    gateway = services["gateway"]
+    flags = dict(zip(gateway["command"], gateway["command"][1:], strict=False))
+    for flag, pool in (("--decode-addresses", ("decode", "decode-2")), ("--prefill-addresses", ("prefill", "prefill-2"))):
+        addresses = flags[flag].split(",")
+        assert [a.rsplit(":", 1)[0] for a in addresses] == list(pool)
+        assert all(listening[a.rsplit(":", 1)[0]] == int(a.rsplit(":", 1)[1]) for a in addresses)
+    assert {gateway["depends_on"][r]["condition"] for r in ("prefill", "prefill-2", "decode", "decode-2")} == \
+        {"service_healthy"}
+    assert "KDAMESH_CACHE_SALT_SECRET" in gateway["environment"]

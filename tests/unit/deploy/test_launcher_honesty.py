@@ -58,7 +58,7 @@ class _Proc:
 
 
 class _Service:
-    role = "prefill"
+    role = name = "prefill"
 
     def __init__(self):
         self.proc = _Proc(-9)

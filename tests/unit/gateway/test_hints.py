@@ -139,7 +139,7 @@ def test_mesh_client_copies_hints_into_prefill_and_decode(route):
         client.prefillers["127.0.0.1:2"].stub = prefill
         client.decoders["127.0.0.1:1"].stub = decode
 
-        async def pick(*_args):
+        def pick(*_args):
             return route
 
         client._route = pick

@@ -1,26 +1,31 @@
-"""Routing: cost = uncached blocks + load_weight × in-flight requests, over healthy workers, with pinned choices;
-and the P/D decision (`PDDecider`: remote prefill only for enough uncached tokens, with room in the prefill pool)."""
+"""Routing from the workers' KV events: cost = uncached prompt tokens on that worker (its index) + load_weight ×
+queue + kv_usage_weight × KV usage, over healthy workers, with pinned choices; stale beliefs emptied; pool
+membership; and the P/D decision (`PDDecider`: remote prefill only for enough uncached tokens, with room)."""
 
 from __future__ import annotations
 
 import pytest
 
+from gateway.prefix_index import RESYNC
 from gateway.routing import (NoHealthyWorker, PDDecider, Router, RouterConfig, parse_worker_list,
-                             prompt_block_hashes, should_prefill_remotely)
+                             should_prefill_remotely)
+from tests.unit.gateway.kv_feed import BS, STORED, SNAP_STORED, SPACE, batch, holding, load, prompt, snapshot
 
 A, B, C = "a:1", "b:1", "c:1"
-BS = 16
 
 
-def prompt(n_blocks: int, seed: int = 0, salt: str | None = "tenant") -> list[bytes]:
-    tokens = [seed * 100_000 + i for i in range(n_blocks * BS + 5)]  # + a partial block, never hashed
-    return prompt_block_hashes(tokens, BS, salt)
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def test_empty_router_prefers_list_order():
     r = Router([A, B, C])
     pick = r.pick(prompt(4))
-    assert (pick.address, pick.cached_blocks, pick.uncached_blocks, pick.cost) == (A, 0, 4, 4)
+    assert (pick.address, pick.cached_tokens, pick.uncached_tokens, pick.cost) == (A, 0, 4 * BS + 5, 4 * BS + 5)
 
 
 def test_load_spreads_requests_without_prefixes():
@@ -30,81 +35,112 @@ def test_load_spreads_requests_without_prefixes():
     assert r.route().address == C
 
 
-def test_prefix_affinity():
+def test_prefix_affinity_follows_what_the_worker_reported():
     r = Router([A, B, C])
-    r.start(B, prompt(10))
-    pick = r.pick(prompt(10))
-    assert (pick.address, pick.cached_blocks, pick.uncached_blocks, pick.active) == (B, 10, 0, 1)
-    r.finish(B)
-    # a prompt sharing 6 blocks of that prefix, then diverging: the blocks after the divergence are uncached
-    tokens = list(range(10 * BS))
-    tokens[6 * BS + 3] = -1
-    pick = r.pick(prompt_block_hashes(tokens, BS, "tenant"))
-    assert (pick.address, pick.cached_blocks, pick.uncached_blocks) == (B, 6, 4)
+    key = prompt(10)
+    r.apply_kv_event(B, holding(key, 10))
+    pick = r.pick(key)
+    assert (pick.address, pick.cached_tokens, pick.uncached_tokens) == (B, 10 * BS, 5)
+    # a prompt sharing 6 blocks, then diverging: B holds a snapshot at 6 as well → 6 blocks served
+    r.apply_kv_event(B, holding(key, 10, snapshot_at=(6, 10)))
+    diverged = prompt(10)
+    diverged.token_ids[6 * BS + 3] = -1
+    assert (r.pick(diverged).address, r.pick(diverged).cached_tokens) == (B, 6 * BS)
     # another tenant's identical tokens hash differently: no affinity
     assert r.pick(prompt(10, salt="other")).address == A
 
 
+def test_cost_function():
+    """cost = uncached tokens + load_weight × queue + kv_usage_weight × usage; queue = in flight from here + what
+    the worker reported beyond what this gateway had in flight when the report came."""
+    r = Router([A, B, C], RouterConfig(load_weight=100.0, kv_usage_weight=200.0))
+    key = prompt(12, extra=0)  # 192 tokens
+    r.apply_kv_event(A, holding(key, 4, worker_load=load(running=1, waiting=1, kv_usage=0.5)))  # 2 of others
+    for _ in range(3):
+        r.start(B)
+    r.apply_kv_event(B, holding(key, 10, worker_load=load(running=2, kv_usage=0.25)))  # 2 of our 3 (lagging)
+    costs = [(p.address, p.cached_tokens, p.queue, p.kv_usage, p.cost) for p in r.costs(key)]
+    assert costs == [(A, 64, 2, 0.5, 128 + 200 + 100), (B, 160, 3, 0.25, 32 + 300 + 50), (C, 0, 0, 0.0, 192)]
+    assert r.pick(key).address == C
+    r.finish(B)
+    r.finish(B)  # B: 1 in flight, no others → 32 + 100 + 50
+    assert (r.pick(key).address, r.pick(key).cost) == (B, 182.0)
+    r.start(A)
+    r.apply_kv_event(A, batch(sequence=0, worker_load=load(running=3, waiting=1)))  # ours 1, others 3
+    assert r.costs(key)[0].queue == 4
+
+
 def test_prefix_affinity_beats_load_up_to_a_point():
-    """B holds the whole 32-block prompt; A holds nothing. Load weight 8: B wins while 8 × (B's load − A's load) < 32,
-    ties at 4 extra requests (list order: A), and loses beyond."""
-    hashes = prompt(32)
-    expected = {0: B, 1: B, 2: B, 3: B, 4: A, 5: A}
-    for extra, winner in expected.items():
-        r = Router([A, B], RouterConfig(load_weight=8.0))
-        r.start(B, hashes)
-        r.finish(B)
+    """B holds the whole prompt (512 tokens); A nothing. Load weight 128: B wins while 128 × extra < 512, ties at 4
+    (list order: A), loses beyond."""
+    key = prompt(32, extra=1)
+    for extra, winner in {0: B, 3: B, 4: A, 5: A}.items():
+        r = Router([A, B], RouterConfig(load_weight=128.0))
+        r.apply_kv_event(B, holding(key, 32))
         for _ in range(extra):
             r.start(B)
-        pick = r.pick(hashes)
-        assert pick.address == winner, extra
-        assert r.pick(hashes).cost == min(32.0, 8.0 * extra)
-
-
-def test_partial_overlap_cost_ordering():
-    r = Router([A, B, C], RouterConfig(load_weight=2.0))
-    r.start(A, prompt(4))   # A: 4 of 12 blocks, 1 in flight → 8 + 2 = 10
-    r.start(B, prompt(10))  # B: 10 of 12, 1 in flight → 2 + 2 = 4
-    r.start(B)              # B: 2 in flight → 2 + 4 = 6
-    costs = [(p.address, p.cached_blocks, p.active, p.cost) for p in r.costs(prompt(12))]  # C: 12 + 0
-    assert costs == [(A, 4, 1, 10.0), (B, 10, 2, 6.0), (C, 0, 0, 12.0)]
-    assert r.pick(prompt(12)).address == B
+        assert r.pick(key).address == winner, extra
 
 
 def test_equal_costs_break_ties_by_list_order():
-    r = Router([C, B, A], RouterConfig(load_weight=2.0))
-    r.start(A, prompt(2))  # A: 0 uncached + 2 × 1 = 2; B, C: 2 uncached + 0 = 2: a three-way tie → C, listed first
-    assert [p.cost for p in r.costs(prompt(2))] == [2.0, 2.0, 2.0]
+    r = Router([C, B, A])
     assert [r.pick(prompt(2)).address for _ in range(3)] == [C, C, C]
     r.mark_unhealthy(C)
     assert r.pick(prompt(2)).address == B
 
 
-def test_unhealthy_workers_are_skipped():
+def test_unhealthy_workers_are_skipped_and_forget_their_index():
     r = Router([A, B])
-    r.start(A, prompt(8))
+    key = prompt(8)
+    r.apply_kv_event(A, holding(key, 8))
+    r.start(A)
     r.mark_unhealthy(A)
-    assert r.pick(prompt(8)).address == B
+    assert r.pick(key).address == B
     r.mark_unhealthy(B)
     with pytest.raises(NoHealthyWorker, match="a:1, b:1"):
         r.pick()
     r.mark_healthy(A)
-    pick = r.pick(prompt(8))
-    # A came back: its remembered prefixes were forgotten, its in-flight request still counts
-    assert (pick.address, pick.cached_blocks, pick.active) == (A, 0, 1)
+    pick = r.pick(key)
+    # A came back: its index was emptied (it may have restarted), its in-flight request still counts
+    assert (pick.address, pick.cached_tokens, pick.queue) == (A, 0, 1)
 
 
-def test_prefix_memory_is_bounded_lru():
-    r = Router([A, B], RouterConfig(prefix_capacity=8))
-    first, second = prompt(6, seed=1), prompt(6, seed=2)
-    r.start(A, first)
-    r.start(A, second)
-    r.finish(A)
-    r.finish(A)
-    assert r.pick(second).cached_blocks == 6
-    # the older chain lost its deepest blocks first: what remains is still its prefix
-    pick = r.pick(first)
-    assert (pick.address, pick.cached_blocks) == (A, 2)
+def test_a_silent_worker_counts_as_empty():
+    clock = Clock()
+    r = Router([A, B], RouterConfig(stale_after_s=3.0), clock=clock)
+    key = prompt(8)
+    r.apply_kv_event(B, holding(key, 8))
+    clock.now = 2.9
+    assert r.pick(key).address == B
+    clock.now = 3.1  # no heartbeat for longer than stale_after_s
+    assert r.pick(key).cached_tokens == 0 and r.pick(key).address == A
+    assert not r.index(B).live
+
+
+def test_a_gap_or_new_epoch_empties_the_index():
+    r = Router([A, B])
+    key = prompt(8)
+    h = key.hashes(SPACE)
+    r.apply_kv_event(B, holding(key, 4))
+    assert r.apply_kv_event(B, batch([(STORED, h[4])], sequence=3)) == RESYNC  # events 0..2 lost
+    assert r.pick(key).address == A
+    r.apply_kv_event(B, holding(key, 4, epoch=1))
+    assert r.apply_kv_event(B, batch([(STORED, h[4]), (SNAP_STORED, h[4])], epoch=2)) == RESYNC
+    assert r.pick(key).cached_tokens == 0
+
+
+def test_a_wrong_belief_is_used_once():
+    """A request that was served fewer cached tokens than the index promised empties that index at once."""
+    r = Router([A, B])
+    key = prompt(8)
+    r.apply_kv_event(B, holding(key, 8))
+    first = r.route(key)
+    assert (first.address, first.cached_tokens) == (B, 8 * BS)
+    assert not r.observe(B, first.cached_tokens, 8 * BS)  # as promised: nothing changes
+    assert r.observe(B, first.cached_tokens, 0)  # the worker had lost it (e.g. restarted)
+    r.finish(B)
+    assert r.pick(key).cached_tokens == 0 and r.pick(key).address == A
+    assert not r.observe(B, first.cached_tokens, 0)  # already emptied: nothing more to do
 
 
 def test_finish_never_goes_negative_and_unknown_addresses_fail():
@@ -115,6 +151,7 @@ def test_finish_never_goes_negative_and_unknown_addresses_fail():
         r.start("nowhere:1")
     with pytest.raises(KeyError):
         r.mark_unhealthy("nowhere:1")
+    assert r.apply_kv_event("nowhere:1", snapshot()) == RESYNC  # a removed worker's stream: dropped
 
 
 def test_parse_worker_list():
@@ -125,12 +162,8 @@ def test_parse_worker_list():
         parse_worker_list("a:1,a:1")
     with pytest.raises(ValueError, match="at least one"):
         Router([])
-
-
-def test_block_hashes_are_chained_and_salted():
-    assert len(prompt(3)) == 3
-    assert prompt(3)[:2] == prompt(2)
-    assert prompt(2, salt="x") != prompt(2, salt="y")
+    with pytest.raises(ValueError):
+        RouterConfig(stale_after_s=0)
 
 
 @pytest.mark.parametrize("uncached, minimum, saturated, remote", [
@@ -160,16 +193,32 @@ def test_should_prefill_remotely_rejects_negative():
     (PDDecider(256, max_prefill_inflight=2), 512, 1, 0, 2, True, "local"),  # prefill saturated
     (PDDecider(256, max_prefill_inflight=0), 512, 1, 0, 10_000, True, "remote"),  # 0: no limit
     (PDDecider(0), 1, 1, 1, 0, True, "remote"),  # threshold 0: always remote when possible
-    (PDDecider(0), 4, 1, 9, 0, True, "remote"),  # a probe claiming more than the prompt counts as all cached
+    (PDDecider(0), 4, 1, 9, 0, True, "remote"),  # an index claiming more than the prompt counts as all cached
 ])
 def test_pd_decider(decider, prompt_tokens, n, cached, inflight, have_prefill, route):
     assert decider.decide(prompt_tokens, n, cached, inflight, have_prefill=have_prefill) == route
 
 
-def test_pd_decider_probes_only_when_the_answer_matters():
-    decider = PDDecider(min_uncached_tokens=40)
-    assert not decider.needs_probe(39) and decider.needs_probe(40)
-    assert not decider.needs_probe(400, n=2) and not decider.needs_probe(400, have_prefill=False)
-    assert not PDDecider(0).needs_probe(10_000)  # always remote: nothing to ask
+
+def test_pd_decider_rejects_negative_settings():
     with pytest.raises(ValueError):
         PDDecider(min_uncached_tokens=-1)
+
+
+def test_set_addresses_adds_empty_workers_and_drops_removed_ones():
+    r = Router([A, B])
+    r.apply_kv_event(A, holding(prompt(4), 4))
+    r.apply_kv_event(B, holding(prompt(12, seed=1), 12))
+    r.start(A)
+    r.start(B)
+    assert r.set_addresses([B, C]) == ((C,), (A,))
+    assert r.addresses == (B, C)
+    assert r.pick(prompt(4)).address == C  # A's prefix left with A; C is empty and idle, B busy
+    assert r.pick(prompt(12, seed=1)).address == B  # B kept its index (5 + 128 × 1 < 197)
+    r.finish(A)  # A's request in flight ends after A left: nothing to do
+    assert r.active(B) == 1 and r.is_healthy(C) and not r.index(C).live
+    with pytest.raises(ValueError):
+        r.set_addresses([B, B])
+    r.set_addresses([])
+    with pytest.raises(NoHealthyWorker):
+        r.pick()
