@@ -10,7 +10,9 @@ detokenisation and stop strings, gateway.text; reasoning / tool-call parsers) ->
 Contract:
 - `GatewayCore(config, ...)` owns the tokenizer, chat renderer, mesh client, tenant directory, cache salter, rate
   limiter and metrics. `start()` loads what was not given, logs whether the gateway is open, and starts the periodic
-  worker health checks; `close()` stops them (and closes a mesh it created).
+  worker health checks; `close()` stops them (and closes a mesh it created). With a `dns:` pool
+  (gateway/discovery.py) `start()` first waits for the pools' first addresses, builds the mesh over them and keeps
+  re-resolving (also right after a worker fails its health check); `close()` stops that too.
 - `authenticate(authorization)` -> `Principal`, or `ApiError` 401 (open mode: every request is anonymous).
 - `plan_chat(request)` -> `ChatPlan` (gateway.plan); `ApiError` 400 for what cannot be served.
 - `chat(principal, plan, ...)` / `complete(principal, job, ...)` admit the request (`ApiError` 429 with a
@@ -40,6 +42,7 @@ from gateway.chat import ChatRenderer, read_family
 from gateway.chat_run import ChatRun
 from gateway.completion_run import CompletionRun
 from gateway.config import GatewayConfig
+from gateway.discovery import Discovery
 from gateway.media import load_media_config
 from gateway.mesh_client import MeshClient
 from gateway.metrics import GatewayMetrics
@@ -65,8 +68,9 @@ class GatewayCore:
     def __init__(self, config: GatewayConfig, *, mesh: MeshClient | None = None,
                  tokenizer: KimiTokenizer | None = None, tenants: TenantDirectory | None = None,
                  salter: CacheSalter | None = None, metrics: GatewayMetrics | None = None,
-                 env: Mapping[str, str] | None = None):
+                 env: Mapping[str, str] | None = None, discovery: Discovery | None = None):
         self.config = config
+        self.discovery = discovery or Discovery(config)
         self.mesh = mesh
         self.tokenizer = tokenizer
         self.renderer: ChatRenderer | None = None
@@ -99,11 +103,12 @@ class GatewayCore:
         specials = self.tokenizer.special_tokens
         self.marker_ids = frozenset(specials[m] for m in OUTPUT_MARKERS if m in specials)
         if self.mesh is None:
-            self.mesh = self.config.make_mesh()
+            self.mesh = (await self.discovery.resolve_config()).make_mesh()
         self.mesh.on_health_change = self._health_changed
         for address in list(self.mesh.decoders) + list(self.mesh.prefillers):
             self._health_changed(address, True)
         self._health_task = asyncio.create_task(self.mesh.run_health_checks(self.config.health_check_interval_s))
+        self.discovery.start(self.mesh)
         self._log_start()
 
     def _log_start(self) -> None:
@@ -120,6 +125,7 @@ class GatewayCore:
                  self.config.mode, list(self.config.decode_addresses), list(self.config.prefill_addresses))
 
     async def close(self) -> None:
+        await self.discovery.stop()
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
@@ -132,6 +138,8 @@ class GatewayCore:
     def _health_changed(self, address: str, healthy: bool) -> None:
         pool = "decode" if address in self.mesh.decoders else "prefill"
         self.metrics.worker_healthy.labels(pool, address).set(1 if healthy else 0)
+        if not healthy:
+            self.discovery.notify_failure(address)  # pods may have moved: re-resolve now
 
     @property
     def served(self) -> set[str]:
