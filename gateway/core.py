@@ -10,9 +10,7 @@ detokenisation and stop strings, gateway.text; reasoning / tool-call parsers) ->
 Contract:
 - `GatewayCore(config, ...)` owns the tokenizer, chat renderer, mesh client, tenant directory, cache salter, rate
   limiter and metrics. `start()` loads what was not given, logs whether the gateway is open, and starts the periodic
-  worker health checks; `close()` stops them (and closes a mesh it created). With a `dns:` pool
-  (gateway/discovery.py) `start()` first waits for the pools' first addresses, builds the mesh over them and keeps
-  re-resolving (also right after a worker fails its health check); `close()` stops that too.
+  worker health checks; `close()` stops them (and closes a mesh it created).
 - `authenticate(authorization)` -> `Principal`, or `ApiError` 401 (open mode: every request is anonymous).
 - `plan_chat(request)` -> `ChatPlan` (gateway.plan); `ApiError` 400 for what cannot be served.
 - `chat(principal, plan, ...)` / `complete(principal, job, ...)` admit the request (`ApiError` 429 with a
@@ -22,6 +20,9 @@ Contract:
   run opens its root span here and finishes it on `close()`.
 - The cache salt passed to the mesh is derived from the authenticated principal (`CacheSalter`); a client's
   `cache_salt` is only mixed in. Tenants therefore never share prefix-cache entries.
+- Pools given as `dns:///NAME:PORT` (gateway/discovery.py, `discovery`): `start()` first waits for each pool's
+  first addresses and builds the mesh over them, then keeps re-resolving (also right after a worker fails its
+  health check) into `MeshClient.set_worker_addresses`; `close()` stops that.
 - `tokenize` / `detokenize` / `model_cards` answer vLLM's /tokenize, /detokenize and /v1/models.
 """
 
@@ -108,8 +109,8 @@ class GatewayCore:
         for address in list(self.mesh.decoders) + list(self.mesh.prefillers):
             self._health_changed(address, True)
         self._health_task = asyncio.create_task(self.mesh.run_health_checks(self.config.health_check_interval_s))
-        self.discovery.start(self.mesh)
         self._log_start()
+        self.discovery.start(self.mesh)
 
     def _log_start(self) -> None:
         log.info(self.tenants.describe())
@@ -125,11 +126,11 @@ class GatewayCore:
                  self.config.mode, list(self.config.decode_addresses), list(self.config.prefill_addresses))
 
     async def close(self) -> None:
-        await self.discovery.stop()
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
             self._health_task = None
+        await self.discovery.stop()
         if self._own_mesh and self.mesh is not None:
             await self.mesh.close()
             self.mesh = None
