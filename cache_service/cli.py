@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kdamesh serve --role cache", description="The kdamesh cache service.")
     p.add_argument("--address", default=d.address, help="host:port to listen on (port 0: a free port)")
     p.add_argument("--cache-backend", "--backend", dest="backend", default=d.backend,
-                   help="'memory' or redis://host:port/db")
+                   help="'memory', redis://host:port/db, or a Redis Cluster redis+cluster://host:port,host:port")
     p.add_argument("--byte-budget", type=byte_size, default=d.byte_budget, help="memory backend budget, e.g. 4GiB")
     p.add_argument("--high-watermark", type=float, default=d.high_watermark)
     p.add_argument("--low-watermark", type=float, default=d.low_watermark)

@@ -1,6 +1,7 @@
 """The cache service's one configuration: `CacheServiceConfig`, checked field by field when it is built.
 
-Contract: `CacheServiceConfig(...)` raises ValueError for a backend that is neither "memory" nor a Redis URL, a
+Contract: `CacheServiceConfig(...)` raises ValueError for a backend that is neither "memory" nor a Redis URL (or a
+Redis Cluster URL with a valid node list and a key prefix without braces), a
 `chunk_bytes` that leaves less than `MESSAGE_OVERHEAD_BYTES` under `max_message_bytes`, watermarks outside
 0 < low <= high <= 1, a non-positive TTL or hold time, an unknown `memory_arena` and a mesh token that is too short.
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from cache_service.redis_layout import DEFAULT_INLINE_BYTES
+from cache_service.redis_cluster import parse_cluster_url
+from cache_service.redis_layout import DEFAULT_INLINE_BYTES, RedisKeys
 from telemetry.mesh_auth import check_token
 
 MESSAGE_OVERHEAD_BYTES = 64 << 10  # room for a chunk's non-payload fields under the message limit
@@ -20,7 +22,8 @@ MESSAGE_OVERHEAD_BYTES = 64 << 10  # room for a chunk's non-payload fields under
 class CacheServiceConfig:
     # host:port to listen on; port 0 picks a free port.
     address: str = "127.0.0.1:50053"
-    # "memory" or a Redis URL "redis://host:port/db" (also rediss://, unix://).
+    # "memory", a Redis URL "redis://host:port/db" (also rediss://, unix://), or a Redis Cluster
+    # "redis+cluster://host:port,host:port" (seed nodes; the rest is discovered).
     backend: str = "memory"
     # Memory backend: payload bytes kept before eviction (bytes), and the eviction watermarks (fractions of it).
     byte_budget: int = 1 << 30
@@ -63,8 +66,12 @@ class CacheServiceConfig:
     mesh_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        if self.backend != "memory" and not re.match(r"^(rediss?|unix)://", self.backend):
-            raise ValueError(f"backend must be 'memory' or a redis:// URL, got {self.backend!r}")
+        if self.backend != "memory" and not re.match(r"^(rediss?|unix|redis\+cluster)://", self.backend):
+            raise ValueError(f"backend must be 'memory', a redis:// URL or redis+cluster://host:port,..., "
+                             f"got {self.backend!r}")
+        if self.backend.startswith("redis+cluster://"):
+            parse_cluster_url(self.backend)  # ValueError for a malformed node list
+            RedisKeys(self.redis_key_prefix.encode(), tagged=True)  # and for a prefix with braces
         if self.chunk_bytes <= 0 or self.chunk_bytes + MESSAGE_OVERHEAD_BYTES > self.max_message_bytes:
             raise ValueError(f"chunk_bytes {self.chunk_bytes} must be > 0 and leave {MESSAGE_OVERHEAD_BYTES} bytes "
                              f"under max_message_bytes {self.max_message_bytes}")

@@ -92,6 +92,10 @@ class _GatedRedis(redis.Redis):
     def execute_command(self, *args, **options):
         return self.gate.call(lambda: super(_GatedRedis, self).execute_command(*args, **options))
 
+    def close(self) -> None:
+        super().close()
+        self.connection_pool.disconnect()
+
     def pipeline(self, transaction: bool = True, shard_hint=None) -> _GatedPipeline:
         pipe = _GatedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
         pipe.gate = self.gate

@@ -13,11 +13,19 @@ Layout under `key_prefix` (default `kdamesh:`), for an object with store key K:
 - counters: the hash `{prefix}stats` (fields `COUNTED`; HINCRBY), shared by every store on the prefix: the service's
   and those of clients on the direct Redis data plane.
 
+Cluster layout (`RedisKeys(prefix, tagged=True)`, the `redis+cluster://` backend): the same names with a hash tag
+`{T}` right after the kind, `T` = 16 hex digits of BLAKE2b(K): `{prefix}o:{T}K`, `{prefix}c:{T}...K`,
+`{prefix}p:{T}K`. Redis Cluster hashes only `T`, so an object's manifest, chunks and pin set share one slot (its MSET
+and multi-key DEL are legal: no CROSSSLOT); the lease sets and the counter hash are single keys anywhere. The prefix
+must then hold no `{` or `}` (they would move the tag). A single Redis keeps the untagged names, so data and
+direct-plane clients of a single Redis are unchanged; a store never mixes the two (the backend URL decides).
+
 `decode_manifest` raises `CorruptManifest` for anything that is not a manifest of this version.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 
@@ -69,24 +77,40 @@ def stored_size(header: bytes) -> int | None:
     return HEADER.unpack(header)[4] if len(header) == HEADER.size else None
 
 
+TAG_BYTES = 2 + 16  # "{" + 16 hex digits + "}"
+
+
+def hash_tag(key: bytes) -> bytes:
+    """`{T}`: the cluster hash tag of store key K (T = 16 hex digits of BLAKE2b(K), never a brace)."""
+    return b"{" + hashlib.blake2b(key, digest_size=8).hexdigest().encode() + b"}"
+
+
 @dataclass(frozen=True)
 class RedisKeys:
-    """The Redis key names of one prefix."""
+    """The Redis key names of one prefix; `tagged`: with the cluster hash tag (see the module docstring)."""
 
     prefix: bytes
+    tagged: bool = False
+
+    def __post_init__(self):
+        if self.tagged and (b"{" in self.prefix or b"}" in self.prefix):
+            raise ValueError(f"a Redis Cluster key prefix may not contain '{{' or '}}', got {self.prefix!r}")
+
+    def _name(self, kind: bytes, key: bytes, *middle: bytes) -> bytes:
+        tag = hash_tag(key) if self.tagged else b""
+        return b"".join([self.prefix, kind, tag, *middle, key])
 
     def manifest(self, key: bytes) -> bytes:
-        return self.prefix + b"o:" + key
+        return self._name(b"o:", key)
 
     def chunk(self, key: bytes, checksum: Checksum, index: int) -> bytes:
-        return b"".join([self.prefix, b"c:", bytes([checksum.algorithm]), checksum.value, struct.pack(">I", index),
-                         key])
+        return self._name(b"c:", key, bytes([checksum.algorithm]), checksum.value, struct.pack(">I", index))
 
     def chunks(self, key: bytes, manifest: Manifest) -> list[bytes]:
         return [self.chunk(key, manifest.checksum, i) for i in range(manifest.num_chunks)]
 
     def pins(self, key: bytes) -> bytes:
-        return self.prefix + b"p:" + key
+        return self._name(b"p:", key)
 
     def lease(self, lease_id: str) -> bytes:
         return self.prefix + b"l:" + lease_id.encode()
@@ -101,7 +125,7 @@ class RedisKeys:
 
     def store_key_of_pins(self, name: bytes) -> bytes:
         """The store key K of a pins key `{prefix}p:{K}`."""
-        return name[len(self.prefix) + 2:]
+        return name[len(self.prefix) + 2 + (TAG_BYTES if self.tagged else 0):]
 
 
 def _glob(literal: bytes) -> bytes:

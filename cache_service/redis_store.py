@@ -1,6 +1,11 @@
-"""The Redis store: objects in a real Redis server (`redis://host:port/db`), pipelined, chunked, checksummed.
+"""The Redis store: objects in a real Redis server (`redis://host:port/db`) or a Redis Cluster
+(`redis+cluster://host:port,host:port`), pipelined, chunked, checksummed.
 
-The layout of objects, leases and counters in Redis is `redis_layout`'s.
+The layout of objects, leases and counters in Redis is `redis_layout`'s (with hash tags on a cluster, so an object's
+chunks, manifest and pins share a slot); a cluster is reached per node by `redis_cluster.ClusterClient`, one pipeline
+per node per round trip. Everything below holds on a cluster too; there a node that is down answers ERROR for its own
+keys only (a put's or a get's other keys succeed), and counts whose node is down wait here like those of a Redis
+that is down.
 
 Contract (in addition to `store.Store`'s):
 - Atomic visibility: an object without a TTL is one MSET of its chunks and manifest (they appear together); one
@@ -44,6 +49,7 @@ from collections.abc import Callable, Sequence
 import redis
 
 from cache_service.objects import Status
+from cache_service.redis_cluster import ClusterClient, is_cluster_url
 from cache_service.redis_deadlines import RedisGate, gated_redis
 from cache_service.redis_layout import (COUNTED, DEFAULT_INLINE_BYTES, HEADER, MAX_HEADER_BYTES, CorruptManifest,
                                         Manifest, RedisKeys, decode_manifest, encode_manifest, stored_size)
@@ -81,12 +87,14 @@ class RedisStore(Store):
         self.key_prefix = key_prefix
         self.socket_timeout_s = socket_timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self._keys = RedisKeys(key_prefix)
+        self.cluster = is_cluster_url(url)
+        self._keys = RedisKeys(key_prefix, tagged=self.cluster)
         self._clock = clock  # Unix seconds: lease deadlines
         self._verify_puts = verify_puts
         self._raise_when_unavailable = raise_when_unavailable
         self.gate = RedisGate(op_timeout_s or socket_timeout_s, backoff_s)
-        self._redis = gated_redis(  # large reads: payloads are MiBs, redis-py's default is 32 KiB
+        connect = ClusterClient if self.cluster else gated_redis
+        self._redis = connect(  # large reads: payloads are MiBs, redis-py's default is 32 KiB
             url, self.gate, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s,
             max_connections=max_connections, socket_read_bytes=socket_read_bytes)
         self._lock = threading.Lock()
@@ -194,8 +202,7 @@ class RedisStore(Store):
         return 0  # Redis expires keys itself
 
     def close(self) -> None:
-        self._redis.close()
-        self._redis.connection_pool.disconnect()
+        self._redis.close()  # and its connection pool(s)
 
     # -- put ----------------------------------------------------------------------------------------------------
 
@@ -225,15 +232,15 @@ class RedisStore(Store):
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
             pipe.get(self._keys.manifest(key))
-        raws = pipe.execute()
-        manifests: list[Manifest | None | str] = [self._parse(raw) for raw in raws]
+        manifests: list = [self._parse(raw) for raw in pipe.execute(raise_on_error=False)]
         chunks = self._fetch_chunks(keys, manifests)
         outcomes = [self._assemble(key, m, chunks.get(i)) for i, (key, m) in enumerate(zip(keys, manifests))]
         pipe = self._redis.pipeline(transaction=False)
         self._queue_deletions(pipe, keys, manifests, outcomes)
         found = sum(1 for o in outcomes if o.status == Status.FOUND)
         counts = {"hits": found, "misses": len(keys) - found,
-                  "corrupt_reads": sum(1 for o in outcomes if o.status == Status.CORRUPT)}
+                  "corrupt_reads": sum(1 for o in outcomes if o.status == Status.CORRUPT),
+                  "errors": sum(1 for o in outcomes if o.status == Status.ERROR)}
         _, failure = self._execute_counted(pipe, counts)
         if failure:  # the reads stand; a later read deletes the bad objects; the counts wait here
             log.warning("could not delete corrupt or incomplete objects: %s", failure)
@@ -241,16 +248,16 @@ class RedisStore(Store):
         return outcomes
 
     @staticmethod
-    def _parse(raw: bytes | None) -> Manifest | None | str:
-        """The manifest, None when absent, or the reason it is corrupt."""
-        if raw is None:
-            return None
+    def _parse(raw: bytes | None | Exception) -> Manifest | None | str | Exception:
+        """The manifest, None when absent, the reason it is corrupt, or the error of its read (a cluster node)."""
+        if raw is None or isinstance(raw, Exception):
+            return raw
         try:
             return decode_manifest(raw)
         except CorruptManifest as exc:
             return str(exc)
 
-    def _fetch_chunks(self, keys: Sequence[bytes], manifests: list) -> dict[int, list[bytes | None]]:
+    def _fetch_chunks(self, keys: Sequence[bytes], manifests: list) -> dict[int, list]:
         wanted = [(i, self._keys.chunks(keys[i], m)) for i, m in enumerate(manifests)
                   if isinstance(m, Manifest) and m.num_chunks]
         if not wanted:
@@ -259,11 +266,14 @@ class RedisStore(Store):
         for _, chunk_keys in wanted:
             for chunk_key in chunk_keys:
                 pipe.get(chunk_key)
-        replies = iter(pipe.execute())
+        replies = iter(pipe.execute(raise_on_error=False))
         return {i: [next(replies) for _ in chunk_keys] for i, chunk_keys in wanted}
 
     @staticmethod
-    def _assemble(key: bytes, manifest, parts: list[bytes | None] | None) -> GetOutcome:
+    def _assemble(key: bytes, manifest, parts: list | None) -> GetOutcome:
+        failed = [p for p in [manifest, *(parts or ())] if isinstance(p, Exception)]
+        if failed:  # a node that holds this object failed: an error, never a deletion
+            return GetOutcome(Status.ERROR, message=_describe(failed[0]))
         if manifest is None:
             return GetOutcome(Status.MISSING)
         if isinstance(manifest, str):
@@ -397,10 +407,13 @@ class RedisStore(Store):
         if not len(pipe):
             return [], ""
         try:
-            return pipe.execute(raise_on_error=False)[:own], ""
+            replies = pipe.execute(raise_on_error=False)
         except _REDIS_ERRORS as exc:
             self._count(**taken)
             return [], _describe(exc)
+        if any(isinstance(r, Exception) for r in replies[own:]):  # the counter hash's node failed (a cluster)
+            self._count(**{name: taken[name] + deltas.get(name, 0) for name in COUNTED})
+        return replies[:own], ""
 
     def _flush_counters(self, raise_on_failure: bool = False) -> None:
         """Sends the waiting counts (a no-op when none wait)."""

@@ -120,9 +120,10 @@ def _add_gateway_role_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=50051,
                    help="the public gRPC API (kdamesh.v1.Generation); 0: a free port, -1: off")
     p.add_argument("--decode-workers", "--decode-addresses", dest="decode_addresses", type=_addresses,
-                   required=True, help="comma-separated host:port list of decode workers")
+                   required=True, help="comma-separated host:port list of decode workers, or one "
+                                       "dns:///NAME:PORT (every address of a headless Service, re-resolved)")
     p.add_argument("--prefill-workers", "--prefill-addresses", dest="prefill_addresses", type=_addresses,
-                   default=(), help="comma-separated host:port list of prefill workers")
+                   default=(), help="comma-separated host:port list of prefill workers, or one dns:///NAME:PORT")
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
     p.add_argument("--pd-min-uncached-tokens", type=int, default=256,
                    help="prefill remotely only when at least this many prompt tokens are uncached on the decode "
@@ -152,6 +153,10 @@ def _add_gateway_role_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _gateway_serving_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--discovery-refresh-s", type=float, default=10.0,
+                   help="dns: worker pools: seconds between re-resolutions (also right after a health check fails)")
+    p.add_argument("--discovery-startup-timeout-s", type=float, default=300.0,
+                   help="dns: worker pools: seconds to wait at start-up for the first address of each pool")
     p.add_argument("--instance-id", default=None,
                    help="echoed by GET /health as X-Kdamesh-Instance (the launcher's readiness check)")
     p.add_argument("--disable-log-requests", action="store_true", help="no access-log line per request")
@@ -196,7 +201,8 @@ def gateway_config_from(ns: argparse.Namespace, api_keys: str | None = None):
                          allowed_media_domains=tuple(ns.allowed_media_domains or ()),
                          allowed_local_media_path=ns.allowed_local_media_path,
                          media_fetch_timeout_s=ns.media_fetch_timeout_s,
-                         instance_id=ns.instance_id)
+                         instance_id=ns.instance_id, discovery_refresh_s=ns.discovery_refresh_s,
+                         discovery_startup_timeout_s=ns.discovery_startup_timeout_s)
 
 
 # -- running one role ----------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ Contract:
   disaggregated mode; parser names registered (`gateway.parsers`) and naming one output format; positive limits.
 - `model_name` is what clients put in `model` (`served_model_name`, else the folder's name); `served_names` also
   accepts the folder path.
-- `make_mesh()` builds the `MeshClient` over the worker lists (colocated mode ignores prefill workers).
+- `make_mesh()` builds the `MeshClient` over the worker lists (colocated mode ignores prefill workers). A pool given
+  as one `dns:///NAME:PORT` target (a headless Service) is resolved first by `gateway.discovery.Discovery`
+  (`GatewayCore.start`), which builds the mesh from the resolved config and keeps the pool's addresses current.
 - `tenant_limits()` is the default per-tenant limit (`--tenant-rpm`, `--tenant-tpm`, `--tenant-max-concurrency`),
   which an `--api-keys-file` entry may override for its tenant; it applies to the anonymous tenant of an open
   gateway too. A field left None takes the documented default (`DEFAULT_TENANT_LIMITS`: unlimited rpm, 20M tokens
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.caps import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_SEQUENCES, RequestCaps
+from gateway.discovery import DiscoverySettings, pool_target
 from gateway.media_fetch import DEFAULT_TIMEOUT_S, MediaFetchConfig
 from gateway.mesh_client import MeshClient, PDDecider
 from gateway.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -91,6 +94,10 @@ class GatewayConfig:
     route_load_weight: float = 128.0
     # The shared mesh token sent on every worker call (KDAMESH_MESH_TOKEN); None: the workers are open.
     mesh_token: str | None = field(default=None, repr=False)
+    # A `dns:///NAME:PORT` pool (gateway/discovery.py): re-resolved this often (seconds), and the first workers
+    # awaited this long at start-up (seconds).
+    discovery_refresh_s: float = 10.0
+    discovery_startup_timeout_s: float = 300.0
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -114,6 +121,10 @@ class GatewayConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.health_check_interval_s <= 0:
             raise ValueError("health_check_interval_s must be positive")
+        pool_target(self.decode_addresses, "--decode-workers")  # a dns: target alone in its pool (ValueError)
+        pool_target(self.prefill_addresses, "--prefill-workers")
+        DiscoverySettings(refresh_s=self.discovery_refresh_s, min_refresh_s=min(1.0, self.discovery_refresh_s),
+                          startup_timeout_s=self.discovery_startup_timeout_s)  # positive (ValueError)
         self.tenant_limits()  # validates the limits
         self.request_caps()  # and the caps
         self.media_fetch()  # and the image URL policy

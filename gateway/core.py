@@ -22,6 +22,9 @@ Contract:
   run opens its root span here and finishes it on `close()`.
 - The cache salt passed to the mesh is derived from the authenticated principal (`CacheSalter`); a client's
   `cache_salt` is only mixed in. Tenants therefore never share prefix-cache entries.
+- Pools given as `dns:///NAME:PORT` (gateway/discovery.py, `discovery`): `start()` first waits for each pool's
+  first addresses and builds the mesh over them, then keeps re-resolving (also right after a worker fails its
+  health check) into `MeshClient.set_worker_addresses`; `close()` stops that.
 - `tokenize` (async) / `detokenize` / `model_cards` answer vLLM's /tokenize, /detokenize and /v1/models.
 """
 
@@ -42,6 +45,7 @@ from gateway.chat import ChatRenderer, read_family
 from gateway.chat_run import ChatRun
 from gateway.completion_run import CompletionRun
 from gateway.config import GatewayConfig
+from gateway.discovery import Discovery
 from gateway.media import load_media_config
 from gateway.media_fetch import MediaFetcher
 from gateway.mesh_client import MeshClient
@@ -68,8 +72,9 @@ class GatewayCore:
     def __init__(self, config: GatewayConfig, *, mesh: MeshClient | None = None,
                  tokenizer: KimiTokenizer | None = None, tenants: TenantDirectory | None = None,
                  salter: CacheSalter | None = None, metrics: GatewayMetrics | None = None,
-                 env: Mapping[str, str] | None = None):
+                 env: Mapping[str, str] | None = None, discovery: Discovery | None = None):
         self.config = config
+        self.discovery = discovery or Discovery(config)
         self.mesh = mesh
         self.tokenizer = tokenizer
         self.renderer: ChatRenderer | None = None
@@ -103,13 +108,14 @@ class GatewayCore:
         specials = self.tokenizer.special_tokens
         self.marker_ids = frozenset(specials[m] for m in OUTPUT_MARKERS if m in specials)
         if self.mesh is None:
-            self.mesh = self.config.make_mesh()
+            self.mesh = (await self.discovery.resolve_config()).make_mesh()
         self.mesh.on_health_change = self._health_changed
         for address in list(self.mesh.decoders) + list(self.mesh.prefillers):
             self._health_changed(address, True)
         self._health_task = asyncio.create_task(self.mesh.run_health_checks(self.config.health_check_interval_s))
         self.mesh.start_kv_events()
         self._log_start()
+        self.discovery.start(self.mesh)
 
     def _log_start(self) -> None:
         log.info(self.tenants.describe())
@@ -132,6 +138,7 @@ class GatewayCore:
             await asyncio.gather(self._health_task, return_exceptions=True)
             self._health_task = None
         await self.fetcher.close()
+        await self.discovery.stop()
         if self._own_mesh and self.mesh is not None:
             await self.mesh.close()
             self.mesh = None
@@ -140,6 +147,8 @@ class GatewayCore:
     def _health_changed(self, address: str, healthy: bool) -> None:
         pool = "decode" if address in self.mesh.decoders else "prefill"
         self.metrics.worker_healthy.labels(pool, address).set(1 if healthy else 0)
+        if not healthy:
+            self.discovery.notify_failure(address)  # pods may have moved: re-resolve now
 
     @property
     def served(self) -> set[str]:

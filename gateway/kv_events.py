@@ -24,6 +24,7 @@ from gateway.prefix_index import RESYNC
 from protos import kv_events_pb2, kv_events_pb2_grpc
 
 log = logging.getLogger(__name__)
+STOP_TIMEOUT_S = 5.0  # the longest `stop` waits for the subscription task to end
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class KVEventSubscriber:
         self._task: asyncio.Task | None = None
         self._call = None
         self._resync_wanted = False
+        self._stopping = False
         self.subscriptions = 0
         self.resyncs = 0
         self.failures = 0
@@ -57,9 +59,12 @@ class KVEventSubscriber:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        """Ends the subscription (bounded: `STOP_TIMEOUT_S`). The flag keeps `_run` from looping again when
+        grpc turns the cancellation into an `AioRpcError(CANCELLED)` instead of raising CancelledError."""
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait([self._task], timeout=STOP_TIMEOUT_S)
             self._task = None
 
     def resync(self) -> None:
@@ -70,8 +75,10 @@ class KVEventSubscriber:
 
     async def _run(self) -> None:
         delay = self.config.retry_s
-        while True:
+        while not self._stopping:
             healthy = await self._follow()
+            if self._stopping:
+                return
             if healthy:
                 delay = self.config.retry_s
                 continue

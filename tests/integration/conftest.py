@@ -1,7 +1,8 @@
 """Integration fixtures: a real Redis server, and free ports.
 
 `redis_url` points at `KDAMESH_TEST_REDIS_URL` (default `redis://127.0.0.1:6379/15`, a database kept for tests) and
-flushes that database before and after the test. Nothing is skipped: when Redis cannot be reached the test fails
+flushes that database before and after the test; `redis_cluster_url` is the shared 3-master test Redis Cluster
+(tests/redis_cluster.py: started with deploy/redis_cluster.sh when it is not running). Nothing is skipped: when Redis cannot be reached the test fails
 and says how to start one.
 """
 
@@ -13,6 +14,8 @@ import time
 
 import pytest
 import redis
+
+from tests.redis_cluster import RedisCluster, shared_cluster
 
 REDIS_URL = os.environ.get("KDAMESH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 START_REDIS = "redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save '' --appendonly no"
@@ -89,3 +92,18 @@ def private_redis() -> PrivateRedis:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def redis_cluster() -> RedisCluster:
+    """The shared test Redis Cluster (tests/redis_cluster.py), started when it is not running, flushed around the
+    test."""
+    cluster = shared_cluster()
+    cluster.flush()
+    yield cluster
+    cluster.flush()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster) -> str:
+    return redis_cluster.url

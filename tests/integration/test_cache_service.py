@@ -1,5 +1,5 @@
 """The cache service end to end: an in-process grpc.aio server on a free port, the asyncio client, and the memory
-backend or a real Redis."""
+backend, a real Redis or a real Redis Cluster (3 masters)."""
 
 import asyncio
 import contextlib
@@ -47,9 +47,10 @@ async def service(backend: str, clock=time.monotonic, **overrides):
         await server.stop(0.5)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 def backend(request) -> str:
-    return "memory" if request.param == "memory" else request.getfixturevalue("redis_url")
+    fixtures = {"redis": "redis_url", "redis-cluster": "redis_cluster_url"}
+    return "memory" if request.param == "memory" else request.getfixturevalue(fixtures[request.param])
 
 
 def statuses(results) -> list[Status]:

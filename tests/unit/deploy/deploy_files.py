@@ -2,7 +2,7 @@
 engine and no Kubernetes cluster here.
 
 - Kubernetes: `kubectl kustomize` (kubectl's built-in kustomize) renders the base, overlays/cpu, overlays/gpu and
-  overlays/gpu + components/model-pvc (`RENDERINGS`); `validate_k8s` checks an object strictly (unknown fields
+  overlays/gpu + components/model-pvc and overlays/gpu-k3 (`RENDERINGS`); `validate_k8s` checks an object strictly (unknown fields
   rejected) against the Kubernetes OpenAPI schemas (`kubernetes-validate`) of 1.27 (the first release with GA gRPC
   probes), 1.30 and the newest that kubernetes-validate ships.
 - Compose: the Compose Specification's JSON schema (the copy check-jsonschema vendors) and `docker-compose config`
@@ -93,6 +93,7 @@ RENDERINGS = {
     "cpu": lambda: kustomize("deploy/k8s/overlays/cpu"),
     "gpu": lambda: kustomize("deploy/k8s/overlays/gpu"),
     "gpu+model-pvc": gpu_with_model_pvc,
+    "gpu-k3": lambda: kustomize("deploy/k8s/overlays/gpu-k3"),
 }
 
 

@@ -107,7 +107,7 @@ def test_services_select_pods_and_addresses_resolve(rendered):
         flags = dict(zip(argv, argv[1:], strict=False))
         for flag in ("--cache-address", "--decode-addresses", "--prefill-addresses"):
             for address in filter(None, flags.get(flag, "").split(",")):
-                host, port = address.rsplit(":", 1)
+                host, port = address.removeprefix("dns:///").rsplit(":", 1)
                 assert (host, int(port)) in service_ports, f"{where}: {flag} {address} is no Service port"
         if "--cache-backend" in flags and flags["--cache-backend"].startswith("redis://"):
             host, port = re.match(r"redis://([^:/]+):(\d+)", flags["--cache-backend"]).groups()

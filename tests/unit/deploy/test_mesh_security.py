@@ -17,7 +17,7 @@ ALLOWED = {"prefill": {"gateway"}, "decode": {"gateway"}, "cache": {"prefill", "
 # Compose services that must share no network (the gateway never talks to the cache or Redis; telemetry to no Redis)
 COMPOSE_APART = (("gateway", "cache"), ("gateway", "redis"), ("otel-collector", "redis"), ("jaeger", "cache"),
                  ("jaeger", "prefill"), ("jaeger", "decode"), ("jaeger", "redis"))
-RENDERINGS = ("deploy/k8s/base", "deploy/k8s/overlays/cpu", "deploy/k8s/overlays/gpu")
+RENDERINGS = ("deploy/k8s/base", "deploy/k8s/overlays/cpu", "deploy/k8s/overlays/gpu", "deploy/k8s/overlays/gpu-k3")
 
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
