@@ -16,23 +16,12 @@ from cache_service.client import CacheClient, PutObject
 from cache_service.objects import Status, encode_object_key, object_key
 from cache_service.config import CacheServiceConfig
 from cache_service.server import SERVICE_NAME, serve
+from tests.integration.cache_objects import FP, HANDOFF, KV, MIB, PREFIX, SALT, SNAPSHOT, key, run, statuses
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
 from tests.fake_clock import FakeClock
 
-KV, SNAPSHOT, HANDOFF = (common_pb2.OBJECT_KIND_KV_BLOCK, common_pb2.OBJECT_KIND_STATE_SNAPSHOT,
-                         common_pb2.OBJECT_KIND_HANDOFF)
-FP, SALT = b"model-fingerprint", b"tenant-a"
-MIB = 1 << 20
-PREFIX = b"kdamesh:"
 
 
-def key(name: str, kind: int = KV, salt: bytes = SALT) -> common_pb2.ObjectKey:
-    return object_key(FP, salt, kind, name.encode())
-
-
-def run(coro, timeout_s: float = 30):
-    """Runs a test body on a fresh event loop; a hang fails the test instead of the suite."""
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
 @contextlib.asynccontextmanager
@@ -52,9 +41,6 @@ def backend(request) -> str:
     fixtures = {"redis": "redis_url", "redis-cluster": "redis_cluster_url"}
     return "memory" if request.param == "memory" else request.getfixturevalue(fixtures[request.param])
 
-
-def statuses(results) -> list[Status]:
-    return [r.status for r in results]
 
 
 def test_objects_larger_than_the_message_limit_round_trip(backend):

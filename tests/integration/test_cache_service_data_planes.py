@@ -23,25 +23,13 @@ from cache_service.config import CacheServiceConfig
 from cache_service.holds import PIN, RESERVATION
 from cache_service.objects import Checksum, ChecksumAlgorithm, Status, encode_object_key, object_key
 from cache_service.server import serve
+from tests.integration.cache_objects import FP, HANDOFF, MIB, PREFIX, SALT, key, run, statuses
 from protos import cache_pb2, cache_pb2_grpc, common_pb2
 from tests.fake_clock import FakeClock
 
-KV, HANDOFF = common_pb2.OBJECT_KIND_KV_BLOCK, common_pb2.OBJECT_KIND_HANDOFF
-FP, SALT = b"model-fingerprint", b"tenant-a"
-MIB = 1 << 20
-PREFIX = b"kdamesh:"
 
 
-def key(name: str, kind: int = KV) -> common_pb2.ObjectKey:
-    return object_key(FP, SALT, kind, name.encode())
 
-
-def run(coro, timeout_s: float = 30):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
-
-
-def statuses(results) -> list[Status]:
-    return [r.status for r in results]
 
 
 @contextlib.asynccontextmanager

@@ -14,29 +14,17 @@ from redis.crc import key_slot
 
 from cache_service.client import CacheClient, PutObject
 from cache_service.config import CacheServiceConfig
-from cache_service.objects import Checksum, Status, encode_key, encode_object_key, object_key
+from cache_service.objects import Checksum, Status, encode_key, encode_object_key
 from cache_service.redis_layout import RedisKeys, hash_tag
 from cache_service.redis_store import RedisStore
 from cache_service.server import serve
 from cache_service.store import PutItem
-from protos import common_pb2
-
-KV, HANDOFF = common_pb2.OBJECT_KIND_KV_BLOCK, common_pb2.OBJECT_KIND_HANDOFF
-FP, SALT = b"model-fingerprint", b"tenant-a"
-MIB = 1 << 20
-PREFIX = b"kdamesh:"
+from tests.integration.cache_objects import FP, HANDOFF, KV, MIB, PREFIX, SALT, key, statuses
+from tests.integration.cache_objects import run as run_bounded
 
 
-def key(name: str, kind: int = KV) -> common_pb2.ObjectKey:
-    return object_key(FP, SALT, kind, name.encode())
 
 
-def run(coro, timeout_s: float = 60):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s))
-
-
-def statuses(results) -> list[Status]:
-    return [r.status for r in results]
 
 
 @contextlib.asynccontextmanager
@@ -165,3 +153,8 @@ def test_a_lost_chunk_on_a_cluster_is_a_miss_and_the_manifest_goes(redis_cluster
             assert redis_cluster.names(PREFIX + b"o:*") == []
 
     run(body())
+
+
+def run(coro, timeout_s: float = 60):
+    """A cluster test body: a longer bound than a single Redis's (slot maps are read on the first call)."""
+    return run_bounded(coro, timeout_s)
