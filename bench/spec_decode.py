@@ -2,14 +2,20 @@
 batch `--batch` (default 32), with and without `--speculative-config` (default: n-gram, k = 3).
 
 Usage: `python -m bench.spec_decode [--preset small-linear] [--model DIR] [--output-len 128] [--batch 32]
-[--speculative-config JSON] [--threads 1] [--out FILE]`
+[--speculative-config JSON] [--workload prompt-lookup|loop|all] [--repeats 3] [--threads 1] [--out FILE]`
 
-Workload ("repetitive output"): each prompt is a random 32-token segment repeated four times, so the prompt-lookup
-drafter has a pattern to copy; whether the target repeats it is the model's business (a generated, untrained
-preset copies less than a trained model would), and the tables report the acceptance this run measured. Greedy,
-EOS ignored, every run checks that the speculative outputs equal the plain ones token for token. Batch 1: the
+Prompts: each a random 32-token segment repeated four times. Workloads (`WORKLOADS`; the same prompts and sampling
+for the plain and the speculative run):
+- `prompt-lookup`: plain greedy. The drafter has the prompt's pattern to copy; whether the target repeats it is the
+  model's business (a generated, untrained preset does not: its greedy output never repeats the prompt, acceptance
+  1.00 — this row measures what failed drafts cost).
+- `loop`: greedy with `frequency_penalty` -2 (the OpenAI range's end): every token already generated gains 2 logits
+  per occurrence, so the output falls into short loops that prompt lookup predicts (repetitive by construction:
+  the random model is not made to copy, its own output is). The table's speed-up is what accepted drafts buy.
+Greedy, EOS ignored, every run checks that the speculative outputs equal the plain ones token for token. Batch 1: the
 wall time of one request's `--output-len` tokens (prefill included, the same for both), as tokens/s per user. Batch
-N: N such requests at once, output tokens/s. Prints a markdown table; `--out` writes the numbers as JSON.
+N: N such requests at once, output tokens/s. Each side runs `--repeats` times in turn, best time kept; acceptance is
+that of the last speculative run (deterministic: greedy). Prints a markdown table; `--out` writes the numbers as JSON.
 """
 
 from __future__ import annotations
@@ -32,13 +38,43 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1000, 5000) for _ in range(32)] * 4 for _ in range(n)]
 
 
-def _run(llm, prompts, output_len: int) -> tuple[float, list[list[int]]]:
+# workload -> the sampling it adds to greedy decoding (the same for the plain and the speculative run)
+WORKLOADS = {
+    "prompt-lookup": {},  # the output is whatever the model makes of the repeated segment
+    "loop": {"frequency_penalty": -2.0},  # repetitive by construction: the output falls into short loops
+}
+
+
+def _run(llm, prompts, output_len: int, sampling: dict) -> tuple[float, list[list[int]]]:
     from engine.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, **sampling)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
+
+
+def _measure(plain, spec, workload: str, batch: int, output_len: int, repeats: int) -> dict | None:
+    """One row: plain and speculative in turn on the same prompts and sampling, `repeats` times each, best time of
+    each (a shared machine's noise only ever slows a run down); None when the outputs differ."""
+    sampling, prompts = WORKLOADS[workload], _prompts(batch)
+    _run(plain, prompts[:1], 4, sampling), _run(spec, prompts[:1], 4, sampling)  # warm-up
+    t_plain = t_spec = float("inf")
+    for _ in range(repeats):
+        t, ids_plain = _run(plain, prompts, output_len, sampling)
+        t_plain = min(t_plain, t)
+        before = spec.engine.stats()
+        t, ids_spec = _run(spec, prompts, output_len, sampling)
+        t_spec, after = min(t_spec, t), spec.engine.stats()
+        if ids_plain != ids_spec:
+            return None
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    per_pos = [(a - b) / max(drafts, 1) for a, b in zip(after.spec_accepted_per_pos, before.spec_accepted_per_pos)]
+    tokens = batch * output_len
+    return {"workload": workload, "batch": batch, "plain_tok_s": tokens / t_plain, "spec_tok_s": tokens / t_spec,
+            "speedup": t_plain / t_spec, "mean_acceptance_length": 1 + accepted / max(drafts, 1),
+            "acceptance_per_pos": per_pos, "distinct_output_tokens": len({t for ids in ids_plain for t in ids})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--speculative-config", default=DEFAULT_SPEC)
+    p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each side per row (best time)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -58,27 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     engine = dict(max_num_seqs=max(args.batch, 1), kv_cache_memory="2GiB", max_num_batched_tokens=4096)
     plain, spec = LLM(folder, **engine), LLM(folder, **engine, speculative_config=args.speculative_config)
     rows = []
-    for batch in (1, args.batch):
-        prompts = _prompts(batch)
-        _run(plain, prompts[:1], 4), _run(spec, prompts[:1], 4)  # warm-up
-        before = spec.engine.stats()
-        t_plain, ids_plain = _run(plain, prompts, args.output_len)
-        t_spec, ids_spec = _run(spec, prompts, args.output_len)
-        after = spec.engine.stats()
-        if ids_plain != ids_spec:
-            print("speculative output differs from plain", file=sys.stderr)
-            return 1
-        drafts = after.spec_num_drafts - before.spec_num_drafts
-        accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-        per_pos = [(a - b) / max(drafts, 1) for a, b in zip(after.spec_accepted_per_pos, before.spec_accepted_per_pos)]
-        tokens = batch * args.output_len
-        rows.append({"batch": batch, "plain_tok_s": tokens / t_plain, "spec_tok_s": tokens / t_spec,
-                     "speedup": t_plain / t_spec, "mean_acceptance_length": 1 + accepted / max(drafts, 1),
-                     "acceptance_per_pos": per_pos})
-    table = ["| batch | plain tok/s | speculative tok/s | ratio | mean acceptance length | per position |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    table += [f"| {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | "
-              f"{r['mean_acceptance_length']:.2f} | {', '.join(f'{x:.2f}' for x in r['acceptance_per_pos'])} |"
+    for workload in WORKLOADS if args.workload == "all" else [args.workload]:
+        for batch in (1, args.batch):
+            row = _measure(plain, spec, workload, batch, args.output_len, args.repeats)
+            if row is None:
+                print(f"{workload}, batch {batch}: speculative output differs from plain", file=sys.stderr)
+                return 1
+            rows.append(row)
+    table = ["| workload | batch | plain tok/s | speculative tok/s | ratio | mean acceptance length | per position | "
+             "distinct output tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    table += [f"| {r['workload']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
+              f"{r['speedup']:.2f}x | {r['mean_acceptance_length']:.2f} | "
+              f"{', '.join(f'{x:.2f}' for x in r['acceptance_per_pos'])} | {r['distinct_output_tokens']} |"
               for r in rows]
     return report("\n".join(table), args, rows)
 

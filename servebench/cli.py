@@ -3,8 +3,9 @@
 `add_cli_args(parser)` declares the flags (the `kdamesh` CLI puts them on its `bench serve` subcommand);
 `main(args)` runs the benchmark, prints vLLM's summary and returns the result dict; `run_cli(argv)` does both.
 Flags beyond vLLM's (kdamesh extensions): `--prompt-token-ids` (send random prompts as token ids on
-/v1/completions: exact lengths, exact shared prefixes). Flags of vLLM that do not apply here (multimodal, LoRA,
-ramp-up, profiling, HF datasets) are not offered.
+/v1/completions: exact lengths, exact shared prefixes), `--metrics-url URL` (repeatable: where the speculative
+decoding counters are read, e.g. a mesh's decode workers; servebench/spec_metrics.py). Flags of vLLM that do not
+apply here (multimodal, LoRA, ramp-up, profiling, HF datasets) are not offered.
 Tokenizer: `--tokenizer DIR`, else `--model` when it is a local checkpoint folder, else the served model's `root`
 from `/v1/models` when that is a local folder (kdamesh reports its checkpoint folder there). A folder with
 `tiktoken.model` or `tokenizer.json` is read with `engine.tokenizer.KimiTokenizer` (imports without torch).
@@ -84,6 +85,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-check-timeout-sec", type=int, default=0,
                    help="wait up to this long for the first prompt to succeed before the run (0: no check)")
     p.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
+    p.add_argument("--metrics-url", action="append", default=None, metavar="URL",
+                   help="kdamesh: a Prometheus /metrics URL read before and after the run for the speculative "
+                        "decoding counters (repeat it per worker; default: the base URL's /metrics)")
 
 
 def _add_dataset_flags(d) -> None:
@@ -201,6 +205,8 @@ class _Plan:
     percentiles: list[float]
     request_func: Any
     chat: bool  # a chat completions endpoint
+    metrics_urls: list[str]  # read for the speculative decoding counters (servebench.spec_metrics)
+    metrics_explicit: bool  # they came from --metrics-url (one that fails is an error)
 
 
 def _plan(args: argparse.Namespace) -> _Plan:
@@ -224,7 +230,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
     if args.prompt_token_ids and chat:
         raise ValueError("--prompt-token-ids needs a completions endpoint")
     plan = _Plan(base_url, api_url, _pairs(args.header, "--header"), parse_goodput(args.goodput), selected,
-                 [float(p) for p in args.metric_percentiles.split(",")], request_func, chat)
+                 [float(p) for p in args.metric_percentiles.split(",")], request_func, chat,
+                 args.metrics_url or [f"{base_url}/metrics"], bool(args.metrics_url))
     if args.input_len is not None:
         args.random_input_len = args.input_len
     if args.output_len is not None:
@@ -269,6 +276,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from servebench.client import make_client
     from servebench.datasets import get_samples
     from servebench.runner import run_requests
+    from servebench.spec_metrics import RunScrape
 
     random.seed(args.seed)
     plan = _plan(args)
@@ -282,20 +290,36 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             renderer = _chat_renderer(str(folder) if folder else None, tokenizer)
         requests = get_samples(args, tokenizer, chat_endpoint=plan.chat, chat_renderer=renderer)
         config = _run_config(args, plan, model_id, model_name)
+        spec = RunScrape(client, plan.metrics_urls, plan.metrics_explicit, _scrape_headers(plan.headers))
+        config.before_main = spec.before
         if args.ready_check_timeout_sec > 0:
             await _ready_check(config, requests[0], client, args.ready_check_timeout_sec)
         run = await run_requests(config, requests, client)
-    return _report(args, plan, run, model_id, tokenizer_id)
+        spec_delta = await spec.delta()
+    return _report(args, plan, run, model_id, tokenizer_id, spec_delta)
 
 
-def _report(args: argparse.Namespace, plan: _Plan, run: Any, model_id: str, tokenizer_id: str | None) -> dict:
+def _scrape_headers(headers: dict[str, str] | None) -> dict[str, str]:
+    """The run's headers and, as for the requests, `OPENAI_API_KEY` as a bearer token (a gateway's /metrics may
+    need a key)."""
+    import os
+
+    key = os.environ.get("OPENAI_API_KEY")
+    return {**({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
+
+
+def _report(args: argparse.Namespace, plan: _Plan, run: Any, model_id: str, tokenizer_id: str | None,
+            spec_delta: Any = None) -> dict:
     """Prints vLLM's summary (and the first failures), saves the result JSON when asked -> the result."""
     from servebench import results
     from servebench.metrics import calculate_metrics
+    from servebench.spec_metrics import spec_decode_result
 
     metrics, output_lens = calculate_metrics(run.outputs, run.duration, plan.percentiles, plan.goodput)
     measured = results.benchmark_result(metrics, run.outputs, output_lens, run.duration, plan.goodput, plan.selected,
                                         plan.percentiles, args.max_concurrency, args.request_rate)
+    if spec_delta is not None:
+        measured.update(spec_decode_result(spec_delta))
     failed = [o for o in run.outputs if not o.success]
     if failed:
         print("Failed requests during benchmark run detected (capping to 10):")

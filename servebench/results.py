@@ -8,6 +8,10 @@ JSON (`--save-result`), in this order:
   `request_throughput` (req/s), `request_goodput` (req/s, null without `--goodput`), `output_throughput` and
   `total_token_throughput` (tok/s), `max_output_tokens_per_s`, `max_concurrent_requests`; then kdamesh's
   `prefix_cache_hit_rate` with its two sums, `prefix_cache_cached_tokens` and `prefix_cache_prompt_tokens`;
+- when the scraped `/metrics` expose speculative decoding counters (servebench/spec_metrics.py: `--metrics-url`, else
+  the base URL's), vLLM's `spec_decode_acceptance_rate` (%), `spec_decode_acceptance_length`,
+  `spec_decode_num_drafts`, `spec_decode_draft_tokens`, `spec_decode_accepted_tokens` and
+  `spec_decode_per_position_acceptance_rates` (fractions), all over the timed run;
 - per request, only with `--save-detailed` (as vLLM): `input_lens`, `output_lens`, `ttfts` (s), `itls` (s, a list per
   request), `latencies` (s), `start_times`, `queue_times`, `generated_texts`, `errors`;
 - per metric chosen by `--percentile-metrics` (default `ttft,tpot,itl`; also `e2el`, `client_queue_time`,
@@ -28,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from servebench.metrics import BenchmarkMetrics, RequestOutput, percentile_key, stats_ms
+from servebench.spec_metrics import summary_lines as spec_summary_lines
 
 DETAILED_FIELDS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times",
                    "generated_texts", "errors")
@@ -165,6 +170,7 @@ def summary(result: dict[str, Any], selected_metrics: list[str], max_concurrency
     row("Total token throughput (tok/s):", result["total_token_throughput"], ".2f")
     if "prefix_cache_hit_rate" in result:
         row("Prefix cache hit rate (%):", 100 * result["prefix_cache_hit_rate"], ".2f")
+    lines += spec_summary_lines(result)
     for name in selected_metrics:
         if f"mean_{name}_ms" not in result:
             continue

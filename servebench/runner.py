@@ -9,7 +9,8 @@
 - `--max-concurrency N`: at most N requests in flight; a request that arrives while N are in flight waits for a slot
   (its `client_queue_time`), so the offered rate can be lower than `--request-rate` when the server is slow.
 - The duration is from the first arrival's scheduling to the last response; warm-up requests (`--num-warmups`, the
-  first prompt) run before and are not counted.
+  first prompt) run before and are not counted. `RunConfig.before_main` (e.g. the first `/metrics` scrape) runs
+  between the two.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -70,6 +71,7 @@ class RunConfig:
     seed: int = 0
     disable_tqdm: bool = True
     log: Callable[[str], None] = field(default=lambda s: print(s, flush=True))
+    before_main: Callable[[], Awaitable[None]] | None = None  # awaited after the warm-ups, before the timed run
 
 
 @dataclass
@@ -114,6 +116,8 @@ async def run_requests(config: RunConfig, requests: list[SampleRequest], client:
             config.log(f"Warm-up: {len(failed)} of {len(warm_outputs)} failed: {failed[0].error.strip()[-500:]}")
         config.log("Warmup run completed.")
 
+    if config.before_main is not None:
+        await config.before_main()
     distribution = "Poisson process" if config.burstiness == 1.0 else "Gamma distribution"
     config.log("Starting main benchmark run...")
     config.log(f"Traffic request rate: {config.request_rate}")

@@ -1,14 +1,22 @@
-"""End to end: `kdamesh bench serve` against `kdamesh up` (tiny-k3, disaggregated, every request remote) — a short
-run completes with zero failures and writes a result file with `vllm bench serve`'s field names."""
+"""End to end: `kdamesh bench serve` against `kdamesh up` (tiny-k3, disaggregated, every request remote, n-gram
+speculation on the workers) — a short run completes with zero failures and writes a result file with `vllm bench
+serve`'s field names; with `--metrics-url` of the workers it adds vLLM's `spec_decode_*` fields, equal to the
+workers' own counters over the run (the gateway's /metrics has none: without the flag the fields are absent)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 
+import httpx
 import pytest
 
+from servebench.spec_metrics import parse_counters, spec_decode_result
 from tests.e2e.launched import kdamesh, launch, stop
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+SPEC_FIELDS = {"spec_decode_acceptance_rate", "spec_decode_acceptance_length", "spec_decode_num_drafts",
+               "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "spec_decode_per_position_acceptance_rates"}
 
 # `vllm bench serve --save-result` field names (vllm/benchmarks/serve.py) for the flags used below.
 RUN_FIELDS = {"date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
@@ -27,8 +35,10 @@ def percentile_fields(metrics, percentiles):
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    launched = launch(tmp_path_factory.mktemp("bench-e2e"), "endpoints ")
-    yield {"port": launched.port, "model": launched.model, "root": launched.root}
+    launched = launch(tmp_path_factory.mktemp("bench-e2e"), "endpoints ", up_flags=["--speculative-config", NGRAM])
+    line = next(x for x in launched.log.read_text().splitlines() if x.startswith("metrics "))
+    yield {"port": launched.port, "model": launched.model, "root": launched.root,
+           "metrics": json.loads(line[len("metrics "):])}
     stop(launched.proc)
 
 
@@ -81,3 +91,33 @@ def test_chat_endpoint(mesh):
     assert result["completed"] == 4 and result["failed"] == 0 and result["backend"] == "openai-chat"
     assert result["output_lens"] == [6] * 4
     assert all(n > 24 for n in result["input_lens"])  # the server's count: the prompt inside the chat format
+
+
+def test_speculative_decoding_fields_from_the_workers(mesh):
+    workers = [mesh["metrics"]["prefill"], mesh["metrics"]["decode"]]
+
+    def counters():
+        found = [parse_counters(httpx.get(url, timeout=10).text) for url in workers]
+        assert found[1] is not None  # the decode worker speculates
+        return [c for c in found if c is not None]
+
+    before = counters()
+    flags = [x for url in workers for x in ("--metrics-url", url)]
+    # frequency_penalty -2 makes the untrained model's greedy output fall into loops, which prompt lookup predicts
+    out = bench(mesh, "--dataset-name", "random", "--num-prompts", "6", "--random-input-len", "24",
+                "--random-output-len", "32", "--max-concurrency", "3", "--temperature", "0", "--frequency-penalty", "-2",
+                "--result-filename", "spec.json", *flags)
+    after = counters()
+    result = json.loads((mesh["root"] / "results" / "spec.json").read_text())
+    assert SPEC_FIELDS <= set(result) and result["completed"] == 6
+    delta = after[0].minus(before[0])
+    for a, b in zip(after[1:], before[1:]):
+        delta = delta.plus(a.minus(b))
+    want = spec_decode_result(delta)
+    rates = result.pop("spec_decode_per_position_acceptance_rates")
+    assert rates == pytest.approx(want.pop("spec_decode_per_position_acceptance_rates")) and len(rates) == 3
+    assert {k: result[k] for k in want} == pytest.approx(want)
+    assert result["spec_decode_accepted_tokens"] > 0 and result["spec_decode_acceptance_length"] > 1
+    assert result["spec_decode_draft_tokens"] <= 3 * result["spec_decode_num_drafts"]  # a lookup may draft fewer
+    assert sum(rates) * result["spec_decode_num_drafts"] == pytest.approx(result["spec_decode_accepted_tokens"])
+    assert "Speculative Decoding" in out and "Acceptance length:" in out
