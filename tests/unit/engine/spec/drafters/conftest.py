@@ -1,4 +1,5 @@
-"""Spec-decoding drafter fixtures: tiny K3 target (with its MTP layer), a matching DSpark drafter, one-sequence batches."""
+"""Spec-decoding drafter fixtures: tiny K3 target (with its MTP layer), a matching DSpark drafter, one-sequence batches.
+(Torch runs single-threaded here through tests/unit/engine/conftest.py.)"""
 
 from __future__ import annotations
 
@@ -12,17 +13,9 @@ from engine.model.loader import load_model
 SEED = 5
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="session")
 def k3_dir(tmp_path_factory):
-    return make_checkpoint("tiny-k3", tmp_path_factory.mktemp("tiny-k3"), seed=SEED)
+    return _checkpoint(tmp_path_factory, "tiny-k3")
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +25,11 @@ def k3(k3_dir):
 
 @pytest.fixture(scope="session")
 def dspark_dir(tmp_path_factory):
-    return make_checkpoint("tiny-k3-dspark", tmp_path_factory.mktemp("tiny-k3-dspark"), seed=SEED)
+    return _checkpoint(tmp_path_factory, "tiny-k3-dspark")
+
+
+def _checkpoint(tmp_path_factory, preset: str):
+    return make_checkpoint(preset, tmp_path_factory.mktemp(preset), seed=SEED)
 
 
 def one_sequence(model, tokens: list[int], block_size: int = 16) -> tuple[ForwardBatch, CacheTensors]:
