@@ -1,18 +1,26 @@
 """KV-event routing vs round-robin vs the old guess, same run: prefix hit rate and TTFT over 2 + 2 workers.
 
-Usage: `python -m bench.routing [--preset tiny-k3] [--tenants 4] [--prefixes 4] [--requests-per-family 6]
-[--prefix-len 512] [--suffix-len 32] [--output-len 4] [--concurrency 4] [--out FILE]`
+Usage: `python -m bench.routing [--settings local,shared] [--preset tiny-k3] [--tenants 4] [--prefixes 4]
+[--requests-per-family 6] [--prefix-len 512] [--suffix-len 32] [--output-len 4] [--concurrency 4] [--out FILE]`
 
-Per policy, a fresh mesh in this process (cache service, 2 prefill + 2 decode workers, generated checkpoint, CPU,
-greedy): `tenants × prefixes` families (one tenant's salt + one shared random prefix of `prefix-len` tokens), each
-asked `requests-per-family` times with a new random suffix, shuffled, sent by `concurrency` closed-loop clients
-through the gateway's `MeshClient` (P/D decision at its default 256 uncached tokens). Policies:
-- `kv_events`: the gateway's router (gateway/routing.py): uncached tokens from each worker's KV event stream + load.
-- `round_robin`: each pool's workers in turn.
-- `guess`: the router before KV events: a per-worker LRU of the prefixes this gateway sent there (65536 hashes),
-  cost = guessed uncached blocks + 8 × requests in flight.
-Reported per policy: prompt-token hit rate (cached / prompt tokens, as the workers report them), the hit rate of
-the reusable tokens (the prefix of every request after its family's first), and TTFT p50 / p90 (first token event).
+Per setting and policy, a fresh mesh in this process (cache service, 2 prefill + 2 decode workers, generated
+checkpoint, CPU, greedy): `tenants × prefixes` families (one tenant's salt + one shared random prefix of
+`prefix-len` tokens), each asked `requests-per-family` times with a new random suffix, shuffled, sent by
+`concurrency` closed-loop clients through the gateway's `MeshClient` (P/D decision at its default 256 uncached
+tokens; the client follows the cache service's KV events, `cache_address`). Settings:
+- `local`: worker-local caches only (`load_remote_prefix=False` on every worker, `--no-load-remote-prefix`): a
+  prefix hits only on a worker that computed it, so routing decides every hit (llm-d's setting).
+- `shared`: workers import any prefix the cache service holds (the default): routing decides transfers, not hits.
+Policies:
+- `kv_events`: the gateway's router (gateway/routing.py): reusable tokens from each worker's KV event stream and
+  the cache service's (for workers that import) + load; the P/D decision from the same pick.
+- `round_robin`: each pool's workers in turn (the P/D decision reads the same indexes as `kv_events`).
+- `guess`: the router before KV events, kept here only as a baseline: a per-worker LRU of the prefixes this gateway
+  sent there (65536 hashes), cost = guessed uncached blocks + 8 × requests in flight; its P/D decision believes
+  the decode worker holds whatever was sent through it.
+Reported per setting and policy: prompt-token hit rate (cached / prompt tokens, as the workers report them), the
+hit rate of the reusable tokens (the prefix of every request after its family's first), the share of requests the
+P/D decision colocated, and TTFT p50 / p90 (first token event).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from gateway.prefix_index import HashSpace
 from gateway.routing import Pick, Router
 
 POLICIES = ("kv_events", "round_robin", "guess")
+SETTINGS = ("local", "shared")
 GUESS_SPACE = HashSpace(b"guess", 16)
 
 
@@ -81,6 +90,7 @@ class Sample:
     cached_tokens: int
     reusable: int
     ttft_s: float
+    route: str  # "remote" | "local" (colocated) | "fallback"
 
 
 def workload(args) -> list[tuple[bytes, list[int], int]]:
@@ -107,25 +117,26 @@ async def one(client: MeshClient, salt: bytes, prompt: list[int], reusable: int,
     sampling = common_pb2.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     request = MeshRequest(f"b-{random.getrandbits(40):x}", tuple(prompt), sampling, tenant_salt=salt,
                           timeout_s=600.0)
-    start, ttft, usage = time.perf_counter(), None, None
+    start, ttft, usage, route = time.perf_counter(), None, None, ""
     async with aclosing(client.generate(request)) as events:
         async for event in events:
             ttft = ttft if ttft is not None else time.perf_counter() - start
-            usage = event.usage or usage
-    return Sample(usage.prompt_tokens, usage.cached_tokens, reusable, ttft)
+            usage, route = event.usage or usage, event.route or route
+    return Sample(usage.prompt_tokens, usage.cached_tokens, reusable, ttft, route)
 
 
-async def run_policy(policy: str, args, model_dir: Path) -> list[Sample]:
+async def run_policy(policy: str, setting: str, args, model_dir: Path) -> list[Sample]:
     from tests.integration.kv_pools import start_worker
     from tests.integration.mesh_harness import Mesh
 
     overrides = dict(kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=1024, snapshot_interval=64)
-    async with Mesh(model_dir, engine=overrides) as mesh:
+    async with Mesh(model_dir, engine=overrides, load_remote_prefix=setting == "shared") as mesh:
         extra = [await start_worker(mesh, role, model_dir, engine=overrides) for role in ("prefill", "decode")]
         decoders, prefillers = [mesh.decode_address, extra[1][1]], [mesh.prefill_address, extra[0][1]]
-        client = MeshClient(decoders, prefillers, PDDecider())
+        client = MeshClient(decoders, prefillers, PDDecider(), cache_address=mesh.cache_address)
         if policy == "round_robin":
-            client.decode_router, client.prefill_router = RoundRobinRouter(decoders), RoundRobinRouter(prefillers)
+            client.decode_router, client.prefill_router = (RoundRobinRouter(decoders, cache_view=client.cache_view),
+                                                           RoundRobinRouter(prefillers, cache_view=client.cache_view))
         elif policy == "guess":
             client.decode_router, client.prefill_router = GuessRouter(decoders), GuessRouter(prefillers)
         client.start_kv_events()
@@ -147,12 +158,13 @@ async def run_policy(policy: str, args, model_dir: Path) -> list[Sample]:
     return samples
 
 
-def summarize(policy: str, samples: list[Sample]) -> dict:
+def summarize(setting: str, policy: str, samples: list[Sample]) -> dict:
     ttfts = sorted(s.ttft_s for s in samples)
     reusable = sum(s.reusable for s in samples)
-    return {"policy": policy, "requests": len(samples),
+    return {"setting": setting, "policy": policy, "requests": len(samples),
             "hit_rate": sum(s.cached_tokens for s in samples) / sum(s.prompt_tokens for s in samples),
             "reusable_hit_rate": sum(min(s.cached_tokens, s.reusable) for s in samples) / max(1, reusable),
+            "colocated": sum(s.route == "local" for s in samples) / len(samples),
             "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))]}
 
 
@@ -165,15 +177,21 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--kv-cache-memory", default=str(64 << 20))
     p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     model_dir = model_folder(args)
-    rows = [summarize(policy, asyncio.run(run_policy(policy, args, model_dir)))
-            for policy in args.policies.split(",")]
-    lines = ["| policy | requests | prompt hit rate | reusable-prefix hit rate | TTFT p50 (s) | TTFT p90 (s) |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['policy']} | {r['requests']} | {r['hit_rate']:.1%} | {r['reusable_hit_rate']:.1%} | "
-              f"{r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} |" for r in rows]
+    settings, policies = args.settings.split(","), args.policies.split(",")
+    unknown = sorted(set(settings) - set(SETTINGS)) + sorted(set(policies) - set(POLICIES))
+    if unknown:
+        p.error(f"unknown setting or policy: {', '.join(unknown)} (settings: {SETTINGS}, policies: {POLICIES})")
+    rows = [summarize(setting, policy, asyncio.run(run_policy(policy, setting, args, model_dir)))
+            for setting in settings for policy in policies]
+    lines = ["| setting | policy | requests | prompt hit rate | reusable-prefix hit rate | colocated | TTFT p50 (s) | "
+             "TTFT p90 (s) |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['setting']} | {r['policy']} | {r['requests']} | {r['hit_rate']:.1%} | "
+              f"{r['reusable_hit_rate']:.1%} | {r['colocated']:.0%} | {r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} |"
+              for r in rows]
     return report("\n".join(lines), args, rows)
 
 

@@ -5,7 +5,10 @@ Modules:
 - `store`: the `Store` interface every backend implements, with its contract and value types.
 - `memory_store`: the embedded default (byte budget, watermark LRU eviction skipping leases, TTLs), its payloads in
   the heap or in a shared-memory arena local clients copy in and out of (Reserve / Commit / Locate); `holds` (its
-  leases, locate pins and reservations) and `arena_space` (its extents in the arena) serve it.
+  leases, locate pins and reservations), `arena_space` (its extents in the arena) and `memory_entries` (its index
+  entries) serve it.
+- `kv_stream`: the KV event stream's publisher (protos/kv_events.proto), shared with the workers, and the memory
+  store as its source (what the store holds, as KV blocks and snapshots are stored and dropped).
 - `shm_arena`: the arena file under /dev/shm (header with a per-instance token) and its first-fit extent allocator.
 - `redis_store`: a real Redis server (`redis://host:port/db`), pipelined, chunked, checksummed, counters in Redis;
   `redis_layout`: its key names and manifest format.

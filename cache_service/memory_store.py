@@ -11,7 +11,8 @@ Contract (in addition to `store.Store`'s):
 - An object with a TTL is invisible once `clock() >= stored_at + ttl_s` unless leased; it is dropped (counted in
   `expirations`) by the next call that sweeps, at most `sweep_interval_s` later, or by `expire()`.
 - Leases end at `release` or when `clock()` passes their deadline; an expired lease pins nothing.
-- `clock` is injectable (monotonic seconds) so tests control time.
+- `clock` is injectable (monotonic seconds) so tests control time. `start_events(log)` records every object the
+  index gains or loses (stored, replaced, evicted, expired, removed, found corrupt) into a `kv_stream.StoreEventLog`.
 
 With an `arena` (`shm_arena.SharedArena`), payloads live in its data area, in extents of an `ExtentAllocator`:
 - A put reserves an extent first (`arena_space`: growing the arena's backed memory, else evicting unpinned objects
@@ -37,12 +38,12 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from cache_service.arena_space import ArenaSpace
 from cache_service.holds import LEASE, PIN, RESERVATION, Hold, Holds
+from cache_service.kv_stream import StoreEventLog, WatchedEntries
+from cache_service.memory_entries import Entry, Pending
 from cache_service.objects import Checksum, Status
 from cache_service.shm_arena import SharedArena
 from cache_service.store import (GetOutcome, KeyOutcome, LeaseGrant, LocateGrant, Location, LookupOutcome, PutItem,
@@ -50,29 +51,6 @@ from cache_service.store import (GetOutcome, KeyOutcome, LeaseGrant, LocateGrant
                                  prefix_length)
 
 _CORRUPT_ON_ARRIVAL = KeyOutcome(Status.CORRUPT, "checksum mismatch on arrival")
-
-
-@dataclass(eq=False)
-class _Entry:
-    size: int  # payload bytes
-    checksum: Checksum
-    expires_at: float | None  # clock() seconds; None: never
-    data: bytes | None = None  # the payload (heap store)
-    offset: int = 0  # the payload's extent in the arena's data area (arena store)
-    readers: int = 0  # reads in progress + locate pins: while > 0 the extent is not freed
-    dropped: bool = False  # out of the index: the extent is freed when readers reaches 0
-
-
-@dataclass(eq=False)
-class _Pending:
-    """An object with its space reserved, not yet visible."""
-
-    key: bytes
-    size: int
-    checksum: Checksum | None  # None until commit, for reservations
-    ttl_s: float | None
-    data: bytes | None = None  # heap store: the payload
-    offset: int = 0  # arena store: the reserved extent in the data area
 
 
 class MemoryStore(Store):
@@ -94,7 +72,7 @@ class MemoryStore(Store):
         self._clock = clock
         self._sweep_interval_s = sweep_interval_s
         self._lock = threading.Lock()
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._entries: WatchedEntries = WatchedEntries()  # key -> Entry, least recently used first
         self._bytes = 0
         self._expiry_heap: list[tuple[float, bytes]] = []  # (expires_at, key); stale entries are skipped
         self._last_sweep = float("-inf")
@@ -113,7 +91,7 @@ class MemoryStore(Store):
             self._copy_in(slots, items)  # outside the lock: the extents are this call's alone
         with self._lock:
             now = self._tick()
-            return [self._publish(slot, now) if isinstance(slot, _Pending) else slot for slot in slots]
+            return [self._publish(slot, now) if isinstance(slot, Pending) else slot for slot in slots]
 
     def get_many(self, keys: Sequence[bytes]) -> list[GetOutcome]:
         with self._lock:
@@ -129,6 +107,11 @@ class MemoryStore(Store):
         with self._lock:
             return [self._get_result(key, entry, payload, ok)
                     for key, entry, payload, ok in zip(keys, entries, payloads, verified)]
+
+    def start_events(self, event_log: StoreEventLog) -> list[bytes]:
+        """From now on every key the index gains or loses goes to `event_log` -> the keys it holds now."""
+        with self._lock:
+            return self._entries.watch(event_log)
 
     def lookup(self, keys: Sequence[bytes], include_presence: bool = False) -> LookupOutcome:
         with self._lock:
@@ -191,9 +174,9 @@ class MemoryStore(Store):
         with self._lock:
             now = self._tick()
             slots = [self._reserve_one(item.key, item.size, None, item.ttl_s) for item in items]
-            pending = [slot for slot in slots if isinstance(slot, _Pending)]
+            pending = [slot for slot in slots if isinstance(slot, Pending)]
             reservation_id = self._holds.add(RESERVATION, pending, now + ttl_s) if pending else ""
-        outcomes = [ReserveOutcome(Status.RESERVED, space.file_offset(slot.offset)) if isinstance(slot, _Pending)
+        outcomes = [ReserveOutcome(Status.RESERVED, space.file_offset(slot.offset)) if isinstance(slot, Pending)
                     else ReserveOutcome(slot.status, message=slot.message) for slot in slots]
         return ReservationGrant(reservation_id, outcomes, ttl_s)
 
@@ -242,7 +225,7 @@ class MemoryStore(Store):
             raise RuntimeError("this memory store keeps payloads in the heap: no shared-memory arena")
         return self._space
 
-    def _verify_reserved(self, pending: Sequence[_Pending]) -> list[bool]:
+    def _verify_reserved(self, pending: Sequence[Pending]) -> list[bool]:
         """Per reserved object: a usable checksum (that matches the arena bytes, with `verify_commits`)?"""
         verified = []
         try:
@@ -269,7 +252,7 @@ class MemoryStore(Store):
             self._sweep(now)
         return now
 
-    def _read_pinned(self, keys: Sequence[bytes], now: float) -> list[_Entry | None]:
+    def _read_pinned(self, keys: Sequence[bytes], now: float) -> list[Entry | None]:
         """The visible entries (None: missing), each made most recent and pinned by one more reader."""
         entries = [self._visible(key, now) for key in keys]
         for key, entry in zip(keys, entries):
@@ -279,16 +262,16 @@ class MemoryStore(Store):
         return entries
 
     def _reserve_one(self, key: bytes, size: int, checksum: Checksum, ttl_s: float | None,
-                     data: bytes | None = None) -> _Pending | KeyOutcome:
+                     data: bytes | None = None) -> Pending | KeyOutcome:
         """Space for one object (arena: an extent, evicting for it if need be), or why not."""
         if size > self.byte_budget:
             return KeyOutcome(Status.TOO_LARGE, f"object of {size} bytes exceeds the byte budget {self.byte_budget}")
         if self._space is None:
-            return _Pending(key, size, checksum, ttl_s, data=data)
+            return Pending(key, size, checksum, ttl_s, data=data)
         offset = self._space.allocate(size, self._evictable_bytes, self._evict_least_recent)
         if offset is None:
             return KeyOutcome(Status.TOO_LARGE, "no room: leased, pinned or reserved objects fill the arena")
-        return _Pending(key, size, checksum, ttl_s, offset=offset)
+        return Pending(key, size, checksum, ttl_s, offset=offset)
 
     def _evictable(self):
         """(key, entry) of the objects eviction may drop (not leased, not being read), least recent first."""
@@ -310,21 +293,21 @@ class MemoryStore(Store):
         """Writes reserved payloads into the arena; on failure frees every reserved extent and re-raises."""
         try:
             for slot, item in zip(slots, items):
-                if isinstance(slot, _Pending):
+                if isinstance(slot, Pending):
                     self._space.write(slot.offset, item.data)
         except BaseException:
             with self._lock:
                 for slot in slots:
-                    if isinstance(slot, _Pending):
+                    if isinstance(slot, Pending):
                         self._discard(slot)
             raise
 
-    def _publish(self, pending: _Pending, now: float) -> KeyOutcome:
+    def _publish(self, pending: Pending, now: float) -> KeyOutcome:
         """Makes a reserved object visible, replacing the key's old object; then the watermark rule."""
         key, size = pending.key, pending.size
         self._drop(key)
         expires_at = None if pending.ttl_s is None else now + pending.ttl_s
-        self._entries[key] = _Entry(size, pending.checksum, expires_at, pending.data, pending.offset)
+        self._entries[key] = Entry(size, pending.checksum, expires_at, pending.data, pending.offset)
         self._bytes += size
         if expires_at is not None:
             heapq.heappush(self._expiry_heap, (expires_at, key))
@@ -335,12 +318,12 @@ class MemoryStore(Store):
         self._counters.puts += 1
         return KeyOutcome(Status.STORED)
 
-    def _discard(self, pending: _Pending) -> None:
+    def _discard(self, pending: Pending) -> None:
         """Frees a reservation's extent: the object is never published."""
         if self._space is not None:
             self._space.free(pending.offset, pending.size)
 
-    def _refuse_corrupt(self, pending: _Pending) -> KeyOutcome:
+    def _refuse_corrupt(self, pending: Pending) -> KeyOutcome:
         self._discard(pending)
         if pending.checksum is None:
             return KeyOutcome(Status.INVALID, "unusable checksum (unknown algorithm or wrong length); nothing stored")
@@ -359,7 +342,7 @@ class MemoryStore(Store):
             self._drop(key)
             self._counters.evictions += 1
 
-    def _visible(self, key: bytes, now: float) -> _Entry | None:
+    def _visible(self, key: bytes, now: float) -> Entry | None:
         """The entry when present and not expired (a leased entry never expires)."""
         entry = self._entries.get(key)
         if entry is None:
@@ -370,13 +353,13 @@ class MemoryStore(Store):
             return None
         return entry
 
-    def _payload(self, entry: _Entry):
+    def _payload(self, entry: Entry):
         """The payload's bytes (arena: a copy; called outside the lock with the entry pinned)."""
         if self._space is None:
             return entry.data
         return self._space.read(entry.offset, entry.size)
 
-    def _get_result(self, key: bytes, entry: _Entry | None, payload, verified: bool) -> GetOutcome:
+    def _get_result(self, key: bytes, entry: Entry | None, payload, verified: bool) -> GetOutcome:
         if entry is None:
             self._counters.misses += 1
             return GetOutcome(Status.MISSING)
@@ -408,12 +391,12 @@ class MemoryStore(Store):
         if entry.readers == 0:
             self._free(entry)
 
-    def _unread(self, entry: _Entry) -> None:
+    def _unread(self, entry: Entry) -> None:
         entry.readers -= 1
         if entry.readers == 0 and entry.dropped:
             self._free(entry)
 
-    def _free(self, entry: _Entry) -> None:
+    def _free(self, entry: Entry) -> None:
         if self._space is not None:
             self._space.free(entry.offset, entry.size)
 

@@ -16,6 +16,11 @@ Contract:
   (or with `data_plane=False`) gRPC only. An arena that cannot be created (no such directory) leaves the service on
   heap memory, logged; an arena whose tmpfs fills up stops growing and evicts instead (see `memory_store`). Direct
   Redis traffic shows only in the store's counters.
+- KV events: the service also serves `KVEventService.Subscribe` (protos/kv_events.proto, `kv_stream`): the KV
+  blocks and KDA snapshots its store holds, as they are stored and dropped (`any_model` snapshots: hashes of every
+  model and tenant), for the gateways' routing. The memory backend only: a Redis store evicts by itself and workers
+  write it directly, neither seen here, so the call answers UNIMPLEMENTED there (gateways then count the cache
+  service as holding nothing).
 - Telemetry (telemetry/): every call gets a SERVER span continuing the caller's W3C `traceparent`, with the child
   spans and metrics of `servicer`; the caller's `x-request-id` is bound for the call's log lines; calls are counted
   by status in `kdamesh_cache_requests_total` and logged at DEBUG on `kdamesh.rpc`. `metrics_port` serves the
@@ -36,11 +41,12 @@ from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry, start_http_server
 
 from cache_service.config import CacheServiceConfig
+from cache_service.kv_stream import KVEventPublisher, StoreEventSource, serve_subscription
 from cache_service.metrics import CacheMetrics
 from cache_service.servicer import CacheServicer
 from cache_service.store import Store
 from cache_service.store_factory import make_store
-from protos import cache_pb2, cache_pb2_grpc
+from protos import cache_pb2, cache_pb2_grpc, kv_events_pb2_grpc
 from telemetry.grpc_server import start_grpc_server
 from telemetry import tracing
 from telemetry.metrics import RpcMetrics
@@ -64,6 +70,7 @@ class CacheServer:
     metrics: CacheMetrics
     executor: ThreadPoolExecutor
     metrics_http: tuple | None = None  # (HTTP server, its thread) of /metrics
+    kv_events: KVEventPublisher | None = None  # None: the backend publishes no KV events
 
     @property
     def metrics_port(self) -> int | None:
@@ -72,6 +79,8 @@ class CacheServer:
     async def stop(self, grace: float | None = 5.0) -> None:
         """NOT_SERVING, then stop accepting calls and give those in flight `grace` seconds, then close the store."""
         await self.health.enter_graceful_shutdown()
+        if self.kv_events is not None:
+            await self.kv_events.stop()  # ends the event streams, which would otherwise hold the grace period
         await self.grpc_server.stop(grace)
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.store.close()
@@ -108,9 +117,20 @@ async def _start(config: CacheServiceConfig, store: Store, executor: ThreadPoolE
                                        access_log_level=logging.DEBUG)
     tracer = tracing.get_tracer("kdamesh.cache", tracer_provider)
     servicer = CacheServicer(store, config, metrics, executor, tracer)
-    server, port, health_servicer = await start_grpc_server(
-        config.address, SERVICE_NAME, lambda s: cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, s),
-        config.max_message_bytes, interceptors, mesh_token=config.mesh_token)
+    events = StoreEventServicer(store)
+
+    def add_services(s: grpc.aio.Server) -> None:
+        cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, s)
+        kv_events_pb2_grpc.add_KVEventServiceServicer_to_server(events, s)
+
+    server, port, health_servicer = await start_grpc_server(config.address, SERVICE_NAME, add_services,
+                                                            config.max_message_bytes, interceptors,
+                                                            mesh_token=config.mesh_token)
+    try:
+        await events.start()
+    except BaseException:
+        await server.stop(0)
+        raise
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics_http = None
@@ -122,4 +142,25 @@ async def _start(config: CacheServiceConfig, store: Store, executor: ThreadPoolE
             await server.stop(0)
             raise
     log.info("cache service on port %d, backend %s", port, store.backend)
-    return CacheServer(server, port, store, health_servicer, metrics, executor, metrics_http), port
+    return CacheServer(server, port, store, health_servicer, metrics, executor, metrics_http, events.publisher), port
+
+
+class StoreEventServicer(kv_events_pb2_grpc.KVEventServiceServicer):
+    """`Subscribe` to what the store holds (see the module docstring); thin: the logic is in `kv_stream`."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.publisher: KVEventPublisher | None = None
+
+    async def start(self) -> None:
+        if StoreEventSource.supported(self.store):
+            self.publisher = KVEventPublisher(StoreEventSource(self.store), any_model=True)
+            await self.publisher.start()
+
+    async def Subscribe(self, request, context):
+        if self.publisher is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                f"the {self.store.backend} backend publishes no KV events (it evicts by itself and "
+                                "workers write it directly); count this cache service as holding nothing")
+        async for message in serve_subscription(self.publisher, context):
+            yield message

@@ -66,6 +66,8 @@ class DecodeServiceConfig:
     served_model_name: str | None = None
     # What to do when a handoff cannot be loaded: "recompute" the prompt here, or "fail" the call (UNAVAILABLE).
     kv_load_failure_policy: str = "recompute"
+    # Colocated prompts: load the longer cached prefix (blocks + snapshot) the cache service holds before computing.
+    load_remote_prefix: bool = True
     # Deadline of each cache service call (seconds); gRPC message limit both ways (bytes).
     cache_timeout_s: float = 10.0
     max_message_bytes: int = 16 << 20
@@ -253,7 +255,7 @@ class DecodeServer(WorkerServer):
 
     def make_worker(self) -> DecodeWorker:
         return DecodeWorker(self.engine, self.cache, kv_load_failure_policy=self.config.kv_load_failure_policy,
-                            tracer=tracing.get_tracer("kdamesh.decode", self.tracer_provider))
+                            load_remote_prefix=self.config.load_remote_prefix, tracer=tracing.get_tracer("kdamesh.decode", self.tracer_provider))
 
     def worker_counters(self, worker: DecodeWorker) -> list[CounterSample]:
         return worker_counters(worker)

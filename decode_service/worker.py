@@ -16,7 +16,7 @@ Contract (DESIGN.md "One chat request, end to end", step 4):
   (greedy and seeded outputs are unchanged); with `"fail"` it raises `HandoffUnavailableError`.
 - Local path (`job.handoff` None, the colocated mode): the engine prefills (using its own prefix cache, and before
   that the longer prefix the cache service may hold — offloaded snapshots included — loaded as prefill loads it,
-  worker/prefix.py) and decodes; `n > 1` is served here. The job's structure hints (`snapshot_hints`) and the remote
+  worker/prefix.py; not with `load_remote_prefix=False`) and decodes; `n > 1` is served here. The job's structure hints (`snapshot_hints`) and the remote
   junction are snapshot points of the prompt (prefill_service/worker.py), on this path and on the recompute one.
 - With a cache service, the snapshots the engine lets go — evicted ones, and a finished handoff's turn end (the state
   after its last full block of prompt + output, so the next turn, prefilled anywhere, hits the whole previous
@@ -140,7 +140,7 @@ _REFUSALS = ((MissingBlockError, "missing_block"), (ModelMismatchError, "mismatc
 
 class DecodeWorker:
     def __init__(self, engine: AsyncEngine, cache: CacheClient | None, *, kv_load_failure_policy: str = "recompute",
-                 tracer: Tracer | None = None):
+                 load_remote_prefix: bool = True, tracer: Tracer | None = None):
         if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}")
         self.engine = engine
@@ -153,7 +153,7 @@ class DecodeWorker:
         self._claims: set[asyncio.Task] = set()
         self.prefix = self.offload = None
         if cache is not None:
-            self.prefix = RemotePrefix(engine, cache, self.tracer, self.counters)
+            self.prefix = RemotePrefix(engine, cache, self.tracer, self.counters, enabled=load_remote_prefix)
             self.offload = SnapshotPublisher(engine, cache, self.counters)
             self.offload.start()
 

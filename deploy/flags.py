@@ -104,6 +104,9 @@ def add_mesh_flags(p: argparse.ArgumentParser, model_positional: bool) -> None:
     p.add_argument("--pd-min-uncached-tokens", type=int, default=256,
                    help="prefill remotely only when at least this many prompt tokens are uncached")
     p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
+    p.add_argument("--load-remote-prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="workers import cached prefixes from the cache service before computing (off: each "
+                        "worker's own cache only; the gateway's routing then decides every hit)")
     _add_engine_flags(p.add_argument_group("engine (both workers)"))
     _add_gateway_flags(p.add_argument_group("gateway"))
     p.add_argument("--metrics-port", type=int, default=None,
@@ -161,6 +164,7 @@ def launch_config_from(ns: argparse.Namespace, log_level: str, log_format: str, 
         model=ns.model, mode=ns.mode, host=ns.host, http_port=ns.http_port, grpc_port=ns.grpc_port,
         cache_backend=ns.cache_backend, cache_byte_budget=ns.cache_byte_budget,
         pd_min_uncached_tokens=ns.pd_min_uncached_tokens, kv_load_failure_policy=ns.kv_load_failure_policy,
+        load_remote_prefix=ns.load_remote_prefix,
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
         kv_cache_memory=ns.kv_cache_memory, max_model_len=ns.max_model_len, dtype=ns.dtype,
         load_format=ns.load_format, seed=ns.seed, device=ns.device, enable_prefix_caching=ns.enable_prefix_caching,

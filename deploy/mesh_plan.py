@@ -39,6 +39,7 @@ class LaunchConfig:
     cache_byte_budget: str | None = None  # memory backend budget, e.g. 4GiB (None: the service default)
     pd_min_uncached_tokens: int = 256
     kv_load_failure_policy: str = "recompute"
+    load_remote_prefix: bool = True  # False: both roles get --no-load-remote-prefix
     # Engine options of both workers (None: the engine's defaults).
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -171,13 +172,14 @@ def plan_services(config: LaunchConfig, model: str) -> list[Service]:
             argv = ["--address", address, "--cache-address", cache, "--metrics-port", str(metrics_port), *engine]
             if role == "decode":
                 argv[4:4] = ["--kv-load-failure-policy", config.kv_load_failure_policy]
+            argv += [] if config.load_remote_prefix else ["--no-load-remote-prefix"]
         same = roles.count(role)
         name = role if same == 1 else f"{role}-{i - roles.index(role)}"
         services.append(Service(role, address, argv, metrics=f"http://{host}:{metrics_port}/metrics",
                                 ports=(port, metrics_port), name=name))
     gateway_grpc = grpc_ports[-1] + 1 if config.grpc_port is not None else None
     services.append(_gateway(config, model, [s.address for s in services if s.role == "decode"],
-                             [s.address for s in services if s.role == "prefill"], grace, gateway_grpc))
+                             [s.address for s in services if s.role == "prefill"], grace, gateway_grpc, cache))
     return services
 
 
@@ -219,11 +221,11 @@ def _media_flags(config: LaunchConfig) -> list[str]:
 
 
 def _gateway(config: LaunchConfig, model: str, decode: list[str], prefill: list[str], grace: list[str],
-             default_grpc_port: int | None) -> Service:
+             default_grpc_port: int | None, cache: str) -> Service:
     host = config.host
     argv = ["--model", model, "--host", host, "--http-port", str(config.http_port), "--mode", config.mode,
             "--decode-addresses", ",".join(decode), "--pd-min-uncached-tokens", str(config.pd_min_uncached_tokens),
-            *grace]
+            "--cache-address", cache, *grace]
     if config.mode == "disaggregated":
         argv += ["--prefill-addresses", ",".join(prefill)]
     if config.served_model_name:

@@ -105,6 +105,8 @@ def role_parser(role: str) -> argparse.ArgumentParser:
         p.add_argument("--cache-address", default=None, help="host:port of the cache service (handoffs)")
         p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                        help="when a handoff cannot be loaded: compute the prompt here, or fail the request")
+        p.add_argument("--load-remote-prefix", action=argparse.BooleanOptionalAction, default=True,
+                       help="colocated prompts: load cached prefixes from the cache service")
     elif role == "gateway":
         _add_gateway_role_flags(p)
     else:
@@ -124,6 +126,9 @@ def _add_gateway_role_flags(p: argparse.ArgumentParser) -> None:
                                        "dns:///NAME:PORT (every address of a headless Service, re-resolved)")
     p.add_argument("--prefill-workers", "--prefill-addresses", dest="prefill_addresses", type=_addresses,
                    default=(), help="comma-separated host:port list of prefill workers, or one dns:///NAME:PORT")
+    p.add_argument("--cache-address", default=None,
+                   help="host:port of the cache service: the gateway follows its KV events, so a prefix it holds "
+                        "counts as reusable (a transfer) on workers that load remote prefixes (default: none)")
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
     p.add_argument("--pd-min-uncached-tokens", type=int, default=256,
                    help="prefill remotely only when at least this many prompt tokens are uncached on the decode "
@@ -185,6 +190,7 @@ def gateway_config_from(ns: argparse.Namespace, api_keys: str | None = None):
 
     return GatewayConfig(model=ns.model, decode_addresses=ns.decode_addresses,
                          prefill_addresses=ns.prefill_addresses, served_model_name=ns.served_model_name,
+                         cache_address=ns.cache_address,
                          mode=ns.mode, pd_min_uncached_tokens=ns.pd_min_uncached_tokens,
                          pd_max_prefill_inflight=ns.pd_max_prefill_inflight, host=ns.host, http_port=ns.http_port,
                          grpc_port=None if ns.grpc_port < 0 else ns.grpc_port,
@@ -223,6 +229,7 @@ async def _serve_worker(role: str, ns: argparse.Namespace) -> int:
         config = DecodeServiceConfig(engine=engine_args_from(ns), cache_address=ns.cache_address,
                                      address=ns.address, served_model_name=ns.served_model_name,
                                      kv_load_failure_policy=ns.kv_load_failure_policy,
+                                     load_remote_prefix=ns.load_remote_prefix,
                                      torch_threads=ns.torch_threads, metrics_port=ns.metrics_port,
                                      mesh_token=mesh_token_from_env())
     stop = asyncio.Event()

@@ -45,6 +45,8 @@ class GatewayConfig:
     decode_addresses: tuple[str, ...]
     prefill_addresses: tuple[str, ...] = ()
     served_model_name: str | None = None
+    # host:port of the cache service whose KV events the routing follows (gateway/routing.py); None: not followed.
+    cache_address: str | None = None
     # "disaggregated": prefill workers + P/D decider; "colocated": every request prefills on its decode worker.
     mode: str = "disaggregated"
     # Remote prefill only when at least this many prompt tokens are not in the decode worker's prefix cache.
@@ -156,4 +158,4 @@ class GatewayConfig:
         return MeshClient(self.decode_addresses, prefill,
                           PDDecider(self.pd_min_uncached_tokens, self.pd_max_prefill_inflight), self.handoff_ttl_ms,
                           router_config=RouterConfig(load_weight=self.route_load_weight), model=self.model_name,
-                          mesh_token=self.mesh_token)
+                          mesh_token=self.mesh_token, cache_address=self.cache_address)

@@ -8,6 +8,9 @@ Contract:
   the index wrong: `Router.observe`), and after `config.retry_s` (doubling up to `config.max_retry_s`) when the
   stream fails, ends, or stays silent past its deadline; each of those first empties the worker's index
   (`Router.clear_index`): a worker the gateway cannot hear counts as holding nothing.
+- A source that answers UNIMPLEMENTED (a cache service whose backend publishes no events) is not asked again
+  (`unsupported`); its index stays empty.
+- The `router` is a `gateway.routing.Router` (a worker) or a `CacheServiceView` (the cache service).
 - Counters: `subscriptions` (calls made), `resyncs` (resubscriptions for a gap, an epoch change or a wrong belief),
   `failures` (streams that failed, ended or went silent).
 """
@@ -53,6 +56,7 @@ class KVEventSubscriber:
         self.subscriptions = 0
         self.resyncs = 0
         self.failures = 0
+        self.unsupported = False
 
     def start(self) -> None:
         if self._task is None:
@@ -77,7 +81,7 @@ class KVEventSubscriber:
         delay = self.config.retry_s
         while not self._stopping:
             healthy = await self._follow()
-            if self._stopping:
+            if self._stopping or self.unsupported:
                 return
             if healthy:
                 delay = self.config.retry_s
@@ -113,6 +117,10 @@ class KVEventSubscriber:
             if exc.code() == grpc.StatusCode.CANCELLED and self._resync_wanted:
                 self.resyncs += 1
                 return True
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.unsupported = True
+                log.warning("%s publishes no KV events (%s); it counts as holding nothing", self.address,
+                            exc.details())
             log.debug("KV event stream of %s failed: %s %s", self.address, exc.code().name, exc.details())
         finally:
             self._call = None

@@ -21,6 +21,9 @@ Contract:
   worker: the colocated path. When a worker reports fewer cached tokens than its index promised (a local prefill's
   first chunk, a prefill response), the index is emptied and resubscribed (`Router.observe`,
   `stats.stale_beliefs`), so no second request is routed on that belief.
+- The cache service (`cache_address`): its own KV event stream feeds a `CacheServiceView` shared by both routers,
+  so a prefix it holds counts as reusable (at a transfer's cost) on a worker that loads remote prefixes — in the
+  cost and in the P/D decision (gateway/routing.py). Without `cache_address`, only the workers' own caches count.
 - Pool membership: `set_worker_addresses(role, addresses)` replaces a pool's workers (service discovery,
   gateway/discovery.py); see `Router.set_addresses`.
 - Health: `check_health()` asks every worker's gRPC health service once and marks it healthy or unhealthy in its
@@ -47,7 +50,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.memory.hashing import MediaSpan
 from gateway.kv_events import KVEventSubscriber, SubscriberConfig
 from gateway.prefix_index import PromptKey
-from gateway.routing import NoHealthyWorker, PDDecider, Pick, Router, RouterConfig, parse_worker_list
+from gateway.routing import CACHE, CacheServiceView, NoHealthyWorker, PDDecider, Pick, Router, RouterConfig, \
+    parse_worker_list
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from telemetry import mesh_auth
 from telemetry.rpc import client_interceptors
@@ -131,13 +135,17 @@ class MeshClient:
                  decider: PDDecider | None = None, handoff_ttl_ms: int = 0, *,
                  router_config: RouterConfig = RouterConfig(), on_health_change=None,
                  mesh_token: str | None = None, model: str = "",
-                 subscriber_config: SubscriberConfig | None = None):
+                 subscriber_config: SubscriberConfig | None = None, cache_address: str | None = None):
         if not decode_addresses:
             raise ValueError("the mesh needs at least one decode worker")
         self.decoders = {a: _Worker(a, decode_pb2_grpc.DecodeServiceStub, mesh_token) for a in decode_addresses}
         self.prefillers = {a: _Worker(a, prefill_pb2_grpc.PrefillServiceStub, mesh_token) for a in prefill_addresses}
-        self.decode_router = Router(list(self.decoders), router_config)
-        self.prefill_router = Router(list(self.prefillers), router_config) if self.prefillers else None
+        self.cache_address = cache_address
+        self.cache_view = CacheServiceView(router_config.stale_after_s) if cache_address else None
+        self.cache_channel = _Worker(cache_address, lambda channel: None, mesh_token) if cache_address else None
+        self.decode_router = Router(list(self.decoders), router_config, cache_view=self.cache_view)
+        self.prefill_router = Router(list(self.prefillers), router_config, cache_view=self.cache_view) \
+            if self.prefillers else None
         self.decider = decider or PDDecider()
         self.handoff_ttl_ms = handoff_ttl_ms
         self.on_health_change = on_health_change  # (address, healthy) on every transition
@@ -157,6 +165,11 @@ class MeshClient:
         self._events_started = True
         for address, worker in [*self.decoders.items(), *self.prefillers.items()]:
             self._subscribe(address, worker)
+        if self.cache_channel is not None and self.cache_address not in self.subscribers:
+            subscriber = KVEventSubscriber(self.cache_address, self.cache_channel.channel, self.cache_view, "",
+                                           self.subscriber_config)
+            self.subscribers[self.cache_address] = subscriber
+            subscriber.start()
 
     async def stop_kv_events(self) -> None:
         self._events_started = False
@@ -175,7 +188,8 @@ class MeshClient:
         await self.stop_kv_events()
         for task in list(self._retiring):
             task.cancel()
-        for w in list(self.decoders.values()) + list(self.prefillers.values()) + self._retired:
+        cache = [self.cache_channel] if self.cache_channel is not None else []
+        for w in list(self.decoders.values()) + list(self.prefillers.values()) + self._retired + cache:
             await w.channel.close()
 
     async def set_worker_addresses(self, role: str, addresses: Sequence[str]) -> tuple[tuple[str, ...], ...]:
@@ -195,7 +209,7 @@ class MeshClient:
         if router is None:  # the first prefill workers of a gateway that started without any
             if not wanted:
                 return (), ()
-            router = self.prefill_router = Router(wanted, self._router_config)
+            router = self.prefill_router = Router(wanted, self._router_config, cache_view=self.cache_view)
             added, removed = wanted, ()
         else:
             added, removed = router.set_addresses(wanted)
@@ -324,11 +338,13 @@ class MeshClient:
     def _observe(self, router: Router, pick: Pick, actual_tokens: int) -> None:
         """A worker served `actual_tokens` from its cache where its index promised `pick.cached_tokens`: fewer
         means the index is wrong; it is emptied and resubscribed before another request relies on it."""
-        if router.observe(pick.address, pick.cached_tokens, actual_tokens):
+        wrong = router.observe(pick, actual_tokens)
+        if wrong is not None:
             self.stats.stale_beliefs += 1
-            log.info("%s served %d cached tokens where its index promised %d; resyncing its KV events",
-                     pick.address, actual_tokens, pick.cached_tokens)
-            subscriber = self.subscribers.get(pick.address)
+            source = self.cache_address if wrong == CACHE else pick.address
+            log.info("%s served %d cached tokens where the indexes promised %d; resyncing the KV events of %s",
+                     pick.address, actual_tokens, pick.cached_tokens, source)
+            subscriber = self.subscribers.get(source)
             if subscriber is not None:
                 subscriber.resync()
 

@@ -14,6 +14,10 @@ Contract:
 - `cached_tokens(prompt)` is the prompt tokens this worker would serve from its cache under the engine's prefix hit
   rule (`engine.memory.hit_rule.resumable_blocks`: every block present, a snapshot at the last one when the model
   has KDA layers, one token left to compute) over the prompt's hashes in the worker's hash space.
+  `cached_tokens(prompt, reader)` reads this index in `reader`'s hash space and hit rule instead: the index of the
+  cache service (its snapshot says `any_model`: hashes of every model, no space of its own; live on its snapshot),
+  for the worker `reader` that would import from it. The snapshot's `loads_remote_prefix` (a worker that imports
+  what the cache service holds) is kept as `loads_remote_prefix`.
 - `PromptKey` is a prompt as the routers see it (token ids, the tenant's engine cache salt, image spans); it hashes
   lazily, once per hash space, exactly as the engine does (engine/memory/hashing.py).
 Not thread-safe by itself: the router calls it under its lock.
@@ -78,6 +82,8 @@ class WorkerIndex:
         self.snapshots: set[bytes] = set()
         self.space: HashSpace | None = None
         self.snapshots_required = True
+        self.any_model = False  # the cache service's index: hashes of every model
+        self.loads_remote_prefix = False  # this worker imports what the cache service holds
         self.epoch: int | None = None
         self.next_sequence = 0
         self.load = WorkerLoad()
@@ -110,8 +116,9 @@ class WorkerIndex:
         self.blocks, self.snapshots = set(snap.block_hashes), set(snap.snapshot_hashes)
         self.space = HashSpace(snap.fingerprint, snap.block_size) if snap.block_size > 0 else None
         self.snapshots_required = snap.snapshots_required
+        self.any_model, self.loads_remote_prefix = snap.any_model, snap.loads_remote_prefix
         self.epoch, self.next_sequence = message.epoch, message.sequence
-        self.live = self.space is not None
+        self.live = self.space is not None or self.any_model
 
     def clear(self) -> None:
         self.live = False
@@ -122,9 +129,10 @@ class WorkerIndex:
     def expired(self, now: float, stale_after_s: float) -> bool:
         return self.live and (self.heard_at is None or now - self.heard_at > stale_after_s)
 
-    def cached_tokens(self, prompt: PromptKey) -> int:
-        if not self.live or prompt.num_tokens == 0:
+    def cached_tokens(self, prompt: PromptKey, reader: WorkerIndex | None = None) -> int:
+        reader = reader or self
+        if not self.live or not reader.live or reader.space is None or prompt.num_tokens == 0:
             return 0
-        hashes, bs = prompt.hashes(self.space), self.space.block_size
-        snapshots = (h in self.snapshots for h in hashes) if self.snapshots_required else None
+        hashes, bs = prompt.hashes(reader.space), reader.space.block_size
+        snapshots = (h in self.snapshots for h in hashes) if reader.snapshots_required else None
         return resumable_blocks(prompt.num_tokens, bs, (h in self.blocks for h in hashes), snapshots) * bs

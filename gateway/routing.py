@@ -4,19 +4,26 @@ Contract:
 - `Router(addresses, config)` serves one pool (`--prefill-workers` or `--decode-workers`, parsed by
   `parse_worker_list`). Each worker has a `WorkerIndex` (gateway/prefix_index.py) fed by its KV event stream
   (`apply_kv_event`, from gateway/kv_events.py): what its prefix cache holds, and its load as it last reported.
+- Reusable tokens of a prompt on a worker (`Pick.cached_tokens`): `max(local, importable)`, where `local` is what
+  its own cache serves (`WorkerIndex.cached_tokens`: the engine's prefix hit rule over the hashes the worker
+  reported) and `importable` what the cache service holds under the same rule in that worker's hash space
+  (`CacheServiceView`, fed by the cache service's own KV event stream) — counted only for a worker whose snapshot
+  says it loads remote prefixes (`loads_remote_prefix`: it imports that prefix, blocks + snapshot, before computing;
+  worker/prefix.py). `transfer_tokens = cached_tokens - local` of them travel from the cache service.
 - Cost (`pick(prompt)`): the healthy worker of least
-  `cost = uncached_tokens + load_weight * queue + kv_usage_weight * kv_usage`, where `uncached_tokens` are the prompt
-  tokens the worker would have to prefill (all of them but `WorkerIndex.cached_tokens`: the engine's prefix hit rule
-  over the hashes the worker reported), `queue = active + max(0, running + waiting - active_then)` (`active`: this gateway's
+  `cost = uncached_tokens + transfer_weight * transfer_tokens + load_weight * queue + kv_usage_weight * kv_usage`:
+  a token cached nowhere the worker can reach costs 1 (a prefill), one imported `transfer_weight` (default 1/8: a
+  copy, far cheaper than computing it), one in its own cache 0; `uncached_tokens = prompt - cached_tokens`; `queue = active + max(0, running + waiting - active_then)` (`active`: this gateway's
   requests in flight there, known at once; `running + waiting`: the worker's last report, of which the `active_then`
   this gateway had in flight when it arrived are its own: the rest are other gateways') and `kv_usage` the reported fraction of its KV pool in use. Ties go to the worker listed first. No
   healthy worker: `NoHealthyWorker`. `costs(prompt)` lists every healthy worker's `Pick`.
 - Nothing is guessed: a worker whose index is not live (no snapshot yet, a gap or a new epoch until the resync, a
   broken stream) or whose stream was silent for `config.stale_after_s` counts as holding nothing.
-- `route(prompt)` is `pick` + `start` under one lock; `finish(address)` ends a request. `observe(address, predicted,
-  actual)`: a request reported fewer cached tokens than its pick predicted: the index was wrong (events not yet
-  arrived, or a restart not yet seen), so it is emptied at once — no second request is routed on that belief —
-  and the caller resubscribes.
+- `route(prompt)` is `pick` + `start` under one lock; `finish(address)` ends a request. `observe(pick, actual)`: a
+  request reported fewer cached tokens than its pick predicted: an index was wrong (events not yet arrived, or a
+  restart not yet seen), so it is emptied at once — no second request is routed on that belief — and the caller
+  resubscribes: the worker's (`WORKER`) when even its local share was not served, else the cache service's
+  (`CACHE`).
 - Health: workers start healthy; `mark_unhealthy` / `mark_healthy` are called by the app's health-check loop.
   Marking a worker unhealthy empties its index; its in-flight count stays until those requests `finish`.
 - Pool membership: `set_addresses(addresses)` replaces the worker set (service discovery calls it through
@@ -26,8 +33,10 @@ Contract:
 - The P/D decision (`PDDecider`, used by `gateway.mesh_client.MeshClient` for every request): prefill on the decode
   worker ("local") when there is no healthy prefill worker, the request has `n > 1`, or prefill is saturated
   (`max_prefill_inflight` prefills in flight from this gateway; 0: no limit); else remote prefill exactly when at
-  least `min_uncached_tokens` prompt tokens are not in the chosen decode worker's prefix cache — the same index the
-  decode pick read (`Pick.cached_tokens`; `should_prefill_remotely`).
+  least `min_uncached_tokens` prompt tokens are not reusable on the chosen decode worker — neither in its prefix
+  cache nor importable by it from the cache service — read from the same `Pick` that chose it (`Pick.cached_tokens`;
+  `should_prefill_remotely`). So a prefix that only the cache service holds sends a request down the colocated path
+  when the decode worker imports it (a transfer instead of a second prefill and a handoff).
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.prefix_index import RESYNC, PromptKey, WorkerIndex
+
+WORKER, CACHE = "worker", "cache"  # which index `Router.observe` found wrong
 from protos import kv_events_pb2
 
 
@@ -51,10 +62,14 @@ class RouterConfig:
     load_weight: float = 128.0
     # A full KV pool costs this many uncached tokens (it preempts or queues; proportional below).
     kv_usage_weight: float = 256.0
+    # One prompt token imported from the cache service costs this many uncached tokens (a copy, not a prefill).
+    transfer_weight: float = 0.125
     # A worker whose event stream said nothing for this long (seconds) counts as holding nothing (heartbeats: 0.5 s).
     stale_after_s: float = 3.0
 
     def __post_init__(self):
+        if not 0 <= self.transfer_weight <= 1:
+            raise ValueError(f"transfer_weight must be in [0, 1], got {self.transfer_weight}")
         if self.load_weight < 0 or self.kv_usage_weight < 0:
             raise ValueError(f"load_weight and kv_usage_weight must be >= 0, got {self.load_weight}, "
                              f"{self.kv_usage_weight}")
@@ -65,11 +80,48 @@ class RouterConfig:
 @dataclass(frozen=True)
 class Pick:
     address: str
-    cached_tokens: int
+    cached_tokens: int  # reusable there: in its own cache, or importable from the cache service
     uncached_tokens: int
     queue: int  # this gateway's requests in flight + the others the worker last reported
     kv_usage: float
     cost: float
+    local_tokens: int = 0  # of `cached_tokens`, in the worker's own cache
+    transfer_tokens: int = 0  # of `cached_tokens`, to import from the cache service
+
+
+class CacheServiceView:
+    """What the cache service holds, from its KV event stream (gateway/kv_events.py feeds it like a worker's index:
+    `apply_kv_event`, `clear_index`); shared by the mesh's routers. Silent for `stale_after_s`: holds nothing."""
+
+    def __init__(self, stale_after_s: float = 3.0, clock: Callable[[], float] = time.monotonic):
+        self.index = WorkerIndex()
+        self.stale_after_s = stale_after_s
+        self._clock = clock
+        self._lock = threading.Lock()
+
+    def apply_kv_event(self, address: str, message: kv_events_pb2.KVEventMessage) -> str:
+        with self._lock:
+            return self.index.apply(message, self._clock())
+
+    def clear_index(self, address: str | None = None) -> None:
+        with self._lock:
+            self.index.clear()
+
+    def held_tokens(self, prompt: PromptKey, reader: WorkerIndex) -> int:
+        """The prompt tokens the worker of index `reader` could import (its hash space and hit rule)."""
+        with self._lock:
+            if self.index.expired(self._clock(), self.stale_after_s):
+                self.index.clear()
+            return self.index.cached_tokens(prompt, reader)
+
+    def observe_wrong(self) -> bool:
+        """A worker imported less than this view promised: empties it -> True when it was live (resubscribe)."""
+        with self._lock:
+            if not self.index.live:
+                return False
+            self.index.resyncs += 1
+            self.index.clear()
+            return True
 
 
 def parse_worker_list(text: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -93,12 +145,13 @@ class _WorkerState:
 
 class Router:
     def __init__(self, addresses: Sequence[str], config: RouterConfig = RouterConfig(),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, cache_view: CacheServiceView | None = None):
         if not addresses:
             raise ValueError("a router needs at least one worker address")
         addresses = parse_worker_list(list(addresses))
         self.config = config
         self._clock = clock
+        self.cache_view = cache_view  # None: no cache service events; only the workers' own caches count
         self._workers = {a: _WorkerState(a) for a in addresses}
         self._lock = threading.Lock()
 
@@ -172,18 +225,20 @@ class Router:
             if worker is not None:
                 worker.index.clear()
 
-    def observe(self, address: str, predicted_tokens: int, actual_tokens: int) -> bool:
-        """A request routed to `address` on a belief of `predicted_tokens` cached tokens was served `actual_tokens`
-        from the worker's cache; True (the index was emptied: resubscribe) when the belief was too high."""
-        if actual_tokens >= predicted_tokens:
-            return False
+    def observe(self, pick: Pick, actual_tokens: int) -> str | None:
+        """A request routed on `pick` was served `actual_tokens` from the worker's cache (after any import) -> the
+        index emptied for a belief too high (`WORKER` or `CACHE`: resubscribe it), or None."""
+        if actual_tokens >= pick.cached_tokens:
+            return None
+        if actual_tokens >= pick.local_tokens and pick.transfer_tokens:
+            return CACHE if self.cache_view is not None and self.cache_view.observe_wrong() else None
         with self._lock:
-            worker = self._workers.get(address)
+            worker = self._workers.get(pick.address)
             if worker is None or not worker.index.live:
-                return False
+                return None
             worker.index.resyncs += 1
             worker.index.clear()
-            return True
+            return WORKER
 
     def index(self, address: str) -> WorkerIndex:
         """`address`'s prefix index (read it under no assumption of stability: for tests and metrics)."""
@@ -216,12 +271,16 @@ class Router:
         index = worker.index
         if index.expired(now, self.config.stale_after_s):
             index.clear()  # silent for too long: nothing it said can be trusted
-        cached = index.cached_tokens(prompt) if prompt is not None else 0
+        local = index.cached_tokens(prompt) if prompt is not None else 0
+        importable = self.cache_view.held_tokens(prompt, index) if (
+            prompt is not None and self.cache_view is not None and index.loads_remote_prefix) else 0
+        cached = max(local, importable)
         uncached = (prompt.num_tokens if prompt is not None else 0) - cached
         others = max(0, index.load.running + index.load.waiting - worker.active_at_report)
         queue = worker.active + others
-        cost = uncached + self.config.load_weight * queue + self.config.kv_usage_weight * index.load.kv_usage
-        return Pick(worker.address, cached, uncached, queue, index.load.kv_usage, cost)
+        cost = (uncached + self.config.transfer_weight * (cached - local) + self.config.load_weight * queue
+                + self.config.kv_usage_weight * index.load.kv_usage)
+        return Pick(worker.address, cached, uncached, queue, index.load.kv_usage, cost, local, cached - local)
 
     def _costs(self, prompt: PromptKey | None) -> list[Pick]:
         now = self._clock()
@@ -255,7 +314,8 @@ class PDDecider:
 
     def decide(self, num_prompt_tokens: int, n: int, cached_tokens: int, prefill_inflight: int,
                have_prefill: bool) -> str:
-        """"remote" or "local" for a prompt of which `cached_tokens` are in the decode worker's prefix cache."""
+        """"remote" or "local" for a prompt of which `cached_tokens` are reusable on the decode worker (its prefix
+        cache, or imported by it from the cache service: `Pick.cached_tokens`)."""
         if not have_prefill or n != 1:
             return "local"
         saturated = bool(self.max_prefill_inflight) and prefill_inflight >= self.max_prefill_inflight

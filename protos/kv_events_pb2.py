@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/kv_events.proto\x12\nkdamesh.v1\"#\n\x12KVSubscribeRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xbc\x01\n\x0eKVEventMessage\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12/\n\x08snapshot\x18\x03 \x01(\x0b\x32\x1b.kdamesh.v1.KVCacheSnapshotH\x00\x12*\n\x06\x65vents\x18\x04 \x01(\x0b\x32\x18.kdamesh.v1.KVEventBatchH\x00\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.kdamesh.v1.WorkerLoadB\x06\n\x04\x62ody\"\x85\x01\n\x0fKVCacheSnapshot\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x17\n\x0fsnapshot_hashes\x18\x02 \x03(\x0c\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\x0c\x12\x1a\n\x12snapshots_required\x18\x05 \x01(\x08\"D\n\x07KVEvent\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.kdamesh.v1.KVEventKind\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"3\n\x0cKVEventBatch\x12#\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x13.kdamesh.v1.KVEvent\"@\n\nWorkerLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01*\xb4\x01\n\x0bKVEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_EVENT_KIND_BLOCK_STORED\x10\x01\x12\x1f\n\x1bKV_EVENT_KIND_BLOCK_REMOVED\x10\x02\x12!\n\x1dKV_EVENT_KIND_SNAPSHOT_STORED\x10\x03\x12\"\n\x1eKV_EVENT_KIND_SNAPSHOT_REMOVED\x10\x04\x32[\n\x0eKVEventService\x12I\n\tSubscribe\x12\x1e.kdamesh.v1.KVSubscribeRequest\x1a\x1a.kdamesh.v1.KVEventMessage0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/kv_events.proto\x12\nkdamesh.v1\"#\n\x12KVSubscribeRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xbc\x01\n\x0eKVEventMessage\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12/\n\x08snapshot\x18\x03 \x01(\x0b\x32\x1b.kdamesh.v1.KVCacheSnapshotH\x00\x12*\n\x06\x65vents\x18\x04 \x01(\x0b\x32\x18.kdamesh.v1.KVEventBatchH\x00\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.kdamesh.v1.WorkerLoadB\x06\n\x04\x62ody\"\xb5\x01\n\x0fKVCacheSnapshot\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x17\n\x0fsnapshot_hashes\x18\x02 \x03(\x0c\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\x0c\x12\x1a\n\x12snapshots_required\x18\x05 \x01(\x08\x12\x11\n\tany_model\x18\x06 \x01(\x08\x12\x1b\n\x13loads_remote_prefix\x18\x07 \x01(\x08\"D\n\x07KVEvent\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.kdamesh.v1.KVEventKind\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"3\n\x0cKVEventBatch\x12#\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x13.kdamesh.v1.KVEvent\"@\n\nWorkerLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01*\xb4\x01\n\x0bKVEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_EVENT_KIND_BLOCK_STORED\x10\x01\x12\x1f\n\x1bKV_EVENT_KIND_BLOCK_REMOVED\x10\x02\x12!\n\x1dKV_EVENT_KIND_SNAPSHOT_STORED\x10\x03\x12\"\n\x1eKV_EVENT_KIND_SNAPSHOT_REMOVED\x10\x04\x32[\n\x0eKVEventService\x12I\n\tSubscribe\x12\x1e.kdamesh.v1.KVSubscribeRequest\x1a\x1a.kdamesh.v1.KVEventMessage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kv_events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVEVENTKIND']._serialized_start=592
-  _globals['_KVEVENTKIND']._serialized_end=772
+  _globals['_KVEVENTKIND']._serialized_start=640
+  _globals['_KVEVENTKIND']._serialized_end=820
   _globals['_KVSUBSCRIBEREQUEST']._serialized_start=38
   _globals['_KVSUBSCRIBEREQUEST']._serialized_end=73
   _globals['_KVEVENTMESSAGE']._serialized_start=76
   _globals['_KVEVENTMESSAGE']._serialized_end=264
   _globals['_KVCACHESNAPSHOT']._serialized_start=267
-  _globals['_KVCACHESNAPSHOT']._serialized_end=400
-  _globals['_KVEVENT']._serialized_start=402
-  _globals['_KVEVENT']._serialized_end=470
-  _globals['_KVEVENTBATCH']._serialized_start=472
-  _globals['_KVEVENTBATCH']._serialized_end=523
-  _globals['_WORKERLOAD']._serialized_start=525
-  _globals['_WORKERLOAD']._serialized_end=589
-  _globals['_KVEVENTSERVICE']._serialized_start=774
-  _globals['_KVEVENTSERVICE']._serialized_end=865
+  _globals['_KVCACHESNAPSHOT']._serialized_end=448
+  _globals['_KVEVENT']._serialized_start=450
+  _globals['_KVEVENT']._serialized_end=518
+  _globals['_KVEVENTBATCH']._serialized_start=520
+  _globals['_KVEVENTBATCH']._serialized_end=571
+  _globals['_WORKERLOAD']._serialized_start=573
+  _globals['_WORKERLOAD']._serialized_end=637
+  _globals['_KVEVENTSERVICE']._serialized_start=822
+  _globals['_KVEVENTSERVICE']._serialized_end=913
 # @@protoc_insertion_point(module_scope)

@@ -41,18 +41,22 @@ class KVEventMessage(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., snapshot: _Optional[_Union[KVCacheSnapshot, _Mapping]] = ..., events: _Optional[_Union[KVEventBatch, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class KVCacheSnapshot(_message.Message):
-    __slots__ = ("block_hashes", "snapshot_hashes", "block_size", "fingerprint", "snapshots_required")
+    __slots__ = ("block_hashes", "snapshot_hashes", "block_size", "fingerprint", "snapshots_required", "any_model", "loads_remote_prefix")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    ANY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LOADS_REMOTE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     snapshot_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_size: int
     fingerprint: bytes
     snapshots_required: bool
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., snapshot_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., snapshots_required: _Optional[bool] = ...) -> None: ...
+    any_model: bool
+    loads_remote_prefix: bool
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., snapshot_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., snapshots_required: _Optional[bool] = ..., any_model: _Optional[bool] = ..., loads_remote_prefix: _Optional[bool] = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("kind", "block_hash")

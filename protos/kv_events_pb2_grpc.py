@@ -49,7 +49,8 @@ class KVEventServiceServicer:
         always a snapshot of the whole cache; then event batches as the engine stores and evicts (empty batches as
         heartbeats, at least every heartbeat interval), and a new snapshot whenever the worker itself lost events.
         A subscriber that falls behind by more than the worker's queue is ended with RESOURCE_EXHAUSTED (it
-        resubscribes). UNAVAILABLE while the model loads or the worker stops.
+        resubscribes). UNAVAILABLE while the model loads or the worker stops; UNIMPLEMENTED from a cache service whose
+        backend cannot see its own evictions (Redis: it evicts by itself and workers write it directly).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

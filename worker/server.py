@@ -43,7 +43,7 @@ from telemetry.metrics import (CounterSample, EngineGauges, MetricsServer, Worke
                                start_metrics_server)
 from telemetry.rpc import client_interceptors, server_interceptors
 from protos import kv_events_pb2_grpc
-from worker.kv_events import KVEventPublisher, KVEventServicer
+from worker.kv_events import KVEventPublisher, KVEventServicer, engine_publisher
 from worker.prefix import PrefixCounters
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,9 @@ class WorkerServer:
                                      interceptors=[*client_interceptors(self.tracer_provider),
                                                    *mesh_auth.client_interceptors(self.config.mesh_token)])
         self.servicer.worker = self.make_worker()
-        self.kv_events = KVEventPublisher(self.engine, self.config.kv_events)
+        prefix = getattr(self.servicer.worker, "prefix", None)  # worker/prefix.py RemotePrefix, None: no cache
+        self.kv_events = engine_publisher(self.engine, self.config.kv_events,
+                                          loads_remote_prefix=prefix is not None and prefix.enabled)
         await self.kv_events.start()
         self.kv_event_servicer.publisher = self.kv_events
         for name in ("", self.service_name):

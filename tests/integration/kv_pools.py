@@ -40,14 +40,15 @@ def families(tenants: int = 4, prefixes: int = 4, seed: int = 0) -> list[Family]
 
 
 async def start_worker(mesh: Mesh, role: str, model_dir, address: str = "127.0.0.1:0", engine: dict | None = None):
-    """Another worker of `role` on the mesh's cache service -> (server, address); `engine`: engine overrides."""
+    """Another worker of `role` on the mesh's cache service (loading remote prefixes when the mesh's do) ->
+    (server, address); `engine`: engine overrides."""
     args = engine_args(model_dir, **(engine or {}))
+    common = dict(engine=args, address=address, cache_address=mesh.cache_address, cache_timeout_s=5.0,
+                  load_remote_prefix=mesh.load_remote_prefix)
     if role == "prefill":
-        server, port = await serve_prefill(PrefillServiceConfig(engine=args, address=address,
-                                                                cache_address=mesh.cache_address, cache_timeout_s=5.0))
+        server, port = await serve_prefill(PrefillServiceConfig(**common))
     else:
-        server, port = await serve_decode(DecodeServiceConfig(engine=args, address=address,
-                                                              cache_address=mesh.cache_address, cache_timeout_s=5.0))
+        server, port = await serve_decode(DecodeServiceConfig(**common))
     await server.ready()
     return server, f"127.0.0.1:{port}"
 

@@ -135,7 +135,8 @@ class Mesh:
                  decode_engine: dict | None = None, kv_load_failure_policy: str = "recompute",
                  handoff_ttl_s: float = 30.0, handoff_full_kv: bool = False, with_prefill: bool = True,
                  cache_address: str | None = None, redis_key_prefix: str = "kdamesh:",
-                 cache_data_plane: bool = True, prefill_tp: int = 1, decode_tp: int = 1):
+                 cache_data_plane: bool = True, prefill_tp: int = 1, decode_tp: int = 1,
+                 load_remote_prefix: bool = True):
         self.model_dir = model_dir
         self.backend = backend
         self.engine_overrides = engine or {}
@@ -148,6 +149,7 @@ class Mesh:
         self.cache_address = cache_address  # an external (or dead) cache service instead of our own
         self.redis_key_prefix = redis_key_prefix
         self.cache_data_plane = cache_data_plane  # False: the workers' payloads travel over gRPC (BatchPut/BatchGet)
+        self.load_remote_prefix = load_remote_prefix  # False: the workers import no prefixes from the cache service
         self.cache_server = self.prefill_server = self.decode_server = None
         self._channels: list[grpc.aio.Channel] = []
 
@@ -161,12 +163,14 @@ class Mesh:
         if self.with_prefill:
             self.prefill_server, pport = await serve_prefill(PrefillServiceConfig(
                 engine=self._engine("prefill", self.engine_overrides), cache_address=self.cache_address,
-                address="127.0.0.1:0", handoff_full_kv=self.handoff_full_kv, cache_timeout_s=5.0))
+                address="127.0.0.1:0", handoff_full_kv=self.handoff_full_kv, cache_timeout_s=5.0,
+                load_remote_prefix=self.load_remote_prefix))
             self.prefill_address = f"127.0.0.1:{pport}"
             starts.append(self.prefill_server.ready())
         self.decode_server, dport = await serve_decode(DecodeServiceConfig(
             engine=self._engine("decode", self.decode_engine_overrides), cache_address=self.cache_address,
-            address="127.0.0.1:0", kv_load_failure_policy=self.policy, cache_timeout_s=5.0))
+            address="127.0.0.1:0", kv_load_failure_policy=self.policy, cache_timeout_s=5.0,
+            load_remote_prefix=self.load_remote_prefix))
         self.decode_address = f"127.0.0.1:{dport}"
         starts.append(self.decode_server.ready())
         await asyncio.gather(*starts)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 
 from tests.integration.gateway_harness import checkpoint_fixture
-from tests.integration.kv_pools import (FAST_STALE, PREFIX_TOKENS, ask, families, settle, spy_picks, start_worker,
-                                        subscribed_client)
+from gateway.kv_events import SubscriberConfig
+from gateway.mesh_client import MeshClient, PDDecider
+from tests.integration.kv_pools import (FAST_STALE, PREFIX_TOKENS, SUFFIX_TOKENS, ask, families, settle, spy_picks,
+                                        start_worker, subscribed_client)
 from tests.integration.mesh_harness import Mesh, run_bounded
 
 tiny_k3 = checkpoint_fixture("tiny-k3", "tiny-k3", seed=3)
@@ -166,4 +168,52 @@ def test_event_stream_faults_restart_gap_and_silence(tiny_k3):
                 for server in servers.values():
                     if server is not mesh.decode_server:
                         await server.stop(0)
+    run_bounded(main(), timeout_s=240)
+
+
+async def _until_the_cache_service_holds(client, family, reader_address) -> None:
+    key = client.prompt_key(_request(family))
+    async with asyncio.timeout(10):
+        while client.cache_view.index.cached_tokens(key, client.decode_router.index(reader_address)) < PREFIX_TOKENS:
+            await asyncio.sleep(0.02)
+
+
+def test_a_prefix_only_the_cache_service_holds_goes_colocated_and_hits(tiny_k3):
+    """After a remote prefill, the decode worker holds the prefix's blocks but no snapshot at its end (it imported a
+    handoff), the cache service holds both (prefill published them): with the cache service's events the next
+    request of the family is colocated and the decode worker imports the prefix (a whole-prefix hit); without them
+    (the negative control) the gateway sees nothing reusable and prefills remotely again."""
+    async def main():
+        async with Mesh(tiny_k3) as mesh:
+            servers = {mesh.prefill_address: mesh.prefill_server, mesh.decode_address: mesh.decode_server}
+            decider = PDDecider(min_uncached_tokens=SUFFIX_TOKENS + 1)
+            config = SubscriberConfig(stale_after_s=3.0, retry_s=0.05, max_retry_s=0.2)
+            with_cache = MeshClient([mesh.decode_address], [mesh.prefill_address], decider,
+                                    subscriber_config=config,
+                                    cache_address=mesh.cache_address)
+            without = MeshClient([mesh.decode_address], [mesh.prefill_address], decider, subscriber_config=config)
+            with_cache.start_kv_events()
+            without.start_kv_events()
+            try:
+                first, second = families(tenants=2, prefixes=1)
+                await settle(with_cache, servers)
+                cold = await ask(with_cache, first, 0)
+                assert cold.route == "remote" and cold.usage.cached_tokens == 0
+                await _until_the_cache_service_holds(with_cache, first, mesh.decode_address)
+                await settle(with_cache, servers)
+                pick = with_cache.decode_router.pick(with_cache.prompt_key(_request(first)))
+                assert (pick.local_tokens, pick.transfer_tokens) == (0, PREFIX_TOKENS)  # the hit rule: no snapshot
+                loads = mesh.decode_server.worker.counters.remote_loads
+                warm = await ask(with_cache, first, 1)
+                assert warm.route == "local" and warm.usage.cached_tokens >= PREFIX_TOKENS
+                assert mesh.decode_server.worker.counters.remote_loads == loads + 1  # imported, not computed
+                assert with_cache.stats.stale_beliefs == 0
+                # negative control: another family, same path, a gateway that does not follow the cache service
+                assert (await ask(without, second, 0)).route == "remote"
+                await _until_the_cache_service_holds(with_cache, second, mesh.decode_address)
+                await settle(without, servers)
+                assert (await ask(without, second, 1)).route == "remote"
+            finally:
+                await with_cache.close()
+                await without.close()
     run_bounded(main(), timeout_s=240)

@@ -47,9 +47,10 @@ class Layer:
 # The engine's torch-free modules (the gateway renders, tokenizes and hashes blocks without the model).
 ENGINE_TORCH_FREE = ("engine.tokenizer", "engine.formats", "engine.memory.hashing", "engine.memory.hit_rule",
                      "engine.vision.processor")
-# What a worker may use of the cache service: the client, its value types and data planes, the object encoding.
+# What a worker may use of the cache service: the client, its value types and data planes, the object encoding, and
+# the KV event stream's publisher (shared by the workers' and the cache service's streams).
 CACHE_CLIENT = ("cache_service.client", "cache_service.client_types", "cache_service.data_plane",
-                "cache_service.objects")
+                "cache_service.objects", "cache_service.kv_stream")
 GRPC = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf")
 WORKER_SIDE = ("worker", "engine", "kernels", "protos", *CACHE_CLIENT, "telemetry")
 

@@ -3,6 +3,8 @@ the gateway given every address, the one-replica layout unchanged, bad counts re
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from deploy.cli import build_parser
@@ -61,3 +63,23 @@ def test_the_salt_secret_reaches_the_gateway_only(tmp_path):
     give_salt_secret(services, "s" * 64)
     assert services[-1].env[SALT_SECRET_ENV] == "s" * 64
     assert all(SALT_SECRET_ENV not in (s.env or {}) for s in services[:-1])
+
+
+def test_remote_prefix_loading_off_reaches_both_roles_and_the_gateway_follows_the_cache(tmp_path):
+    """`kdamesh up --no-load-remote-prefix`: every worker gets the flag and its role parser turns it into its
+    config; the gateway is always given the cache service's address (whose KV events it follows)."""
+    from deploy.serve import gateway_config_from, role_parser
+
+    ns = build_parser().parse_args(["up", "--no-load-remote-prefix", "--decode-replicas", "2"])
+    config = launch_config_from(ns, "INFO", "text", "none")
+    services = plan_services(dataclasses.replace(config, model=str(tmp_path), grpc_port=7000), str(tmp_path))
+    workers = [s for s in services if s.role in ("prefill", "decode")]
+    assert len(workers) == 3 and all("--no-load-remote-prefix" in s.argv for s in workers)
+    for s in workers:
+        assert role_parser(s.role).parse_args(s.argv).load_remote_prefix is False
+    default = plan_services(LaunchConfig(model=str(tmp_path), grpc_port=7000), str(tmp_path))
+    assert not any("--no-load-remote-prefix" in s.argv for s in default)  # negative control: on by default
+    assert all(role_parser(s.role).parse_args(s.argv).load_remote_prefix for s in default[1:-1])
+    gateway = services[-1]
+    assert _flag(gateway, "--cache-address") == "127.0.0.1:7000"
+    assert gateway_config_from(role_parser("gateway").parse_args(gateway.argv)).cache_address == "127.0.0.1:7000"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.prefix_index import RESYNC
-from gateway.routing import (NoHealthyWorker, PDDecider, Router, RouterConfig, parse_worker_list,
+from gateway.routing import (WORKER, NoHealthyWorker, PDDecider, Router, RouterConfig, parse_worker_list,
                              should_prefill_remotely)
 from tests.unit.gateway.kv_feed import BS, STORED, SNAP_STORED, SPACE, batch, holding, load, prompt, snapshot
 
@@ -136,11 +136,11 @@ def test_a_wrong_belief_is_used_once():
     r.apply_kv_event(B, holding(key, 8))
     first = r.route(key)
     assert (first.address, first.cached_tokens) == (B, 8 * BS)
-    assert not r.observe(B, first.cached_tokens, 8 * BS)  # as promised: nothing changes
-    assert r.observe(B, first.cached_tokens, 0)  # the worker had lost it (e.g. restarted)
+    assert r.observe(first, 8 * BS) is None  # as promised: nothing changes
+    assert r.observe(first, 0) == WORKER  # the worker had lost it (e.g. restarted)
     r.finish(B)
     assert r.pick(key).cached_tokens == 0 and r.pick(key).address == A
-    assert not r.observe(B, first.cached_tokens, 0)  # already emptied: nothing more to do
+    assert r.observe(first, 0) is None  # already emptied: nothing more to do
 
 
 def test_finish_never_goes_negative_and_unknown_addresses_fail():
