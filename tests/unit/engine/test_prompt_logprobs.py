@@ -16,6 +16,7 @@ from engine.runner import ModelRunner, Piece
 from tests.unit.engine.conftest import random_prompts
 
 TOP = 5
+TOL = 1e-4  # logprobs: chunked / cached vs one full forward
 
 
 def full_forward_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
@@ -43,13 +44,16 @@ def check_against(reference: torch.Tensor, prompt: list[int], got: list) -> None
         row = reference[p - 1]  # [V]: the distribution of the token at p
         entry = got[p]
         token = prompt[p]
-        assert abs(entry[token].logprob - float(row[token])) < 1e-4, p
-        assert entry[token].rank == int((row > row[token]).sum()) + 1, p
+        assert abs(entry[token].logprob - float(row[token])) < TOL, p
+        # the rank as the reference counts it, up to the tokens whose logprob lies within the tolerance of this one's
+        # (their order may differ by rounding between a full forward and chunks: seen on some CPUs)
+        above, near = int((row > row[token] + TOL).sum()), int((row > row[token] - TOL).sum())
+        assert above + 1 <= entry[token].rank <= near + 1, p
         values, ids = row.topk(TOP)
         assert {t for t, lp in entry.items() if lp.rank <= TOP} == set(ids.tolist()), p
         assert set(entry) == set(ids.tolist()) | {token}, p
         for value, top in zip(values.tolist(), ids.tolist()):
-            assert abs(entry[top].logprob - value) < 1e-4, (p, top)
+            assert abs(entry[top].logprob - value) < TOL, (p, top)
 
 
 @pytest.fixture(scope="module", params=["linear", "k3"])
