@@ -42,22 +42,33 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 WORKLOADS = {
     "prompt-lookup": {},  # the output is whatever the model makes of the repeated segment
     "loop": {"frequency_penalty": -2.0},  # repetitive by construction: the output falls into short loops
+    "code": {},  # a trained model (demo-k3) completing held-out standard-library files
+    "chat": {"ignore_eos": False},  # a trained model answering rendered chat prompts, until it stops by itself
 }
+TEXT_WORKLOADS = ("code", "chat")  # prompts from the model's own tokenizer (bench/spec_prompts.py)
 
 
 def _run(llm, prompts, output_len: int, sampling: dict) -> tuple[float, list[list[int]]]:
     from engine.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, **sampling)
+    params = SamplingParams(max_tokens=output_len, temperature=0, **{"ignore_eos": True, **sampling})
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
 
 
+def _workload_prompts(workload: str, batch: int, folder: str) -> list[list[int]]:
+    if workload not in TEXT_WORKLOADS:
+        return _prompts(batch)
+    from bench.spec_prompts import chat_prompts, code_prompts
+
+    return code_prompts(folder, batch) if workload == "code" else chat_prompts(folder, batch)
+
+
 def _measure(plain, spec, workload: str, batch: int, output_len: int, repeats: int) -> dict | None:
     """One row: plain and speculative in turn on the same prompts and sampling, `repeats` times each, best time of
     each (a shared machine's noise only ever slows a run down); None when the outputs differ."""
-    sampling, prompts = WORKLOADS[workload], _prompts(batch)
+    sampling, prompts = WORKLOADS[workload], _workload_prompts(workload, batch, plain.engine.args.model)
     _run(plain, prompts[:1], 4, sampling), _run(spec, prompts[:1], 4, sampling)  # warm-up
     t_plain = t_spec = float("inf")
     for _ in range(repeats):
@@ -71,7 +82,7 @@ def _measure(plain, spec, workload: str, batch: int, output_len: int, repeats: i
     drafts = after.spec_num_drafts - before.spec_num_drafts
     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
     per_pos = [(a - b) / max(drafts, 1) for a, b in zip(after.spec_accepted_per_pos, before.spec_accepted_per_pos)]
-    tokens = batch * output_len
+    tokens = sum(len(ids) for ids in ids_plain)  # = batch * output_len unless the workload lets requests stop
     return {"workload": workload, "batch": batch, "plain_tok_s": tokens / t_plain, "spec_tok_s": tokens / t_spec,
             "speedup": t_plain / t_spec, "mean_acceptance_length": 1 + accepted / max(drafts, 1),
             "acceptance_per_pos": per_pos, "distinct_output_tokens": len({t for ids in ids_plain for t in ids})}
@@ -96,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = dict(max_num_seqs=max(args.batch, 1), kv_cache_memory="2GiB", max_num_batched_tokens=4096)
     plain, spec = LLM(folder, **engine), LLM(folder, **engine, speculative_config=args.speculative_config)
     rows = []
-    for workload in WORKLOADS if args.workload == "all" else [args.workload]:
+    default = [w for w in WORKLOADS if w not in TEXT_WORKLOADS]  # "all": the workloads any model can run
+    for workload in default if args.workload == "all" else [args.workload]:
         for batch in (1, args.batch):
             row = _measure(plain, spec, workload, batch, args.output_len, args.repeats)
             if row is None:
