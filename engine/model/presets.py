@@ -161,6 +161,27 @@ def _k3_93_pattern() -> dict:
                     vision=_vision(32, hidden=32, layers=2, heads=2, inter=64, pos_grid=16))
 
 
+def demo_k3_config(tiny: bool = False) -> dict:
+    """The architecture of the trained `demo-k3` (trainer/): KDA:MLA 3:1, attention residuals in blocks of 2 layers,
+    SiTU, gated Q-LoRA MLA, latent MoE (8 experts, top-2, one shared), a one-layer vision tower (untrained: the demo
+    is text-only, the tower is there because the K3 format has one); bf16 weights. `tiny` is the suite's
+    end-to-end training test (the same forms, 4 layers at width 64)."""
+    if tiny:
+        text = _kimi_linear(hidden=64, layers=4, mla_layers=[4], kda_heads=2, kda_head_dim=32, mla_heads=2,
+                            kv_lora=32, nope=16, rope=8, v_dim=16, experts=4, top_k=2, shared=1, moe_inter=32,
+                            inter=128)
+        raw = _kimi_k3(text, q_lora=32, latent=32, block_size=2,
+                       vision=_vision(64, hidden=32, layers=1, heads=2, inter=64, pos_grid=16))
+    else:
+        text = _kimi_linear(hidden=256, layers=8, mla_layers=[4, 8], kda_heads=4, kda_head_dim=64, mla_heads=4,
+                            kv_lora=128, nope=32, rope=16, v_dim=64, experts=8, top_k=2, shared=1, moe_inter=256,
+                            inter=768)
+        raw = _kimi_k3(text, q_lora=128, latent=128, block_size=2,
+                       vision=_vision(256, hidden=32, layers=1, heads=2, inter=64, pos_grid=16))
+    raw["dtype"] = raw["text_config"]["dtype"] = "bfloat16"
+    return raw
+
+
 PRESETS = {
     "tiny-linear": _tiny_linear,
     "small-linear": _small_linear,
