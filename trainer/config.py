@@ -9,12 +9,13 @@ from dataclasses import dataclass
 class TrainConfig:
     out_dir: str
     tiny: bool = False  # the suite's end-to-end configuration (engine.model.presets.demo_k3_config(tiny=True))
-    steps: int = 400
-    batch_size: int = 16
+    steps: int = 100_000  # an upper bound: the run ends at `time_budget_s` (the schedule follows elapsed time)
+    time_budget_s: float = 2700.0  # wall-clock training budget; the learning-rate schedule runs over it
+    batch_size: int = 8
     seq_len: int = 256
     lr: float = 2.5e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     chat_fraction: float = 0.75
@@ -31,5 +32,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "chat_examples", "threads", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.time_budget_s <= 0:
+            raise ValueError(f"time_budget_s must be > 0, got {self.time_budget_s}")
         if not 0.0 <= self.chat_fraction <= 1.0:
             raise ValueError(f"chat_fraction must be in [0, 1], got {self.chat_fraction}")

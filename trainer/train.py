@@ -3,12 +3,13 @@
 Contract:
 - `train(config)` builds the corpus and tokenizer (`trainer.dataset`), the `demo_k3_config` model as the engine's
   own `KimiForCausalLM` (seeded init), and trains it with AdamW on next-token cross-entropy through
-  `trainer.forward.train_forward`, for `config.steps` steps (warm-up, then cosine decay to `min_lr_ratio`). Router
+  `trainer.forward.train_forward` (warm-up, then cosine decay to `min_lr_ratio` over the step or time budget). Router
   biases follow the aux-loss-free rule of `noaux_tc` (raised for under-loaded experts, lowered for over-loaded ones).
+- The run ends after `config.steps` steps or `time_budget_s` seconds of training, whichever comes first.
 - Resumable: the state (weights, optimizer, step, elapsed time) is saved atomically to `OUT_DIR/.train/state.pt`
   at most every `save_every_s` and at the end; a run on the same OUT_DIR continues from it (the batches are a
-  function of the step, so the result is the one an uninterrupted run gives). A state from a different
-  configuration is refused.
+  function of the step, the schedule continues from the saved elapsed time). A state from a different configuration
+  is refused.
 - Output: OUT_DIR holds the checkpoint (`engine.model.checkpoint.write_checkpoint`: config.json, bf16 safetensors,
   tokenizer, generation_config.json), `heldout_files.txt`, `training_log.txt` (one line per logged step) and
   `training_run.json` (command, Python and torch versions, steps, tokens seen, wall time). A progress bar goes to
@@ -59,10 +60,12 @@ def make_optimizer(model: KimiForCausalLM, config: TrainConfig) -> torch.optim.A
                               {"params": other, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
 
 
-def learning_rate(config: TrainConfig, step: int) -> float:
+def learning_rate(config: TrainConfig, step: int, elapsed: float) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine decay to `min_lr_ratio` over the run's progress: the larger
+    of the step share and the share of `time_budget_s` spent."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    progress = min(1.0, max(step / config.steps, elapsed / config.time_budget_s))
     return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -81,17 +84,17 @@ def balance_routers(model: KimiForCausalLM, loads: list[torch.Tensor], rate: flo
 
 
 class Progress:
-    """A one-line progress bar on stderr."""
+    """A one-line progress bar on stderr: the share of the step or time budget done, whichever is larger."""
 
-    def __init__(self, total: int, start: int):
-        self.total, self.start, self.t0 = total, start, time.monotonic()
+    def __init__(self, config: TrainConfig, start: int, elapsed: float):
+        self.config, self.start, self.elapsed0 = config, start, elapsed
 
-    def update(self, step: int, loss: float) -> None:
-        done = step + 1
-        rate = (done - self.start) / max(time.monotonic() - self.t0, 1e-9)
-        eta = (self.total - done) / rate if rate else 0.0
-        bar = "#" * int(30 * done / self.total)
-        sys.stderr.write(f"\r[{bar:<30}] {done}/{self.total} loss {loss:.3f} eta {eta / 60:.1f} min ")
+    def update(self, step: int, loss: float, elapsed: float) -> None:
+        done = min(1.0, max(step / self.config.steps, elapsed / self.config.time_budget_s))
+        rate = (step - self.start) / max(elapsed - self.elapsed0, 1e-9)
+        bar = "#" * int(30 * done)
+        sys.stderr.write(f"\r[{bar:<30}] step {step} loss {loss:.3f} {rate * 60:.1f} steps/min "
+                         f"{elapsed / 60:.1f}/{self.config.time_budget_s / 60:.0f} min ")
         sys.stderr.flush()
 
     def close(self) -> None:
@@ -131,29 +134,35 @@ def _log(out: Path, line: str, fresh: bool) -> None:
         log.write(line + "\n")
 
 
-def _train_steps(model, optimizer, data, config: TrainConfig, out: Path, start: int, elapsed: float) -> float:
-    progress, t0, last_save = Progress(config.steps, start), time.monotonic() - elapsed, time.monotonic()
+def _train_steps(model, optimizer, data, config: TrainConfig, out: Path, start: int,
+                 elapsed: float) -> tuple[int, float]:
+    """Steps from `start` until `config.steps` or the time budget; -> (steps done in all, elapsed seconds)."""
+    progress, t0, last_save = Progress(config, start, elapsed), time.monotonic() - elapsed, time.monotonic()
     tokens_per_step = config.batch_size * config.seq_len
     if start == 0:
         _log(out, "step tokens loss lr elapsed_s", fresh=True)
-    for step in range(start, config.steps):
+    step = start
+    while step < config.steps and time.monotonic() - t0 < config.time_budget_s:
+        lr = learning_rate(config, step, time.monotonic() - t0)
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step)
+            group["lr"] = lr
         loss, loads = lm_loss(model, dataset.batch(data, config, step))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
         balance_routers(model, loads, config.bias_update_rate)
-        progress.update(step, loss.item())
-        if step % config.log_every == 0 or step == config.steps - 1:
-            _log(out, f"{step} {(step + 1) * tokens_per_step} {loss.item():.4f} {learning_rate(config, step):.2e} "
-                      f"{time.monotonic() - t0:.1f}", fresh=False)
-        if time.monotonic() - last_save > config.save_every_s or step == config.steps - 1:
-            save_state(out, model, optimizer, step + 1, time.monotonic() - t0, config)
+        step += 1
+        progress.update(step, loss.item(), time.monotonic() - t0)
+        if step % config.log_every == 1 or config.log_every == 1:
+            _log(out, f"{step} {step * tokens_per_step} {loss.item():.4f} {lr:.2e} {time.monotonic() - t0:.1f}",
+                 fresh=False)
+        if time.monotonic() - last_save > config.save_every_s:
+            save_state(out, model, optimizer, step, time.monotonic() - t0, config)
             last_save = time.monotonic()
+    save_state(out, model, optimizer, step, time.monotonic() - t0, config)
     progress.close()
-    return time.monotonic() - t0
+    return step, time.monotonic() - t0
 
 
 def train(config: TrainConfig, command: list[str] | None = None) -> Path:
@@ -167,13 +176,15 @@ def train(config: TrainConfig, command: list[str] | None = None) -> Path:
     model = build_model(raw, config.seed)
     optimizer = make_optimizer(model, config)
     start, elapsed = load_state(out, model, optimizer, config)
-    if start < config.steps:
-        elapsed = _train_steps(model, optimizer, data, config, out, start, elapsed)
+    steps = start
+    if start < config.steps and elapsed < config.time_budget_s:
+        steps, elapsed = _train_steps(model, optimizer, data, config, out, start, elapsed)
     write_checkpoint(model, raw, out, torch.bfloat16, seed=config.seed, tiktoken_path=data.tiktoken_path)
     shutil.copyfile(out / WORK_DIR / corpus.HELDOUT_FILE, out / corpus.HELDOUT_FILE)
     run = {"command": command or sys.argv, "python": platform.python_version(), "torch": torch.__version__,
            "config": dataclasses.asdict(config), "parameters": count_parameters(model),
-           "tokens_seen": config.steps * config.batch_size * config.seq_len, "train_seconds": round(elapsed, 1),
+           "steps": steps,
+           "tokens_seen": steps * config.batch_size * config.seq_len, "train_seconds": round(elapsed, 1),
            "threads": config.threads}
     (out / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n", encoding="utf-8")
     return out
