@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from telemetry.mesh_auth import MESH_TOKEN_ENV, mesh_token_from_env, new_mesh_token
-from deploy.checkpoints import default_model_dir
+from deploy.checkpoints import default_model_dir, resolve_model
 from deploy.supervisor import RestartPolicy, Supervisor
 
 API_KEYS_ENV = "KDAMESH_API_KEYS"
@@ -53,7 +53,7 @@ INSTANCE_HEADER = "X-Kdamesh-Instance"  # the gateway's /health echoes its --ins
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    model: str | None = None  # None: the generated DEFAULT_PRESET checkpoint (created on first run)
+    model: str | None = None  # None: DEFAULT_PRESET (the shipped demo-k3); a shipped model's name or a folder
     mode: str = "disaggregated"
     host: str = "127.0.0.1"
     http_port: int = 8000  # the gateway's REST API
@@ -322,7 +322,7 @@ def _parser_flag(value: str, model: str) -> str | None:
 
 
 def up(config: LaunchConfig) -> int:
-    model = config.model or str(default_model_dir())
+    model = resolve_model(config.model) if config.model else str(default_model_dir())
     services = _preflight(config, model)
     if services is None:
         return 2
