@@ -26,8 +26,9 @@ def kdamesh_home() -> Path:
 
 
 # Bumped whenever make_checkpoint writes a folder differently (session 4: tokenizer.json + tokenization_kimi.py, the
-# K3 vision tower): a generated checkpoint with another stamp is made again instead of served stale.
-GENERATOR_VERSION = "2"
+# K3 vision tower; 3: the K3 presets' MTP layer): a generated checkpoint with another stamp is made again instead of
+# served stale.
+GENERATOR_VERSION = "3"
 GENERATOR_STAMP = ".kdamesh-generator"
 
 

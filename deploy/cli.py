@@ -111,10 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_make_checkpoint(sub) -> None:
-    from engine.model.presets import PRESETS
+    from engine.model.presets import DRAFTER_PRESETS, PRESETS
 
     mk = sub.add_parser("make-checkpoint", help="write a random, seeded checkpoint in the official layout")
-    mk.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    mk.add_argument("--preset", required=True, choices=sorted(PRESETS | DRAFTER_PRESETS),
+                    help="a model, or a drafter (*-dspark: a k3_dspark folder for the matching K3 preset)")
     mk.add_argument("out_dir")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -1,6 +1,7 @@
 """`kdamesh make-checkpoint`: random, seeded checkpoints in the official folder layouts.
 
-Contract: `make_checkpoint(preset, out_dir)` writes `config.json` (released layout), `generation_config.json`
+Contract: a drafter preset (`DRAFTER_PRESETS`, e.g. `tiny-k3-dspark`) writes a `k3_dspark` drafter folder
+(engine/spec/dspark.py) matching its target preset; any other `make_checkpoint(preset, out_dir)` writes `config.json` (released layout), `generation_config.json`
 (stopping on the end-of-message token), `*.safetensors` under the official names (sharded with an index above
 `max_shard_bytes`), and the tokenizer (`tiktoken.model` + `tokenizer_config.json` in Moonshot's format, plus
 `tokenizer.json` and our `tokenization_kimi.py`, so `transformers.AutoTokenizer.from_pretrained` loads it with or
@@ -9,6 +10,8 @@ preset and seed give the same bytes. K3 presets can write routed experts as MXFP
 K3 presets also write their vision tower and projector (`vision_tower.*`, `mm_projector.*`, seeded from their own
 generator, so the text weights of a seed do not depend on the tower) and `preprocessor_config.json`
 (`media_proc_cfg` in the released form, see `engine.vision.processor`).
+K3 presets with `num_nextn_predict_layers` also write their MTP layers (`model.layers.{N + i}.*`, engine/spec/mtp_model.py),
+seeded per tensor name, so the target's weights of a seed do not depend on them either.
 `text_overrides` replaces fields of the (text) config, for variants of a preset (e.g. a wider expert intermediate).
 """
 
@@ -25,7 +28,7 @@ from engine.model.config import ModelConfig
 from engine.model.init import init_random_weights
 from engine.model.loader import DTYPES, build_empty_model, save_weights
 from engine.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from engine.model.presets import EOS_ID, NUM_BASE_TOKENS, preset_config
+from engine.model.presets import DRAFTER_PRESETS, EOS_ID, NUM_BASE_TOKENS, preset_config
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,8 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str 
                     text_overrides: dict | None = None) -> Path:
     if experts_format not in EXPERT_FORMATS:
         raise ValueError(f"experts_format {experts_format!r}: expected one of {EXPERT_FORMATS}")
+    if preset in DRAFTER_PRESETS:
+        return _make_drafter(preset, out_dir, seed, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = preset_config(preset)
@@ -49,8 +54,9 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str 
     init_random_weights(model, seed=seed)
     if experts_format == "mxfp4":
         _round_experts_to_mxfp4(model)
+    mtp = _mtp_weights(config, seed, DTYPES[dtype], experts_format == "mxfp4")
     vision_params = write_checkpoint(model, raw, out, DTYPES[dtype], seed=seed, max_shard_bytes=max_shard_bytes,
-                                     experts_mxfp4=experts_format == "mxfp4")
+                                     experts_mxfp4=experts_format == "mxfp4", extra_tensors=mtp)
     logger.info("wrote %s checkpoint (%s parameters, %s of them vision) to %s", preset,
                 f"{count_parameters(model) + vision_params:,}", f"{vision_params:,}", out)
     return out
@@ -58,16 +64,17 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str 
 
 def write_checkpoint(model: torch.nn.Module, raw: dict, out: Path, dtype: torch.dtype, seed: int = 0,
                      max_shard_bytes: int = 2 << 30, experts_mxfp4: bool = False,
-                     tiktoken_path: Path | None = None) -> int:
+                     tiktoken_path: Path | None = None, extra_tensors: dict[str, torch.Tensor] | None = None) -> int:
     """Writes `model` (a whole `KimiForCausalLM` of config `raw`) as a checkpoint folder in the official layout:
-    config.json, generation_config.json, the weights, the seeded vision tower of a K3 config and the tokenizer
-    (`tiktoken_path`: its vocabulary, default the shipped small one). Returns the vision tower's parameter count."""
+    config.json, generation_config.json, the weights (plus `extra_tensors` under their official names, e.g. MTP
+    layers), the seeded vision tower of a K3 config and the tokenizer (`tiktoken_path`: its vocabulary, default the
+    shipped small one). Returns the vision tower's parameter count."""
     config = ModelConfig.from_dict(raw)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_generation_config(raw), indent=2) + "\n")
     vision = _vision_weights(config, seed, dtype, out)
     save_weights(model, out, dtype=dtype, max_shard_bytes=max_shard_bytes, experts_mxfp4=experts_mxfp4,
-                 extra_tensors=vision)
+                 extra_tensors=(extra_tensors or {}) | vision)
     _write_tokenizer(out, config.family, tiktoken_path)
     return sum(t.numel() for t in vision.values())
 
@@ -84,6 +91,21 @@ def _vision_weights(config: ModelConfig, seed: int, dtype: torch.dtype, out: Pat
     media = ProcessorConfig(patch_size=config.vision.patch_size, merge_kernel_size=config.vision.merge_kernel[0])
     (out / PROCESSOR_FILE).write_text(json.dumps({"media_proc_cfg": media.media_proc_cfg()}, indent=2) + "\n")
     return vision_tensors(encoder, dtype)
+
+
+def _make_drafter(preset: str, out_dir: str | Path, seed: int, dtype: str) -> Path:
+    from engine.spec.dspark import write_dspark_checkpoint
+
+    target, config = DRAFTER_PRESETS[preset]
+    out = write_dspark_checkpoint(config(), out_dir, seed=seed, dtype=DTYPES[dtype])
+    logger.info("wrote %s drafter checkpoint (for the %s target) to %s", preset, target, out)
+    return out
+
+
+def _mtp_weights(config: ModelConfig, seed: int, dtype: torch.dtype, mxfp4: bool) -> dict[str, torch.Tensor]:
+    from engine.spec.mtp_model import mtp_tensors
+
+    return mtp_tensors(config, seed, dtype, experts_mxfp4=mxfp4, round_experts=_round_experts_to_mxfp4 if mxfp4 else None)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -6,6 +6,10 @@ Contract:
   `ModelConfig` whose `layers` is a tuple of `LayerSpec`, one per decoder layer.
 - `linear_attn_config.kda_layers` / `full_attn_layers` are 1-based: layer index i is KDA when i + 1 is in `kda_layers`.
 - A layer uses MoE when the model has experts, `i >= first_k_dense_replace` and `i % moe_layer_freq == 0`.
+- `num_nextn_predict_layers` > 0 declares K3 multi-token-prediction layers: `mtp_layers` holds one `LayerSpec` per
+  layer at index `num_hidden_layers + i` (always MLA, plain residual — the MTP block starts without the attention-
+  residual state — and the FFN by the rule above, as vLLM's `kimi_k3_mtp` builds it). They are not decoder layers
+  of the target (`layers` excludes them); engine/spec/mtp.py loads and runs them.
 - A `kimi_k3` config's `vision_config` parses into `ModelConfig.vision` (`VisionConfig`; None when absent). Fields
   the file omits take the official `KimiK3VisionConfig` defaults; options the official code does not build raise.
 - Nothing here touches tensors; a bad config raises `ConfigError` naming the field.
@@ -141,6 +145,7 @@ class ModelConfig:
     media_placeholder_token_id: int | None = None
     torch_dtype: str | None = None
     vision: VisionConfig | None = None
+    mtp_layers: tuple[LayerSpec, ...] = ()  # K3 MTP layers (num_nextn_predict_layers), indices after `layers`
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -150,6 +155,11 @@ class ModelConfig:
     @property
     def mla_layer_ids(self) -> list[int]:
         return [s.index for s in self.layers if s.mixer == "mla"]
+
+    @property
+    def mtp_weight_prefixes(self) -> tuple[str, ...]:
+        """Checkpoint name prefix of each MTP layer (`{weight_prefix}model.layers.{num_hidden_layers + i}.`)."""
+        return tuple(f"{self.weight_prefix}model.layers.{spec.index}." for spec in self.mtp_layers)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -198,6 +208,10 @@ def _parse_text(text: dict, family: str, prefix: str, wrapper: dict) -> ModelCon
         LayerSpec(index=i, mixer=mixers[i], ffn=_ffn_kind(text, moe, i), residual=residual, activation=activation.kind)
         for i in range(num_layers)
     )
+    mtp_layers = tuple(
+        LayerSpec(index=i, mixer="mla", ffn=_ffn_kind(text, moe, i), residual="plain", activation=activation.kind)
+        for i in range(num_layers, num_layers + int(text.get("num_nextn_predict_layers") or 0))
+    )
     return ModelConfig(
         family=family,
         weight_prefix=prefix,
@@ -219,6 +233,7 @@ def _parse_text(text: dict, family: str, prefix: str, wrapper: dict) -> ModelCon
         pad_token_id=_first_id(text.get("pad_token_id", wrapper.get("pad_token_id"))),
         media_placeholder_token_id=wrapper.get("media_placeholder_token_id"),
         torch_dtype=text.get("torch_dtype") or text.get("dtype") or wrapper.get("torch_dtype") or wrapper.get("dtype"),
+        mtp_layers=mtp_layers,
         raw=wrapper,
     )
 

@@ -8,7 +8,9 @@ Contract:
   missing, unexpected and mis-shaped tensor (under expert parallelism other ranks' experts are expected, not
   unexpected).
 - Vision weights of a K3 checkpoint (`vision_tower.*`, `mm_projector.*`) are set aside with one log line: the
-  vision encoder loads them (`engine.vision.loader.load_vision`).
+  vision encoder loads them (`engine.vision.loader.load_vision`). So are the MTP layers a config declares
+  (`num_nextn_predict_layers`: tensors under `ModelConfig.mtp_weight_prefixes`, i.e. `model.layers.{num_hidden_layers + i}.`):
+  the MTP drafter loads them (engine/spec/mtp_model.py) when speculating; otherwise they are not read.
 - Routed experts may be stored as MXFP4 (`weight_packed` + `weight_scale`, compressed-tensors
   `mxfp4-pack-quantized`) or as plain `weight`s. `experts_format`: `auto` keeps them as stored (MXFP4 stays packed
   in memory, see engine/model/moe.py), `dense` dequantises MXFP4 to the compute dtype on load, `mxfp4` requires
@@ -193,7 +195,7 @@ def load_model(model_dir: str | Path, load_config: LoadConfig = LoadConfig(),
         plan = validate(header, layout, config, lambda n: owner(n) not in (None, model.ctx.rank)
                         and owner(n) < model.ctx.size)
         source = _file_source(load_config, files, header, model, owner)
-    _copy_tensors(model, plan, source, load_config)
+    copy_tensors(model, plan, source, load_config)
     return model
 
 
@@ -201,7 +203,8 @@ def _file_source(load_config: LoadConfig, files: list[Path], header: dict, model
     if load_config.load_format == "fastsafetensors":
         if importlib.util.find_spec("fastsafetensors") is not None:
             logger.info("loading weights through fastsafetensors on %s", load_config.device)
-            return FastSafetensorsSource(files, header, model.ctx, load_config.device, owner, SET_ASIDE_PREFIXES)
+            return FastSafetensorsSource(files, header, model.ctx, load_config.device, owner,
+                                         SET_ASIDE_PREFIXES + model.config.mtp_weight_prefixes)
         logger.warning("fastsafetensors is not installed; loading with safetensors instead")
     return SafetensorsSource(header)
 
@@ -280,10 +283,14 @@ def validate(header: dict[str, tuple[Path, tuple[int, ...]]], layout: dict[str, 
         plan[official] = item
         used.update(item.sources.values())
     set_aside = [n for n in header if n.startswith(SET_ASIDE_PREFIXES)]
-    unexpected = sorted(n for n in header if n not in used and n not in set_aside and not foreign(n))
+    mtp = [n for n in header if n.startswith(config.mtp_weight_prefixes)] if config.mtp_layers else []
+    unexpected = sorted(n for n in header if n not in used and n not in set_aside and n not in mtp
+                        and not foreign(n))
     if set_aside:
         logger.info("set aside %d vision tensors (vision_tower.*, mm_projector.*) for engine.vision.load_vision",
                     len(set_aside))
+    if mtp:
+        logger.info("set aside %d MTP tensors (%d layer(s)) for the mtp drafter", len(mtp), len(config.mtp_layers))
     if missing or unexpected or misshaped:
         raise CheckpointError(_describe_problems(missing, unexpected, misshaped))
     return plan
@@ -332,7 +339,7 @@ def _describe_problems(missing: list[str], unexpected: list[str], misshaped: lis
     return "\n".join(lines)
 
 
-def _copy_tensors(model: KimiForCausalLM, plan: dict[str, LoadItem], source, load_config: LoadConfig) -> None:
+def copy_tensors(model: KimiForCausalLM, plan: dict[str, LoadItem], source, load_config: LoadConfig) -> None:
     params = dict(model.named_parameters())
     users = {name: (key, role) for key, item in plan.items() for role, name in item.sources.items()}
     wanted = {name: plan[key].parts.get(role) for name, (key, role) in users.items()}
@@ -378,7 +385,7 @@ def save_weights(model: KimiForCausalLM, out_dir: str | Path, dtype: torch.dtype
         raise ValueError("save_weights needs the whole model; this one is one rank of a tensor-parallel model")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = dict(_official_tensors(model, dtype, experts_mxfp4)) | (extra_tensors or {})
+    tensors = dict(official_tensors(model, dtype, experts_mxfp4)) | (extra_tensors or {})
     shards = _split_shards(tensors, max_shard_bytes)
     if len(shards) == 1:
         path = out / "model.safetensors"
@@ -396,8 +403,9 @@ def save_weights(model: KimiForCausalLM, out_dir: str | Path, dtype: torch.dtype
     return paths
 
 
-def _official_tensors(model: KimiForCausalLM, dtype: torch.dtype,
-                      experts_mxfp4: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def official_tensors(model: KimiForCausalLM, dtype: torch.dtype,
+                     experts_mxfp4: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """(official name, tensor) as `save_weights` writes them; any module with `config`, `ctx` and parameters."""
     params = dict(model.named_parameters())
     k3 = model.config.family == "kimi_k3"
     for official, target in checkpoint_layout(model).items():

@@ -4,6 +4,14 @@ Contract:
 - `forward(batch, cache)` runs one step for a packed batch (prefill chunks, decodes, or a mix), writes the new
   tokens' MLA latents and the KDA states in place (see engine/model/batch.py) and returns fp32 logits `[L, vocab]`
   for the rows `batch.logits_indices` (default: the last new token of each sequence).
+- `forward(batch, cache, taps)` with non-empty `taps` (speculative decoding's drafters, engine/spec/drafter.py)
+  returns `(logits, hidden)`: `hidden` `[T, len(taps) * D]` in the model dtype holds, for EVERY row of the batch,
+  the tapped streams concatenated in `taps` order. A layer id `i` taps the stream layer `i` hands on: the plain
+  residual stream after the layer, or with K3 attention residuals the layer-output partial sum of the current
+  block (`prefix_sum + ffn_out`, NOT the attention-residual mix of the blocks) — what vLLM's Kimi K3 captures as
+  aux hidden state `i + 1` (`aux_hidden_state_layers`, its default `prefix_only` mode) for DSpark's
+  `target_layer_ids`. `FINAL_TAP` (-1) taps the final hidden state before `model.norm` (after the output mix of
+  attention residuals): what vLLM hands its MTP layers. Without taps nothing is captured (the same code path).
 - On CPU the forward step runs with denormals flushed to zero (see `forward`); the thread's mode is restored after.
 - Parameter names equal the official checkpoint names minus the family's `weight_prefix`, except stacked experts
   (see engine/model/moe.py); `engine.model.loader` maps between the two.
@@ -24,6 +32,7 @@ from engine.model.config import ModelConfig
 from engine.model.common import VocabEmbedding
 from engine.model.layers import DecoderLayer, RMSNorm, ResidualStream, _linear, attn_res_mix
 from engine.parallel.comm import SINGLE, RankContext
+from engine.spec.drafter import FINAL_TAP
 
 
 class KimiTextModel(nn.Module):
@@ -38,18 +47,26 @@ class KimiTextModel(nn.Module):
             self.output_attn_res_norm = RMSNorm(d, config.rms_norm_eps)
             self.output_attn_res_proj = _linear(d, 1)
 
-    def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache: CacheTensors, taps: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normed final hidden `[T, D]`; with `taps` also the tapped streams `[T, len(taps) * D]`."""
         embeds = self.embed_tokens(batch.input_ids)  # [T, D]
         if batch.mm_embeds is not None:  # image features replace the embeddings of their pad tokens
             embeds = embeds.index_copy(0, batch.mm_positions, batch.mm_embeds.to(embeds.dtype))
         stream = ResidualStream(embeds)
+        captured: dict[int, torch.Tensor] = {}
         for layer in self.layers:
             layer(stream, batch, cache)
+            if taps and layer.spec.index in taps:
+                captured[layer.spec.index] = stream.hidden  # [T, D], the stream this layer hands on
         hidden = stream.hidden
         if self.config.attn_res_block_size:
             hidden = attn_res_mix(stream.blocks, hidden, self.output_attn_res_norm.weight,
                                   self.output_attn_res_proj.weight, self.config.rms_norm_eps)
-        return self.norm(hidden)  # [T, D]
+        if not taps:
+            return self.norm(hidden)  # [T, D]
+        captured[FINAL_TAP] = hidden
+        return self.norm(hidden), torch.cat([captured[t] for t in taps], dim=-1)  # [T, D], [T, len(taps)*D]
 
 
 class KimiForCausalLM(nn.Module):
@@ -74,14 +91,18 @@ class KimiForCausalLM(nn.Module):
         return self.lm_head.weight.dtype
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache: CacheTensors, taps: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """fp32 logits `[L, V]`; with `taps`, `(logits, hidden [T, len(taps) * D])` (see the module contract)."""
         # KDA states decay towards zero; on CPU, subnormal values make every following matmul ~10-100x slower.
         # Flushing them changes results by < 1e-38. The flag is the calling thread's CPU mode, so it is restored
         # afterwards: other code on this thread (hypothesis, numpy users) may rely on subnormals.
         torch.set_flush_denormal(True)
         try:
-            hidden = self.model(batch, cache)  # [T, D]
+            out = self.model(batch, cache, taps) if taps else self.model(batch, cache)
+            hidden, tapped = out if taps else (out, None)  # [T, D], [T, len(taps)*D]
             rows = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
-            return self.ctx.all_gather(self.lm_head(hidden[rows]).float(), dim=-1)  # [L, V]  # [L, V]
+            logits = self.ctx.all_gather(self.lm_head(hidden[rows]).float(), dim=-1)  # [L, V]
+            return logits if tapped is None else (logits, tapped)
         finally:
             torch.set_flush_denormal(False)

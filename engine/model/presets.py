@@ -1,6 +1,7 @@
 """Preset configs for generated checkpoints, written exactly in the released `config.json` layouts.
 
-Contract: `preset_config(name)` returns the dict that goes to `config.json` (a `kimi_linear` config, or a `kimi_k3`
+Contract: `DRAFTER_PRESETS` are `k3_dspark` drafter configs, each matching one K3 target preset.
+`preset_config(name)` returns the dict that goes to `config.json` (a `kimi_linear` config, or a `kimi_k3`
 wrapper with `text_config` and a `vision_config` with every released field: a small MoonViT3d tower whose
 learnable position grid is smaller than most images' patch grids, so interpolation is exercised). Token ids follow the released offsets from the tokenizer's base
 vocabulary: bos = base+0, eos/end-of-message = base+2, media placeholder = base+21, pad = base+255.
@@ -87,10 +88,12 @@ def _vision(text_hidden: int, hidden: int, layers: int, heads: int, inter: int, 
     }
 
 
-def _kimi_k3(text: dict, q_lora: int, latent: int, block_size: int, vision: dict) -> dict:
-    """Wraps a text config in the released `kimi_k3` layout with the K3 forms switched on."""
+def _kimi_k3(text: dict, q_lora: int, latent: int, block_size: int, vision: dict, mtp_layers: int = 0) -> dict:
+    """Wraps a text config in the released `kimi_k3` layout with the K3 forms switched on (`mtp_layers`: the
+    `num_nextn_predict_layers` the checkpoint carries)."""
     text = copy.deepcopy(text)
     text.update({
+        "num_nextn_predict_layers": mtp_layers,
         "hidden_act": "situ",
         "activation_situ_beta": 4.0,
         "activation_situ_linear_beta": 25.0,
@@ -140,7 +143,7 @@ def _tiny_k3() -> dict:
                                  kv_lora=32, nope=16, rope=8, v_dim=16, experts=8, top_k=2, shared=1, moe_inter=32,
                                  inter=128, groups=4, topk_group=2),
                     q_lora=32, latent=32, block_size=2,
-                    vision=_vision(64, hidden=32, layers=2, heads=2, inter=64, pos_grid=16))
+                    vision=_vision(64, hidden=32, layers=2, heads=2, inter=64, pos_grid=16), mtp_layers=1)
 
 
 def _small_k3() -> dict:
@@ -148,7 +151,7 @@ def _small_k3() -> dict:
                                  mla_heads=12, kv_lora=256, nope=64, rope=32, v_dim=64, experts=32, top_k=4,
                                  shared=2, moe_inter=256, inter=2048),
                     q_lora=384, latent=384, block_size=4,
-                    vision=_vision(768, hidden=256, layers=4, heads=4, inter=1024, pos_grid=64))
+                    vision=_vision(768, hidden=256, layers=4, heads=4, inter=1024, pos_grid=64), mtp_layers=1)
 
 
 def _k3_93_pattern() -> dict:
@@ -189,6 +192,49 @@ PRESETS = {
     "tiny-k3": _tiny_k3,
     "small-k3": _small_k3,
     "k3-93-pattern": _k3_93_pattern,
+}
+
+
+MASK_ID = NUM_BASE_TOKENS + 254  # a reserved special token: DSpark's mask (noise) token
+
+
+def _k3_dspark(target: str, layers: int, heads: int, q_lora: int, kv_lora: int, nope: int, rope: int, v_dim: int,
+               inter: int, markov_rank: int, block_size: int, target_layer_ids: list[int],
+               rope_parameters: dict) -> dict:
+    """A `k3_dspark` drafter config.json (vLLM's K3DSparkConfig fields) matching the target preset `target`."""
+    text = preset_config(target)["text_config"]
+    return {
+        "architectures": ["K3DSparkModel"], "model_type": "k3_dspark", "torch_dtype": "float32",
+        "hidden_size": text["hidden_size"], "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": heads, "q_lora_rank": q_lora, "kv_lora_rank": kv_lora,
+        "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v_dim, "hidden_act": "silu",
+        "rms_norm_eps": text["rms_norm_eps"], "vocab_size": text["vocab_size"], "max_position_embeddings": 1048576,
+        "rope_theta": rope_parameters["rope_theta"], "rope_parameters": rope_parameters,
+        "mla_use_nope": False, "mla_use_output_gate": False, "mla_use_qk_norm": False, "tie_word_embeddings": False,
+        "target_hidden_size": text["hidden_size"], "target_layer_ids": target_layer_ids,
+        "num_target_layers": len(target_layer_ids), "markov_rank": markov_rank, "mask_token_id": MASK_ID,
+        "block_size": block_size, "sample_from_anchor": True, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+    }
+
+
+def _tiny_k3_dspark() -> dict:
+    yarn = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    return _k3_dspark("tiny-k3", layers=2, heads=2, q_lora=32, kv_lora=32, nope=16, rope=8, v_dim=16, inter=128,
+                      markov_rank=16, block_size=4, target_layer_ids=[0, 1, 3], rope_parameters=yarn)
+
+
+def _small_k3_dspark() -> dict:
+    return _k3_dspark("small-k3", layers=2, heads=12, q_lora=384, kv_lora=256, nope=64, rope=32, v_dim=64,
+                      inter=2048, markov_rank=64, block_size=8, target_layer_ids=[1, 4, 7],
+                      rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+
+
+# Drafter presets: name -> (the target preset it matches, its config). `make-checkpoint` writes these as drafter
+# folders (engine/spec/dspark.py), not as servable models.
+DRAFTER_PRESETS = {
+    "tiny-k3-dspark": ("tiny-k3", _tiny_k3_dspark),
+    "small-k3-dspark": ("small-k3", _small_k3_dspark),
 }
 
 

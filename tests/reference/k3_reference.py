@@ -32,8 +32,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
-import importlib.machinery
-import importlib.util
+import importlib.machinery, importlib.util
 import json
 import sys
 from collections.abc import Iterator
@@ -87,8 +86,7 @@ def _kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fa
          A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, cu_seqlens=None,
          **_ignored):
     """fla's `chunk_kda` / `fused_recurrent_kda` semantics. q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    (B, T, H, K), V = q.shape, v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     q32, k32, v32, beta32 = q.float(), k.float(), v.float(), beta.float()
     if use_qk_l2norm_in_kernel:
@@ -382,6 +380,9 @@ def load_reference_k3(model_dir: str | Path) -> nn.Module:
     model = model.float().eval().requires_grad_(False)
 
     state = _read_checkpoint(model_dir)
+    n, mtp = raw["text_config"]["num_hidden_layers"], raw["text_config"].get("num_nextn_predict_layers") or 0
+    mtp_prefixes = tuple(f"{TEXT_PREFIX}model.layers.{i}." for i in range(n, n + mtp))  # not in the official model
+    state = {k: t for k, t in state.items() if not k.startswith(mtp_prefixes)}
     params = dict(model.state_dict())
     for name, tensor in list(state.items()):
         if name.endswith("self_attn.A_log") and name in params:
