@@ -36,3 +36,21 @@ class TrainConfig:
             raise ValueError(f"time_budget_s must be > 0, got {self.time_budget_s}")
         if not 0.0 <= self.chat_fraction <= 1.0:
             raise ValueError(f"chat_fraction must be in [0, 1], got {self.chat_fraction}")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """The drafters' distillation (trainer/distill.py): per drafter, at most `steps` steps or `time_budget_s`."""
+
+    steps: int = 10_000
+    time_budget_s: float = 300.0
+    batch_size: int = 4
+    seq_len: int = 256
+    anchors: int = 16  # DSpark blocks per window
+    lr: float = 2e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "anchors"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"distill {name} must be >= 1, got {getattr(self, name)}")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from engine.model.layers import DecoderLayer, KDAMixer, MLAMixer, attn_res_mix
 from engine.model.model import KimiForCausalLM
 from engine.model.moe import SparseMoE
+from engine.spec.drafter import FINAL_TAP
 from kernels.kda.gate import kda_gate_lower_bound, kda_gate_softplus
 from kernels.moe.router import route
 from kernels.norm.rms_norm import gated_rms_norm, l2_normalize
@@ -36,21 +37,11 @@ class TrainOutput:
     hidden: torch.Tensor  # [B, T, D]
     logits: torch.Tensor  # [B, T, V] fp32
     expert_loads: list[torch.Tensor]  # per MoE layer: [E] tokens routed to each expert
+    taps: dict[int, torch.Tensor]  # requested tap id -> [B, T, D] (engine.spec.capture's rule)
 
 
-def gated_act(model: KimiForCausalLM, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiTU (`beta·tanh(g/beta)·sigmoid(g) · lb·tanh(u/lb)`) or SiLU gating, out of place (autograd-safe)."""
-    act = model.config.activation
-    if act.kind == "silu":
-        return F.silu(gate) * up
-    g, u = gate.float(), up.float()
-    if act.situ_linear_beta is not None:
-        u = act.situ_linear_beta * torch.tanh(u / act.situ_linear_beta)
-    return (act.situ_beta * torch.tanh(g / act.situ_beta) * torch.sigmoid(g) * u).to(gate.dtype)
-
-
-def _mlp(model: KimiForCausalLM, mlp, x: torch.Tensor) -> torch.Tensor:
-    return mlp.down_proj(gated_act(model, mlp.gate_proj(x), mlp.up_proj(x)))
+def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    return mlp.down_proj(mlp.act(mlp.gate_proj(x), mlp.up_proj(x)))  # the activation is autograd-safe when recording
 
 
 def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -136,7 +127,7 @@ def mla_forward(mixer: MLAMixer, x: torch.Tensor) -> torch.Tensor:
     return mixer.o_proj(o)
 
 
-def moe_forward(model: KimiForCausalLM, moe: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_forward(moe: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, D] -> (y [N, D], loads [E])."""
     cfg = moe.moe
     logits = F.linear(x.float(), moe.gate.weight.float())  # [N, E]
@@ -150,14 +141,14 @@ def moe_forward(model: KimiForCausalLM, moe: SparseMoE, x: torch.Tensor) -> tupl
         if rows.numel() == 0:
             continue
         ze = z[rows]  # [n, Dm]
-        he = F.linear(gated_act(model, F.linear(ze, experts.w1[e]), F.linear(ze, experts.w3[e])), experts.w2[e])
+        he = F.linear(moe.act(F.linear(ze, experts.w1[e]), F.linear(ze, experts.w3[e])), experts.w2[e])
         y = y.index_add(0, rows, he * weights[rows, slot].unsqueeze(-1).to(he.dtype))
     if cfg.latent_size:
         if moe.routed_expert_norm is not None:
             y = moe.routed_expert_norm(y)
         y = moe.routed_expert_up_proj(y)  # [N, D]
     if moe.shared_experts is not None:
-        y = y + _mlp(model, moe.shared_experts, x)
+        y = y + _mlp(moe.shared_experts, x)
     return y, torch.bincount(ids.reshape(-1), minlength=cfg.num_experts)
 
 
@@ -175,8 +166,8 @@ def _layer(model: KimiForCausalLM, layer: DecoderLayer, stream: _Stream, shape: 
 
     def ffn(x):
         if layer.spec.ffn == "dense":
-            return _mlp(model, layer.mlp, x)
-        y, load = moe_forward(model, layer.block_sparse_moe, x)
+            return _mlp(layer.mlp, x)
+        y, load = moe_forward(layer.block_sparse_moe, x)
         loads.append(load)
         return y
 
@@ -197,17 +188,23 @@ def _layer(model: KimiForCausalLM, layer: DecoderLayer, stream: _Stream, shape: 
     stream.hidden = prefix + ffn(layer.post_attention_layernorm(h))
 
 
-def train_forward(model: KimiForCausalLM, ids: torch.Tensor) -> TrainOutput:
-    """ids [B, T] -> hidden [B, T, D], logits [B, T, V] fp32, expert loads (see the module docstring)."""
+def train_forward(model: KimiForCausalLM, ids: torch.Tensor, taps: tuple[int, ...] = ()) -> TrainOutput:
+    """ids [B, T] -> hidden [B, T, D], logits [B, T, V] fp32, expert loads, and the streams of `taps` (layer ids,
+    or `FINAL_TAP`: the final hidden before `model.norm`), as `engine.spec.capture.forward_with_taps` defines them."""
     text, (b, t) = model.model, ids.shape
     stream = _Stream(F.embedding(ids.reshape(-1), text.embed_tokens.weight))  # [N, D]
     loads: list[torch.Tensor] = []
+    captured: dict[int, torch.Tensor] = {}
     for layer in text.layers:
         _layer(model, layer, stream, (b, t), loads)
+        if layer.spec.index in taps:
+            captured[layer.spec.index] = stream.hidden.reshape(b, t, -1)
     hidden = stream.hidden
     if model.config.attn_res_block_size:
         hidden = attn_res_mix(stream.blocks, hidden, text.output_attn_res_norm.weight,
                               text.output_attn_res_proj.weight, model.config.rms_norm_eps)
+    if FINAL_TAP in taps:
+        captured[FINAL_TAP] = hidden.reshape(b, t, -1)
     hidden = text.norm(hidden)  # [N, D]
     logits = model.lm_head(hidden).float()  # [N, V]
-    return TrainOutput(hidden.reshape(b, t, -1), logits.reshape(b, t, -1), loads)
+    return TrainOutput(hidden.reshape(b, t, -1), logits.reshape(b, t, -1), loads, captured)

@@ -10,6 +10,8 @@ Contract:
   at most every `save_every_s` and at the end; a run on the same OUT_DIR continues from it (the batches are a
   function of the step, the schedule continues from the saved elapsed time). A state from a different configuration
   is refused.
+- Then the drafters are distilled from the written target (`trainer.distill`: the MTP layer joins the target's
+  safetensors, the DSpark drafter goes to OUT_DIR/dspark); not resumable within, it reruns whole.
 - Output: OUT_DIR holds the checkpoint (`engine.model.checkpoint.write_checkpoint`: config.json, bf16 safetensors,
   tokenizer, generation_config.json), `heldout_files.txt`, `training_log.txt` (one line per logged step) and
   `training_run.json` (command, Python and torch versions, steps, tokens seen, wall time). A progress bar goes to
@@ -37,7 +39,8 @@ from engine.model.loader import build_empty_model
 from engine.model.model import KimiForCausalLM
 from engine.model.presets import demo_k3_config
 from trainer import corpus, dataset
-from trainer.config import TrainConfig
+from trainer.config import DistillConfig, TrainConfig
+from trainer.distill import distill
 from trainer.forward import train_forward
 
 LOG_FILE = "training_log.txt"
@@ -165,8 +168,10 @@ def _train_steps(model, optimizer, data, config: TrainConfig, out: Path, start: 
     return step, time.monotonic() - t0
 
 
-def train(config: TrainConfig, command: list[str] | None = None) -> Path:
-    """Runs (or resumes) the training described by `config`; returns OUT_DIR (see the module docstring)."""
+def train(config: TrainConfig, command: list[str] | None = None, drafters: DistillConfig | None = DistillConfig()
+          ) -> Path:
+    """Runs (or resumes) the training described by `config`, then distils the drafters (`drafters`; None: none);
+    returns OUT_DIR (see the module docstring)."""
     torch.set_num_threads(config.threads)
     out = Path(config.out_dir)
     (out / WORK_DIR).mkdir(parents=True, exist_ok=True)
@@ -181,10 +186,12 @@ def train(config: TrainConfig, command: list[str] | None = None) -> Path:
         steps, elapsed = _train_steps(model, optimizer, data, config, out, start, elapsed)
     write_checkpoint(model, raw, out, torch.bfloat16, seed=config.seed, tiktoken_path=data.tiktoken_path)
     shutil.copyfile(out / WORK_DIR / corpus.HELDOUT_FILE, out / corpus.HELDOUT_FILE)
+    summary = distill(out, drafters, config.tiny, out / WORK_DIR / "data.pt") if drafters else None
     run = {"command": command or sys.argv, "python": platform.python_version(), "torch": torch.__version__,
            "config": dataclasses.asdict(config), "parameters": count_parameters(model),
            "steps": steps,
            "tokens_seen": steps * config.batch_size * config.seq_len, "train_seconds": round(elapsed, 1),
-           "threads": config.threads}
+           "threads": config.threads, "drafters": summary,
+           "distill_config": dataclasses.asdict(drafters) if drafters else None}
     (out / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n", encoding="utf-8")
     return out

@@ -202,7 +202,14 @@ def _k3_dspark(target: str, layers: int, heads: int, q_lora: int, kv_lora: int, 
                inter: int, markov_rank: int, block_size: int, target_layer_ids: list[int],
                rope_parameters: dict) -> dict:
     """A `k3_dspark` drafter config.json (vLLM's K3DSparkConfig fields) matching the target preset `target`."""
-    text = preset_config(target)["text_config"]
+    return _k3_dspark_for(preset_config(target)["text_config"], layers, heads, q_lora, kv_lora, nope, rope, v_dim,
+                          inter, markov_rank, block_size, target_layer_ids, rope_parameters)
+
+
+def _k3_dspark_for(text: dict, layers: int, heads: int, q_lora: int, kv_lora: int, nope: int, rope: int,
+                   v_dim: int, inter: int, markov_rank: int, block_size: int, target_layer_ids: list[int],
+                   rope_parameters: dict) -> dict:
+    """`_k3_dspark` for a target given by its text config."""
     return {
         "architectures": ["K3DSparkModel"], "model_type": "k3_dspark", "torch_dtype": "float32",
         "hidden_size": text["hidden_size"], "intermediate_size": inter, "num_hidden_layers": layers,
@@ -228,6 +235,19 @@ def _small_k3_dspark() -> dict:
     return _k3_dspark("small-k3", layers=2, heads=12, q_lora=384, kv_lora=256, nope=64, rope=32, v_dim=64,
                       inter=2048, markov_rank=64, block_size=8, target_layer_ids=[1, 4, 7],
                       rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+
+
+def demo_k3_dspark_config(tiny: bool = False) -> dict:
+    """The DSpark drafter distilled for `demo_k3_config(tiny)` (trainer/distill.py): one layer, blocks of 4, taps on
+    the first, middle and last decoder layers."""
+    text = demo_k3_config(tiny)["text_config"]
+    taps = [0, text["num_hidden_layers"] // 2, text["num_hidden_layers"] - 1]
+    rope = {"rope_type": "default", "rope_theta": 50000.0}
+    if tiny:
+        return _k3_dspark_for(text, layers=1, heads=2, q_lora=32, kv_lora=32, nope=16, rope=8, v_dim=16, inter=64,
+                              markov_rank=8, block_size=4, target_layer_ids=taps, rope_parameters=rope)
+    return _k3_dspark_for(text, layers=1, heads=4, q_lora=128, kv_lora=128, nope=32, rope=16, v_dim=64, inter=512,
+                          markov_rank=32, block_size=4, target_layer_ids=taps, rope_parameters=rope)
 
 
 # Drafter presets: name -> (the target preset it matches, its config). `make-checkpoint` writes these as drafter

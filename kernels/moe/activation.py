@@ -4,7 +4,8 @@ Contract: `GatedActivation(kind, beta=1.0, linear_beta=None)(gate, up) -> tensor
 - `silu`: `silu(gate) * up` computed in the input dtype (as transformers' `act(gate) * up`).
 - `situ`: in fp32, `beta·tanh(g/beta)·sigmoid(g) · u'` with `u' = linear_beta·tanh(u/linear_beta)` when
   `linear_beta` is set, else `u' = u`; cast back to the input dtype (as the official `SituAndMul`). Computed as
-  `tanh(g/beta)·sigmoid(g)·tanh(u/linear_beta)·(beta·linear_beta)` with in-place ops on fresh fp32 tensors.
+  `tanh(g/beta)·sigmoid(g)·tanh(u/linear_beta)·(beta·linear_beta)` with in-place ops on fresh fp32 tensors, or, when
+  autograd records (grad enabled and an input requires grad: distillation of the drafters), out of place.
 """
 
 from __future__ import annotations
@@ -32,9 +33,19 @@ class GatedActivation:
             return F.silu(gate) * up
         g = gate.to(torch.float32)
         u = up.to(torch.float32)
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return self._situ_out_of_place(g, u).to(gate.dtype)  # autograd needs tanh's output unmodified
         act = torch.div(g, self.beta).tanh_().mul_(torch.sigmoid(g))  # new tensors: in place from here on
         scale = self.beta
         if self.linear_beta is not None:
             u = torch.div(u, self.linear_beta).tanh_()
             scale *= self.linear_beta
         return act.mul_(u).mul_(scale).to(gate.dtype)
+
+    def _situ_out_of_place(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The same SiTU product without in-place ops (training: differentiable), fp32."""
+        scale = self.beta
+        if self.linear_beta is not None:
+            u = torch.tanh(u / self.linear_beta)
+            scale *= self.linear_beta
+        return torch.tanh(g / self.beta) * torch.sigmoid(g) * u * scale

@@ -14,13 +14,17 @@ import torch
 from safetensors.torch import load_file
 
 from engine.llm import LLM
+from engine.model.loader import LoadConfig, load_model
+from engine.spec.dspark import load_dspark
+from engine.spec.mtp_model import load_mtp_layers
 from engine.model.config import load_model_config
 from engine.sampling import SamplingParams
 from engine.tokenizer import KimiTokenizer
 from gateway.chat.k3 import K3Renderer
 from tests.model_driver import torch_threads
 from trainer import corpus, dataset
-from trainer.config import TrainConfig
+from trainer.config import DistillConfig, TrainConfig
+from trainer.distill import DSPARK_DIR
 from trainer.train import LOG_FILE, RUN_FILE, WORK_DIR, train
 
 STEPS = 12
@@ -32,10 +36,14 @@ def _config(out: Path) -> TrainConfig:
                        log_every=1, save_every_s=0.0, threads=1)
 
 
+DRAFTERS = DistillConfig(steps=3, batch_size=2, seq_len=64, anchors=4)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     with torch_threads(1):
-        yield train(_config(tmp_path_factory.mktemp("demo") / "run"), command=["kdamesh", "train-demo", "test"])
+        yield train(_config(tmp_path_factory.mktemp("demo") / "run"), command=["kdamesh", "train-demo", "test"],
+                    drafters=DRAFTERS)
 
 
 def test_loss_falls_and_the_run_is_recorded(trained):
@@ -77,12 +85,13 @@ def test_an_interrupted_run_resumes_to_the_same_weights(trained, tmp_path, monke
 
     monkeypatch.setattr(dataset, "batch", interrupted)
     with torch_threads(1), pytest.raises(KeyboardInterrupt):
-        train(_config(out))
+        train(_config(out), drafters=None)
     monkeypatch.setattr(dataset, "batch", real_batch)
     with torch_threads(1):
-        train(_config(out))
+        train(_config(out), drafters=None)
     ours, ref = load_file(str(out / "model.safetensors")), load_file(str(trained / "model.safetensors"))
-    assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
+    mtp = {k for k in ref if ".layers.4." in k}  # the fixture's run also distilled the MTP layer (layer 4 of 4)
+    assert mtp and ours.keys() == ref.keys() - mtp and all(torch.equal(ours[k], ref[k]) for k in ours)
     assert json.loads((out / RUN_FILE).read_text())["steps"] == STEPS
 
 
@@ -90,4 +99,14 @@ def test_a_state_from_other_settings_is_refused(trained, tmp_path):
     out = tmp_path / "other"
     shutil.copytree(trained / WORK_DIR, out / WORK_DIR)
     with pytest.raises(ValueError, match="other settings \\(lr\\)"):
-        train(TrainConfig(**{**_config(out).__dict__, "lr": 1e-3}))
+        train(TrainConfig(**{**_config(out).__dict__, "lr": 1e-3}), drafters=None)
+
+
+def test_the_distilled_drafters_load_in_their_formats(trained):
+    target = load_model(trained, LoadConfig(dtype="float32"))
+    assert len(load_mtp_layers(target, trained)) == 1
+    dspark = load_dspark(trained / DSPARK_DIR, target)
+    assert tuple(dspark.config.target_layer_ids) == (0, 2, 3)
+    drafters = json.loads((trained / RUN_FILE).read_text())["drafters"]
+    assert drafters["mtp"]["steps"] == DRAFTERS.steps and drafters["dspark"]["steps"] == DRAFTERS.steps
+    assert 0.0 <= drafters["mtp"]["top1_agreement_heldout"] <= 1.0
