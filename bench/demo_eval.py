@@ -105,11 +105,15 @@ def bigram_perplexity(train_ids: list[int], eval_ids: list[int], vocab: int, num
     return _ppl(best[0], len(eval_ids) - 1, num_bytes) | {"interpolation": best[1]}
 
 
+def training_prompts(chat_examples: int, seed: int) -> set[str]:
+    """Every user message of the training chat set."""
+    return {m["content"] for e in corpus.chat_examples(chat_examples, seed) for m in e.messages if m["role"] == "user"}
+
+
 def eval_examples(model_dir: Path) -> list:
     """NUM_PROMPTS examples whose last prompt text is not among the training prompts."""
     config = json.loads((model_dir / "training_run.json").read_text())["config"]
-    seen = {m["content"] for e in corpus.chat_examples(config["chat_examples"], config["seed"])
-            for m in e.messages if m["role"] == "user"}
+    seen = training_prompts(config["chat_examples"], config["seed"])
     rng, chosen = random.Random(EVAL_SEED), []
     while len(chosen) < NUM_PROMPTS:
         example = make_example(rng)

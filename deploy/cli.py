@@ -124,7 +124,8 @@ def _add_make_checkpoint(sub) -> None:
     mk.set_defaults(func=_make_checkpoint)
 
 
-TRAIN_FLAGS = {"steps": int, "batch_size": int, "seq_len": int, "lr": float, "seed": int, "threads": int}
+TRAIN_FLAGS = {"steps": int, "time_budget_s": float, "batch_size": int, "seq_len": int, "lr": float, "seed": int,
+               "threads": int}
 
 
 def _add_train_demo(sub) -> None:
