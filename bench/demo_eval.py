@@ -167,13 +167,15 @@ def size_on_disk(model_dir: Path) -> int:
     return sum(p.stat().st_size for p in model_dir.rglob("*") if p.is_file() and ".train" not in p.parts)
 
 
-def perplexities(model_dir: Path, heldout_bytes: int) -> dict:
+def perplexities(model_dir: Path, heldout_bytes: int, random_baseline: bool = True) -> dict:
     text = heldout_text(model_dir, heldout_bytes)
     tokenizer = KimiTokenizer.from_pretrained(model_dir)
     eval_ids = tokenizer.encode(text)
     result = {"heldout_bytes": len(text.encode("utf-8")), "demo": perplexity_of(model_dir, text),
               "bigram": bigram_perplexity(training_tokens(model_dir), eval_ids, tokenizer.vocab_size,
                                           len(text.encode("utf-8")))}
+    if not random_baseline:
+        return result
     from engine.model.checkpoint import make_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -189,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--no-random-baseline", action="store_true", help="skip the random small-k3 (minutes)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir)
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": str(model_dir), "size_on_disk_bytes": size_on_disk(model_dir),
               "train_seconds": run["train_seconds"], "tokens_seen": run["tokens_seen"],
               "parameters": run["parameters"], "chat": chat_scores(model_dir, args.max_tokens),
-              "perplexity": perplexities(model_dir, args.heldout_bytes)}
+              "perplexity": perplexities(model_dir, args.heldout_bytes, not args.no_random_baseline)}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
