@@ -200,7 +200,8 @@ TOOL_TASKS = {"get_weather": _weather_call, "convert_currency": _currency_call, 
 SIMPLE_TASKS = (_arithmetic, _arithmetic, _string, _list, _chat)
 
 
-def _declared(rng: random.Random, needed: str | None) -> list[dict]:
+def declared_tools(rng: random.Random, needed: str | None) -> list[dict]:
+    """The needed tool (if any) and up to two others, shuffled; at least one tool."""
     names = [n for n in TOOLS if n != needed]
     chosen = rng.sample(names, rng.randint(0 if needed else 1, 2)) + ([needed] if needed else [])
     rng.shuffle(chosen)
@@ -247,7 +248,7 @@ def make_example(rng: random.Random) -> ChatExample:
             turn = rng.choice(SIMPLE_TASKS)(rng)
             task = turn.task
             messages += [{"role": "user", "content": task.prompt}, _assistant(turn.answer, turn.reasoning, thinking)]
-    tools = _declared(rng, needed) if needed or rng.random() < 0.25 else None
+    tools = declared_tools(rng, needed) if needed or rng.random() < 0.25 else None
     return ChatExample(messages, tools or None, kwargs, task)
 
 
