@@ -2,7 +2,8 @@
 `openai` client, greedy: a chat answer ends by itself with content; with thinking on, reasoning and content are both
 there; with a declared tool and `tool_choice="auto"`, a tool-use prompt yields a call whose arguments validate
 against the tool's schema. The prompts follow the training set's style but none of them is in it (checked when
-they were chosen: `bench/demo_eval.py`'s `training_prompts`)."""
+they were chosen: `bench/demo_eval.py`'s `training_prompts`). Negative control: the same assertions against the
+random tiny-k3 fail, all three (checked by hand when this file was written)."""
 
 from __future__ import annotations
 
