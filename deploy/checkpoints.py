@@ -1,5 +1,14 @@
-"""Where `kdamesh up` keeps what it generates (`kdamesh_home()`: $KDAMESH_HOME, default ~/.cache/kdamesh) and its
-default checkpoint (`default_model_dir(preset)`: generated on first use, and again when an older generator made it)."""
+"""Where `kdamesh up` keeps what it generates (`kdamesh_home()`: $KDAMESH_HOME, default ~/.cache/kdamesh) and which
+checkpoint it serves by default.
+
+Contract:
+- `SHIPPED_MODELS` are trained checkpoint folders committed in the repository (`demo-k3`: deploy/models/demo-k3,
+  trained by `kdamesh train-demo`, docs/demo-model.md). `DEFAULT_PRESET` is `demo-k3`: `make serve` / `kdamesh up`
+  serve it with no generation step.
+- `resolve_model(name)`: a shipped model's name -> its folder; anything else (a folder path) unchanged.
+- `default_model_dir(preset)`: a shipped model's folder as it is; a random preset (engine/model/presets.py) is
+  generated under $KDAMESH_HOME on first use, and again when an older generator made it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +16,9 @@ import os
 import shutil
 from pathlib import Path
 
-DEFAULT_PRESET = "small-k3"
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+SHIPPED_MODELS = {"demo-k3": MODELS_DIR / "demo-k3"}
+DEFAULT_PRESET = "demo-k3"
 
 
 def kdamesh_home() -> Path:
@@ -21,9 +32,19 @@ GENERATOR_VERSION = "3"
 GENERATOR_STAMP = ".kdamesh-generator"
 
 
+def resolve_model(name: str) -> str:
+    """A shipped model's name -> its folder; a path is returned as given."""
+    return str(SHIPPED_MODELS[name]) if name in SHIPPED_MODELS else name
+
+
 def default_model_dir(preset: str = DEFAULT_PRESET) -> Path:
-    """The generated checkpoint of `preset` under $KDAMESH_HOME, created on first use (and again when it was made
-    by an older generator: its `GENERATOR_STAMP` differs from `GENERATOR_VERSION`)."""
+    """The shipped folder of `preset`, or its generated checkpoint under $KDAMESH_HOME, created on first use (and
+    again when it was made by an older generator: its `GENERATOR_STAMP` differs from `GENERATOR_VERSION`)."""
+    if preset in SHIPPED_MODELS:
+        folder = SHIPPED_MODELS[preset]
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"the shipped {preset} checkpoint is missing from {folder} (a partial checkout?)")
+        return folder
     folder = kdamesh_home() / "checkpoints" / preset
     stamp = folder / GENERATOR_STAMP
     if not (folder / "config.json").is_file() or not stamp.is_file() or stamp.read_text() != GENERATOR_VERSION:

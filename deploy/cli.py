@@ -1,6 +1,7 @@
 """The `kdamesh` command line.
 
-Subcommands: `make-checkpoint` (a generated checkpoint in the official layout), `up` (the whole mesh on localhost,
+Subcommands: `make-checkpoint` (a generated checkpoint in the official layout), `train-demo OUT_DIR` (trains the
+demo K3 model, trainer/; `python -m bench.demo_eval DIR` measures it), `up` (the whole mesh on localhost,
 deploy/launcher.py), `serve MODEL [flags]` (the same mesh, a drop-in for `vllm serve MODEL`: the flag table is
 deploy/flags.py, shared with `up`), `serve --role cache|prefill|decode|gateway` (one service, deploy/serve.py: each
 role parses its own flags, `kdamesh serve --role R --help` lists them) and `bench serve` (servebench/: `vllm bench
@@ -29,6 +30,16 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
 
     make_checkpoint(args.preset, args.out_dir, seed=args.seed, dtype=args.dtype,
                     max_shard_bytes=int(args.max_shard_mb * (1 << 20)), experts_format=args.experts_format)
+    print(args.out_dir)
+    return 0
+
+
+def _train_demo(args: argparse.Namespace) -> int:
+    from trainer.config import TrainConfig
+    from trainer.train import train
+
+    given = {name: getattr(args, name) for name in TRAIN_FLAGS if getattr(args, name) is not None}
+    train(TrainConfig(out_dir=args.out_dir, tiny=args.tiny, **given), command=["kdamesh", *sys.argv[1:]])
     print(args.out_dir)
     return 0
 
@@ -86,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "OTEL_EXPORTER_OTLP_ENDPOINT is set, else none")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_checkpoint(sub)
+    _add_train_demo(sub)
     _add_up(sub)
     sub.add_parser("plan", help="MODEL_DIR [-tp N ...]: per-rank memory, the concurrency that fits, handoff cost",
                    add_help=False).set_defaults(func=_plan)  # its flags: deploy/plan_cli.py
@@ -115,6 +127,20 @@ def _add_make_checkpoint(sub) -> None:
     mk.add_argument("--max-shard-mb", type=float, default=2048.0, help="shard the weights above this size")
     mk.add_argument("--experts-format", default="dense", choices=["dense", "mxfp4"])
     mk.set_defaults(func=_make_checkpoint)
+
+
+TRAIN_FLAGS = {"steps": int, "time_budget_s": float, "batch_size": int, "seq_len": int, "lr": float, "seed": int,
+               "threads": int}
+
+
+def _add_train_demo(sub) -> None:
+    td = sub.add_parser("train-demo", help="train the demo K3 model (torch, CPU) into OUT_DIR; resumes a run there")
+    td.add_argument("out_dir")
+    for name, kind in TRAIN_FLAGS.items():
+        td.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                        help="default: trainer/config.py TrainConfig")
+    td.add_argument("--tiny", action="store_true", help="the 4-layer width-64 test configuration")
+    td.set_defaults(func=_train_demo)
 
 
 def _add_up(sub) -> None:

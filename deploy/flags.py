@@ -86,9 +86,9 @@ def media_refusal(ns: argparse.Namespace) -> str | None:
 
 def add_mesh_flags(p: argparse.ArgumentParser, model_positional: bool) -> None:
     if model_positional:
-        p.add_argument("model", help="checkpoint folder (config.json, *.safetensors, tokenizer)")
+        p.add_argument("model", help="checkpoint folder (config.json, *.safetensors, tokenizer) or demo-k3")
     else:
-        p.add_argument("--model", default=None, help="checkpoint folder (default: small-k3, generated on first run)")
+        p.add_argument("--model", default=None, help="checkpoint folder or demo-k3 (default: demo-k3, the trained demo shipped in deploy/models)")
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", "--http-port", dest="http_port", type=int, default=8000, help="the gateway's REST port")

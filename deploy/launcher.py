@@ -45,7 +45,7 @@ from pathlib import Path
 
 from telemetry.mesh_auth import MESH_TOKEN_ENV, mesh_token_from_env, new_mesh_token
 from gateway.tenancy import SALT_SECRET_ENV
-from deploy.checkpoints import default_model_dir
+from deploy.checkpoints import default_model_dir, resolve_model
 from deploy.mesh_plan import (API_KEYS_ENV, FAMILY_FORMATS, MODES, LaunchConfig, Service,  # noqa: F401 (re-exported)
                               _engine_argv, free_port, plan_services)
 from deploy.supervisor import RestartPolicy, Supervisor
@@ -121,7 +121,7 @@ class _Stop(Exception):
 
 
 def up(config: LaunchConfig) -> int:
-    model = config.model or str(default_model_dir())
+    model = resolve_model(config.model) if config.model else str(default_model_dir())
     services = _preflight(config, model)
     if services is None:
         return 2

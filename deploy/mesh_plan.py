@@ -30,7 +30,7 @@ MODES = ("disaggregated", "colocated")
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    model: str | None = None  # None: the generated DEFAULT_PRESET checkpoint (created on first run)
+    model: str | None = None  # None: DEFAULT_PRESET (the shipped demo-k3); a shipped model's name or a folder
     mode: str = "disaggregated"
     host: str = "127.0.0.1"
     http_port: int = 8000  # the gateway's REST API

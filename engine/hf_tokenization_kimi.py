@@ -26,6 +26,7 @@ import base64  # noqa: F401  (used by load_tiktoken_ranks in the shipped file)
 import os
 import re  # noqa: F401  (used by _RUN_RE in the shipped file)
 import shutil
+from collections.abc import Iterator  # noqa: F401  (used by encode_chunks in the shipped file)
 from pathlib import Path
 
 import tiktoken

@@ -54,17 +54,29 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str 
     init_random_weights(model, seed=seed)
     if experts_format == "mxfp4":
         _round_experts_to_mxfp4(model)
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(_generation_config(raw), indent=2) + "\n")
-    vision = _vision_weights(config, seed, DTYPES[dtype], out)
     mtp = _mtp_weights(config, seed, DTYPES[dtype], experts_format == "mxfp4")
-    save_weights(model, out, dtype=DTYPES[dtype], max_shard_bytes=max_shard_bytes,
-                 experts_mxfp4=experts_format == "mxfp4", extra_tensors=mtp | vision)
-    _write_tokenizer(out, config.family)
-    vision_params = sum(t.numel() for t in vision.values())
+    vision_params = write_checkpoint(model, raw, out, DTYPES[dtype], seed=seed, max_shard_bytes=max_shard_bytes,
+                                     experts_mxfp4=experts_format == "mxfp4", extra_tensors=mtp)
     logger.info("wrote %s checkpoint (%s parameters, %s of them vision) to %s", preset,
                 f"{count_parameters(model) + vision_params:,}", f"{vision_params:,}", out)
     return out
+
+
+def write_checkpoint(model: torch.nn.Module, raw: dict, out: Path, dtype: torch.dtype, seed: int = 0,
+                     max_shard_bytes: int = 2 << 30, experts_mxfp4: bool = False,
+                     tiktoken_path: Path | None = None, extra_tensors: dict[str, torch.Tensor] | None = None) -> int:
+    """Writes `model` (a whole `KimiForCausalLM` of config `raw`) as a checkpoint folder in the official layout:
+    config.json, generation_config.json, the weights (plus `extra_tensors` under their official names, e.g. MTP
+    layers), the seeded vision tower of a K3 config and the tokenizer (`tiktoken_path`: its vocabulary, default the
+    shipped small one). Returns the vision tower's parameter count."""
+    config = ModelConfig.from_dict(raw)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(_generation_config(raw), indent=2) + "\n")
+    vision = _vision_weights(config, seed, dtype, out)
+    save_weights(model, out, dtype=dtype, max_shard_bytes=max_shard_bytes, experts_mxfp4=experts_mxfp4,
+                 extra_tensors=(extra_tensors or {}) | vision)
+    _write_tokenizer(out, config.family, tiktoken_path)
+    return sum(t.numel() for t in vision.values())
 
 
 def _vision_weights(config: ModelConfig, seed: int, dtype: torch.dtype, out: Path) -> dict[str, torch.Tensor]:
@@ -130,9 +142,9 @@ def _round_experts_to_mxfp4(model: torch.nn.Module) -> None:
                     param.data[e] = dequantize_mxfp4(*quantize_mxfp4(param.data[e]))
 
 
-def _write_tokenizer(out: Path, family: str) -> None:
-    from engine.tokenizer_build import write_tokenizer
+def _write_tokenizer(out: Path, family: str, tiktoken_path: Path | None = None) -> None:
+    from engine.tokenizer_build import SMALL_TIKTOKEN_PATH, write_tokenizer
 
-    write_tokenizer(out, family)
+    write_tokenizer(out, family, tiktoken_path or SMALL_TIKTOKEN_PATH)
     if family == "kimi_linear":  # K2-style checkpoints ship their Jinja chat template; K3 renders in Python
         shutil.copyfile(K2_CHAT_TEMPLATE, out / "chat_template.jinja")

@@ -164,6 +164,27 @@ def _k3_93_pattern() -> dict:
                     vision=_vision(32, hidden=32, layers=2, heads=2, inter=64, pos_grid=16))
 
 
+def demo_k3_config(tiny: bool = False) -> dict:
+    """The architecture of the trained `demo-k3` (trainer/): KDA:MLA 3:1, attention residuals in blocks of 2 layers,
+    SiTU, gated Q-LoRA MLA, latent MoE (8 experts, top-2, one shared), a one-layer vision tower (untrained: the demo
+    is text-only, the tower is there because the K3 format has one); bf16 weights. `tiny` is the suite's
+    end-to-end training test (the same forms, 4 layers at width 64)."""
+    if tiny:
+        text = _kimi_linear(hidden=64, layers=4, mla_layers=[4], kda_heads=2, kda_head_dim=32, mla_heads=2,
+                            kv_lora=32, nope=16, rope=8, v_dim=16, experts=4, top_k=2, shared=1, moe_inter=32,
+                            inter=128)
+        raw = _kimi_k3(text, q_lora=32, latent=32, block_size=2,
+                       vision=_vision(64, hidden=32, layers=1, heads=2, inter=64, pos_grid=16))
+    else:
+        text = _kimi_linear(hidden=256, layers=8, mla_layers=[4, 8], kda_heads=4, kda_head_dim=64, mla_heads=4,
+                            kv_lora=128, nope=32, rope=16, v_dim=64, experts=8, top_k=2, shared=1, moe_inter=256,
+                            inter=768)
+        raw = _kimi_k3(text, q_lora=128, latent=128, block_size=2,
+                       vision=_vision(256, hidden=32, layers=1, heads=2, inter=64, pos_grid=16))
+    raw["dtype"] = raw["text_config"]["dtype"] = "bfloat16"
+    return raw
+
+
 PRESETS = {
     "tiny-linear": _tiny_linear,
     "small-linear": _small_linear,
@@ -181,7 +202,14 @@ def _k3_dspark(target: str, layers: int, heads: int, q_lora: int, kv_lora: int, 
                inter: int, markov_rank: int, block_size: int, target_layer_ids: list[int],
                rope_parameters: dict) -> dict:
     """A `k3_dspark` drafter config.json (vLLM's K3DSparkConfig fields) matching the target preset `target`."""
-    text = preset_config(target)["text_config"]
+    return _k3_dspark_for(preset_config(target)["text_config"], layers, heads, q_lora, kv_lora, nope, rope, v_dim,
+                          inter, markov_rank, block_size, target_layer_ids, rope_parameters)
+
+
+def _k3_dspark_for(text: dict, layers: int, heads: int, q_lora: int, kv_lora: int, nope: int, rope: int,
+                   v_dim: int, inter: int, markov_rank: int, block_size: int, target_layer_ids: list[int],
+                   rope_parameters: dict) -> dict:
+    """`_k3_dspark` for a target given by its text config."""
     return {
         "architectures": ["K3DSparkModel"], "model_type": "k3_dspark", "torch_dtype": "float32",
         "hidden_size": text["hidden_size"], "intermediate_size": inter, "num_hidden_layers": layers,
@@ -207,6 +235,19 @@ def _small_k3_dspark() -> dict:
     return _k3_dspark("small-k3", layers=2, heads=12, q_lora=384, kv_lora=256, nope=64, rope=32, v_dim=64,
                       inter=2048, markov_rank=64, block_size=8, target_layer_ids=[1, 4, 7],
                       rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+
+
+def demo_k3_dspark_config(tiny: bool = False) -> dict:
+    """The DSpark drafter distilled for `demo_k3_config(tiny)` (trainer/distill.py): one layer, blocks of 4, taps on
+    the first, middle and last decoder layers."""
+    text = demo_k3_config(tiny)["text_config"]
+    taps = [0, text["num_hidden_layers"] // 2, text["num_hidden_layers"] - 1]
+    rope = {"rope_type": "default", "rope_theta": 50000.0}
+    if tiny:
+        return _k3_dspark_for(text, layers=1, heads=2, q_lora=32, kv_lora=32, nope=16, rope=8, v_dim=16, inter=64,
+                              markov_rank=8, block_size=4, target_layer_ids=taps, rope_parameters=rope)
+    return _k3_dspark_for(text, layers=1, heads=4, q_lora=128, kv_lora=128, nope=32, rope=16, v_dim=64, inter=512,
+                          markov_rank=32, block_size=4, target_layer_ids=taps, rope_parameters=rope)
 
 
 # Drafter presets: name -> (the target preset it matches, its config). `make-checkpoint` writes these as drafter

@@ -1,4 +1,4 @@
-"""`kdamesh up` as a subprocess for the end-to-end tests: tiny-k3 generated in the test's folder, the gateway on a
+"""`kdamesh up` as a subprocess for the end-to-end tests: tiny-k3 generated in the test's folder (or a given model), the gateway on a
 free port, every request prefilled remotely (`--pd-min-uncached-tokens 0`), one torch thread per worker.
 
 `launch(root, ...)` starts it (`command="serve"`: as `kdamesh serve MODEL --port P ...`) and waits until it prints
@@ -45,10 +45,10 @@ class Launched:
 
 
 def launch(root: Path, wait_for: str, *, global_flags: Sequence[str] = (), up_flags: Sequence[str] = (),
-           env: Mapping[str, str] | None = None, command: str = "up") -> Launched:
+           env: Mapping[str, str] | None = None, command: str = "up", model: Path | None = None) -> Launched:
     """Starts `kdamesh [global_flags] up ... [up_flags]` (or `serve MODEL ...`) with `env` (default: this
-    process's) in `root`."""
-    model = make_checkpoint(MODEL, root / MODEL, seed=3)
+    process's) in `root`, on `model` (default: tiny-k3 generated in `root`)."""
+    model = model or make_checkpoint(MODEL, root / MODEL, seed=3)
     port = free_port()
     head = ["up", "--model", str(model), "--http-port"] if command == "up" else ["serve", str(model), "--port"]
     log_path = root / "up.log"

@@ -57,6 +57,9 @@ WORKER_SIDE = ("worker", "engine", "kernels", "protos", *CACHE_CLIENT, "telemetr
 LAYERS: dict[str, Layer] = {
     "deploy": Layer((ANY,)),
     "bench": Layer((ANY,)),
+    # `kdamesh train-demo`: trains the demo K3 model through the engine's modules, renders chat with the gateway's K3
+    # renderer (torch-free); torch, the `tokenizers` trainer and safetensors only.
+    "trainer": Layer(("engine", "kernels", "gateway.chat"), third_party=("torch", "tokenizers", "safetensors")),
     # `kdamesh bench serve`'s load generator (moved out of bench/ so the CLI may import it): an HTTP client.
     "servebench": Layer(("sdk", "protos", "gateway", "telemetry", *ENGINE_TORCH_FREE)),
     "gateway": Layer(("protos", "telemetry", *ENGINE_TORCH_FREE)),
