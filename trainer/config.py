@@ -48,9 +48,12 @@ class DistillConfig:
     seq_len: int = 256
     anchors: int = 16  # DSpark blocks per window
     lr: float = 2e-3
+    code_fraction: float = 0.5  # windows of training code (the rest chat): drafters serve code completion too
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "anchors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"distill {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.code_fraction <= 1.0:
+            raise ValueError(f"distill code_fraction must be in [0, 1], got {self.code_fraction}")

@@ -2,9 +2,10 @@
 
 Contract:
 - `distill(out_dir, config, tiktoken_path)` reads the trained target from OUT_DIR (the engine's loader, fp32
-  compute over the shipped bf16 weights, so the drafters learn the target that is served) and its chat token stream
+  compute over the shipped bf16 weights, so the drafters learn the target that is served) and its token streams
   (`OUT_DIR/.train/data.pt`), then trains each drafter for `DistillConfig` steps or seconds on the target's own
-  outputs: teacher forward (`trainer.forward.train_forward` with the drafter's taps) on chat windows, loss the KL
+  outputs: teacher forward (`trainer.forward.train_forward` with the drafter's taps) on chat and code windows
+  (`DistillConfig.code_fraction`), loss the KL
   divergence from the target's next-token distribution at the position the draft predicts
   (MTP row t -> the target at t + 1; DSpark block at anchor p, draft i -> the target at p + i).
 - The MTP layer (`engine.spec.mtp_model.MTPLayer`, the target's embedding frozen) is written into the target's own
@@ -48,11 +49,20 @@ class Teacher:
     taps: dict[int, torch.Tensor]  # tap id -> [B, T, D]
 
 
-def chat_windows(chat: torch.Tensor, starts: torch.Tensor, config: DistillConfig, step: int) -> torch.Tensor:
-    """[B, T] chat windows for `step` (seeded by it), each from a conversation start."""
+def windows(data: dict, config: DistillConfig, step: int) -> torch.Tensor:
+    """[B, T] windows for `step` (seeded by it): each a chat window from a conversation start or, with probability
+    `config.code_fraction`, a window of the training code at a random offset."""
     gen = torch.Generator().manual_seed(config.seed * 7_000_003 + step)
-    picks = starts[torch.randint(starts.numel(), (config.batch_size,), generator=gen)]
-    return torch.stack([chat[int(s) : int(s) + config.seq_len] for s in picks])
+    chat, starts, code = data["chat"], data["chat_starts"], data["code"]
+    rows = []
+    for _ in range(config.batch_size):
+        if float(torch.rand((), generator=gen)) < config.code_fraction:
+            at = int(torch.randint(code.numel() - config.seq_len, (), generator=gen))
+            rows.append(code[at: at + config.seq_len])
+        else:
+            at = int(starts[torch.randint(starts.numel(), (), generator=gen)])
+            rows.append(chat[at: at + config.seq_len])
+    return torch.stack(rows)
 
 
 @torch.no_grad()
@@ -103,7 +113,7 @@ def _fit(name: str, module: torch.nn.Module, outputs, target, data: dict, config
         progress = max(step / config.steps, (time.monotonic() - t0) / config.time_budget_s)
         for group in optimizer.param_groups:
             group["lr"] = config.lr * min(1.0, (step + 1) / 10) * (1.0 - 0.9 * min(1.0, progress))
-        t = teacher(target, chat_windows(data["chat"], data["chat_starts"], config, step), taps)
+        t = teacher(target, windows(data, config, step), taps)
         loss = kl_to_teacher(*outputs(module, t, _anchors(config, block, step)))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -121,7 +131,7 @@ def _agreement(module, outputs, target, data: dict, config: DistillConfig, taps,
     """Share of draft positions whose argmax equals the target's, on windows of steps the training never drew."""
     hits = total = 0
     for step in range(10**6, 10**6 + 4):
-        t = teacher(target, chat_windows(data["chat"], data["chat_starts"], config, step), taps)
+        t = teacher(target, windows(data, config, step), taps)
         student, expected = outputs(module, t, _anchors(config, block, step))
         hits += int((student.argmax(-1) == expected.argmax(-1)).sum())
         total += expected.shape[:-1].numel()
