@@ -308,8 +308,15 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         added = finished = False
+        maybe_added = True  # cancelled while the step thread runs `add`: it may still have added the request
         try:
-            await self.run_in_engine(add)  # raises InvalidRequestError for bad input
+            try:
+                await self.run_in_engine(add)  # raises InvalidRequestError for bad input
+            except RequestTimeoutError:
+                raise  # like a cancellation: the step thread may still run the add
+            except Exception:
+                maybe_added = False  # the add itself failed: nothing to abort (another stream may own the id)
+                raise
             added = True
             while True:
                 item = await self._next(stream, deadline)
@@ -321,8 +328,8 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if added and not finished and self._dead is None and not self._stopping:
-                self._abort_soon(request_id)
+            if (added or maybe_added) and not finished and self._dead is None and not self._stopping:
+                self._abort_soon(request_id)  # queued after the add: a skipped add makes it a no-op
 
     async def _next(self, stream: _Stream, deadline: float | None):
         timeout = self.wait_timeout_s

@@ -107,6 +107,51 @@ def test_abort_and_cancellation(engine_args):
     run(main())
 
 
+def test_a_cancellation_while_the_step_thread_adds_still_aborts(engine_args, monkeypatch):
+    """The race of a client that goes away while the step thread runs its `add_request`: the add completes after
+    the awaiting task was cancelled, and the stream must still abort the request (it used to run to the context
+    limit: the step count says which)."""
+    async def main():
+        async with await AsyncEngine.create(engine_args) as engine:
+            started, added = threading.Event(), threading.Event()
+            real_add = engine.core.add_request
+
+            def slow_add(*args, **kwargs):
+                started.set()
+                time.sleep(0.3)  # the client goes away meanwhile
+                try:
+                    return real_add(*args, **kwargs)
+                finally:
+                    added.set()
+
+            monkeypatch.setattr(engine.core, "add_request", slow_add)
+            long = SamplingParams(max_tokens=None, **GREEDY)
+
+            async def consume():
+                async for _ in engine.generate("raced", {"prompt_token_ids": [1, 2, 3]}, long):
+                    pass
+
+            steps = engine.core.num_steps
+            task = asyncio.create_task(consume())
+            while not started.is_set():
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            while not added.is_set():
+                await asyncio.sleep(0.01)
+            for _ in range(200):
+                await asyncio.sleep(0.02)
+                if not engine.core.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.02)
+            assert not engine.core.has_unfinished_requests(), "the raced request was never aborted"
+            assert engine.core.num_steps - steps < 20, "the raced request ran on after its stream was cancelled"
+            await engine.check_integrity()
+
+    run(main())
+
+
 def test_bad_requests_fail_alone(engine_args):
     async def main():
         async with await AsyncEngine.create(engine_args) as engine:
