@@ -16,6 +16,9 @@ Contract:
   `SpeculativeConfig`) is parsed into a `SpeculativeConfig`; it sets `num_speculative_tokens` (which must then be
   unset or equal), so the state pool reserves 1 + k slots per running request. `num_speculative_tokens` alone
   only reserves the slots. A verification is never split across forwards: `max_forward_tokens` must hold 1 + k.
+- `compilation_config` (`--compilation-config`, engine/compilation.py: JSON string, dict or `CompilationConfig`)
+  is parsed into a `CompilationConfig` (None: its defaults); `enforce_eager` turns compiled and captured decode
+  steps off whatever it says.
 - `snapshot_interval="auto"` is the state's bytes expressed in tokens of KV, rounded to whole blocks (so periodic
   snapshots at most double the memory of the prefix they cover), clamped to [1, MAX_AUTO_INTERVAL_BLOCKS] blocks.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.compilation import CompilationConfig
 from engine.errors import EngineConfigError
 from engine.memory.policy import SNAPSHOT_POLICIES
 from engine.model.batch import bytes_per_state, bytes_per_token
@@ -73,6 +77,8 @@ class EngineArgs:
     snapshot_policy: str = "hybrid"  # "hybrid": hints, junctions, turn ends too; "periodic": prompt ends + interval
     snapshot_budget: int | str | None = None  # bytes of KDA snapshots, e.g. "2GiB"; None: snapshot_memory_fraction
     speculative_config: SpeculativeConfig | dict | str | None = None  # engine/spec/config.py; None: no speculation
+    enforce_eager: bool = False  # no compiled or captured decode step (engine/compilation.py)
+    compilation_config: CompilationConfig | dict | str | None = None  # engine/compilation.py; None: the defaults
 
     def __post_init__(self):
         positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
@@ -103,6 +109,9 @@ class EngineArgs:
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise EngineConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
         self._resolve_speculative()
+        object.__setattr__(self, "compilation_config", CompilationConfig.parse(self.compilation_config))
+        if not isinstance(self.enforce_eager, bool):
+            raise EngineConfigError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise EngineConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.collective_timeout_s <= 0:

@@ -63,6 +63,7 @@ from engine import prompt_logprobs
 from engine.outputs import RequestOutput
 from engine.phase_times import PhaseTimes
 from engine.request import OutputState, Request, RequestStatus
+from engine.runner import GraphOptions
 from engine.parallel.executor import ExecutorConfig, open_executor
 from engine.sampling import SampleResult, SampleRow, Sampler, SamplingParams
 from engine.spec.setup import open_spec_decoding
@@ -110,7 +111,9 @@ class EngineCore:
                             model_fingerprint(args.model, self.model.dtype, args.load_format, args.seed))
         self.manager = CacheManager(self.plan, has_kda=self.config.kda is not None)
         self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
-        self.executor.start(self.plan, args.max_forward_tokens, media=self.media.feeder)  # images: rank 0 plans them
+        graphs = None if args.enforce_eager else GraphOptions(args.compilation_config, args.max_num_seqs)
+        self.executor.start(self.plan, args.max_forward_tokens, media=self.media.feeder,  # images: rank 0 plans them
+                            graphs=graphs)
         self.runner = self.executor  # the runner's interface, on every rank (engine/parallel/executor.py)
         (layers, bs, dim), _ = self.runner.block_shape()
         self.layout = CacheLayout(self.fingerprint, self.plan.block_size, (layers, bs, dim),

@@ -44,12 +44,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.compilation import CompilationConfig
 from engine.config import CachePlan
-from engine.model.batch import CacheTensors, ForwardBatch
+from engine.decode_graphs import DecodeGraphs, DecodeRows
+from engine.model.batch import CacheTensors, ForwardBatch, HostMeta
 from engine.model.model import KimiForCausalLM
 from engine.parallel.state import all_gather_state, scatter_state
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
+from kernels.indexing import slot_range
 
 if TYPE_CHECKING:
     from engine.vision.feed import MediaFeeder
@@ -95,11 +98,21 @@ class RankStep:
     inits: list[SlotInit] = field(default_factory=list)
     batches: list[ForwardBatch] = field(default_factory=list)
     taps: tuple[int, ...] = ()  # drafter taps to capture (engine/spec/capture.py)
+    decode: DecodeRows | None = None  # a decode-only step for the decode graphs (then `batches` is empty)
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """Compiled / captured decode steps (engine/decode_graphs.py): the compilation config and the most rows a
+    decode step can have. The engine passes None under `enforce_eager`."""
+
+    compilation: CompilationConfig
+    max_num_seqs: int
 
 
 class ModelRunner:
     def __init__(self, model: KimiForCausalLM, plan: CachePlan, max_forward_tokens: int | None = None,
-                 media: "MediaFeeder | None" = None):
+                 media: "MediaFeeder | None" = None, graphs: GraphOptions | None = None):
         self.model = model
         self.media = media
         self.config = model.config
@@ -109,13 +122,36 @@ class ModelRunner:
         self.max_forward_tokens = max_forward_tokens
         self.block_size = plan.block_size
         self.ctx = model.ctx
-        self.cache = CacheTensors.allocate(model.config, num_blocks=plan.num_blocks, block_size=plan.block_size,
-                                           num_slots=plan.num_slots, dtype=model.dtype, device=self.device,
+        # One more block and slot than the engine manages: the scratch that padding rows of a decode bucket write.
+        self.cache = CacheTensors.allocate(model.config, num_blocks=plan.num_blocks + 1, block_size=plan.block_size,
+                                           num_slots=plan.num_slots + 1, dtype=model.dtype, device=self.device,
                                            kda_heads=model.num_local_kda_heads)
         self.mla_layers = sorted(self.cache.kv)
         self.kda_layers = sorted(self.cache.recurrent)
-        self.taps: tuple[int, ...] = ()
+        self._taps: tuple[int, ...] = ()
         self._tapped: list[torch.Tensor] = []
+        self.graphs = self._decode_graphs(plan, graphs)
+
+    def _decode_graphs(self, plan: CachePlan, options: GraphOptions | None) -> DecodeGraphs | None:
+        """The compiled / captured decode step, or None (enforce_eager, or nothing to compile or capture here)."""
+        if options is None:
+            return None
+        kind = self.device.type
+        if not (options.compilation.compiles(kind) or options.compilation.captures(kind)):
+            return None
+        max_blocks = -(-plan.max_model_len // plan.block_size)
+        return DecodeGraphs(self.model, self.cache, options.compilation, options.max_num_seqs, max_blocks,
+                            scratch_slot=plan.num_slots, scratch_block=plan.num_blocks)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self._taps
+
+    @taps.setter
+    def taps(self, taps: tuple[int, ...]) -> None:
+        self._taps = tuple(taps)
+        if self.graphs is not None:
+            self.graphs.taps = self._taps
 
     def execute(self, out: SchedulerOutput, running_slots: list[int]) -> torch.Tensor:
         """Runs the step; `running_slots[i]` is the KDA slot of `out.chunks[i].req`."""
@@ -128,6 +164,8 @@ class ModelRunner:
                  SlotInit(init.dst, blocks=tuple(init.load_blocks), kv=init.load.kv, state=init.load.state)
                  for init in out.state_inits if init.src is not None or init.load is not None]
         pieces = self._pieces(out, running_slots, prompt_rows)
+        if self.graphs is not None and self.graphs.runs(pieces, self.taps):
+            return RankStep(zero, inits, taps=self.taps, decode=DecodeRows.of(pieces, self.block_size))
         if self.media is not None:
             self.media.prepare(pieces)  # encodes the step's new images (one call) before any batch takes their rows
         groups = split_forwards(pieces, self.max_forward_tokens)
@@ -180,6 +218,10 @@ class ModelRunner:
                 self.write_state(init.dst, init.state)
         from engine.spec.capture import forward_with_taps
 
+        if step.decode is not None:
+            rows, hidden = self.graphs.run(step.decode)  # [n, V], [n, len(taps) * D] or None
+            self._tapped = [hidden] if hidden is not None else []
+            return rows
         logits, self._tapped = [], []
         for batch in step.batches:
             rows, hidden = forward_with_taps(self.model, batch.to(self.device), self.cache, step.taps)
@@ -214,16 +256,19 @@ class ModelRunner:
             if verifying:  # verification pieces keep each position's state; the others only their own final one
                 out_slots.extend(chunk.out_slots or [-1] * (chunk.num_tokens - 1) + [chunk.slot])
         mm_positions, mm_embeds = self.media.inputs(pieces) if self.media is not None else (None, None)
+        state_slots = [c.slot for c in pieces]
+        host = HostMeta(tuple(cu), tuple(seq_lens), slot_range(state_slots), tuple(out_slots) if verifying else None)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long),
             cu_seqlens=torch.tensor(cu, dtype=torch.long),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long),
             block_tables=tables,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
-            state_indices=torch.tensor([c.slot for c in pieces], dtype=torch.long),
+            state_indices=torch.tensor(state_slots, dtype=torch.long),
             logits_indices=torch.tensor(logits_rows, dtype=torch.long),
             mm_embeds=mm_embeds, mm_positions=mm_positions,  # [M, hidden], [M]
             state_out_slots=torch.tensor(out_slots, dtype=torch.long) if verifying else None,  # [T]
+            host=host,
         )
 
     def copy_slots(self, pairs: list[tuple[int, int]]) -> None:

@@ -1,22 +1,21 @@
 """Host-side helpers for the index tensors that ops take (`state_indices`, `cu_seqlens`).
 
-Contract: `slot_range(indices) -> slice | None` is `slice(a, a + N)` when the host (CPU) tensor `indices` holds
-a, a+1, …, a+N−1, else None (device tensors: None, so no host sync). Ops use it to work on a contiguous view of a
-pool's rows in place instead of gathering and scattering copies.
+Contract: `slot_range(slots) -> slice | None` is `slice(a, a + N)` when the HOST sequence of ints `slots` holds
+a, a+1, …, a+N−1, else None. Callers that built the indices on the host (the runner) compute it there and pass it
+to an op as a hint (`state_slots=`), so the op can work on a contiguous view of a pool's rows in place instead of
+gathering and scattering copies — without ever reading an index tensor back from its device.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
 
 
-def slot_range(indices: torch.Tensor) -> slice | None:
-    if indices.device.type != "cpu" or indices.numel() == 0:
+def slot_range(slots: Sequence[int]) -> slice | None:
+    n = len(slots)
+    if n == 0:
         return None
-    n = indices.numel()
-    first, last = int(indices[0]), int(indices[-1])
-    if last - first != n - 1:
+    first = slots[0]
+    if any(s != first + i for i, s in enumerate(slots)):
         return None
-    if n > 2 and not bool((indices[1:] - indices[:-1] == 1).all()):
-        return None
-    return slice(first, last + 1)
+    return slice(first, first + n)

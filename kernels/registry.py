@@ -113,9 +113,17 @@ def preference(device_type: str) -> list[str]:
 
 
 def get_kernel(op: str, device: torch.device | str = "cpu") -> Callable:
-    """Returns the implementation of `op` for `device`, choosing the backend per the module contract."""
+    """Returns the implementation of `op` for `device`, choosing the backend per the module contract. Inside a
+    compiled step (which cannot trace imports or the environment) it returns the choice made last outside one."""
     device_type = torch.device(device).type
-    return _resolve(op, device_type, os.environ.get(ENV_FORCE, ""), os.environ.get("TRITON_INTERPRET", ""))
+    if torch.compiler.is_compiling():
+        return _latest[(op, device_type)]
+    impl = _resolve(op, device_type, os.environ.get(ENV_FORCE, ""), os.environ.get("TRITON_INTERPRET", ""))
+    _latest[(op, device_type)] = impl
+    return impl
+
+
+_latest: dict[tuple[str, str], Callable] = {}  # (op, device type) -> the implementation get_kernel returned last
 
 
 def chosen_backend(op: str, device: torch.device | str = "cpu") -> str:

@@ -12,6 +12,11 @@ Contract:
 - With `state_out_slots` set (speculative verification, engine/spec/), sequence n still starts from slot
   `state_indices[n]`, but the KDA state (conv window and recurrent state) after each new token t goes to slot
   `state_out_slots[t]` when that is >= 0 and nowhere when it is -1; the in-slot changes only where it is named.
+- `host` (`HostMeta`, optional): what the runner knows of the index tensors on the host (cu_seqlens, seq_lens,
+  consecutive state slots, verification out-slots), so ops never read them back from the device. `traced=True`
+  marks a batch run by a compiled or captured decode step (engine/decode_graphs.py): the model then reaches the
+  caches through `kernels.graph_ops`' custom ops and uses no host metadata, so the traced graph holds no Python
+  value that changes between steps.
 - `CacheTensors` holds per-layer tensors only; which blocks and slots belong to whom is the engine's business.
   Under tensor parallelism a rank's state slots hold its `kda_heads` = H/N heads (conv channels `3*(H/N)*D`);
   the MLA latent cache is replicated (every rank writes the same latents).
@@ -27,6 +32,16 @@ from engine.model.config import ModelConfig
 from engine.plan import kv_bytes_per_token, state_bytes_per_request
 
 
+@dataclass(frozen=True)
+class HostMeta:
+    """Host copies of a batch's index tensors (the runner built them from these ints)."""
+
+    cu_seqlens: tuple[int, ...]  # [N+1]
+    seq_lens: tuple[int, ...]  # [N]
+    state_slots: slice | None = None  # `state_indices` as a slice when they are consecutive (kernels/indexing.py)
+    out_slots: tuple[int, ...] | None = None  # [T] `state_out_slots` (verification)
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64, the new tokens of all sequences, packed
@@ -39,6 +54,8 @@ class ForwardBatch:
     mm_embeds: torch.Tensor | None = None  # [M, hidden] input embeddings (image features) used instead of tokens'
     mm_positions: torch.Tensor | None = None  # [M] int64 rows of input_ids whose embedding mm_embeds replaces
     state_out_slots: torch.Tensor | None = None  # [T] int64 KDA slot receiving the state after each token (-1: none)
+    host: HostMeta | None = None  # host copies of the index tensors (None: ops read the tensors)
+    traced: bool = False  # run by a compiled or captured decode step: cache ops as kernels.graph_ops custom ops
 
     @property
     def num_seqs(self) -> int:
@@ -61,7 +78,7 @@ class ForwardBatch:
         return self.cu_seqlens[1:] - 1  # [N]
 
     def to(self, device: torch.device) -> "ForwardBatch":
-        moved = {name: (None if t is None else t.to(device)) for name, t in vars(self).items()}
+        moved = {name: (t.to(device) if isinstance(t, torch.Tensor) else t) for name, t in vars(self).items()}
         return ForwardBatch(**moved)
 
 

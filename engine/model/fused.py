@@ -64,6 +64,8 @@ class ParamGroup:
         fused = self._fused
         if fused is None:
             return None
+        if torch.compiler.is_compiling():  # traced once per compiled step: the binding is checked when it is built
+            return fused
         for p, ptr in zip(self.params, self._ptrs):
             if p.data_ptr() != ptr or p.dtype != fused.dtype or p.device != fused.device:
                 return None

@@ -31,7 +31,8 @@ from engine.model.config import LayerSpec, ModelConfig
 from engine.model.fused import FusedLinear, ParamGroup
 from engine.model.moe import MoEGate, SparseMoE, StackedExperts
 from engine.parallel.comm import SINGLE, RankContext
-from kernels import get_kernel
+from kernels import get_kernel, graph_ops
+from kernels.casting import cast, fp32
 from kernels.attention.torch_paged import write_kv_cache
 from kernels.kda.gate import kda_gate_lower_bound, kda_gate_softplus
 from kernels.norm.rms_norm import gated_rms_norm, l2_normalize
@@ -77,32 +78,39 @@ class KDAMixer(nn.Module):
         conv_w = self._conv_weight()  # [3HD, W]
         conv_pool = cache.conv[self.layer_index]
         verify = batch.state_out_slots is not None  # speculative verification: keep the state after each token
-        if verify:
+        host = batch.host
+        if batch.traced:
+            qkv = graph_ops.conv_decode(qkv, conv_w, conv_pool, batch.state_indices)
+        elif verify:
             qkv = get_kernel("conv_verify", x.device)(qkv, conv_w, conv_pool, batch.state_indices, batch.cu_seqlens,
-                                                      batch.state_out_slots)
+                                                      batch.state_out_slots, _verify_host(host))
         elif batch.is_pure_decode:
-            qkv = get_kernel("conv_decode", x.device)(qkv, conv_w, conv_pool, batch.state_indices)
+            qkv = get_kernel("conv_decode", x.device)(qkv, conv_w, conv_pool, batch.state_indices,
+                                                      host.state_slots if host else None)
         else:
             qkv = get_kernel("conv_prefill", x.device)(qkv, conv_w, conv_pool, batch.state_indices,
                                                        batch.cu_seqlens)
         q, k, v = (part.reshape(t, h, dh) for part in qkv.split(h * dh, dim=-1))  # each [T, H, D]
         q, k = l2_normalize(q), l2_normalize(k)
         g = self._forget_gate(self.f_b_proj(f_low))  # [T, H, D] fp32, log decay
-        beta = torch.sigmoid(b.float())  # [T, H]
+        beta = torch.sigmoid(fp32(b))  # [T, H]
         state_pool = cache.recurrent[self.layer_index]
         scale = dh ** -0.5
-        if verify:
+        if batch.traced:
+            o = graph_ops.kda_decode(q, k, v, g, beta, scale, state_pool, batch.state_indices)
+        elif verify:
             o = get_kernel("kda_verify", x.device)(q, k, v, g, beta, scale, state_pool, batch.state_indices,
-                                                   batch.cu_seqlens, batch.state_out_slots)
+                                                   batch.cu_seqlens, batch.state_out_slots, _verify_host(host))
         elif batch.is_pure_decode:
-            o = get_kernel("kda_decode", x.device)(q, k, v, g, beta, scale, state_pool, batch.state_indices)
+            o = get_kernel("kda_decode", x.device)(q, k, v, g, beta, scale, state_pool, batch.state_indices,
+                                                   host.state_slots if host else None)
         else:
             o = get_kernel("kda_prefill", x.device)(q, k, v, g, beta, scale, batch.cu_seqlens, state_pool,
                                                     batch.state_indices)
         if not kda.full_rank_output_gate:
             gate = self.g_b_proj(gate)  # [T, H*D]
         o = gated_rms_norm(o, self.o_norm.weight, gate.reshape(t, h, dh), self.eps)  # [T, H, D]
-        return self.ctx.all_reduce(self.o_proj(o.reshape(t, h * dh).to(x.dtype)))  # row-parallel: summed
+        return self.ctx.all_reduce(self.o_proj(cast(o.reshape(t, h * dh), x.dtype)))  # row-parallel: summed
 
     def _conv_weight(self) -> torch.Tensor:
         fused = self.conv_weights.tensor()  # [3HD, 1, W] when bound
@@ -115,6 +123,11 @@ class KDAMixer(nn.Module):
         if self.kda.gate_lower_bound is None:
             return kda_gate_softplus(f, self.A_log, self.dt_bias, self.num_heads)
         return kda_gate_lower_bound(f, self.A_log, self.dt_bias, self.num_heads, self.kda.gate_lower_bound)
+
+
+def _verify_host(host) -> tuple[list[int], list[int]] | None:
+    """The verification ops' host copies `(cu_seqlens, out_slots)`, when the runner gave them."""
+    return (list(host.cu_seqlens), list(host.out_slots)) if host is not None and host.out_slots is not None else None
 
 
 class _ConvWeight(nn.Module):
@@ -162,28 +175,47 @@ class MLAMixer(nn.Module):
         q = q.reshape(t, h, nope + rope)  # [T, H, nope+rope]
         latent = torch.cat([self.kv_a_layernorm(ckv[:, :lora]), ckv[:, lora:]], dim=-1)  # [T, lora+rope]
         kv_cache = cache.kv[self.layer_index]
-        write_kv_cache(kv_cache, batch.slot_mapping, latent.to(kv_cache.dtype))
+        if batch.traced:
+            graph_ops.write_kv(kv_cache, batch.slot_mapping, cast(latent, kv_cache.dtype))
+        else:
+            write_kv_cache(kv_cache, batch.slot_mapping, cast(latent, kv_cache.dtype))
         w_kv = self.kv_b_proj.weight.reshape(h, nope + mla.v_head_dim, lora)  # [H, nope+v, lora]
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]  # [H, nope, lora], [H, v, lora]
         q_latent = torch.einsum("thn,hnl->thl", q[..., :nope], w_uk)  # [T, H, lora]
         q_abs = torch.cat([q_latent, q[..., nope:]], dim=-1)  # [T, H, lora+rope]
-        attn = get_kernel("mla_attention", x.device)
-        o_latent = attn(q_abs.to(kv_cache.dtype), kv_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens,
-                        mla.softmax_scale, lora)  # [T, H, lora]
-        o = torch.einsum("thl,hvl->thv", o_latent.to(x.dtype), w_uv).reshape(t, h * mla.v_head_dim)
+        if batch.traced:
+            o_latent = graph_ops.mla_decode(cast(q_abs, kv_cache.dtype), kv_cache, batch.block_tables, batch.seq_lens,
+                                            mla.softmax_scale, lora)  # [T, H, lora]
+        else:
+            host = (list(batch.host.cu_seqlens), list(batch.host.seq_lens)) if batch.host else None
+            o_latent = get_kernel("mla_attention", x.device)(
+                cast(q_abs, kv_cache.dtype), kv_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens,
+                mla.softmax_scale, lora, host)  # [T, H, lora]
+        o = torch.einsum("thl,hvl->thv", cast(o_latent, x.dtype), w_uv).reshape(t, h * mla.v_head_dim)
         if mla.output_gate:
             o = o * torch.sigmoid(out_gate[0])
         return self.ctx.all_reduce(self.o_proj(o))  # row-parallel: summed
+
+
+STACKED_MIX_MAX_ELEMS = 1 << 24  # candidates x tokens x width mixed as one stacked tensor (64 MiB fp32)
 
 
 def attn_res_mix(blocks: list[torch.Tensor], prefix_sum: torch.Tensor, norm_weight: torch.Tensor,
                  proj_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`Σ_j softmax_j(rmsnorm_noweight(V_j)·(norm_weight ⊙ proj_weight[0]))·V_j` over V = blocks + [prefix_sum].
 
-    In fp32 over the raw V, one candidate at a time (no stacked copy): a candidate's score is
-    `(V_j · w) · rsqrt(mean(V_j²) + eps)`, the weightless RMSNorm's factor taken out of the dot product."""
+    In fp32 over the raw V; a candidate's score is `(V_j · w) · rsqrt(mean(V_j²) + eps)`, the weightless RMSNorm's
+    factor taken out of the dot product. Small steps (decode, short chunks: up to `STACKED_MIX_MAX_ELEMS` values)
+    stack the candidates and mix them in a handful of ops; larger ones go one candidate at a time (no stacked
+    copy of a long prefill's blocks)."""
+    score_weight = fp32(norm_weight) * fp32(proj_weight.reshape(-1))  # [D]
+    count = len(blocks) + 1
+    if count * prefix_sum.numel() <= STACKED_MIX_MAX_ELEMS:
+        stacked = fp32(torch.stack(blocks + [prefix_sum]))  # [B+1, T, D]
+        scores = (stacked @ score_weight).mul_(torch.rsqrt(stacked.square().mean(-1).add_(eps)))  # [B+1, T]
+        probs = scores.softmax(dim=0)
+        return cast((stacked * probs.unsqueeze(-1)).sum(0), prefix_sum.dtype)  # [T, D]
     candidates = [v.float() for v in blocks + [prefix_sum]]  # each [T, D]
-    score_weight = norm_weight.float() * proj_weight.reshape(-1).float()  # [D]
     scores = torch.stack([(v @ score_weight) * torch.rsqrt(v.pow(2).mean(-1) + eps) for v in candidates], dim=-1)
     probs = scores.softmax(dim=-1)  # [T, B+1]
     out = candidates[0] * probs[:, :1]

@@ -33,6 +33,7 @@ from engine.model.common import VocabEmbedding
 from engine.model.layers import DecoderLayer, RMSNorm, ResidualStream, _linear, attn_res_mix
 from engine.parallel.comm import SINGLE, RankContext
 from engine.spec.drafter import FINAL_TAP
+from kernels.casting import fp32
 
 
 class KimiTextModel(nn.Module):
@@ -102,7 +103,7 @@ class KimiForCausalLM(nn.Module):
             out = self.model(batch, cache, taps) if taps else self.model(batch, cache)
             hidden, tapped = out if taps else (out, None)  # [T, D], [T, len(taps)*D]
             rows = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
-            logits = self.ctx.all_gather(self.lm_head(hidden[rows]).float(), dim=-1)  # [L, V]
+            logits = self.ctx.all_gather(fp32(self.lm_head(hidden[rows])), dim=-1)  # [L, V]
             return logits if tapped is None else (logits, tapped)
         finally:
             torch.set_flush_denormal(False)

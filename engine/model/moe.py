@@ -29,6 +29,7 @@ from engine.model.fused import ParamGroup
 from engine.parallel.comm import SINGLE, RankContext
 from engine.parallel.config import ParallelError
 from kernels import get_kernel
+from kernels.casting import fp32
 from kernels.moe.mxfp4 import GROUP, MXFP4Weight
 from kernels.moe.router import route
 
@@ -128,8 +129,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, D]
         moe = self.moe
-        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
-        weights, ids = route(logits, self.gate.e_score_correction_bias.float(), moe.top_k, moe.num_expert_group,
+        logits = F.linear(fp32(x), fp32(self.gate.weight))  # [T, E]
+        weights, ids = route(logits, fp32(self.gate.e_score_correction_bias), moe.top_k, moe.num_expert_group,
                              moe.topk_group, moe.renormalize, moe.routed_scaling_factor)
         if self.experts.first_expert:
             ids = ids - self.experts.first_expert  # global -> local ids; other ranks' experts fall outside [0, E)

@@ -91,9 +91,10 @@ class LocalExecutor:
         self.model = load_model(model_dir, load, ctx)
         self.runner: ModelRunner | None = None
 
-    def start(self, plan, max_forward_tokens: int | None, media=None) -> None:
-        """`media`: rank 0's image feeder (engine.vision.feed); the batches it plans carry the image rows."""
-        self.runner = ModelRunner(self.model, plan, max_forward_tokens, media=media)
+    def start(self, plan, max_forward_tokens: int | None, media=None, graphs=None) -> None:
+        """`media`: rank 0's image feeder (engine.vision.feed); the batches it plans carry the image rows.
+        `graphs`: `engine.runner.GraphOptions` for compiled / captured decode steps (None: eager)."""
+        self.runner = ModelRunner(self.model, plan, max_forward_tokens, media=media, graphs=graphs)
 
     @property
     def device(self) -> torch.device:
@@ -166,8 +167,8 @@ def _rank_main(config: ExecutorConfig, rank: int, model_dir: str, load: LoadConf
     comm = _join(config, rendezvous, rank)
     try:
         model = load_model(model_dir, _rank_load(load, rank), RankContext(config.parallel(rank), comm))
-        plan, max_forward_tokens = TorchDistributed().broadcast_object(None)  # the start group: no short timeout
-        runner = ModelRunner(model, plan, max_forward_tokens)
+        plan, max_forward_tokens, graphs = TorchDistributed().broadcast_object(None)  # the start group
+        runner = ModelRunner(model, plan, max_forward_tokens, graphs=graphs)
         while True:
             name, args = comm.broadcast_object(None)
             if name == "shutdown":
@@ -205,9 +206,9 @@ class RankGroupExecutor(LocalExecutor):
             self._kill()
             raise
 
-    def start(self, plan, max_forward_tokens: int | None, media=None) -> None:
-        TorchDistributed().broadcast_object((plan, max_forward_tokens))
-        super().start(plan, max_forward_tokens, media)
+    def start(self, plan, max_forward_tokens: int | None, media=None, graphs=None) -> None:
+        TorchDistributed().broadcast_object((plan, max_forward_tokens, graphs))
+        super().start(plan, max_forward_tokens, media, graphs)
         self._last = time.monotonic()
         threading.Thread(target=self._heartbeat, name="kdamesh-tp-heartbeat", daemon=True).start()
 

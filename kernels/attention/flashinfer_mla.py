@@ -37,7 +37,9 @@ def paged_kv_indices(
 
 
 def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        seq_lens: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
+                        seq_lens: torch.Tensor, scale: float, v_dim: int,
+                        host: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+    """`host` (the torch op's host copy of cu_seqlens_q / seq_lens) is not needed here."""
     import flashinfer  # noqa: PLC0415 - CUDA-only dependency, imported on use
 
     T, H, Dk = q.shape

@@ -12,13 +12,14 @@ chunk reads only keys up to its last position, and only the chunk that holds its
 path never reads cache entries past `seq_lens[n]`.
 
 Decode batches (one query per sequence) run batched over sequences instead: groups of sequences whose gathered keys
-(padded to the group's longest sequence, whole blocks) fit in `DECODE_KEY_ELEMS` values, one batched matmul for the
-scores and one for the output per group. Such a gather also copies the rest of each sequence's last block and
-unused block-table entries; those values are zeroed and their scores masked before use, so they never affect the
-result. A sequence too long for one group takes the chunked path above.
+(every block of the table's width — the runner trims tables to the longest sequence's blocks) fit in
+`DECODE_KEY_ELEMS` values, one batched matmul for the scores and one for the output per group. Such a gather also
+copies the rest of each sequence's last block and unused block-table entries; those values are zeroed and their
+scores masked before use, so they never affect the result. A table too wide for one group takes the chunked path
+above. The decode path reads nothing back to the host (it runs inside compiled and captured steps).
 
 `write_kv_cache(kv_cache, slot_mapping [T] int64, latent [T, Dk])` writes token t's latent to flat slot
-`slot_mapping[t] = block * block_size + offset` in place; negative slots (padding) are skipped.
+`slot_mapping[t] = block * block_size + offset` in place (valid, distinct slots; padding rows write a scratch block).
 """
 
 from __future__ import annotations
@@ -88,19 +89,17 @@ def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     scale: float, v_dim: int) -> torch.Tensor:
     """One query per sequence, all sequences at once. q [N, H, Dk] -> [N, H, v_dim] fp32.
 
-    The sequences' blocks are gathered into one [N, S, Dk] tensor (S: the longest, rounded up to blocks); entries
-    past a sequence's length (a partly filled last block, blocks of shorter sequences) are zeroed and their scores
-    masked, so they never reach the result."""
+    Every block of `block_tables` [N, nb] is gathered into one [N, nb * block_size, Dk] tensor; entries past a
+    sequence's length (a partly filled last block, blocks of shorter sequences) are zeroed and their scores masked,
+    so they never reach the result. Nothing is read back: the width comes from the table's shape."""
     N, H, Dk = q.shape
     block_size = kv_cache.shape[1]
-    lens = seq_lens.to(torch.int64)  # [N]
-    num_blocks = -(-int(lens.max()) // block_size)
-    tables = block_tables[:, :num_blocks].to(torch.int64).clamp(min=0)  # [N, nb]; unused entries may be -1
+    num_blocks = block_tables.shape[1]
+    tables = block_tables.to(torch.int64).clamp(min=0)  # [N, nb]; unused entries may be -1
     kv = kv_cache.index_select(0, tables.reshape(-1)).view(N, num_blocks * block_size, Dk)  # [N, S, Dk]
     kv = kv.to(torch.float32)
-    past = torch.arange(kv.shape[1], device=q.device) >= lens[:, None]  # [N, S]
-    tail = int(lens.min()) // block_size * block_size  # positions before `tail` are in every sequence
-    kv[:, tail:].masked_fill_(past[:, tail:, None], 0.0)
+    past = torch.arange(kv.shape[1], device=q.device) >= seq_lens.to(torch.int64)[:, None]  # [N, S]
+    kv.masked_fill_(past[:, :, None], 0.0)
     scores = torch.bmm(q.to(torch.float32), kv.transpose(1, 2)).mul_(scale)  # [N, H, S]
     scores.masked_fill_(past[:, None, :], float("-inf"))
     probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # every sequence has key 0: the max is finite
@@ -109,20 +108,22 @@ def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
 
 def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        seq_lens: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
+                        seq_lens: torch.Tensor, scale: float, v_dim: int,
+                        host: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+    """`host`: `(cu_seqlens_q, seq_lens)` as host ints (the runner has them) for the per-sequence path, so nothing
+    is read back; None reads the tensors. Decode batches never read anything back."""
     T, H, _ = q.shape
     out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)
     if T == seq_lens.shape[0] and T > 0:  # one query per sequence: batched over sequences, in groups
-        block_size = kv_cache.shape[1]
-        per_seq = -(-int(seq_lens.max()) // block_size) * block_size * kv_cache.shape[2]  # gathered keys
-        group = DECODE_KEY_ELEMS // per_seq
+        per_seq = block_tables.shape[1] * kv_cache.shape[1] * kv_cache.shape[2]  # gathered keys per sequence
+        group = DECODE_KEY_ELEMS // max(per_seq, 1)
         if group >= 1:
             for a in range(0, T, group):
                 b = min(T, a + group)
                 out[a:b] = _attend_decodes(q[a:b], kv_cache, block_tables[a:b], seq_lens[a:b], scale, v_dim)
             return out
-    bounds = cu_seqlens_q.tolist()
-    for n, seq_len in enumerate(seq_lens.tolist()):
+    bounds, lens = host if host is not None else (cu_seqlens_q.tolist(), seq_lens.tolist())
+    for n, seq_len in enumerate(lens):
         start, end = bounds[n], bounds[n + 1]
         if end > start:
             _attend_sequence(q[start:end], kv_cache, block_tables[n], seq_len, scale, v_dim, out[start:end])
@@ -130,8 +131,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 
 
 def write_kv_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor) -> None:
-    """Writes latent [T, Dk] into kv_cache [num_blocks, block_size, Dk] at flat slots slot_mapping [T] (in place)."""
+    """Writes latent [T, Dk] into kv_cache [num_blocks, block_size, Dk] at flat slots slot_mapping [T] (in place).
+    Slots must be valid and distinct (padding rows of a bucketed step write to a scratch block): no host read."""
     flat = kv_cache.view(-1, kv_cache.shape[-1])  # [num_blocks * block_size, Dk]; needs a contiguous cache
-    slots = slot_mapping.to(torch.int64)
-    valid = slots >= 0
-    flat.index_copy_(0, slots[valid], latent[valid].to(flat.dtype))
+    flat.index_copy_(0, slot_mapping.to(torch.int64), latent.to(flat.dtype))

@@ -98,7 +98,9 @@ def _tile_table(cu_seqlens_q: torch.Tensor, block_m: int, num_tiles: int) -> tup
 
 
 def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        seq_lens: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
+                        seq_lens: torch.Tensor, scale: float, v_dim: int,
+                        host: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+    """`host` (the torch op's host copy of cu_seqlens_q / seq_lens) is not needed here."""
     T, H, Dk = q.shape
     N = seq_lens.numel()
     out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)

@@ -5,13 +5,17 @@ Contract (same math as `kernels.conv.naive.causal_conv1d_naive`; W = kernel widt
   -> y [T, C]`: sequence n (tokens `cu_seqlens[n]:cu_seqlens[n+1]`) reads its initial window from pool slot
   `state_indices[n]` (the caller zeroes a fresh sequence's slot) and writes its final window back to that slot in
   place. Slots not named in `state_indices` are never read or written.
-- `causal_conv1d_decode(x [N, C], weight [C, W], conv_state_pool, state_indices [N]) -> y [N, C]`: one token per
-  sequence; the slot's window shifts left by one in place.
+- `causal_conv1d_decode(x [N, C], weight [C, W], conv_state_pool, state_indices [N], state_slots=None) -> y [N, C]`:
+  one token per sequence; the slot's window shifts left by one in place. `state_slots`, a host `slice` equal to
+  `state_indices` when they are consecutive (`kernels.indexing.slot_range`), lets it work on the pool's rows in
+  place; without it the windows are gathered and scattered by index. Either way nothing is read back to the host
+  (the decode step's ops never are: a compiled or captured step holds them).
 - `causal_conv1d_verify(x, weight, conv_state_pool, state_indices [N], cu_seqlens [N+1], out_slots [T]) -> y`
   (speculative verification): sequence n starts from the window in slot `state_indices[n]`, and the window after
   token t is written to slot `out_slots[t]` when that is >= 0 (-1: not kept). Every window is read before any is
   written, so an out-slot may be an in-slot; out-slots must not repeat. The per-slot window is the rollback unit:
-  the engine keeps the window after each verified position and picks the accepted one.
+  the engine keeps the window after each verified position and picks the accepted one. With
+  `host=(cu_seqlens, out_slots)` as host ints nothing is read back to the host.
 - fp32 arithmetic; `y` in `x.dtype`; windows stored in the pool's dtype. No per-token Python loops: prefill loops
   over sequences and blocks of `ROW_BLOCK` rows, each tap one multiply-add over contiguous rows (a depthwise
   `F.conv1d` over the [C, T] transpose was ~10x slower on CPU).
@@ -22,7 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.indexing import slot_range
+from kernels.casting import cast, fp32
+
 
 ROW_BLOCK = 256  # rows per block of the prefill taps: [256, C] fp32 stays in L2 for C up to a few thousand
 
@@ -73,46 +78,49 @@ def _taps_into(u: torch.Tensor, taps: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor,
-                         state_indices: torch.Tensor) -> torch.Tensor:
-    rows = slot_range(state_indices)  # consecutive slots: work on the pool's rows in place
+                         state_indices: torch.Tensor, state_slots: slice | None = None) -> torch.Tensor:
+    rows = state_slots  # consecutive slots: work on the pool's rows in place
     slots = state_indices.to(torch.int64)
-    window = conv_state_pool[rows] if rows is not None else conv_state_pool[slots]  # [N, C, W-1]
-    taps = weight.to(torch.float32)  # [C, W]
+    window = conv_state_pool[rows] if rows is not None else conv_state_pool.index_select(0, slots)  # [N, C, W-1]
+    taps = fp32(weight)  # [C, W]
     pad = taps.shape[1] - 1
-    x32 = x.to(torch.float32)  # [N, C]
-    y = window[:, :, 0].to(torch.float32) * taps[:, 0]  # [N, C], taps in the prefill's order
+    x32 = fp32(x)  # [N, C]
+    y = fp32(window[:, :, 0]) * taps[:, 0]  # [N, C], taps in the prefill's order
     for j in range(1, pad):
-        y.addcmul_(window[:, :, j].to(torch.float32), taps[:, j])
+        y.addcmul_(fp32(window[:, :, j]), taps[:, j])
     y.addcmul_(x32, taps[:, pad])
-    shifted = torch.cat([window[:, :, 1:], x.to(window.dtype).unsqueeze(-1)], dim=-1)  # [N, C, W-1]
+    shifted = torch.cat([window[:, :, 1:], cast(x, window.dtype).unsqueeze(-1)], dim=-1)  # [N, C, W-1]
     if rows is not None:
         window.copy_(shifted)
     else:
-        conv_state_pool[slots] = shifted
-    return F.silu(y).to(x.dtype)
+        conv_state_pool.index_copy_(0, slots, shifted)
+    return cast(F.silu(y), x.dtype)
 
 
 def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor,
-                         state_indices: torch.Tensor, cu_seqlens: torch.Tensor, out_slots: torch.Tensor) -> torch.Tensor:
+                         state_indices: torch.Tensor, cu_seqlens: torch.Tensor, out_slots: torch.Tensor,
+                         host: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+    """`host`: `(cu_seqlens, out_slots)` as host ints (the runner has them), so nothing is read back; None reads
+    the tensors."""
     T, C = x.shape
     taps = weight.to(torch.float32).t().contiguous()  # [W, C]
     pad = taps.shape[0] - 1
-    windows = conv_state_pool[state_indices.to(torch.int64)].to(torch.float32).transpose(1, 2)  # [N, W-1, C], a copy
-    y = torch.empty(T, C, dtype=torch.float32, device=x.device)
-    out = out_slots.to(device=x.device, dtype=torch.int64)
-    bounds = cu_seqlens.tolist()
+    windows = conv_state_pool.index_select(0, state_indices.to(torch.int64)).to(torch.float32).transpose(1, 2)
+    y = torch.empty(T, C, dtype=torch.float32, device=x.device)  # windows: [N, W-1, C], a copy
+    bounds, out = host if host is not None else (cu_seqlens.tolist(), out_slots.tolist())
     slots, kept = [], []
     for n in range(len(bounds) - 1):
         start, end = bounds[n], bounds[n + 1]
         tokens = x[start:end].to(torch.float32)  # [L, C]
         _depthwise_taps(windows[n], tokens, taps, y[start:end])
-        wanted = (out[start:end] >= 0).nonzero().flatten()  # [m] token offsets whose window is kept
-        if wanted.numel():
+        wanted = [i for i in range(end - start) if out[start + i] >= 0]  # token offsets whose window is kept
+        if wanted:
             u = torch.cat([windows[n], tokens])  # [W-1+L, C]; the window after token i is u[i+1 : i+W]
-            rows = wanted[:, None] + 1 + torch.arange(pad, device=x.device)  # [m, W-1]
-            kept.append(u[rows])  # [m, W-1, C]
-            slots.append(out[start:end][wanted])
+            rows = [[i + 1 + j for j in range(pad)] for i in wanted]  # [m, W-1]
+            kept.append(u[torch.tensor(rows, device=x.device)])  # [m, W-1, C]
+            slots.extend(out[start + i] for i in wanted)
     F.silu(y, inplace=True)
     if slots:
-        conv_state_pool[torch.cat(slots)] = torch.cat(kept).transpose(1, 2).to(conv_state_pool.dtype)
+        index = torch.tensor(slots, dtype=torch.int64, device=conv_state_pool.device)
+        conv_state_pool.index_copy_(0, index, torch.cat(kept).transpose(1, 2).to(conv_state_pool.dtype))
     return y.to(x.dtype)

@@ -141,7 +141,8 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state_pool
 
 
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor,
-                         state_indices: torch.Tensor) -> torch.Tensor:
+                         state_indices: torch.Tensor, state_slots: slice | None = None) -> torch.Tensor:
+    """`state_slots` (the torch op's in-place hint) is not needed: the kernel indexes the pool directly."""
     N, C = x.shape
     W = _check(weight, conv_state_pool)
     x = x.contiguous()

@@ -13,15 +13,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.casting import fp32
+
 
 def _per_head(A_log: torch.Tensor, num_heads: int) -> torch.Tensor:
     """exp(A_log) for the first `num_heads` entries, shaped [H, 1] to broadcast over a [..., H, K] gate."""
-    return torch.exp(A_log.float().reshape(-1)[:num_heads]).unsqueeze(-1)
+    return torch.exp(fp32(A_log).reshape(-1)[:num_heads]).unsqueeze(-1)
 
 
 def _biased(f: torch.Tensor, dt_bias: torch.Tensor, num_heads: int) -> torch.Tensor:
     """(f + dt_bias) in fp32, reshaped [..., H*K] -> [..., H, K]."""
-    x = f.float() + dt_bias.float()
+    x = fp32(f) + fp32(dt_bias)
     return x.unflatten(-1, (num_heads, -1))
 
 

@@ -6,24 +6,27 @@ computed in fp32 (fp64 for fp64 inputs), o returned in v's dtype.
 - `fused_recurrent_kda(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None) -> (o, final_state)`: packed
   variable-length batch, a Python loop over time steps (the longest sequence's length), everything else batched.
   Meant for short inputs (decode, speculative verification); long prompts go to `kernels.kda.chunked`.
-- `kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices) -> o`: one token per sequence
-  (q, k, g [N, H, K]; v [N, H, V]; beta [N, H]); sequence n reads its state from `state_pool[state_indices[n]]`
-  ([S, H, K, V] fp32) and the updated state is written back to the same slot in place. Other slots are untouched.
-  `state_indices` must not repeat. Consecutive slots (the engine hands running slots out lowest first) are stepped
-  in place in the pool, with no gather or scatter copy of the states.
+- `kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices, state_slots=None) -> o`: one token per
+  sequence (q, k, g [N, H, K]; v [N, H, V]; beta [N, H]); sequence n reads its state from
+  `state_pool[state_indices[n]]` ([S, H, K, V] fp32) and the updated state is written back to the same slot in
+  place. Other slots are untouched. `state_indices` must not repeat. With `state_slots` (a host `slice` equal to
+  consecutive `state_indices`, kernels/indexing.py; the engine hands running slots out lowest first) the states are
+  stepped in place in the pool, with no gather or scatter copy; without it they are gathered and scattered by
+  index. Nothing is read back to the host.
 - `kda_verify_pooled(q, k, v, g, beta, scale, state_pool, state_indices [N], cu_seqlens [N+1], out_slots [T]) -> o`
   (speculative verification): sequence n starts from `state_pool[state_indices[n]]`; the state after token t is
   written to `state_pool[out_slots[t]]` when that is >= 0 (-1: not kept). Every state is read before any is
   written (an out-slot may be an in-slot); out-slots must not repeat. Sequences that keep a state before their last
   token, and single tokens, are stepped with `kda_step` (a decode's numerics); the others (prefill chunks in the
-  same batch) run in the chunked form (`kernels.kda.chunked.chunk_kda`).
+  same batch) run in the chunked form (`kernels.kda.chunked.chunk_kda`). With `host=(cu_seqlens, out_slots)` as
+  host ints, the Python loops read those and no tensor is read back to the host.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.indexing import slot_range
+from kernels.casting import cast
 from kernels.kda.naive import compute_dtype, default_cu_seqlens
 
 
@@ -82,30 +85,30 @@ def _active_counts(lens_sorted: torch.Tensor) -> list[int]:
     return (lens_sorted.unsqueeze(0) > steps.unsqueeze(1)).sum(1).tolist()
 
 
-def kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices):
+def kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices, state_slots=None):
     """One decode token per sequence against a state pool, updated in place; returns o [N, H, V] in v's dtype."""
     dtype = compute_dtype(q, k, v, g, beta, state_pool)
-    inputs = [x.to(dtype) for x in (q, k, v, g, beta)]
-    rows = slot_range(state_indices)
+    inputs = [cast(x, dtype) for x in (q, k, v, g, beta)]
+    rows = state_slots
     if rows is not None and state_pool.dtype == dtype and state_pool.is_contiguous():  # consecutive: in place
         o, _ = kda_step(state_pool[rows], *inputs, scale)
-        return o.to(v.dtype)
+        return cast(o, v.dtype)
     idx = state_indices.to(device=state_pool.device, dtype=torch.int64)
-    state = state_pool.index_select(0, idx).to(dtype).contiguous()  # [N, H, K, V], a private copy
+    state = cast(state_pool.index_select(0, idx), dtype).contiguous()  # [N, H, K, V], a private copy
     o, state = kda_step(state, *inputs, scale)
-    state_pool.index_copy_(0, idx, state.to(state_pool.dtype))
-    return o.to(v.dtype)
+    state_pool.index_copy_(0, idx, cast(state, state_pool.dtype))
+    return cast(o, v.dtype)
 
 
 
-def kda_verify_pooled(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, out_slots):
-    """See the module docstring; returns o [T, H, V] in v's dtype."""
+def kda_verify_pooled(q, k, v, g, beta, scale, state_pool, state_indices, cu_seqlens, out_slots, host=None):
+    """See the module docstring; returns o [T, H, V] in v's dtype. `host`: `(cu_seqlens, out_slots)` as host int
+    sequences (the runner has them), so nothing is read back; None reads the tensors."""
     from kernels.kda.chunked import chunk_kda
 
     dtype = compute_dtype(q, k, v, g, beta, state_pool)
     device = q.device
-    cu = cu_seqlens.tolist()
-    out = out_slots.tolist()
+    cu, out = host if host is not None else (cu_seqlens.tolist(), out_slots.tolist())
     init = state_pool.index_select(0, state_indices.to(device=state_pool.device, dtype=torch.int64)).to(dtype)
     stepped = [n for n in range(len(cu) - 1)
                if cu[n + 1] - cu[n] == 1 or any(s >= 0 for s in out[cu[n]: cu[n + 1] - 1])]

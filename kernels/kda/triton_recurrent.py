@@ -49,8 +49,9 @@ def _kda_decode_kernel(
     tl.store(s_ptrs, S, mask=s_mask)
 
 
-def kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices):
-    """One decode step per sequence in Triton; see the module docstring. Returns o [N, H, V] in v's dtype."""
+def kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices, state_slots=None):
+    """One decode step per sequence in Triton; see the module docstring. Returns o [N, H, V] in v's dtype.
+    `state_slots` (the torch op's in-place hint) is not needed: the kernel indexes the pool directly."""
     check_triton_inputs(state_pool, q, k, v, g, beta)
     N, H, K = k.shape
     V = v.shape[-1]

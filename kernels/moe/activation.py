@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.casting import cast, fp32
+
 KINDS = ("silu", "situ")
 
 
@@ -31,8 +33,8 @@ class GatedActivation:
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.kind == "silu":
             return F.silu(gate) * up
-        g = gate.to(torch.float32)
-        u = up.to(torch.float32)
+        g = fp32(gate)
+        u = fp32(up)
         if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
             return self._situ_differentiable(g, u).to(gate.dtype)
         act = torch.div(g, self.beta).tanh_().mul_(torch.sigmoid(g))  # new tensors: in place from here on
@@ -40,7 +42,7 @@ class GatedActivation:
         if self.linear_beta is not None:
             u = torch.div(u, self.linear_beta).tanh_()
             scale *= self.linear_beta
-        return act.mul_(u).mul_(scale).to(gate.dtype)
+        return cast(act.mul_(u).mul_(scale), gate.dtype)
 
     def _situ_differentiable(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The same fp32 SiTU out of place, for autograd (drafter training)."""

@@ -14,6 +14,16 @@ batched [1, k] × [k, D] matmul (scatters and `index_add_` with repeated indices
 `x.dtype`. The gathered rows and the un-permuted outputs live in `kernels.workspace` scratch buffers (fresh 25 MB
 tensors per 2,048-token chunk were page-fault bound on CPU). `sort_assignments` / `combine` are shared with the
 packed-MXFP4 path (kernels/moe/mxfp4.py).
+
+Small batches (decode, verification) take paths that read nothing back to the host and keep static shapes, so a
+compiled or captured decode step can hold them (the choice depends only on shapes):
+- `T·k <= E` (`moe_experts_gathered`): each assignment's expert weights are gathered and multiplied in one batched
+  matmul per projection — only the chosen experts are read, no sort, no counts.
+- `T <= DENSE_MAX_TOKENS` (`moe_experts_every_expert`): every expert runs on every token (one matmul over all
+  experts' gate/up, one batched matmul for down) and the outputs are summed with the routing weights as a dense
+  [T, E] matrix (zero for experts not chosen): E/k times the arithmetic of the sparse form, but each weight is read
+  once, which is what a small batch is bound by.
+Assignments outside `[0, E)` (another rank's experts) get weight zero on both paths.
 """
 
 from __future__ import annotations
@@ -23,10 +33,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.casting import cast, fp32
 from kernels.moe.activation import GatedActivation
 from kernels.workspace import gathered
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DENSE_MAX_TOKENS = 64  # batches up to this many tokens (with T·k > E) run every expert on every token
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -70,7 +82,10 @@ def combine(out: torch.Tensor, plan: Assignments, topk_weights: torch.Tensor, dt
 
 
 def gate_up_storage(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
-    """The `[E, 2I, D]` tensor whose rows `[:, :I]` are `w1` and `[:, I:]` are `w3`, when they are laid out so."""
+    """The `[E, 2I, D]` tensor whose rows `[:, :I]` are `w1` and `[:, I:]` are `w3`, when they are laid out so
+    (None inside a compiled step, which cannot inspect storages: gate and up then run as two products)."""
+    if torch.compiler.is_compiling():
+        return None
     E, I, D = w1.shape
     if w3.shape != w1.shape or w1.dtype != w3.dtype or w1.device != w3.device or D == 0 or I == 0:
         return None
@@ -87,6 +102,10 @@ def moe_experts_grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2:
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, act: GatedActivation) -> torch.Tensor:
     T, D = x.shape
     k = topk_ids.shape[1]
+    if T * k <= w1.shape[0]:
+        return moe_experts_gathered(x, w1, w3, w2, topk_weights, topk_ids, act)
+    if T <= DENSE_MAX_TOKENS:
+        return moe_experts_every_expert(x, w1, w3, w2, topk_weights, topk_ids, act)
     plan = sort_assignments(topk_ids, w1.shape[0])
     rows = gathered(x, plan.order[: plan.num_valid] // k, "moe.rows")  # [R, D] source token of each assignment
     if _grouped_mm is not None and x.dtype in GROUPED_MM_DTYPES and x.device.type == "cpu":
@@ -128,3 +147,49 @@ def _experts_loop(rows, w1, w3, w2, counts, act) -> torch.Tensor:
         torch.mm(act(gate, up), w2[e].t(), out=out[start : start + count])
         start += count
     return out
+
+
+def _local_weights(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 weights [T, k] zeroed off this rank's experts, ids [T, k] clamped into [0, E)): no host read."""
+    on_rank = (topk_ids >= 0) & (topk_ids < num_experts)
+    return fp32(topk_weights) * on_rank, topk_ids.clamp(0, num_experts - 1)
+
+
+def moe_experts_gathered(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, act: GatedActivation) -> torch.Tensor:
+    """Each (token, choice) with its expert's weights gathered: [T·k] batched matmuls. x [T, D] -> [T, D]."""
+    T, D = x.shape
+    k = topk_ids.shape[1]
+    E, I, _ = w1.shape
+    weights, ids = _local_weights(topk_weights, topk_ids, E)
+    flat = ids.reshape(-1)  # [T*k]
+    rows = x.unsqueeze(1).expand(T, k, D).reshape(T * k, 1, D)  # [Tk, 1, D]
+    gate_up = gate_up_storage(w1, w3)
+    if gate_up is not None:
+        h = torch.bmm(rows, gate_up.index_select(0, flat).transpose(1, 2))  # [Tk, 1, 2I]
+        gate, up = h[..., :I], h[..., I:]
+    else:
+        gate = torch.bmm(rows, w1.index_select(0, flat).transpose(1, 2))  # [Tk, 1, I]
+        up = torch.bmm(rows, w3.index_select(0, flat).transpose(1, 2))
+    out = torch.bmm(act(gate, up), w2.index_select(0, flat).transpose(1, 2))  # [Tk, 1, D]
+    return cast(torch.bmm(weights.view(T, 1, k), fp32(out.view(T, k, D))).view(T, D), x.dtype)
+
+
+def moe_experts_every_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                             topk_weights: torch.Tensor, topk_ids: torch.Tensor, act: GatedActivation) -> torch.Tensor:
+    """Every expert on every token, summed with dense routing weights [T, E]. x [T, D] -> [T, D]."""
+    T, D = x.shape
+    E, I, _ = w1.shape
+    weights, ids = _local_weights(topk_weights, topk_ids, E)
+    dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, ids, weights)  # [T, E]
+    gate_up = gate_up_storage(w1, w3)
+    if gate_up is not None:
+        h = (x @ gate_up.reshape(E * 2 * I, D).t()).view(T, E, 2 * I)  # [T, E, 2I]
+        gate, up = h[..., :I], h[..., I:]
+    else:
+        gate = (x @ w1.reshape(E * I, D).t()).view(T, E, I)
+        up = (x @ w3.reshape(E * I, D).t()).view(T, E, I)
+    out = torch.bmm(act(gate, up).transpose(0, 1), w2.transpose(1, 2))  # [E, T, D]
+    per_token = fp32(out.transpose(0, 1))  # [T, E, D]
+    return cast(torch.bmm(dense.unsqueeze(1), per_token).view(T, D), x.dtype)  # [T, 1, E] x [T, E, D]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.casting import fp32
+
 
 def _mask_to_best_groups(choice: torch.Tensor, num_expert_group: int, topk_group: int) -> torch.Tensor:
     """Masks experts outside each token's best `topk_group` groups to -inf. choice [T, E] -> [T, E]."""
@@ -37,8 +39,8 @@ def route(
     renormalize: bool,
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = torch.sigmoid(router_logits.to(torch.float32))  # [T, E]
-    choice = scores + correction_bias.to(torch.float32)  # [T, E]
+    scores = torch.sigmoid(fp32(router_logits))  # [T, E]
+    choice = scores + fp32(correction_bias)  # [T, E]
     if num_expert_group > 1 and num_expert_group > topk_group:
         choice = _mask_to_best_groups(choice, num_expert_group, topk_group)
     topk_ids = choice.topk(top_k, dim=-1, sorted=True).indices  # [T, k]

@@ -13,18 +13,22 @@ Contract (all ops normalise over the last dimension):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.to(torch.float32)
 
 
 def _normalize_fp32(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 `x * rsqrt(mean(x²) + eps)` over the last dim."""
-    x32 = x.to(torch.float32)
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    return x32 * torch.rsqrt(variance + eps)
+    """fp32 `x * rsqrt(mean(x²) + eps)` over the last dim (torch's fused `rms_norm`: the same formula, bitwise)."""
+    return F.rms_norm(_fp32(x), (x.shape[-1],), eps=eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with the weight applied after casting back to `x.dtype`. x [..., D], weight [D]."""
-    return weight * _normalize_fp32(x, eps).to(x.dtype)
+    normed = _normalize_fp32(x, eps)
+    return weight * (normed if x.dtype == torch.float32 else normed.to(x.dtype))
 
 
 def rms_norm_no_weight(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,12 +38,13 @@ def rms_norm_no_weight(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
     """fp32 `rms_norm(x) · weight · sigmoid(gate)`, returned in `x.dtype`. x, gate [..., D], weight [D]."""
-    out = _normalize_fp32(x, eps) * weight.to(torch.float32)
-    out = out * torch.sigmoid(gate.to(torch.float32))
-    return out.to(x.dtype)
+    out = F.rms_norm(_fp32(x), (x.shape[-1],), _fp32(weight), eps=eps)
+    out = out.mul_(torch.sigmoid(_fp32(gate)))
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """`x / sqrt(sum x² + eps)` over the last dim, computed in fp32, returned in `x.dtype`."""
-    x32 = x.to(torch.float32)
-    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+    x32 = _fp32(x)
+    out = x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True).add_(eps))
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -124,14 +124,30 @@ def test_absorbed_equals_dense_multi_head_attention():
     torch.testing.assert_close(absorbed, dense, atol=1e-4, rtol=1e-4)
 
 
-def test_write_kv_cache_skips_padding_slots():
+def test_write_kv_cache_writes_only_its_slots():
     cache = torch.zeros(3, 4, DK)
     latent = torch.randn(3, DK)
-    torch_paged.write_kv_cache(cache, torch.tensor([5, -1, 11]), latent)
+    torch_paged.write_kv_cache(cache, torch.tensor([5, 0, 11]), latent)
     flat = cache.view(-1, DK)
-    torch.testing.assert_close(flat[5], latent[0])
-    torch.testing.assert_close(flat[11], latent[2])
-    assert flat.abs().sum(-1).nonzero().flatten().tolist() == [5, 11]
+    torch.testing.assert_close(flat[[5, 0, 11]], latent)
+    assert flat.abs().sum(-1).nonzero().flatten().tolist() == [0, 5, 11]
+
+
+def test_decode_attention_width_comes_from_the_table():
+    """A decode batch reads nothing back: a table trimmed to the longest sequence's blocks gives the same result as
+    one padded with spare (-1) entries (they are masked by seq_lens), and a sequence longer than its table's width
+    would not be (negative control: trimming one block too many changes the output)."""
+    torch.manual_seed(3)
+    cache = torch.randn(8, 4, DK)
+    q = torch.randn(2, 2, DK)
+    lens = torch.tensor([6, 9])
+    tables = torch.tensor([[1, 2, -1, -1], [3, 4, 5, -1]], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 2])
+    full = torch_paged.mla_paged_attention(q, cache, tables, cu, lens, SCALE, KV_LORA)
+    trimmed = torch_paged.mla_paged_attention(q, cache, tables[:, :3], cu, lens, SCALE, KV_LORA)
+    torch.testing.assert_close(trimmed, full)
+    short = torch_paged.mla_paged_attention(q, cache, tables[:, :2], cu, lens, SCALE, KV_LORA)
+    assert not torch.allclose(short[1], full[1])
 
 
 def test_flashinfer_page_layout():

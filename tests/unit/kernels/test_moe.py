@@ -120,7 +120,7 @@ def test_grouped_paths_equal_naive(monkeypatch, grouped_mm, fused):
 
     if not grouped_mm:
         monkeypatch.setattr(grouped, "_grouped_mm", None)
-    x, w1, w3, w2, weights, ids = _experts(29, 32, 24, 16, 3)  # 16 experts, 87 assignments: some get none
+    x, w1, w3, w2, weights, ids = _experts(80, 32, 24, 16, 3)  # past DENSE_MAX_TOKENS: the sorted grouped form
     if fused:
         gate_up = torch.cat([w1, w3], dim=1)  # [E, 2I, D], the layout StackedExperts binds
         w1, w3 = gate_up[:, :24], gate_up[:, 24:]
@@ -131,13 +131,38 @@ def test_grouped_paths_equal_naive(monkeypatch, grouped_mm, fused):
     torch.testing.assert_close(out, moe_experts_naive(x, w1, w3, w2, weights, ids, SITU), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T,E,k,path", [(1, 8, 2, "gathered"), (2, 16, 4, "gathered"), (5, 8, 2, "every_expert"),
+                                         (32, 16, 4, "every_expert")])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_gate_up", "separate"])
+def test_small_batch_paths_equal_naive(monkeypatch, T, E, k, path, fused):
+    """Decode-sized batches take the host-read-free paths (chosen by shape alone); both equal the oracle, including
+    assignments outside [0, E) (another rank's experts), which add nothing."""
+    from kernels.moe import grouped
+
+    called = []
+    for name in ("moe_experts_gathered", "moe_experts_every_expert", "sort_assignments"):
+        real = getattr(grouped, name)
+        monkeypatch.setattr(grouped, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
+    x, w1, w3, w2, weights, ids = _experts(T, 32, 24, E, k)
+    if fused:
+        gate_up = torch.cat([w1, w3], dim=1)
+        w1, w3 = gate_up[:, :24], gate_up[:, 24:]
+    ids = ids.clone()
+    ids[0, -1] = E + 3  # an expert on another rank (expert parallelism)
+    out = moe_experts_grouped(x, w1, w3, w2, weights, ids, SITU)
+    assert called == [f"moe_experts_{path}"]
+    torch.testing.assert_close(out, moe_experts_naive(x, w1, w3, w2, weights, ids, SITU), atol=1e-5, rtol=1e-5)
+    ids[0, 0] = (ids[0, 0] + 1) % E  # negative control: another expert changes the token's output
+    assert not torch.allclose(moe_experts_grouped(x, w1, w3, w2, weights, ids, SITU)[0], out[0], atol=1e-4)
+
+
 def test_grouped_float64_uses_the_loop():
-    args = _experts(11, 16, 8, 4, 2, dtype=torch.float64)
+    args = _experts(80, 16, 8, 4, 2, dtype=torch.float64)
     torch.testing.assert_close(moe_experts_grouped(*args, SWIGLU), moe_experts_naive(*args, SWIGLU))
 
 
 def test_grouped_equals_naive_bf16():
-    args = _experts(40, 32, 16, 8, 2, dtype=torch.bfloat16)
+    args = _experts(70, 32, 16, 8, 2, dtype=torch.bfloat16)
     out = moe_experts_grouped(*args, SWIGLU)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, moe_experts_naive(*args, SWIGLU), atol=1e-2, rtol=1e-2)

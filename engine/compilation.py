@@ -1,0 +1,109 @@
+"""`CompilationConfig`: the `--compilation-config` JSON (vLLM's field names) for the decode step's graphs.
+
+Contract:
+- `CompilationConfig.parse(value)` takes a JSON object string, a dict or a `CompilationConfig` (None -> the
+  defaults) and returns the frozen, validated config; any other field, a wrong type or value raises
+  `EngineConfigError` naming the field. Fields:
+  - `level` (vLLM's `level`, also accepted as `mode`): 0 runs the decode step eagerly; 1..3 compile it with
+    `torch.compile` (`backend`, default `inductor`). None (the default) means "where it pays": compiled on CUDA;
+    on CPU eager (the eager CPU step is sync-free and cheaper than inductor's compile time for the models a CPU
+    serves; `"level": 3` compiles it on CPU too — docs/benchmarks.md has both).
+  - `cudagraph_mode` (`NONE` | `FULL_DECODE_ONLY` | `FULL`; default `FULL_DECODE_ONLY`): on CUDA, decode-only
+    batches replay a CUDA graph captured per batch-size bucket; `FULL` is accepted as vLLM's name for the same here
+    (prefill and mixed batches always run eagerly). On CPU there are no CUDA graphs: a value other than `NONE` is
+    accepted and has nothing to capture (the bucketed buffers still serve the compiled step).
+  - `cudagraph_capture_sizes` (list of positive ints): the decode batch-size buckets (CPU: one compiled graph
+    each; CUDA: one captured graph each). Default: 1, 2, 4, 8, then multiples of 8 up to
+    `max_cudagraph_capture_size`.
+  - `max_cudagraph_capture_size` (default 512, capped by the engine's `max_num_seqs`): the largest bucket; larger
+    decode batches run eagerly.
+  - `backend` (`inductor` | `aot_eager` | `eager`): `torch.compile`'s backend when `level` >= 1.
+- `EngineArgs.enforce_eager` overrides all of it: no compilation, no capture (a test can tell by
+  `ModelRunner.graphs is None`).
+Torch-free (command lines import it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from engine.errors import EngineConfigError
+
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
+BACKENDS = ("inductor", "aot_eager", "eager")
+DEFAULT_MAX_CAPTURE = 512
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    level: int | None = None
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    max_cudagraph_capture_size: int = DEFAULT_MAX_CAPTURE
+    backend: str = "inductor"
+
+    @classmethod
+    def parse(cls, value: "str | dict | CompilationConfig | None") -> "CompilationConfig":
+        if isinstance(value, CompilationConfig):
+            return value
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise EngineConfigError(f"compilation_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise EngineConfigError(f"compilation_config must be a JSON object, got {type(value).__name__}")
+        value = dict(value)
+        if "mode" in value:  # vLLM's newer name for `level`
+            if "level" in value and value["level"] != value["mode"]:
+                raise EngineConfigError("compilation_config: `mode` and `level` disagree")
+            value["level"] = value.pop("mode")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise EngineConfigError(f"compilation_config: unknown field(s) {unknown}; known: {sorted(known)} "
+                                    f"(and `mode`)")
+        if isinstance(value.get("cudagraph_capture_sizes"), list):
+            value["cudagraph_capture_sizes"] = tuple(value["cudagraph_capture_sizes"])
+        return cls(**value)
+
+    def __post_init__(self):
+        if self.level is not None and (not _is_int(self.level) or not 0 <= self.level <= 3):
+            raise EngineConfigError(f"compilation_config.level must be an integer in 0..3, got {self.level!r}")
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise EngineConfigError(f"compilation_config.cudagraph_mode must be one of {CUDAGRAPH_MODES}, "
+                                    f"got {self.cudagraph_mode!r}")
+        if self.backend not in BACKENDS:
+            raise EngineConfigError(f"compilation_config.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not _is_int(self.max_cudagraph_capture_size) or self.max_cudagraph_capture_size < 1:
+            raise EngineConfigError(f"compilation_config.max_cudagraph_capture_size must be a positive integer, "
+                                    f"got {self.max_cudagraph_capture_size!r}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and (not isinstance(sizes, tuple) or not sizes
+                                  or not all(_is_int(s) and s >= 1 for s in sizes)):
+            raise EngineConfigError(f"compilation_config.cudagraph_capture_sizes must be a non-empty list of "
+                                    f"positive integers, got {sizes!r}")
+
+    def compiles(self, device_type: str) -> bool:
+        """Whether the decode step is compiled with `torch.compile` on this device type."""
+        if self.level is None:
+            return device_type == "cuda"
+        return self.level >= 1
+
+    def captures(self, device_type: str) -> bool:
+        """Whether decode steps replay captured CUDA graphs on this device type."""
+        return device_type == "cuda" and self.cudagraph_mode != "NONE"
+
+    def bucket_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        """The decode batch-size buckets, ascending, none above `max_num_seqs`."""
+        top = min(self.max_cudagraph_capture_size, max_num_seqs)
+        sizes = self.cudagraph_capture_sizes or (1, 2, 4, *range(8, top + 1, 8), top)
+        kept = sorted({s for s in sizes if s <= top})
+        return tuple(kept) if kept else (top,)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
