@@ -100,7 +100,7 @@ class DecodeGraphs:
 
     def _fill(self, rows: DecodeRows, b: int) -> int:
         """Writes the step's rows (and padding up to `b`) into the buffers with one upload; -> the table width."""
-        bs, n, pad = self.block_size, len(rows.ids), b - len(rows.ids)
+        bs, pad = self.block_size, b - len(rows.ids)
         width = self.max_blocks if self.capture else max([MIN_TABLE_WIDTH] + [-(-s // bs) for s in rows.seq_lens])
         tables = []
         for blocks in rows.block_tables:
