@@ -12,7 +12,8 @@ steps call the implementations directly (a custom op's dispatch costs a few micr
   [N]) -> [N, H, V]`
 - `kdamesh::write_kv(kv_cache! [B, bs, Dk], slot_mapping [T], latent [T, Dk]) -> ()`
 - `kdamesh::mla_decode(q [N, H, Dk], kv_cache, block_tables [N, nb], seq_lens [N], scale, v_dim) -> [N, H, v_dim]`
-  (one query per sequence; `cu_seqlens` is implied).
+  (one query per sequence; `cu_seqlens` is implied): the registry's `mla_decode_graph` op (Triton on CUDA, torch
+  elsewhere; not FlashInfer, whose wrapper plans on the host).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tens
                scale: float, v_dim: int) -> torch.Tensor:
     n = q.shape[0]
     cu = torch.arange(n + 1, dtype=torch.int64, device=q.device)  # one query per sequence
-    return get_kernel("mla_attention", q.device)(q, kv_cache, block_tables, cu, seq_lens, scale, v_dim)
+    return get_kernel("mla_decode_graph", q.device)(q, kv_cache, block_tables, cu, seq_lens, scale, v_dim)
 
 
 @mla_decode.register_fake

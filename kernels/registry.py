@@ -53,6 +53,10 @@ _IMPLS: dict[str, dict[str, str]] = {
         "triton": "kernels.attention.triton_paged:mla_paged_attention",
         "flashinfer": "kernels.attention.flashinfer_mla:mla_paged_attention",
     },
+    "mla_decode_graph": {  # one query per sequence, capturable in a CUDA graph (no host reads, no per-step plan)
+        "torch": "kernels.attention.torch_paged:mla_paged_attention",
+        "triton": "kernels.attention.triton_paged:mla_paged_attention",
+    },
     "moe_experts": {
         "torch": "kernels.moe.grouped:moe_experts_grouped",
         "triton": "kernels.moe.triton_fused:moe_experts_dense",

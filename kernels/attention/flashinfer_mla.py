@@ -7,8 +7,12 @@ the query into `q_nope = q[..., :v_dim]` and `q_pe = q[..., v_dim:]`. Pages come
 which is our "queries are the last q_len positions" rule.
 
 flashinfer is imported inside the call (the registry only picks this backend on CUDA when flashinfer imports). The
-128 MiB workspace FlashInfer needs is allocated once per device by `_workspace` (an explicit per-device cache).
-Planning happens on every call; an engine that wants CUDA graphs should keep its own wrapper and plan once per step.
+128 MiB workspace and ONE `BatchMLAPagedAttentionWrapper` per device are created on first use (`_Planner`), and the
+wrapper is planned once per step for all MLA layers: every layer of a step passes the same metadata tensors
+(`block_tables`, `seq_lens`, `cu_seqlens_q`, built once per step by the runner), so a plan is kept while those
+objects and their in-place versions are unchanged (the planner holds them, so their ids cannot be reused by a
+later step's tensors). The plan builds the CSR page list with one boolean-mask index (a host sync), once per step;
+captured decode steps use the `mla_decode_graph` op instead (Triton, reads `seq_lens` on the device).
 """
 
 from __future__ import annotations
@@ -36,30 +40,41 @@ def paged_kv_indices(
     return kv_indptr, kv_indices
 
 
+class _Planner:
+    """One wrapper per device, planned once per step's metadata (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        import flashinfer  # noqa: PLC0415 - CUDA-only dependency, imported on use
+
+        self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(_workspace(device))
+        self.planned: tuple = ()  # (metadata tensors, their versions, the other plan arguments)
+        self.num_plans = 0
+
+    def plan(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+             seq_lens: torch.Tensor, scale: float, v_dim: int):
+        tensors = (block_tables, seq_lens, cu_seqlens_q)
+        key = (tuple(t._version for t in tensors), q.shape[1], v_dim, kv_cache.shape, scale, q.dtype, kv_cache.dtype)
+        if self.planned and all(a is b for a, b in zip(self.planned[0], tensors)) and self.planned[1] == key:
+            return self.wrapper
+        block_size = kv_cache.shape[1]
+        kv_indptr, kv_indices = paged_kv_indices(block_tables, seq_lens, block_size)
+        self.wrapper.plan(cu_seqlens_q.to(torch.int32), kv_indptr, kv_indices, seq_lens.to(torch.int32), q.shape[1],
+                          v_dim, kv_cache.shape[2] - v_dim, block_size, True, scale, q.dtype, kv_cache.dtype)
+        self.planned = (tensors, key)
+        self.num_plans += 1
+        return self.wrapper
+
+
+@cache
+def planner(device: torch.device) -> _Planner:
+    return _Planner(device)
+
+
 def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float, v_dim: int,
                         host: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
     """`host` (the torch op's host copy of cu_seqlens_q / seq_lens) is not needed here."""
-    import flashinfer  # noqa: PLC0415 - CUDA-only dependency, imported on use
-
-    T, H, Dk = q.shape
-    block_size = kv_cache.shape[1]
-    kv_indptr, kv_indices = paged_kv_indices(block_tables, seq_lens, block_size)
-    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(_workspace(q.device))
-    wrapper.plan(
-        cu_seqlens_q.to(torch.int32),
-        kv_indptr,
-        kv_indices,
-        seq_lens.to(torch.int32),
-        H,
-        v_dim,
-        Dk - v_dim,
-        block_size,
-        True,  # causal
-        scale,
-        q.dtype,
-        kv_cache.dtype,
-    )
+    wrapper = planner(q.device).plan(q, kv_cache, block_tables, cu_seqlens_q, seq_lens, scale, v_dim)
     q_nope, q_pe = q[..., :v_dim], q[..., v_dim:]
     ckv, kpe = kv_cache[..., :v_dim], kv_cache[..., v_dim:]
     return wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=False)

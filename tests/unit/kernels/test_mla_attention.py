@@ -203,3 +203,42 @@ def triton_bf16():
 
 
 test_triton_interpreted = TRITON_CHECKS.pytest_test()
+
+
+def test_flashinfer_wrapper_is_planned_once_per_step(monkeypatch):
+    """One wrapper per device, planned once per step's metadata: every MLA layer of a step passes the same tensors;
+    a new step (new tensors) or an in-place change plans again. FlashInfer itself is CUDA-only: a recording stand-in
+    takes its place here, so this checks the planning rule, not the kernel (bench/gpu_validate.py runs that)."""
+    import sys
+    import types
+
+    from kernels.attention import flashinfer_mla
+
+    plans = []
+
+    class Wrapper:
+        def __init__(self, workspace):
+            pass
+
+        def plan(self, *args):
+            plans.append(args)
+
+        def run(self, q_nope, q_pe, ckv, kpe, return_lse=False):
+            return torch.zeros(q_nope.shape)
+
+    fake = types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=Wrapper))
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(flashinfer_mla, "_workspace", lambda device: None)
+    flashinfer_mla.planner.cache_clear()
+    cache = torch.zeros(6, 4, DK)
+    q = torch.zeros(2, 2, DK)
+    step = (torch.tensor([[1, 2], [3, -1]], dtype=torch.int32), torch.tensor([0, 1, 2]), torch.tensor([6, 3]))
+    for _layer in range(3):
+        flashinfer_mla.mla_paged_attention(q, cache, step[0], step[1], step[2], SCALE, KV_LORA)
+    assert len(plans) == 1
+    step[2][1] = 4  # the same tensor changed in place: planned again
+    flashinfer_mla.mla_paged_attention(q, cache, step[0], step[1], step[2], SCALE, KV_LORA)
+    following = (step[0].clone(), step[1].clone(), step[2].clone())  # the next step's tensors
+    flashinfer_mla.mla_paged_attention(q, cache, following[0], following[1], following[2], SCALE, KV_LORA)
+    assert len(plans) == 3
+    flashinfer_mla.planner.cache_clear()
