@@ -32,7 +32,7 @@ import torch
 from engine.compilation import CompilationConfig
 from engine.model.batch import CacheTensors, ForwardBatch
 from engine.model.model import KimiForCausalLM
-from kernels import get_kernel
+from kernels import get_kernel, graph_ops
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class DecodeGraphs:
     def __init__(self, model: KimiForCausalLM, cache: CacheTensors, config: CompilationConfig, max_num_seqs: int,
                  max_blocks: int, scratch_slot: int, scratch_block: int, taps: tuple[int, ...] = ()):
         self.model, self.cache, self.config, self.taps = model, cache, config, taps
+        cache.graph_key = graph_ops.register_cache(cache)
         self.device = model.device
         self.buckets = config.bucket_sizes(max_num_seqs)
         self.scratch_slot, self.scratch_block = scratch_slot, scratch_block

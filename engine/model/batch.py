@@ -90,6 +90,7 @@ class CacheTensors:
     kv: dict[int, torch.Tensor]  # MLA layer -> [num_blocks, block_size, kv_lora + rope]
     conv: dict[int, torch.Tensor]  # KDA layer -> [num_slots, 3*H*D, conv_kernel - 1]
     recurrent: dict[int, torch.Tensor]  # KDA layer -> [num_slots, H, D, D] fp32
+    graph_key: int = 0  # kernels.graph_ops.register_cache's key, set by the decode graphs that trace these caches
 
     @classmethod
     def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int, num_slots: int,

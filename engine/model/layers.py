@@ -80,7 +80,7 @@ class KDAMixer(nn.Module):
         verify = batch.state_out_slots is not None  # speculative verification: keep the state after each token
         host = batch.host
         if batch.traced:
-            qkv = graph_ops.conv_decode(qkv, conv_w, conv_pool, batch.state_indices)
+            qkv = graph_ops.conv_decode(qkv, conv_w, batch.state_indices, cache.graph_key, self.layer_index)
         elif verify:
             qkv = get_kernel("conv_verify", x.device)(qkv, conv_w, conv_pool, batch.state_indices, batch.cu_seqlens,
                                                       batch.state_out_slots, _verify_host(host))
@@ -97,7 +97,8 @@ class KDAMixer(nn.Module):
         state_pool = cache.recurrent[self.layer_index]
         scale = dh ** -0.5
         if batch.traced:
-            o = graph_ops.kda_decode(q, k, v, g, beta, scale, state_pool, batch.state_indices)
+            o = graph_ops.kda_decode(q, k, v, g, beta, scale, batch.state_indices, cache.graph_key,
+                                     self.layer_index)
         elif verify:
             o = get_kernel("kda_verify", x.device)(q, k, v, g, beta, scale, state_pool, batch.state_indices,
                                                    batch.cu_seqlens, batch.state_out_slots, _verify_host(host))
@@ -175,22 +176,19 @@ class MLAMixer(nn.Module):
         q = q.reshape(t, h, nope + rope)  # [T, H, nope+rope]
         latent = torch.cat([self.kv_a_layernorm(ckv[:, :lora]), ckv[:, lora:]], dim=-1)  # [T, lora+rope]
         kv_cache = cache.kv[self.layer_index]
-        if batch.traced:
-            graph_ops.write_kv(kv_cache, batch.slot_mapping, cast(latent, kv_cache.dtype))
-        else:
-            write_kv_cache(kv_cache, batch.slot_mapping, cast(latent, kv_cache.dtype))
         w_kv = self.kv_b_proj.weight.reshape(h, nope + mla.v_head_dim, lora)  # [H, nope+v, lora]
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]  # [H, nope, lora], [H, v, lora]
         q_latent = torch.einsum("thn,hnl->thl", q[..., :nope], w_uk)  # [T, H, lora]
-        q_abs = torch.cat([q_latent, q[..., nope:]], dim=-1)  # [T, H, lora+rope]
-        if batch.traced:
-            o_latent = graph_ops.mla_decode(cast(q_abs, kv_cache.dtype), kv_cache, batch.block_tables, batch.seq_lens,
-                                            mla.softmax_scale, lora)  # [T, H, lora]
+        q_abs = cast(torch.cat([q_latent, q[..., nope:]], dim=-1), kv_cache.dtype)  # [T, H, lora+rope]
+        latent = cast(latent, kv_cache.dtype)
+        if batch.traced:  # the latent write and the attention as one op (kernels/graph_ops.py)
+            o_latent = graph_ops.mla_decode(q_abs, latent, batch.slot_mapping, batch.block_tables, batch.seq_lens,
+                                            mla.softmax_scale, lora, cache.graph_key, self.layer_index)
         else:
+            write_kv_cache(kv_cache, batch.slot_mapping, latent)
             host = (list(batch.host.cu_seqlens), list(batch.host.seq_lens)) if batch.host else None
-            o_latent = get_kernel("mla_attention", x.device)(
-                cast(q_abs, kv_cache.dtype), kv_cache, batch.block_tables, batch.cu_seqlens, batch.seq_lens,
-                mla.softmax_scale, lora, host)  # [T, H, lora]
+            o_latent = get_kernel("mla_attention", x.device)(q_abs, kv_cache, batch.block_tables, batch.cu_seqlens,
+                                                             batch.seq_lens, mla.softmax_scale, lora, host)
         o = torch.einsum("thl,hvl->thv", cast(o_latent, x.dtype), w_uv).reshape(t, h * mla.v_head_dim)
         if mla.output_gate:
             o = o * torch.sigmoid(out_gate[0])
