@@ -15,6 +15,14 @@ def make(num_blocks: int = 8, caching: bool = True) -> tuple[BlockManager, list[
     return BlockManager(num_blocks, 4, caching, CacheEventSink(), on_evict=evicted.append), evicted
 
 
+def computed(blocks: BlockManager, rid: str, tokens) -> object:
+    """A new request admitted without a hit whose tokens are all computed and committed."""
+    r = req(rid, tokens)
+    blocks.admit(r, [])
+    run(blocks, r, r.num_tokens)
+    return r
+
+
 def run(blocks: BlockManager, r, num_tokens: int) -> None:
     """Grows `r` to `num_tokens` computed tokens and commits them (the engine's part of a step)."""
     assert blocks.allocate(r, num_tokens - r.num_computed_tokens)
@@ -25,9 +33,7 @@ def run(blocks: BlockManager, r, num_tokens: int) -> None:
 def test_blocks_follow_the_free_queue_and_a_hit_shares_the_committed_ones():
     blocks, evicted = make()
     blocks.pool.events.restart()
-    a = req("a", range(10))  # two full blocks and a partial one
-    blocks.admit(a, [])
-    run(blocks, a, 10)
+    a = computed(blocks, "a", range(10))  # two full blocks and a partial one
     assert a.block_ids == [0, 1, 2]
     assert [blocks.get_cached(h) for h in a.block_hashes] == [0, 1]
     assert blocks.cached_prefix(req("same", range(10)).block_hashes) == 2
@@ -48,9 +54,7 @@ def test_blocks_follow_the_free_queue_and_a_hit_shares_the_committed_ones():
 
 def test_allocation_short_of_blocks_changes_nothing_and_admission_counts_revived_blocks():
     blocks, evicted = make(num_blocks=4)
-    a = req("a", range(8))
-    blocks.admit(a, [])
-    run(blocks, a, 8)
+    a = computed(blocks, "a", range(8))
     blocks.free(a)
     assert blocks.pool.free_queue() == [2, 3, 1, 0]
     assert blocks.can_admit([0, 1], 16)  # 2 more blocks: the 2 free uncached ones
@@ -76,9 +80,7 @@ def test_truncate_returns_a_verifications_rejected_blocks_to_the_head():
 
 def test_reservations_register_only_new_hashes_and_stop_at_the_free_blocks():
     blocks, evicted = make(num_blocks=3)
-    a = req("a", range(4))
-    blocks.admit(a, [])
-    run(blocks, a, 4)
+    a = computed(blocks, "a", range(4))
     new = [bytes([i]) * 32 for i in range(3)]
     reserved = blocks.reserve([new[0], a.block_hashes[0], new[0], new[1], new[2]])
     assert reserved == [(new[0], 1), (new[1], 2)]  # a's hash is cached, a duplicate counts once, 2 blocks free

@@ -58,15 +58,15 @@ def finished_prompt(manager, sched):
     return a
 
 
-def no_drain(monkeypatch) -> None:
-    """The negative control: a state manager whose writes do not drain (what remembering collect() relied on)."""
-    monkeypatch.setattr(StateManager, "drain_exports", lambda self: None)
+@pytest.fixture(params=[True, False], ids=["drains", "no-drain"])
+def drains(request, monkeypatch) -> bool:
+    """False: the negative control, a state manager whose writes do not drain (what remembering collect() was for)."""
+    if not request.param:
+        monkeypatch.setattr(StateManager, "drain_exports", lambda self: None)
+    return request.param
 
 
-@pytest.mark.parametrize("drains", [True, False])
-def test_an_eviction_during_admission_is_exported_before_the_forward_writes_the_block(drains, monkeypatch):
-    if not drains:
-        no_drain(monkeypatch)
+def test_an_eviction_during_admission_is_exported_before_the_forward_writes_the_block(drains):
     manager, sched, runner, exchange = engine_parts()
     a = finished_prompt(manager, sched)
     written = runner.read_blocks([0, 1])  # [1, 2, bs, 1]: a's prefix as a computed it
@@ -88,10 +88,7 @@ def test_an_eviction_during_admission_is_exported_before_the_forward_writes_the_
     manager.check_integrity(sched.holding())
 
 
-@pytest.mark.parametrize("drains", [True, False])
-def test_an_import_that_evicts_exports_before_it_writes(drains, monkeypatch):
-    if not drains:
-        no_drain(monkeypatch)
+def test_an_import_that_evicts_exports_before_it_writes(drains):
     manager, sched, runner, exchange = engine_parts()
     a = finished_prompt(manager, sched)
     written = runner.read_blocks([0, 1])

@@ -18,6 +18,14 @@ def make(num_groups: int = 2, slots_per_request: int = 1, snapshot_slots: int = 
     return states, cached
 
 
+def exporting(states: StateManager) -> list:
+    """Turns exports on with a reader -> the list the reader appends to."""
+    read = []
+    states.set_export_reader(read.extend)
+    states.exporting = True
+    return read
+
+
 def cache_blocks(cached: dict[bytes, int], r) -> None:
     """Registers the request's full blocks as blocks 10, 11, … (what the block manager's commit does)."""
     cached.update({h: 10 + i for i, h in enumerate(r.block_hashes)})
@@ -56,9 +64,7 @@ def test_snapshots_take_slots_after_the_running_ones_and_retention_keeps_priorit
 
 def test_an_evicted_written_snapshot_reaches_the_reader_before_the_write_returns():
     states, cached = make(snapshot_slots=1)
-    read = []
-    states.set_export_reader(read.extend)
-    states.exporting = True
+    read = exporting(states)
     a = req("a", range(9))
     cache_blocks(cached, a)
     states.assign(a)
@@ -100,9 +106,7 @@ def test_without_a_reader_exports_wait_and_a_reset_exports_nothing():
 
 def test_a_rolling_turn_end_replaces_the_previous_one_and_a_handoffs_turn_end_is_exported():
     states, cached = make(snapshot_slots=2)
-    read = []
-    states.set_export_reader(read.extend)
-    states.exporting = True
+    read = exporting(states)
     a = req("a", range(5))
     a.token_ids.extend(range(50, 58))  # 8 output tokens: output block boundaries at 8 and 12
     a.block_hashes.clear()
