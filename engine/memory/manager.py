@@ -22,9 +22,9 @@ Contract:
   block was evicted — and a finished request's turn end whose earlier blocks the cache service already holds
   (`record_turn_end`) are queued as `PendingExport`s naming the slot and the blocks (not sent before) to read out.
   Every operation that can queue one (`allocate`, `commit`, `reserve_blocks`, `reserve_snapshot`,
-  `record_turn_end`: `drains_exports`) hands them to the export reader (`set_export_reader`, the exchange) before it
-  returns, so they are read before anything can write their blocks or slots; without a reader they wait for
-  `take_exports()`. A victim whose slot still awaits its copy is not exported.
+  `record_turn_end`) ends by handing them to the export reader (`set_export_reader`, the exchange), so they are read
+  before anything can write their blocks or slots; without a reader they wait for `take_exports()`. A victim whose
+  slot still awaits its copy is not exported.
 - Imports: `reserve_blocks(hashes)` / `release_blocks(ids)` and `reserve_snapshot(hash)` give imported objects room.
 - Events: `events` (engine/memory/events.py) records the blocks and snapshots stored and removed once
   `start_events()` turned it on; that call also returns the `CacheListing` they start from.
@@ -43,7 +43,7 @@ from engine.memory.block_pool import KVBlockPool
 from engine.memory.events import CacheEventSink
 from engine.memory.hit_rule import resumable_blocks
 from engine.memory.policy import Junction, SnapshotPolicy, plan_junction
-from engine.memory.state_manager import ExportReader, PendingExport, StateManager, drains_exports
+from engine.memory.state_manager import ExportReader, PendingExport, StateManager
 from engine.memory.state_pool import SnapshotPriority, StatePool
 from engine.request import Request
 from engine.transfer import RequestState
@@ -208,11 +208,12 @@ class CacheManager:
             return StateInit(dst=slot)
         return StateInit(dst=slot, src=self.states.get_snapshot(hit.snapshot_hash))
 
-    @drains_exports
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Adds blocks so `req` covers `num_computed_tokens + num_new_tokens`; False (nothing changed) if short.
         Blocks it takes may end snapshots, which leave with them (exported before it returns)."""
-        return self.blocks.allocate(req, num_new_tokens)
+        allocated = self.blocks.allocate(req, num_new_tokens)
+        self.states.drain_exports()
+        return allocated
 
     def free(self, req: Request) -> None:
         """Returns the request's blocks (tail first) and its running slot group; its rolling turn-end snapshot
@@ -242,7 +243,6 @@ class CacheManager:
 
     # -- after a step ----------------------------------------------------------------------------------------
 
-    @drains_exports
     def commit(self, req: Request, states: dict[int, int] | None = None) -> list[tuple[int, int]]:
         """Registers newly computed full blocks; returns the snapshot copies (running slot -> snapshot slot).
         `states` (a verification, `settle_verification`): slots holding the state after earlier token counts of
@@ -278,9 +278,6 @@ class CacheManager:
     def set_export_reader(self, reader: ExportReader | None) -> None:
         self.states.set_export_reader(reader)
 
-    def drain_exports(self) -> None:
-        self.states.drain_exports()
-
     def take_exports(self) -> list[PendingExport]:
         return self.states.take_exports()
 
@@ -292,11 +289,12 @@ class CacheManager:
 
     # -- imports (transfer) ----------------------------------------------------------------------------------
 
-    @drains_exports
     def reserve_blocks(self, hashes: list[bytes]) -> list[tuple[bytes, int]]:
         """Blocks to receive imported cached blocks (hashes not cached yet, as many as are free), owned by the
-        caller until `release_blocks`; each is registered under its hash."""
-        return self.blocks.reserve(hashes)
+        caller until `release_blocks`; each is registered under its hash (evicted snapshots exported first)."""
+        reserved = self.blocks.reserve(hashes)
+        self.states.drain_exports()
+        return reserved
 
     def release_blocks(self, blocks: Iterable[int]) -> None:
         self.blocks.release(blocks)

@@ -18,16 +18,16 @@ Contract:
   finished request's turn end whose prompt blocks the cache service already holds (`record_turn_end`) become
   `PendingExport`s naming the slot and the blocks of its prefix not sent before (`note_sent`). A victim whose slot
   still awaits its copy holds nothing yet and is not exported. Their contents are intact until the next pool write,
-  so every write operation that can queue one, here and in the cache manager (`drains_exports`), hands the queue to
-  the export reader (`set_export_reader`: the exchange, engine/exchange.py) before it returns; the engine never has
-  to remember to. Without a reader they wait for `take_exports()`. `not_exporting()` suspends exports (a reset).
+  so every write operation that can queue one, here and in the cache manager, ends with `drain_exports()`: the queue
+  goes to the export reader (`set_export_reader`: the exchange, engine/exchange.py) before it returns, and the
+  engine never has to remember to. Without a reader they wait for `take_exports()`. `not_exporting()` suspends
+  exports (a prefix cache reset).
 - Nothing here touches device memory; slot ids are exact and deterministic.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -67,19 +67,6 @@ class PendingExport:
 ExportReader = Callable[[list[PendingExport]], None]
 
 
-def drains_exports(write):
-    """Marks a write operation of an object with `drain_exports()`: the exports it queued go to the export reader
-    before it returns, so nothing after it can overwrite what they read."""
-
-    @functools.wraps(write)
-    def drained(self, *args, **kwargs):
-        result = write(self, *args, **kwargs)
-        self.drain_exports()
-        return result
-
-    return drained
-
-
 class StateManager:
     def __init__(self, num_groups: int, slots_per_request: int, num_snapshot_slots: int, block_size: int,
                  cached_block: Callable[[bytes], int | None], events: CacheEventSink, sent_memory: int):
@@ -92,7 +79,7 @@ class StateManager:
         self._unwritten: set[int] = set()  # snapshot slots handed out whose copies are not applied yet
         self._sent: OrderedDict[bytes, None] = OrderedDict()  # block hashes the cache service holds (LRU-bounded)
         self._sent_memory = max(MIN_SENT_MEMORY, sent_memory)
-        self._pending: list[PendingExport] = []
+        self.pending_exports: list[PendingExport] = []
         self._reader: ExportReader | None = None
         self.exporting = False
         self._suspended = False  # not_exporting(): snapshots leaving are not exported
@@ -146,7 +133,6 @@ class StateManager:
         """The snapshot's slot (marked most recently used), or None."""
         return self.pool.get_snapshot(block_hash)
 
-    @drains_exports
     def take_snapshot(self, req: Request, num_tokens: int, src: int, priority: SnapshotPriority,
                       rolling: bool) -> list[tuple[int, int]]:
         """A snapshot slot for the state after `num_tokens` tokens of `req`, now in slot `src` -> the copy to apply
@@ -156,6 +142,7 @@ class StateManager:
             self._drop_rolling(req.request_id)
         slot = self.pool.put_snapshot(h, priority)
         info = self._info.get(h)
+        self.drain_exports()  # the slot's previous snapshot, if it was evicted
         if slot is None:
             if info is not None and not rolling and info.owner is not None:  # now a point of its own right
                 self._rolling.pop(info.owner, None)
@@ -173,11 +160,12 @@ class StateManager:
         """The runner applied the copies `take_snapshot` returned: those slots now hold their snapshots."""
         self._unwritten.clear()
 
-    @drains_exports
     def reserve_snapshot(self, block_hash: bytes) -> int | None:
         """A slot for an imported snapshot, at the top priority (a request is about to resume from it; it came from
         the cache service, so it is never exported again); None when it exists."""
-        return self.pool.put_snapshot(block_hash, SnapshotPriority.HINT)
+        slot = self.pool.put_snapshot(block_hash, SnapshotPriority.HINT)
+        self.drain_exports()  # the slot's previous snapshot, if it was evicted
+        return slot
 
     def _drop_rolling(self, request_id: str) -> None:
         """Drops the request's previous rolling turn end (superseded by a later one on the same chain)."""
@@ -218,12 +206,13 @@ class StateManager:
         self._reader = reader
 
     def drain_exports(self) -> None:
-        """Hands the pending exports to the reader, if one is registered."""
-        if self._reader is not None and self._pending:
+        """Hands the pending exports to the reader, if one is registered. Every write operation that can queue one
+        ends with it (a decorator would cost a microsecond per call on the step's hot path)."""
+        if self._reader is not None and self.pending_exports:
             self._reader(self.take_exports())
 
     def take_exports(self) -> list[PendingExport]:
-        pending, self._pending = self._pending, []
+        pending, self.pending_exports = self.pending_exports, []
         return pending
 
     @contextlib.contextmanager
@@ -246,11 +235,10 @@ class StateManager:
             if h not in self._sent and block is not None:
                 blocks.append((h, block))
         self.note_sent(h for h, _ in blocks)
-        self._pending.append(PendingExport(reason, block_hash, slot, tuple(blocks), info.cache_salt,
+        self.pending_exports.append(PendingExport(reason, block_hash, slot, tuple(blocks), info.cache_salt,
                                            info.num_blocks * self.block_size))
         self.num_exports += 1
 
-    @drains_exports
     def record_turn_end(self, req: Request) -> None:
         """Queues a finished request's turn-end snapshot for export when its prompt's full blocks are known to be
         in the cache service (only its output blocks are new: a handoff's turn)."""
@@ -260,6 +248,7 @@ class StateManager:
             return
         if all(b in self._sent for b in req.block_hashes[: req.num_prompt_tokens // self.block_size]):
             self._record_export("turn_end", h, self.pool.get_snapshot(h), info)
+            self.drain_exports()
 
     def note_sent(self, hashes: Iterable[bytes]) -> None:
         """Remembers blocks the cache service holds (imported from it, or exported), so exports skip them."""
