@@ -287,7 +287,6 @@ class EngineCore:
         out = self.scheduler.schedule()
         if self.spec is not None:
             self.spec.preempted(out.preempted)
-        self.exchange.collect()  # admission and growth may have evicted what an export reads
         if not out.is_empty:
             self.num_steps += 1
             results = self._run_and_sample(out)
@@ -300,7 +299,6 @@ class EngineCore:
                 if not chunk.draft:
                     chunk.req.num_computed_tokens = chunk.start + chunk.num_tokens
                 copies.extend(self.manager.commit(chunk.req, states))
-            self.exchange.collect()  # before the copies overwrite evicted snapshots' slots
             self.runner.copy_slots(copies)
             self.manager.copies_applied()
             if self.spec is not None:
@@ -360,7 +358,6 @@ class EngineCore:
             req.output.abort()
         else:
             self.manager.record_turn_end(req)
-            self.exchange.collect()
             if req.export_on_finish:
                 req.exported = self.exchange.export_request(req)
         self.scheduler.finish(req, status)

@@ -14,11 +14,12 @@ wraps what the worker services need):
 - Objects of another model raise `ModelMismatchError`, corrupt or mis-shaped ones `CorruptObjectError` (both
   `TransferError`, engine/transfer.py); nothing is added from an object that fails. Imported blocks are remembered
   as held by the cache service (exports skip them).
-- Outbox (while `exporting`, which the engine's owner turns on when it has somewhere to put them): `collect()` reads
-  the snapshots the cache manager let go (evicted, or a handoff's turn end) out of the pools, with their blocks not
-  sent before, as `SnapshotExport`s (CPU tensors) into `outbox` (at most `MAX_OUTBOX`; older ones are dropped and
-  counted in `num_dropped`); `take_outbox()` hands them over. The engine calls `collect()` wherever the pools are
-  about to be written; so does every import here before it writes.
+- Outbox (while `exporting`, which the engine's owner turns on when it has somewhere to put them): the exchange is
+  the cache manager's export reader (`CacheManager.set_export_reader`): every manager operation that lets a snapshot
+  go (evicted, or a handoff's turn end) hands it over before it returns, and the exchange reads it, with its blocks
+  not sent before, out of the pools as a `SnapshotExport` (CPU tensors) into `outbox` (at most `MAX_OUTBOX`; older
+  ones are dropped and counted in `num_dropped`); `take_outbox()` hands them over. Nobody has to call anything
+  before a pool write: the imports here write only after the manager's `reserve_*` calls have drained.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.memory.manager import CacheManager
+from engine.memory.state_manager import PendingExport
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.transfer import (CacheLayout, RequestState, check_block_tensor, check_model, check_state_tensors,
@@ -55,6 +57,7 @@ class CacheExchange:
         self.layout = layout
         self.outbox: list[SnapshotExport] = []
         self.num_dropped = 0
+        manager.set_export_reader(self._read_exports)
 
     # -- the outbox -------------------------------------------------------------------------------------------
 
@@ -66,9 +69,9 @@ class CacheExchange:
     def exporting(self, on: bool) -> None:
         self.manager.exporting = on
 
-    def collect(self) -> None:
-        """Reads the pending exports out of the pools (before anything writes them)."""
-        for p in self.manager.take_exports():
+    def _read_exports(self, pending: list[PendingExport]) -> None:
+        """Reads exports the manager let go out of the pools (it calls this before anything writes them)."""
+        for p in pending:
             kv = self.runner.read_blocks([b for _, b in p.blocks]) if p.blocks else None  # [L, n, bs, dim]
             blocks = tuple((h, kv[:, i]) for i, (h, _) in enumerate(p.blocks))
             self.outbox.append(SnapshotExport(p.reason, p.block_hash, p.cache_salt, p.num_tokens,
@@ -110,7 +113,6 @@ class CacheExchange:
             blocks[h] = kv
         reserved = self.manager.reserve_blocks(list(blocks))
         self.manager.note_sent(blocks)
-        self.collect()  # reserving may have evicted blocks that an export reads
         if reserved:
             ids = [b for _, b in reserved]
             self.runner.write_blocks(ids, torch.stack([blocks[h] for h, _ in reserved], dim=1))
@@ -132,7 +134,6 @@ class CacheExchange:
         check_model(fingerprint, self.layout, "a snapshot")
         check_state_tensors(state, self.layout)
         slot = self.manager.reserve_snapshot(h)
-        self.collect()  # the slot may have been an evicted snapshot's
         if slot is None:
             return False
         self.runner.write_state(slot, state)

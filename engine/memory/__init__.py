@@ -1,1 +1,2 @@
-"""KV block pool (MLA), KDA state pool, block hashing and the cache manager that ties them into a prefix cache."""
+"""KV block pool (MLA), KDA state pool, block hashing, the block and state managers over the pools, and the cache
+manager that coordinates them into a prefix cache."""
