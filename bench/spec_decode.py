@@ -2,7 +2,8 @@
 batch `--batch` (default 32), with and without `--speculative-config` (default: n-gram, k = 3).
 
 Usage: `python -m bench.spec_decode [--preset small-linear] [--model DIR] [--output-len 128] [--batch 32]
-[--speculative-config JSON] [--workload prompt-lookup|loop|all] [--repeats 3] [--threads 1] [--out FILE]`
+[--speculative-config JSON] [--workload prompt-lookup|loop|all] [--repeats 3] [--threads 1] [--out FILE]
+[--verify-cost]`
 
 Prompts: each a random 32-token segment repeated four times. Workloads (`WORKLOADS`; the same prompts and sampling
 for the plain and the speculative run):
@@ -15,13 +16,22 @@ for the plain and the speculative run):
 Greedy, EOS ignored, every run checks that the speculative outputs equal the plain ones token for token. Batch 1: the
 wall time of one request's `--output-len` tokens (prefill included, the same for both), as tokens/s per user. Batch
 N: N such requests at once, output tokens/s. Each side runs `--repeats` times in turn, best time kept; acceptance is
-that of the last speculative run (deterministic: greedy). Prints a markdown table; `--out` writes the numbers as JSON.
+that of the last speculative run (deterministic: greedy). Each row also gives the drafter's own time per step
+(`draft ms/step`: its `propose`, `observe`, `rollback` and `release` calls in the best speculative run, divided by
+the steps it proposed in). Prints a markdown table; `--out` writes the numbers as JSON.
+
+`--verify-cost` measures instead what one verification step costs against a plain decode step, at batch 1: the same
+engine decodes one request plain and with a drafter that proposes `num_speculative_tokens` tokens every step (all
+rejected: every step verifies k + 1 positions and emits one token); the median wall time of a decode step
+(`EngineCore.step`, sampling and acceptance included) of each, and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,6 +39,7 @@ from pathlib import Path
 import torch
 
 from bench.common import model_folder, report
+from engine.spec.drafter import Draft, Drafter
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
@@ -65,17 +76,49 @@ def _workload_prompts(workload: str, batch: int, folder: str) -> list[list[int]]
     return code_prompts(folder, batch) if workload == "code" else chat_prompts(folder, batch)
 
 
+class DraftClock:
+    """Wall time the drafter of a speculative `LLM` spends in its own calls (wraps them on the instance)."""
+
+    CALLS = ("propose", "observe", "rollback", "release")
+
+    def __init__(self, llm):
+        self.seconds, self.proposals = 0.0, 0
+        drafter = llm.engine.spec.drafter
+        for name in self.CALLS:
+            setattr(drafter, name, self._timed(getattr(drafter, name), name == "propose"))
+
+    def _timed(self, call, counts: bool):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.proposals += counts
+        return timed
+
+    def reset(self) -> None:
+        self.seconds, self.proposals = 0.0, 0
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1000 * self.seconds / max(self.proposals, 1)
+
+
 def _measure(plain, spec, workload: str, batch: int, output_len: int, repeats: int) -> dict | None:
     """One row: plain and speculative in turn on the same prompts and sampling, `repeats` times each, best time of
     each (a shared machine's noise only ever slows a run down); None when the outputs differ."""
     sampling, prompts = WORKLOADS[workload], _workload_prompts(workload, batch, plain.engine.args.model)
     _run(plain, prompts[:1], 4, sampling), _run(spec, prompts[:1], 4, sampling)  # warm-up
     t_plain = t_spec = float("inf")
+    clock, draft_ms = DraftClock(spec), 0.0
     for _ in range(repeats):
         t, ids_plain = _run(plain, prompts, output_len, sampling)
         t_plain = min(t_plain, t)
         before = spec.engine.stats()
+        clock.reset()
         t, ids_spec = _run(spec, prompts, output_len, sampling)
+        draft_ms = clock.ms_per_step if t < t_spec else draft_ms
         t_spec, after = min(t_spec, t), spec.engine.stats()
         if ids_plain != ids_spec:
             return None
@@ -84,8 +127,49 @@ def _measure(plain, spec, workload: str, batch: int, output_len: int, repeats: i
     per_pos = [(a - b) / max(drafts, 1) for a, b in zip(after.spec_accepted_per_pos, before.spec_accepted_per_pos)]
     tokens = sum(len(ids) for ids in ids_plain)  # = batch * output_len unless the workload lets requests stop
     return {"workload": workload, "batch": batch, "plain_tok_s": tokens / t_plain, "spec_tok_s": tokens / t_spec,
-            "speedup": t_plain / t_spec, "mean_acceptance_length": 1 + accepted / max(drafts, 1),
+            "speedup": t_plain / t_spec, "draft_ms_per_step": draft_ms, "mean_acceptance_length": 1 + accepted / max(drafts, 1),
             "acceptance_per_pos": per_pos, "distinct_output_tokens": len({t for ids in ids_plain for t in ids})}
+
+
+class RejectedDrafter(Drafter):
+    """Proposes `k` copies of one token every step: what a verification costs when nothing is accepted."""
+
+    def __init__(self, k: int, token: int = 0):
+        self.k, self.token = k, token
+
+    def propose(self, queries):
+        return [Draft((self.token,) * min(q.num_tokens, self.k)) for q in queries]
+
+
+def _step_times(llm, prompt: list[int], steps: int) -> list[float]:
+    """Wall time of each decode step of one greedy request (its prefill step left out)."""
+    from engine.sampling import SamplingParams
+
+    llm.engine.add_request(f"verify-cost-{time.perf_counter_ns()}", prompt,
+                           SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
+    times = []
+    while llm.engine.has_unfinished_requests():
+        start = time.perf_counter()
+        llm.engine.step()
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
+def verify_cost(folder: str, k: int, steps: int, repeats: int) -> dict:
+    """Median decode-step time, plain and verifying k drafts, one request: the best median of `repeats` runs each."""
+    from engine.llm import LLM
+
+    engine = dict(max_num_seqs=1, kv_cache_memory="512MiB", max_num_batched_tokens=1024)
+    plain = LLM(folder, **engine)
+    spec = LLM(folder, **engine, speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    spec.engine.spec.drafter = RejectedDrafter(k)
+    prompt = _prompts(1)[0]
+    best = {"plain": float("inf"), "verify": float("inf")}
+    for _ in range(repeats):
+        for name, llm in (("plain", plain), ("verify", spec)):
+            best[name] = min(best[name], statistics.median(_step_times(llm, prompt, steps)))
+    return {"k": k, "plain_ms": 1000 * best["plain"], "verify_ms": 1000 * best["verify"],
+            "ratio": best["verify"] / best["plain"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,11 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs of each side per row (best time)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--verify-cost", action="store_true", help="a (k+1)-position verify step vs a plain step")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine.llm import LLM
 
     folder = str(model_folder(args))
+    if args.verify_cost:
+        k = json.loads(args.speculative_config)["num_speculative_tokens"]
+        r = verify_cost(folder, k, args.output_len, args.repeats)
+        table = (f"| k | plain step ms | verify step ms | ratio |\n| --- | --- | --- | --- |\n"
+                 f"| {r['k']} | {r['plain_ms']:.2f} | {r['verify_ms']:.2f} | {r['ratio']:.2f}x |")
+        return report(table, args, r)
     engine = dict(max_num_seqs=max(args.batch, 1), kv_cache_memory="2GiB", max_num_batched_tokens=4096)
     plain, spec = LLM(folder, **engine), LLM(folder, **engine, speculative_config=args.speculative_config)
     rows = []
@@ -115,10 +206,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{workload}, batch {batch}: speculative output differs from plain", file=sys.stderr)
                 return 1
             rows.append(row)
-    table = ["| workload | batch | plain tok/s | speculative tok/s | ratio | mean acceptance length | per position | "
-             "distinct output tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    table = ["| workload | batch | plain tok/s | speculative tok/s | ratio | draft ms/step | mean acceptance length | "
+             "per position | distinct output tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     table += [f"| {r['workload']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['mean_acceptance_length']:.2f} | "
+              f"{r['speedup']:.2f}x | {r['draft_ms_per_step']:.2f} | {r['mean_acceptance_length']:.2f} | "
               f"{', '.join(f'{x:.2f}' for x in r['acceptance_per_pos'])} | {r['distinct_output_tokens']} |"
               for r in rows]
     return report("\n".join(table), args, rows)

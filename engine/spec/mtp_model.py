@@ -95,8 +95,20 @@ class MTPLayer(nn.Module):
 
     def block(self, x: torch.Tensor, positions: torch.Tensor, ctx_keys: torch.Tensor) -> torch.Tensor:
         """x [T, D] after `ctx_keys` [S, C] (earlier positions), causal among the rows -> pre-norm out [T, D]."""
-        visible = causal_visible(ctx_keys.shape[0], x.shape[0], x.device)
-        y = x + self.self_attn(self.input_layernorm(x), positions, ctx_keys, visible)
+        visible = causal_visible(ctx_keys.shape[0], x.shape[0], x.device)[None]  # [1, T, S + T]
+        attn = self.self_attn(self.input_layernorm(x)[None], positions[None], ctx_keys[None], visible)[0]
+        return self._ffn(x + attn)
+
+    def step(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, at: int,
+             visible: torch.Tensor) -> torch.Tensor:
+        """One row per sequence: x [B, D] at positions [B], each over its own keys [B, S, C]. The rows' own cache
+        rows are stored at `keys[:, at]` first (later steps see them); visible [B, S] -> pre-norm out [B, D]."""
+        normed = self.input_layernorm(x)
+        keys[:, at] = self.self_attn.latent(normed, positions)
+        attn = self.self_attn.attend(normed[:, None], positions[:, None], keys, visible[:, None])[:, 0]
+        return self._ffn(x + attn)
+
+    def _ffn(self, y: torch.Tensor) -> torch.Tensor:
         ffn_in = self.post_attention_layernorm(y)
         return y + (self.block_sparse_moe(ffn_in) if self.spec.ffn == "moe" else self.mlp(ffn_in))
 
