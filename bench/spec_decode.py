@@ -3,7 +3,7 @@ batch `--batch` (default 32), with and without `--speculative-config` (default: 
 
 Usage: `python -m bench.spec_decode [--preset small-linear] [--model DIR] [--output-len 128] [--batch 32]
 [--speculative-config JSON] [--workload prompt-lookup|loop|all] [--repeats 3] [--threads 1] [--out FILE]
-[--verify-cost]`
+[--verify-cost] [--draft-cost]`
 
 Prompts: each a random 32-token segment repeated four times. Workloads (`WORKLOADS`; the same prompts and sampling
 for the plain and the speculative run):
@@ -23,7 +23,8 @@ the steps it proposed in). Prints a markdown table; `--out` writes the numbers a
 `--verify-cost` measures instead what one verification step costs against a plain decode step, at batch 1: the same
 engine decodes one request plain and with a drafter that proposes `num_speculative_tokens` tokens every step (all
 rejected: every step verifies k + 1 positions and emits one token); the median wall time of a decode step
-(`EngineCore.step`, sampling and acceptance included) of each, and their ratio.
+(`EngineCore.step`, sampling and acceptance included) of each, and their ratio. `--draft-cost` times the drafter of
+`--speculative-config` alone (`draft_cost`: `--output-len` steps of `propose` + `observe` at batch 1 and `--batch`).
 """
 
 from __future__ import annotations
@@ -172,6 +173,46 @@ def verify_cost(folder: str, k: int, steps: int, repeats: int) -> dict:
             "ratio": best["verify"] / best["plain"]}
 
 
+def draft_cost(folder: str, spec_json: str, batch: int, steps: int, prompt_len: int = 128, accepted: int = 2) -> dict:
+    """The drafter alone (no target step): `batch` requests that observed `prompt_len` positions, then per step one
+    `propose` for all of them and each request's `observe` of `accepted + 1` positions (as after a verification
+    that accepted `accepted` drafts). Hidden rows are seeded noise in the target's dtype (drafting cost does not
+    depend on their values). -> median ms per step (propose + observes)."""
+    import importlib
+
+    from engine.model.loader import load_model
+    from engine.spec.config import SpeculativeConfig, factory_path
+    from engine.spec.drafter import DraftQuery, DraftTarget
+
+    config = SpeculativeConfig.parse(spec_json)
+    model = load_model(folder)
+    module, func = factory_path(config.method).split(":")
+    target = DraftTarget(model=model, model_dir=folder, device=model.device, dtype=model.dtype,
+                         max_model_len=prompt_len + steps * (accepted + 1) + 64, max_num_seqs=batch)
+    drafter = getattr(importlib.import_module(module), func)(config, target)
+    gen = torch.Generator().manual_seed(0)
+    width = len(drafter.taps) * model.config.hidden_size
+    vocab = model.config.vocab_size
+
+    def noise(n: int) -> torch.Tensor:
+        return torch.randn(n, width, generator=gen).to(model.dtype)
+
+    seqs = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    for i, ids in enumerate(seqs):
+        drafter.observe(f"r{i}", 0, ids, noise(len(ids)))
+        ids.append(int(torch.randint(0, vocab, (1,), generator=gen)))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        drafter.propose([DraftQuery(f"r{i}", ids, config.num_speculative_tokens) for i, ids in enumerate(seqs)])
+        for i, ids in enumerate(seqs):
+            new = torch.randint(0, vocab, (accepted + 1,), generator=gen).tolist()
+            drafter.observe(f"r{i}", len(ids) - 1, [ids[-1]] + new[:-1], noise(accepted + 1))
+            ids.extend(new)
+        times.append(time.perf_counter() - start)
+    return {"method": config.method, "batch": batch, "draft_ms_per_step": 1000 * statistics.median(times)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small-linear")
@@ -184,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--verify-cost", action="store_true", help="a (k+1)-position verify step vs a plain step")
+    p.add_argument("--draft-cost", action="store_true", help="the drafter's own time per step at batch 1 and --batch")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine.llm import LLM
@@ -195,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         table = (f"| k | plain step ms | verify step ms | ratio |\n| --- | --- | --- | --- |\n"
                  f"| {r['k']} | {r['plain_ms']:.2f} | {r['verify_ms']:.2f} | {r['ratio']:.2f}x |")
         return report(table, args, r)
+    if args.draft_cost:
+        rows = [draft_cost(folder, args.speculative_config, b, args.output_len) for b in (1, args.batch)]
+        table = "| method | batch | draft ms/step |\n| --- | --- | --- |\n" + "\n".join(
+            f"| {r['method']} | {r['batch']} | {r['draft_ms_per_step']:.2f} |" for r in rows)
+        return report(table, args, rows)
     engine = dict(max_num_seqs=max(args.batch, 1), kv_cache_memory="2GiB", max_num_batched_tokens=4096)
     plain, spec = LLM(folder, **engine), LLM(folder, **engine, speculative_config=args.speculative_config)
     rows = []
