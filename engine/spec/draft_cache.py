@@ -14,11 +14,21 @@ Contract:
   tensors on the buffer's device). `gather(slots, length)`: `[B, length, *row_shape]`, rows `0 .. length - 1` of
   each slot in `slots` (a copy; rows past a slot's own length are stale and must be masked by the reader).
 - Bookkeeping (slot map, sizes) is host-side Python; nothing here reads a device value back.
+- `SlotDrafter` is what the model drafters share on top of it: `requests` (host bookkeeping per request),
+  `queued` (rows an `observe` asked for, computed by the subclass's `flush` in one batched pass), and `propose`:
+  flush, keep the queries the subclass `_can_draft`, run its `_draft(queries, steps)` once for all of them (draft
+  ids `[B, steps]`, probabilities `[B, steps, V]` or None) and read the ids back with one `tolist()`; each query
+  keeps its first `min(num_tokens, k)` drafts. `release` frees the request's slot and queued rows.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
+from collections.abc import Iterable, Sequence
+
 import torch
+
+from engine.spec.drafter import Draft, Drafter, DraftQuery
 
 
 class SlotRows:
@@ -83,3 +93,48 @@ class SlotRows:
             self.side[: side.shape[0]] = side
         self.free = list(range(num_slots - 1, old.shape[0] - 1, -1)) + self.free
         self.reallocations += 1
+
+
+class SlotDrafter(Drafter):
+    k: int
+    cache: SlotRows
+    requests: dict
+    queued: dict
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.buffer.device
+
+    def ids(self, values: Iterable[int]) -> torch.Tensor:
+        """Host integers -> an int64 tensor on the drafter's device (an upload, never a read-back)."""
+        return torch.tensor(list(values), dtype=torch.int64, device=self.device)
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Computes every queued row in one batched pass."""
+
+    @abstractmethod
+    def _can_draft(self, query: DraftQuery) -> bool:
+        """Whether the request's state lets it draft after `query.token_ids` (host bookkeeping only)."""
+
+    @abstractmethod
+    def _draft(self, queries: list[DraftQuery], steps: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> draft ids [B, steps] and, when sampled, their probabilities [B, steps, V] (on the device)."""
+
+    @torch.inference_mode()
+    def propose(self, queries: Sequence[DraftQuery]) -> list[Draft]:
+        self.flush()
+        rows = [(i, q) for i, q in enumerate(queries) if self._can_draft(q)]
+        drafts = [Draft(tokens=())] * len(queries)
+        if not rows:
+            return drafts
+        num = [min(q.num_tokens, self.k) for _, q in rows]
+        tokens, probs = self._draft([q for _, q in rows], max(num))
+        for b, ((i, _), n, picked) in enumerate(zip(rows, num, tokens.tolist())):
+            drafts[i] = Draft(tokens=tuple(picked[:n]), probs=None if probs is None else probs[b, :n])
+        return drafts
+
+    def release(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+        self.queued.pop(req_id, None)
+        self.cache.release(req_id)

@@ -38,9 +38,9 @@ from safetensors.torch import save_file
 from engine.model.config import ConfigError
 from engine.model.init import sample_tensor
 from engine.model.loader import CheckpointError, checkpoint_files
-from engine.spec.draft_cache import SlotRows
+from engine.spec.draft_cache import SlotDrafter, SlotRows
 from engine.spec.draft_sample import DraftSampler
-from engine.spec.drafter import Draft, Drafter, DraftQuery
+from engine.spec.drafter import Drafter, DraftQuery
 from engine.spec.dspark_model import IGNORED_PREFIXES, DSparkConfig, DSparkModel, load_dspark_config
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class _Queued:
     index: int  # its row index (first - base)
 
 
-class DSparkDrafter(Drafter):
+class DSparkDrafter(SlotDrafter):
     def __init__(self, model: DSparkModel, num_speculative_tokens: int, sample_method: str = "greedy",
                  max_num_seqs: int = 4, capacity: int = 256):
         self.model, self.k = model, int(num_speculative_tokens)
@@ -72,10 +72,6 @@ class DSparkDrafter(Drafter):
         weight = model.context_proj.weight
         self.cache = SlotRows((len(model.layers), model.config.mla.cache_dim), weight.dtype, weight.device,
                               max_num_seqs, capacity)
-
-    @property
-    def device(self) -> torch.device:
-        return self.cache.buffer.device
 
     def observe(self, req_id: str, start: int, token_ids: Sequence[int], hidden: torch.Tensor | None) -> None:
         if req_id in self.queued:
@@ -99,27 +95,11 @@ class DSparkDrafter(Drafter):
         queued, self.queued = list(self.queued.values()), {}
         hidden = torch.cat([q.hidden for q in queued]) if len(queued) > 1 else queued[0].hidden  # [N, n*Dt]
         spans = [range(q.hidden.shape[0]) for q in queued]
-        positions = self._ids(q.first + i for q, span in zip(queued, spans) for i in span)
+        positions = self.ids(q.first + i for q, span in zip(queued, spans) for i in span)
         index = [q.index + i for q, span in zip(queued, spans) for i in span]
         self.cache.reserve(max(index) + 1)
         rows = torch.stack(self.model.context_keys(hidden, positions), dim=1)  # [N, layers, C]
-        self.cache.write(self._ids(q.slot for q, span in zip(queued, spans) for _ in span), self._ids(index), rows)
-
-    def _ids(self, values) -> torch.Tensor:
-        return torch.tensor(list(values), dtype=torch.int64, device=self.device)
-
-    @torch.inference_mode()
-    def propose(self, queries: Sequence[DraftQuery]) -> list[Draft]:
-        self.flush()
-        rows = [(i, q) for i, q in enumerate(queries) if self._can_draft(q)]
-        drafts = [Draft(tokens=())] * len(queries)
-        if not rows:
-            return drafts
-        num = [min(q.num_tokens, self.k) for _, q in rows]
-        tokens, probs = self._draft([q for _, q in rows], max(num))
-        for (i, _), n, picked, b in zip(rows, num, tokens.tolist(), range(len(rows))):
-            drafts[i] = Draft(tokens=tuple(picked[:n]), probs=None if probs is None else probs[b, :n])
-        return drafts
+        self.cache.write(self.ids(q.slot for q, span in zip(queued, spans) for _ in span), self.ids(index), rows)
 
     def _can_draft(self, query: DraftQuery) -> bool:
         state = self.requests.get(query.req_id)
@@ -127,16 +107,15 @@ class DSparkDrafter(Drafter):
         return min(query.num_tokens, self.k) > 0 and p >= 0 and (state is None or state.end <= p)
 
     def _draft(self, queries: list[DraftQuery], steps: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> draft ids [B, steps] and, when sampled, their probabilities [B, steps, V] (on the device)."""
         states = [self.requests.get(q.req_id) for q in queries]
         lens = [0 if s is None else s.end - s.base for s in states]  # a request never observed: no context
-        slots = self._ids(0 if s is None else s.slot for s in states)
+        slots = self.ids(0 if s is None else s.slot for s in states)
         ctx = self.cache.gather(slots, max(lens))  # [B, S, layers, C]; rows past a request's own: padding
-        anchors = self._ids(len(q.token_ids) - 1 for q in queries)  # [B]
+        anchors = self.ids(len(q.token_ids) - 1 for q in queries)  # [B]
         mask = self.model.config.mask_token_id
-        block = self._ids(v for q in queries for v in [int(q.token_ids[-1])] + [mask] * (self.k - 1))
+        block = self.ids(v for q in queries for v in [int(q.token_ids[-1])] + [mask] * (self.k - 1))
         block = block.reshape(len(queries), self.k)  # [B, N]
-        base = self.model.request_blocks(anchors, block, ctx, self._ids(lens))  # [B, N, V]
+        base = self.model.request_blocks(anchors, block, ctx, self.ids(lens))  # [B, N, V]
         req_ids = [q.req_id for q in queries]
         prev, picked, probs = block[:, 0], [], []
         for i in range(steps):
@@ -153,11 +132,6 @@ class DSparkDrafter(Drafter):
             self.release(req_id)
             return
         state.end = num_tokens
-
-    def release(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
-        self.queued.pop(req_id, None)
-        self.cache.release(req_id)
 
     def context_rows(self, req_id: str) -> torch.Tensor:
         """The request's rows [end - base, layers, C] (a copy; for tests and tools)."""

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from engine.spec.draft_cache import SlotRows
+from engine.spec.draft_cache import SlotDrafter, SlotRows
 from engine.spec.draft_sample import DraftSampler
-from engine.spec.drafter import FINAL_TAP, Draft, Drafter, DraftQuery
+from engine.spec.drafter import FINAL_TAP, Drafter, DraftQuery
 from engine.spec.mtp_model import MTPError, MTPLayer, load_mtp_layers
 
 
@@ -67,7 +67,7 @@ class _Queued:
     ring_positions: list[int] = field(default_factory=list)
 
 
-class MTPDrafter(Drafter):
+class MTPDrafter(SlotDrafter):
     taps = (FINAL_TAP,)
 
     def __init__(self, layer: MTPLayer, num_speculative_tokens: int, sample_method: str = "greedy",
@@ -80,10 +80,6 @@ class MTPDrafter(Drafter):
         p = next(layer.parameters())
         self.cache = SlotRows((layer.config.mla.cache_dim,), p.dtype, p.device, max_num_seqs, capacity,
                               side_shape=(self.ring_size, layer.config.hidden_size))
-
-    @property
-    def device(self) -> torch.device:
-        return self.cache.buffer.device
 
     # -- observe: host bookkeeping now, the rows at the next flush -------------------------------------------
 
@@ -133,42 +129,26 @@ class MTPDrafter(Drafter):
                 waiting_ring.append(q.ring_first % self.ring_size)
                 sources.append(at)  # placeholder: replaced by the held hidden
             sources.extend(at + i for i in q.sources)
-        row_hidden = hidden.index_select(0, self._ids(sources))  # [R, D]
+        row_hidden = hidden.index_select(0, self.ids(sources))  # [R, D]
         if waiting_rows:  # read before this flush's ring writes (k + 1 new rows wrap onto it)
-            row_hidden[self._ids(waiting_rows)] = self.cache.side[self._ids(waiting_slots), self._ids(waiting_ring)]
+            row_hidden[self.ids(waiting_rows)] = self.cache.side[self.ids(waiting_slots), self.ids(waiting_ring)]
         self._store_ring(queued, hidden, offsets)
         if not sources:
             return
-        positions = self._ids(t for q in queued for t in q.positions)
-        x = self.layer.fuse_inputs(row_hidden, self._ids(t for q in queued for t in q.next_ids), positions)
+        positions = self.ids(t for q in queued for t in q.positions)
+        x = self.layer.fuse_inputs(row_hidden, self.ids(t for q in queued for t in q.next_ids), positions)
         index = [i for q in queued for i in q.index]
         self.cache.reserve(max(index) + 1 + self.k)  # room for the drafts' temporary rows too
-        slots = self._ids(q.slot for q in queued for _ in q.index)
-        self.cache.write(slots, self._ids(index), self.layer.cache_rows(x, positions))
+        slots = self.ids(q.slot for q in queued for _ in q.index)
+        self.cache.write(slots, self.ids(index), self.layer.cache_rows(x, positions))
 
     def _store_ring(self, queued: list[_Queued], hidden: torch.Tensor, offsets: list[int]) -> None:
-        rows = self._ids(at + i for q, at in zip(queued, offsets) for i in q.ring)
-        slots = self._ids(q.slot for q in queued for _ in q.ring)
-        ring = self._ids(t % self.ring_size for q in queued for t in q.ring_positions)
+        rows = self.ids(at + i for q, at in zip(queued, offsets) for i in q.ring)
+        slots = self.ids(q.slot for q in queued for _ in q.ring)
+        ring = self.ids(t % self.ring_size for q in queued for t in q.ring_positions)
         self.cache.side.index_put_((slots, ring), hidden.index_select(0, rows))
 
-    def _ids(self, values) -> torch.Tensor:
-        return torch.tensor(list(values), dtype=torch.int64, device=self.device)
-
     # -- propose: all queries in one batched pass per draft step ---------------------------------------------
-
-    @torch.inference_mode()
-    def propose(self, queries: Sequence[DraftQuery]) -> list[Draft]:
-        self.flush()
-        rows = [(i, q, self.requests[q.req_id]) for i, q in enumerate(queries) if self._can_draft(q)]
-        drafts = [Draft(tokens=())] * len(queries)
-        if not rows:
-            return drafts
-        num = [min(q.num_tokens, self.k) for _, q, _ in rows]
-        tokens, probs = self._draft([q for _, q, _ in rows], [s for _, _, s in rows], max(num))
-        for (i, _, _), n, picked, b in zip(rows, num, tokens.tolist(), range(len(rows))):
-            drafts[i] = Draft(tokens=tuple(picked[:n]), probs=None if probs is None else probs[b, :n])
-        return drafts
 
     def _can_draft(self, query: DraftQuery) -> bool:
         state = self.requests.get(query.req_id)
@@ -176,19 +156,18 @@ class MTPDrafter(Drafter):
         return (state is not None and min(query.num_tokens, self.k) > 0 and p >= 1 and state.end == p
                 and state.waiting)
 
-    def _draft(self, queries: list[DraftQuery], states: list[_Request], steps: int
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> draft ids [B, steps] and, when sampled, their probabilities [B, steps, V] (on the device)."""
+    def _draft(self, queries: list[DraftQuery], steps: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        states = [self.requests[q.req_id] for q in queries]
         lens = [s.num_rows for s in states]
         longest = max(lens)
         self.cache.reserve(longest + steps)
-        slots = self._ids(s.slot for s in states)
+        slots = self.ids(s.slot for s in states)
         keys = self.cache.gather(slots, longest + steps)  # [B, L + steps, C]; rows past a request's own: padding
-        visible = torch.arange(longest + steps, device=self.device)[None, :] < self._ids(lens)[:, None]
+        visible = torch.arange(longest + steps, device=self.device)[None, :] < self.ids(lens)[:, None]
         visible[:, longest:] = True  # [B, L + steps]: own cache rows and the draft rows (sliced per step)
-        hidden = self.cache.side[slots, self._ids((s.end - 1) % self.ring_size for s in states)]  # [B, D]
-        token = self._ids(int(q.token_ids[-1]) for q in queries)  # [B]
-        position = self._ids(s.end - 1 for s in states)  # [B] position p - 1
+        hidden = self.cache.side[slots, self.ids((s.end - 1) % self.ring_size for s in states)]  # [B, D]
+        token = self.ids(int(q.token_ids[-1]) for q in queries)  # [B]
+        position = self.ids(s.end - 1 for s in states)  # [B] position p - 1
         req_ids = [q.req_id for q in queries]
         picked, probs = [], []
         for j in range(steps):
@@ -212,11 +191,6 @@ class MTPDrafter(Drafter):
         state.num_rows = min(state.num_rows, max(0, num_tokens - 1 - state.base))  # row t needs token t + 1
         state.end = num_tokens
 
-    def release(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
-        self.queued.pop(req_id, None)
-        self.cache.release(req_id)
-
     def cached_rows(self, req_id: str) -> torch.Tensor:
         """The request's cache rows [num_rows, C] (a copy; for tests and tools)."""
         self.flush()
@@ -228,7 +202,7 @@ class MTPDrafter(Drafter):
         self.flush()
         state = self.requests[req_id]
         ring = [t % self.ring_size for t in range(state.held_from, state.end)]
-        return self.cache.side[state.slot, self._ids(ring)].clone()
+        return self.cache.side[state.slot, self.ids(ring)].clone()
 
 
 def build_mtp_drafter(target_model, target_dir: Path, spec_config, max_num_seqs: int = 4) -> MTPDrafter:
