@@ -9,7 +9,10 @@ Contract:
   makes every slot hold at least `length` rows; both the slot count and the capacity grow by doubling (a new
   buffer, the old rows copied once), so a long generation reallocates O(log length) times, never per step, and
   the buffer's `data_ptr` is stable between doublings. Freed slots keep their stale rows (finite values: the
-  buffer starts zeroed), which readers mask out by length.
+  buffer starts zeroed), which readers mask out by length. Memory is slots × the longest request's rows (rounded
+  up to a power of two): one drafter layer's latent per token, a fraction of the target's MLA cache — but not
+  proportional to the tokens actually held, as a paged pool with block tables would be (the next step if long
+  and short requests mix at scale).
 - `write(slots, index, rows)`: one indexed store of `rows` `[n, *row_shape]` at `(slots[i], index[i])` (index
   tensors on the buffer's device). `gather(slots, length)`: `[B, length, *row_shape]`, rows `0 .. length - 1` of
   each slot in `slots` (a copy; rows past a slot's own length are stale and must be masked by the reader).

@@ -24,7 +24,9 @@ Contract:
 - `DSparkModel.forward_train(hidden [T, n*Dt], token_ids [T], anchors [B]) -> logits [B, N, V]` (fp32) is the
   training form: block b anchors at position `anchors[b]` (1 ≤ p, p + N ≤ T), sees the context of positions < p,
   and its logits i predict `token_ids[p + 1 + i]` with the Markov bias of the true previous token (teacher forcing).
-  Differentiable, pure torch; inference uses the same `block_logits`.
+  Differentiable, pure torch. `request_blocks(anchors, block_ids, ctx_keys [B, S, layers, C], ctx_lens)` is the
+  inference form over B requests at once, each block seeing its own request's first `ctx_lens[b]` rows; both
+  forms run the same layers (one batch row for training, B for inference).
 """
 
 from __future__ import annotations

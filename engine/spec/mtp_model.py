@@ -13,7 +13,10 @@ Contract:
   `x = eh_proj([enorm(e) ; hnorm(h_t)])`; `y = x + attn(input_layernorm(x))`; `out = y + ffn(post_attention_layernorm(y))`;
   logits `shared_head.head(shared_head.norm(out))` predict the token at t + 2. `out` (pre-norm) is the hidden the
   next chained draft step reads in place of `h`. Attention is causal over the layer's own latent cache
-  (`self_attn.latent(...)` of each earlier row), engine/spec/latent_attention.py.
+  (`self_attn.latent(...)` of each earlier row), engine/spec/latent_attention.py. `block(x, positions, ctx_keys)`
+  runs the rows of one sequence (training); `step(x, positions, keys, at, visible)` runs one row for each of B
+  sequences at once (drafting), each over its own keys `[B, S, C]` under a mask, after storing the rows' own cache
+  rows at `keys[:, at]`.
 - `forward_train(hidden [T, D], token_ids [T]) -> logits [T - 1, V]` (fp32) is the full-sequence form for
   distillation: row t uses `hidden[t]` and `token_ids[t + 1]` and predicts `token_ids[t + 2]` (the last row's target
   lies past the sequence). Differentiable (pure torch on CPU; the routed-expert kernel of the device in use must
