@@ -2,7 +2,8 @@
 batch `--batch` (default 32), with and without `--speculative-config` (default: n-gram, k = 3).
 
 Usage: `python -m bench.spec_decode [--preset small-linear] [--model DIR] [--output-len 128] [--batch 32]
-[--speculative-config JSON] [--workload prompt-lookup|loop|all] [--repeats 3] [--threads 1] [--out FILE]`
+[--speculative-config JSON] [--workload prompt-lookup|loop|all] [--repeats 3] [--threads 1] [--out FILE]
+[--verify-cost] [--draft-cost]`
 
 Prompts: each a random 32-token segment repeated four times. Workloads (`WORKLOADS`; the same prompts and sampling
 for the plain and the speculative run):
@@ -15,20 +16,34 @@ for the plain and the speculative run):
 Greedy, EOS ignored, every run checks that the speculative outputs equal the plain ones token for token. Batch 1: the
 wall time of one request's `--output-len` tokens (prefill included, the same for both), as tokens/s per user. Batch
 N: N such requests at once, output tokens/s. Each side runs `--repeats` times in turn, best time kept; acceptance is
-that of the last speculative run (deterministic: greedy). Prints a markdown table; `--out` writes the numbers as JSON.
+that of the last speculative run (deterministic: greedy). `CPU-time ratio` is the same ratio of the process's CPU
+time (with one torch thread: robust on a loaded machine, where wall time includes waiting for a core). Each row
+also gives the drafter's own wall time per step
+(`draft ms/step`: its `propose`, `observe`, `rollback` and `release` calls in the best speculative run, divided by
+the steps it proposed in). Prints a markdown table; `--out` writes the numbers as JSON.
+
+`--verify-cost` measures instead what one verification step costs against a plain decode step, at batch 1: the same
+engine decodes one request plain and with a drafter that proposes `num_speculative_tokens` tokens every step (all
+rejected: every step verifies k + 1 positions and emits one token); the median wall time of a decode step
+(`EngineCore.step`, sampling and acceptance included) of each, and their ratio, by wall and by CPU time. `--draft-cost` times the drafter of
+`--speculative-config` alone (`draft_cost`: `--output-len` steps of `propose` + `observe` at batch 1 and `--batch`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.common import model_folder, report
+from engine.spec.drafter import Draft, Drafter
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 
@@ -48,13 +63,14 @@ WORKLOADS = {
 TEXT_WORKLOADS = ("code", "chat")  # prompts from the model's own tokenizer (bench/spec_prompts.py)
 
 
-def _run(llm, prompts, output_len: int, sampling: dict) -> tuple[float, list[list[int]]]:
+def _run(llm, prompts, output_len: int, sampling: dict) -> tuple[float, float, list[list[int]]]:
+    """-> (wall seconds, process CPU seconds, output ids)."""
     from engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0, **{"ignore_eos": True, **sampling})
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
-    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
+    return time.perf_counter() - start, time.process_time() - start_cpu, [o.outputs[0].token_ids for o in outs]
 
 
 def _workload_prompts(workload: str, batch: int, folder: str) -> list[list[int]]:
@@ -65,18 +81,50 @@ def _workload_prompts(workload: str, batch: int, folder: str) -> list[list[int]]
     return code_prompts(folder, batch) if workload == "code" else chat_prompts(folder, batch)
 
 
+class DraftClock:
+    """Wall time the drafter of a speculative `LLM` spends in its own calls (wraps them on the instance)."""
+
+    CALLS = ("propose", "observe", "rollback", "release")
+
+    def __init__(self, llm):
+        self.seconds, self.proposals = 0.0, 0
+        drafter = llm.engine.spec.drafter
+        for name in self.CALLS:
+            setattr(drafter, name, self._timed(getattr(drafter, name), name == "propose"))
+
+    def _timed(self, call, counts: bool):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.proposals += counts
+        return timed
+
+    def reset(self) -> None:
+        self.seconds, self.proposals = 0.0, 0
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1000 * self.seconds / max(self.proposals, 1)
+
+
 def _measure(plain, spec, workload: str, batch: int, output_len: int, repeats: int) -> dict | None:
     """One row: plain and speculative in turn on the same prompts and sampling, `repeats` times each, best time of
     each (a shared machine's noise only ever slows a run down); None when the outputs differ."""
     sampling, prompts = WORKLOADS[workload], _workload_prompts(workload, batch, plain.engine.args.model)
     _run(plain, prompts[:1], 4, sampling), _run(spec, prompts[:1], 4, sampling)  # warm-up
-    t_plain = t_spec = float("inf")
+    t_plain = t_spec = cpu_plain = cpu_spec = float("inf")
+    clock, draft_ms = DraftClock(spec), 0.0
     for _ in range(repeats):
-        t, ids_plain = _run(plain, prompts, output_len, sampling)
-        t_plain = min(t_plain, t)
+        t, cpu, ids_plain = _run(plain, prompts, output_len, sampling)
+        t_plain, cpu_plain = min(t_plain, t), min(cpu_plain, cpu)
         before = spec.engine.stats()
-        t, ids_spec = _run(spec, prompts, output_len, sampling)
-        t_spec, after = min(t_spec, t), spec.engine.stats()
+        clock.reset()
+        t, cpu, ids_spec = _run(spec, prompts, output_len, sampling)
+        draft_ms = clock.ms_per_step if t < t_spec else draft_ms
+        t_spec, cpu_spec, after = min(t_spec, t), min(cpu_spec, cpu), spec.engine.stats()
         if ids_plain != ids_spec:
             return None
     drafts = after.spec_num_drafts - before.spec_num_drafts
@@ -84,8 +132,115 @@ def _measure(plain, spec, workload: str, batch: int, output_len: int, repeats: i
     per_pos = [(a - b) / max(drafts, 1) for a, b in zip(after.spec_accepted_per_pos, before.spec_accepted_per_pos)]
     tokens = sum(len(ids) for ids in ids_plain)  # = batch * output_len unless the workload lets requests stop
     return {"workload": workload, "batch": batch, "plain_tok_s": tokens / t_plain, "spec_tok_s": tokens / t_spec,
-            "speedup": t_plain / t_spec, "mean_acceptance_length": 1 + accepted / max(drafts, 1),
+            "speedup": t_plain / t_spec, "cpu_speedup": cpu_plain / cpu_spec, "draft_ms_per_step": draft_ms, "mean_acceptance_length": 1 + accepted / max(drafts, 1),
             "acceptance_per_pos": per_pos, "distinct_output_tokens": len({t for ids in ids_plain for t in ids})}
+
+
+class RejectedDrafter(Drafter):
+    """Proposes `k` copies of one token every step: what a verification costs when nothing is accepted."""
+
+    def __init__(self, k: int, token: int = 0):
+        self.k, self.token = k, token
+
+    def propose(self, queries):
+        return [Draft((self.token,) * min(q.num_tokens, self.k)) for q in queries]
+
+
+def _step_times(llm, prompt: list[int], steps: int) -> list[tuple[float, float]]:
+    """(wall, process CPU) seconds of each decode step of one greedy request (its prefill step left out)."""
+    from engine.sampling import SamplingParams
+
+    llm.engine.add_request(f"verify-cost-{time.perf_counter_ns()}", prompt,
+                           SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
+    times = []
+    while llm.engine.has_unfinished_requests():
+        start, start_cpu = time.perf_counter(), time.process_time()
+        llm.engine.step()
+        times.append((time.perf_counter() - start, time.process_time() - start_cpu))
+    return times[1:]
+
+
+def verify_cost(folder: str, k: int, steps: int, repeats: int) -> dict:
+    """Median decode-step time (wall and CPU), plain and verifying k drafts, one request: the best median of
+    `repeats` runs each."""
+    from engine.llm import LLM
+
+    engine = dict(max_num_seqs=1, kv_cache_memory="512MiB", max_num_batched_tokens=1024)
+    plain = LLM(folder, **engine)
+    spec = LLM(folder, **engine, speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    spec.engine.spec.drafter = RejectedDrafter(k)
+    prompt = _prompts(1)[0]
+    best = {(name, clock): float("inf") for name in ("plain", "verify") for clock in (0, 1)}
+    for _ in range(repeats):
+        for name, llm in (("plain", plain), ("verify", spec)):
+            times = _step_times(llm, prompt, steps)
+            for clock in (0, 1):
+                best[name, clock] = min(best[name, clock], statistics.median(t[clock] for t in times))
+    return {"k": k, "plain_ms": 1000 * best["plain", 0], "verify_ms": 1000 * best["verify", 0],
+            "ratio": best["verify", 0] / best["plain", 0], "plain_cpu_ms": 1000 * best["plain", 1],
+            "verify_cpu_ms": 1000 * best["verify", 1], "cpu_ratio": best["verify", 1] / best["plain", 1]}
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten calls made under it (what a GPU would launch, roughly)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def draft_cost(folder: str, spec_json: str, batch: int, steps: int, prompt_len: int = 128, accepted: int = 2) -> dict:
+    """The drafter alone (no target step): `batch` requests that observed `prompt_len` positions, then per step one
+    `propose` for all of them and each request's `observe` of `accepted + 1` positions (as after a verification
+    that accepted `accepted` drafts). Hidden rows are seeded noise in the target's dtype (drafting cost does not
+    depend on their values). -> per step (propose + observes): median wall ms, median process CPU ms (robust on
+    a loaded machine: time spent waiting for a core is not counted) and the aten calls of one step."""
+    import importlib
+
+    from engine.model.loader import load_model
+    from engine.spec.config import SpeculativeConfig, factory_path
+    from engine.spec.drafter import DraftQuery, DraftTarget
+
+    config = SpeculativeConfig.parse(spec_json)
+    model = load_model(folder)
+    module, func = factory_path(config.method).split(":")
+    target = DraftTarget(model=model, model_dir=folder, device=model.device, dtype=model.dtype,
+                         max_model_len=prompt_len + (steps + 1) * (accepted + 1) + 64, max_num_seqs=batch)
+    drafter = getattr(importlib.import_module(module), func)(config, target)
+    gen = torch.Generator().manual_seed(0)
+    width = len(drafter.taps) * model.config.hidden_size
+    vocab = model.config.vocab_size
+
+    def noise(n: int) -> torch.Tensor:
+        return torch.randn(n, width, generator=gen).to(model.dtype)
+
+    seqs = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    for i, ids in enumerate(seqs):
+        drafter.observe(f"r{i}", 0, ids, noise(len(ids)))
+        ids.append(int(torch.randint(0, vocab, (1,), generator=gen)))
+    inputs = [[(torch.randint(0, vocab, (accepted + 1,), generator=gen).tolist(), noise(accepted + 1))
+               for _ in seqs] for _ in range(steps + 1)]
+
+    def step(new_rows) -> None:
+        drafter.propose([DraftQuery(f"r{i}", ids, config.num_speculative_tokens) for i, ids in enumerate(seqs)])
+        for i, (ids, (new, hidden)) in enumerate(zip(seqs, new_rows)):
+            drafter.observe(f"r{i}", len(ids) - 1, [ids[-1]] + new[:-1], hidden)
+            ids.extend(new)
+
+    wall, cpu = [], []
+    for new_rows in inputs[:-1]:
+        start, start_cpu = time.perf_counter(), time.process_time()
+        step(new_rows)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    with _OpCounter() as ops:
+        step(inputs[-1])
+    return {"method": config.method, "batch": batch, "draft_ms_per_step": 1000 * statistics.median(wall),
+            "draft_cpu_ms_per_step": 1000 * statistics.median(cpu), "aten_calls_per_step": ops.count}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,11 +254,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs of each side per row (best time)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--verify-cost", action="store_true", help="a (k+1)-position verify step vs a plain step")
+    p.add_argument("--draft-cost", action="store_true", help="the drafter's own time per step at batch 1 and --batch")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine.llm import LLM
 
     folder = str(model_folder(args))
+    if args.verify_cost:
+        k = json.loads(args.speculative_config)["num_speculative_tokens"]
+        r = verify_cost(folder, k, args.output_len, args.repeats)
+        table = ("| k | plain step ms | verify step ms | ratio | plain CPU ms | verify CPU ms | CPU ratio |\n"
+                 "| --- | --- | --- | --- | --- | --- | --- |\n"
+                 f"| {r['k']} | {r['plain_ms']:.2f} | {r['verify_ms']:.2f} | {r['ratio']:.2f}x | "
+                 f"{r['plain_cpu_ms']:.2f} | {r['verify_cpu_ms']:.2f} | {r['cpu_ratio']:.2f}x |")
+        return report(table, args, r)
+    if args.draft_cost:
+        rows = [draft_cost(folder, args.speculative_config, b, args.output_len) for b in (1, args.batch)]
+        table = ("| method | batch | draft ms/step (wall) | CPU ms/step | aten calls/step |\n"
+                 "| --- | --- | --- | --- | --- |\n") + "\n".join(
+            f"| {r['method']} | {r['batch']} | {r['draft_ms_per_step']:.2f} | {r['draft_cpu_ms_per_step']:.2f} | "
+            f"{r['aten_calls_per_step']} |" for r in rows)
+        return report(table, args, rows)
     engine = dict(max_num_seqs=max(args.batch, 1), kv_cache_memory="2GiB", max_num_batched_tokens=4096)
     plain, spec = LLM(folder, **engine), LLM(folder, **engine, speculative_config=args.speculative_config)
     rows = []
@@ -115,10 +287,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{workload}, batch {batch}: speculative output differs from plain", file=sys.stderr)
                 return 1
             rows.append(row)
-    table = ["| workload | batch | plain tok/s | speculative tok/s | ratio | mean acceptance length | per position | "
-             "distinct output tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    table = ["| workload | batch | plain tok/s | speculative tok/s | ratio | CPU-time ratio | draft ms/step | "
+             "mean acceptance length | per position | distinct output tokens |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     table += [f"| {r['workload']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['mean_acceptance_length']:.2f} | "
+              f"{r['speedup']:.2f}x | {r['cpu_speedup']:.2f}x | {r['draft_ms_per_step']:.2f} | "
+              f"{r['mean_acceptance_length']:.2f} | "
               f"{', '.join(f'{x:.2f}' for x in r['acceptance_per_pos'])} | {r['distinct_output_tokens']} |"
               for r in rows]
     return report("\n".join(table), args, rows)

@@ -18,9 +18,12 @@ Contract (one `Drafter` per engine; every call comes from the engine's step thre
   token so far: prompt + output, the last one being the token the target will read next). Returns one `Draft` per
   query, in order. A drafter may return fewer tokens (even none): the request then verifies fewer positions.
   `Draft.probs` is None for a deterministic drafter (a one-hot proposal: rejection sampling treats q(x) = 1), else
-  `[len(tokens), vocab]` fp32 probabilities the tokens were sampled from (the `draft_sample_method`).
+  `[len(tokens), vocab]` fp32 probabilities the tokens were sampled from (the `draft_sample_method`), on the
+  drafter's device (they are never read back to the host).
 - `rollback(req_id, num_tokens)`: forget everything observed at positions ≥ `num_tokens` (preemption by recompute
   rolls back to 0). `release(req_id)`: the request is finished or aborted; drop its state.
+- A drafter may defer an `observe`'s computation to a later call (the model drafters compute the observed rows of
+  all requests in one batched pass at the next `propose`); the result is the same as computing it at once.
 - A drafter never changes the target's outputs: verification decides every token (engine/spec/accept.py).
 - Construction: each method's factory `build(config, target: DraftTarget) -> Drafter` (registered in
   engine/spec/config.py `DRAFTER_FACTORIES`); `DraftTarget` is what the engine knows of its target at start-up.

@@ -6,11 +6,18 @@ Contract (beyond the drafter contract; the model and folder format are engine/sp
 - Per request the drafter keeps each DSpark layer's latent context cache, one row per observed position; a row is
   a function of that position's tapped target rows alone, so `rollback(n)` truncates to positions < n and equals
   a run that observed only those (rollback to or before the first observed position forgets the request).
+- Storage (engine/spec/draft_cache.py): one preallocated slot per request, every layer's row of position t at
+  `t - base`; buffers grow by doubling, never per step. `observe` only does host bookkeeping and queues its hidden
+  rows; the queued rows of every request go through `context_keys` in one batched pass before the next `propose`
+  or inspection, or when the same request is observed again first.
 - `propose`: the anchor is the query's last token at p = `len(token_ids) - 1`; the block of
   `num_speculative_tokens` tokens `[anchor, mask, …]` runs in one non-causal pass over the context observed
   before p (positions the drafter never observed are simply absent), then drafts are picked left to right with
   the Markov bias of the previous pick (`draft_sample_method`); the first `num_tokens` are proposed. A request
-  whose observed positions reach p or beyond (inconsistent with its tokens) gets no drafts.
+  whose observed positions reach p or beyond (inconsistent with its tokens) gets no drafts. All queries run
+  together: one pass of the layers over `[B, N]` blocks, each attending its own request's rows (a length mask over
+  the longest), one Markov pick per draft position over the batch; the host reads back only the `[B, k]` draft
+  ids, once (`Draft.probs` stay on the device).
 - `load_dspark(folder, target)` checks the folder against the target (hidden sizes, layer ids, vocabulary) and
   loads it in the target's dtype/device: one `ConfigError`/`CheckpointError` names each problem.
   `write_dspark_checkpoint(raw, out_dir, seed)` writes a folder with seeded weights (per tensor name).
@@ -31,8 +38,9 @@ from safetensors.torch import save_file
 from engine.model.config import ConfigError
 from engine.model.init import sample_tensor
 from engine.model.loader import CheckpointError, checkpoint_files
+from engine.spec.draft_cache import SlotDrafter, SlotRows
 from engine.spec.draft_sample import DraftSampler
-from engine.spec.drafter import Draft, Drafter, DraftQuery
+from engine.spec.drafter import Drafter, DraftQuery
 from engine.spec.dspark_model import IGNORED_PREFIXES, DSparkConfig, DSparkModel, load_dspark_config
 
 logger = logging.getLogger(__name__)
@@ -40,75 +48,96 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Request:
+    slot: int
     base: int  # position of row 0
-    keys: list[torch.Tensor]  # per layer [n, C], positions base .. base + n - 1
-
-    @property
-    def end(self) -> int:
-        return self.base + self.keys[0].shape[0]
+    end: int  # one past the last observed position: rows of positions base .. end - 1
 
 
-class DSparkDrafter(Drafter):
-    def __init__(self, model: DSparkModel, num_speculative_tokens: int, sample_method: str = "greedy"):
+@dataclass
+class _Queued:
+    slot: int
+    hidden: torch.Tensor  # [n, len(taps) * Dt]
+    first: int  # position of hidden row 0
+    index: int  # its row index (first - base)
+
+
+class DSparkDrafter(SlotDrafter):
+    def __init__(self, model: DSparkModel, num_speculative_tokens: int, sample_method: str = "greedy",
+                 max_num_seqs: int = 4, capacity: int = 256):
         self.model, self.k = model, int(num_speculative_tokens)
         self.taps = tuple(model.config.target_layer_ids)
         self.sampler = DraftSampler(sample_method)
         self.requests: dict[str, _Request] = {}
+        self.queued: dict[str, _Queued] = {}
+        weight = model.context_proj.weight
+        self.cache = SlotRows((len(model.layers), model.config.mla.cache_dim), weight.dtype, weight.device,
+                              max_num_seqs, capacity)
 
-    @torch.inference_mode()
     def observe(self, req_id: str, start: int, token_ids: Sequence[int], hidden: torch.Tensor | None) -> None:
+        if req_id in self.queued:
+            self.flush()  # its earlier rows first: a flush computes one observe per request
         state = self.requests.get(req_id)
         if state is not None and start < state.end:
             self.rollback(req_id, start)
             state = self.requests.get(req_id)
         if state is None or start != state.end:  # fresh, or after a gap: start over from here
-            width = self.model.config.mla.cache_dim
-            weight = self.model.context_proj.weight
-            state = self.requests[req_id] = _Request(start, [weight.new_zeros(0, width) for _ in self.model.layers])
+            state = self.requests[req_id] = _Request(self.cache.acquire(req_id), base=start, end=start)
         if len(token_ids) == 0:
             return
-        positions = torch.arange(start, start + len(token_ids), device=self.model.context_proj.weight.device)
-        rows = self.model.context_keys(hidden, positions)
-        state.keys = [torch.cat([old, new]) for old, new in zip(state.keys, rows)]
+        self.queued[req_id] = _Queued(state.slot, hidden, start, start - state.base)
+        state.end = start + len(token_ids)
 
     @torch.inference_mode()
-    def propose(self, queries: Sequence[DraftQuery]) -> list[Draft]:
-        return [self._propose_one(q) for q in queries]
+    def flush(self) -> None:
+        """Every queued row through `context_keys` in one batched pass, stored at its slot and index."""
+        if not self.queued:
+            return
+        queued, self.queued = list(self.queued.values()), {}
+        hidden = torch.cat([q.hidden for q in queued]) if len(queued) > 1 else queued[0].hidden  # [N, n*Dt]
+        spans = [range(q.hidden.shape[0]) for q in queued]
+        positions = self.ids(q.first + i for q, span in zip(queued, spans) for i in span)
+        index = [q.index + i for q, span in zip(queued, spans) for i in span]
+        self.cache.reserve(max(index) + 1)
+        rows = torch.stack(self.model.context_keys(hidden, positions), dim=1)  # [N, layers, C]
+        self.cache.write(self.ids(q.slot for q, span in zip(queued, spans) for _ in span), self.ids(index), rows)
 
-    def _propose_one(self, query: DraftQuery) -> Draft:
-        p, num = len(query.token_ids) - 1, min(query.num_tokens, self.k)
+    def _can_draft(self, query: DraftQuery) -> bool:
         state = self.requests.get(query.req_id)
-        if num <= 0 or p < 0 or (state is not None and state.end > p):
-            return Draft(tokens=())
-        device = self.model.context_proj.weight.device
-        if state is None:
-            keys = [self.model.context_proj.weight.new_zeros(0, self.model.config.mla.cache_dim)
-                    for _ in self.model.layers]
-            ctx_positions = torch.zeros(0, dtype=torch.int64, device=device)
-        else:
-            keys, ctx_positions = state.keys, torch.arange(state.base, state.end, device=device)
-        block = torch.full((1, self.k), self.model.config.mask_token_id, dtype=torch.int64, device=device)
-        block[0, 0] = int(query.token_ids[-1])
-        base = self.model.block_logits(torch.tensor([p], device=device), block, keys, ctx_positions)[0]  # [N, V]
-        prev, tokens, probs = block[0, :1], [], []
-        for i in range(num):
-            token, prob = self.sampler.pick(base[i] + self.model.markov_head(prev)[0], query.req_id, p + 1 + i)
-            tokens.append(token)
+        p = len(query.token_ids) - 1
+        return min(query.num_tokens, self.k) > 0 and p >= 0 and (state is None or state.end <= p)
+
+    def _draft(self, queries: list[DraftQuery], steps: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        states = [self.requests.get(q.req_id) for q in queries]
+        lens = [0 if s is None else s.end - s.base for s in states]  # a request never observed: no context
+        slots = self.ids(0 if s is None else s.slot for s in states)
+        ctx = self.cache.gather(slots, max(lens))  # [B, S, layers, C]; rows past a request's own: padding
+        anchors = self.ids(len(q.token_ids) - 1 for q in queries)  # [B]
+        mask = self.model.config.mask_token_id
+        block = self.ids(v for q in queries for v in [int(q.token_ids[-1])] + [mask] * (self.k - 1))
+        block = block.reshape(len(queries), self.k)  # [B, N]
+        base = self.model.request_blocks(anchors, block, ctx, self.ids(lens))  # [B, N, V]
+        req_ids = [q.req_id for q in queries]
+        prev, picked, probs = block[:, 0], [], []
+        for i in range(steps):
+            prev, prob = self.sampler.pick_rows(base[:, i] + self.model.markov_head(prev), req_ids, anchors + 1 + i)
+            picked.append(prev)
             probs.append(prob)
-            prev = torch.tensor([token], device=device)
-        return Draft(tokens=tuple(tokens), probs=None if self.sampler.deterministic else torch.stack(probs))
+        return torch.stack(picked, 1), None if self.sampler.deterministic else torch.stack(probs, 1)
 
     def rollback(self, req_id: str, num_tokens: int) -> None:
         state = self.requests.get(req_id)
         if state is None or num_tokens >= state.end:
             return
         if num_tokens <= state.base:
-            self.requests.pop(req_id)
+            self.release(req_id)
             return
-        state.keys = [k[: num_tokens - state.base] for k in state.keys]
+        state.end = num_tokens
 
-    def release(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
+    def context_rows(self, req_id: str) -> torch.Tensor:
+        """The request's rows [end - base, layers, C] (a copy; for tests and tools)."""
+        self.flush()
+        state = self.requests[req_id]
+        return self.cache.buffer[state.slot, : state.end - state.base].clone()
 
 
 def check_against_target(config: DSparkConfig, target_config) -> None:
@@ -166,13 +195,13 @@ def write_dspark_checkpoint(raw: dict, out_dir: str | Path, seed: int = 0, dtype
     return out
 
 
-def build_dspark_drafter(target_model, drafter_dir: Path, spec_config) -> DSparkDrafter:
+def build_dspark_drafter(target_model, drafter_dir: Path, spec_config, max_num_seqs: int = 4) -> DSparkDrafter:
     """The `dspark` drafter for a loaded target from its own folder (`speculative_config.model`)."""
     return DSparkDrafter(load_dspark(drafter_dir, target_model), spec_config.num_speculative_tokens,
-                         spec_config.draft_sample_method)
+                         spec_config.draft_sample_method, max_num_seqs)
 
 
 def build(config, target) -> Drafter:
     """The speculative core's factory form (`DRAFTER_FACTORIES`): `config` a `SpeculativeConfig`, `target` a
     `DraftTarget` (its `model` and `model_dir`)."""
-    return build_dspark_drafter(target.model, Path(config.model), config)
+    return build_dspark_drafter(target.model, Path(config.model), config, target.max_num_seqs)

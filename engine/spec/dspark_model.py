@@ -24,7 +24,9 @@ Contract:
 - `DSparkModel.forward_train(hidden [T, n*Dt], token_ids [T], anchors [B]) -> logits [B, N, V]` (fp32) is the
   training form: block b anchors at position `anchors[b]` (1 ≤ p, p + N ≤ T), sees the context of positions < p,
   and its logits i predict `token_ids[p + 1 + i]` with the Markov bias of the true previous token (teacher forcing).
-  Differentiable, pure torch; inference uses the same `block_logits`.
+  Differentiable, pure torch. `request_blocks(anchors, block_ids, ctx_keys [B, S, layers, C], ctx_lens)` is the
+  inference form over B requests at once, each block seeing its own request's first `ctx_lens[b]` rows; both
+  forms run the same layers (one batch row for training, B for inference).
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ class DSparkLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_keys: torch.Tensor,
                 visible: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] at positions [B, T] after ctx_keys [B, S, C]; visible [B, T, S + T] -> [B, T, D]."""
         y = x + self.self_attn(self.input_layernorm(x), positions, ctx_keys, visible)
         return y + self.mlp(self.post_attention_layernorm(y))
 
@@ -174,16 +177,36 @@ class DSparkModel(nn.Module):
 
     def block_logits(self, anchors: torch.Tensor, block_ids: torch.Tensor, ctx_keys: list[torch.Tensor],
                      ctx_positions: torch.Tensor) -> torch.Tensor:
-        """Blocks [B, N] at positions anchors[b] + 0..N-1 -> base logits [B, N, V] fp32 (no Markov bias)."""
+        """Blocks [B, N] at positions anchors[b] + 0..N-1 over one shared context (the training form: every block
+        sees the keys [S, C] of ctx_positions [S] before its anchor) -> base logits [B, N, V] fp32."""
         b, n = block_ids.shape
-        positions = (anchors[:, None] + torch.arange(n, device=anchors.device)).reshape(-1)  # [B*N]
+        positions = (anchors[:, None] + torch.arange(n, device=anchors.device)).reshape(1, -1)  # [1, B*N]
         owner = torch.arange(b, device=anchors.device).repeat_interleave(n)  # [B*N]
         sees_ctx = ctx_positions[None, :] < anchors[owner][:, None]  # [B*N, S]
-        visible = torch.cat([sees_ctx, owner[:, None] == owner[None, :]], dim=1)  # [B*N, S + B*N]
-        x = self.target[0](block_ids.reshape(-1))  # [B*N, D]
+        visible = torch.cat([sees_ctx, owner[:, None] == owner[None, :]], dim=1)[None]  # [1, B*N, S + B*N]
+        x = self.target[0](block_ids.reshape(1, -1))  # [1, B*N, D]
+        return self._logits(x, positions, [keys[None] for keys in ctx_keys], visible).reshape(b, n, -1)
+
+    def request_blocks(self, anchors: torch.Tensor, block_ids: torch.Tensor, ctx_keys: torch.Tensor,
+                       ctx_lens: torch.Tensor) -> torch.Tensor:
+        """The inference form, B requests at once: block b [N] at positions anchors[b] + 0..N-1 sees its own
+        request's first ctx_lens[b] context rows of ctx_keys [B, S, num_layers, C] (the rest is padding) and its
+        own block (non-causal) -> base logits [B, N, V] fp32."""
+        b, n = block_ids.shape
+        s = ctx_keys.shape[1]
+        positions = anchors[:, None] + torch.arange(n, device=anchors.device)  # [B, N]
+        sees_ctx = torch.arange(s, device=anchors.device)[None, :] < ctx_lens[:, None]  # [B, S]
+        visible = torch.cat([sees_ctx[:, None, :].expand(b, n, s),
+                             sees_ctx.new_ones(b, n, n)], dim=2)  # [B, N, S + N]
+        keys = [ctx_keys[:, :, i] for i in range(len(self.layers))]
+        return self._logits(self.target[0](block_ids), positions, keys, visible)
+
+    def _logits(self, x: torch.Tensor, positions: torch.Tensor, ctx_keys: list[torch.Tensor],
+                visible: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] through the layers (each over its ctx_keys [B, S, C]) -> base logits [B, T, V] fp32."""
         for layer, keys in zip(self.layers, ctx_keys):
             x = layer(x, positions, keys, visible)
-        return self.target[1](self.final_norm(x)).float().reshape(b, n, -1)
+        return self.target[1](self.final_norm(x)).float()
 
     def forward_train(self, hidden: torch.Tensor, token_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """hidden [T, n*Dt], token_ids [T], anchors [B] -> logits [B, N, V] for token_ids[anchors + 1 + i]."""

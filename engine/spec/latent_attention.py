@@ -5,11 +5,16 @@ Contract:
   `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`, optional output gate `g_proj`), built unsharded.
   `latent(x, positions)` is what a row caches: `[T, kv_lora + rope]` = `kv_a_layernorm(c)` ++ `k_pe`, with RoPE
   applied to `k_pe` at `positions` when the layer has RoPE (DSpark) and not otherwise (the K3 target's NoPE MLA).
-- `forward(x, positions, ctx_keys, visible)` attends the rows `x` `[T, D]` over `keys = ctx_keys ++ latent(x)`
-  (`[S + T, C]`) where `visible[t, j]` (bool `[T, S + T]`) allows key j for query t; absorbed form (one shared latent
+- `attend(x, positions, keys, visible)` is the attention of B independent sequences: the rows `x` `[B, T, D]` at
+  `positions` `[B, T]` over that sequence's own `keys` `[B, S, C]` (whatever it may see, the rows' own latents
+  included), where `visible[b, t, s]` (bool `[B, T, S]`) allows key s for query t; absorbed form (one shared latent
   key/value head, `kv_b_proj` split into the nope-key and value up-projections), fp32 softmax with scale
-  `(nope + rope) ** -0.5` (times YaRN's mscale² under YaRN), returns `o_proj(o)` `[T, D]`.
-  Pure torch, differentiable: the same code serves inference (cached `ctx_keys`) and training (a full sequence).
+  `(nope + rope) ** -0.5` (times YaRN's mscale² under YaRN), returns `o_proj(o)` `[B, T, D]`. Keys a row may not see
+  take no part (their weight is exactly 0), so padding a batch to its longest sequence changes nothing but rounding.
+- `forward(x, positions, ctx_keys, visible)` = `attend` over `keys = ctx_keys ++ latent(x)` (`[B, S + T, C]`,
+  `visible` `[B, T, S + T]`).
+  Pure torch, differentiable: the same code serves inference (cached keys, a batch of requests) and training (a
+  full sequence as a batch of one).
 - RoPE is GPT-J style (interleaved pairs, vLLM's `is_neox_style=False`), in fp32; YaRN follows DeepSeek's
   `deepseek_yarn` (inverse frequencies blended by the linear ramp between the beta_fast/beta_slow correction dims;
   cos/sin scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim)).
@@ -110,23 +115,31 @@ class DraftMLA(nn.Module):
             k_pe = apply_rope(k_pe, positions, self.rope)
         return torch.cat([self.kv_a_layernorm(ckv[:, :lora]), k_pe], dim=-1)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_keys: torch.Tensor,
-                visible: torch.Tensor) -> torch.Tensor:
-        mla, t = self.mla, x.shape[0]
+    def attend(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+               visible: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D], positions [B, T], keys [B, S, C], visible [B, T, S] -> [B, T, D]."""
+        mla, (b, t) = self.mla, x.shape[:2]
         h, nope, lora = mla.num_heads, mla.qk_nope_head_dim, mla.kv_lora_rank
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if mla.q_lora_rank else self.q_proj(x)
-        q = q.reshape(t, h, nope + mla.qk_rope_head_dim)  # [T, H, nope+rope]
-        q_pe = q[..., nope:] if self.rope is None else apply_rope(q[..., nope:], positions, self.rope)
-        keys = torch.cat([ctx_keys.to(x.dtype), self.latent(x, positions)], dim=0)  # [S+T, C]
+        q = q.reshape(b * t, h, nope + mla.qk_rope_head_dim)  # [B*T, H, nope+rope]
+        q_pe = q[..., nope:] if self.rope is None else apply_rope(q[..., nope:], positions.reshape(-1), self.rope)
         w_kv = self.kv_b_proj.weight.reshape(h, nope + mla.v_head_dim, lora)  # [H, nope+v, lora]
         q_abs = torch.cat([torch.einsum("thn,hnl->thl", q[..., :nope], w_kv[:, :nope]), q_pe], dim=-1)
-        scores = torch.einsum("thc,sc->ths", q_abs.float(), keys.float()) * self.scale  # [T, H, S+T]
-        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-        o_latent = torch.einsum("ths,sl->thl", scores.softmax(-1), keys[:, :lora].float())  # [T, H, lora]
-        o = torch.einsum("thl,hvl->thv", o_latent.to(x.dtype), w_kv[:, nope:]).reshape(t, h * mla.v_head_dim)
+        q_abs = q_abs.reshape(b, t, h, -1)  # [B, T, H, C]
+        keys = keys.to(x.dtype)
+        scores = torch.einsum("bthc,bsc->bths", q_abs.float(), keys.float()) * self.scale  # [B, T, H, S]
+        scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+        o_latent = torch.einsum("bths,bsl->bthl", scores.softmax(-1), keys[..., :lora].float())  # [B, T, H, lora]
+        o = torch.einsum("bthl,hvl->bthv", o_latent.to(x.dtype), w_kv[:, nope:]).reshape(b, t, h * mla.v_head_dim)
         if mla.output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o)  # [T, D]
+        return self.o_proj(o)  # [B, T, D]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_keys: torch.Tensor,
+                visible: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] after ctx_keys [B, S, C]; visible [B, T, S + T] -> [B, T, D]."""
+        own = self.latent(x.flatten(0, 1), positions.reshape(-1)).reshape(*x.shape[:2], -1)  # [B, T, C]
+        return self.attend(x, positions, torch.cat([ctx_keys.to(x.dtype), own], dim=1), visible)
 
 
 def causal_visible(num_ctx: int, num_rows: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -7,116 +7,205 @@ Contract (beyond the drafter contract):
   the last observed position waits for the next token (the next `observe`, or the query's last token in
   `propose`). The hidden rows of the last `num_speculative_tokens + 1` observed positions are kept too, so a
   `rollback(n)` within them leaves exactly the state of a run that observed positions < n; a deeper one (e.g.
-  preemption back to 0) forgets the request, which then drafts from what it observes next. Cache rows are a pure function of (h_t, token t+1), never of drafts.
+  preemption back to 0) forgets the request, which then drafts from what it observes next. Cache rows are a pure
+  function of (h_t, token t+1), never of drafts.
+- Storage (engine/spec/draft_cache.py): one preallocated slot per request, cache rows at `position - base`, the
+  kept hidden rows in a ring of `k + 1` beside them (`position % (k + 1)`); buffers grow by doubling, never per step.
+  `observe` only does host bookkeeping and queues its rows; the queued rows of every request are computed in one
+  batched pass (`fuse_inputs` + `cache_rows` over all of them) before the next `propose` or inspection, or when
+  the same request is observed again first.
 - `propose`: the query's last token is at position p = `len(token_ids) - 1`; the drafter must have observed up to
   p - 1 (else it proposes nothing for that query). Step 1 reads (h_{p-1}, token p) at position p - 1; step j + 1
   reads (the MTP output of step j, draft j) at position p - 1 + j, each attending the cache plus the steps
-  before it (their rows are temporary). Each step's logits give one draft (`draft_sample_method`).
+  before it (their rows are temporary). Each step's logits give one draft (`draft_sample_method`). All queries
+  run together: one forward of the layer per draft step over the batch, each row attending its own cache (a
+  length mask over the longest); the host reads back only the `[B, k]` draft ids, once (`Draft.probs` stay on the
+  device).
 - Only checkpoints with exactly one MTP layer draft (the released layout); more are refused by name.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from engine.spec.draft_cache import SlotDrafter, SlotRows
 from engine.spec.draft_sample import DraftSampler
-from engine.spec.drafter import FINAL_TAP, Draft, Drafter, DraftQuery
+from engine.spec.drafter import FINAL_TAP, Drafter, DraftQuery
 from engine.spec.mtp_model import MTPError, MTPLayer, load_mtp_layers
 
 
 @dataclass
 class _Request:
+    slot: int
     base: int  # position of cache row 0
-    rows: torch.Tensor  # [n, C] cache rows of positions base .. base + n - 1
-    tail: torch.Tensor  # [m, D] target hidden of positions end - m .. end - 1
-    end: int  # one past the last observed position
+    num_rows: int = 0  # cache rows of positions base .. base + num_rows - 1
+    end: int = 0  # one past the last observed position
+    held_from: int = 0  # the ring holds the hidden of positions held_from .. end - 1 (at most k + 1 of them)
 
     @property
     def waiting(self) -> bool:
         """The hidden of position end - 1 waits for token `end` (its cache row is not computed yet)."""
-        return self.tail.shape[0] > 0 and self.base + self.rows.shape[0] == self.end - 1
+        return self.end > self.held_from and self.base + self.num_rows == self.end - 1
 
 
-class MTPDrafter(Drafter):
+@dataclass
+class _Queued:
+    """Rows one `observe` asks for, computed at the next flush with every other request's."""
+    slot: int
+    hidden: torch.Tensor  # [n, D] the observed positions' hidden rows
+    ring_first: int | None  # position whose held hidden starts the rows (the waiting one), or None
+    sources: list[int] = field(default_factory=list)  # rows of `hidden` feeding cache rows (after ring_first's)
+    next_ids: list[int] = field(default_factory=list)  # token t + 1 of each cache row
+    positions: list[int] = field(default_factory=list)  # position t of each cache row
+    index: list[int] = field(default_factory=list)  # its cache index (t - base)
+    ring: list[int] = field(default_factory=list)  # rows of `hidden` kept in the ring (the last k + 1)
+    ring_positions: list[int] = field(default_factory=list)
+
+
+class MTPDrafter(SlotDrafter):
     taps = (FINAL_TAP,)
 
-    def __init__(self, layer: MTPLayer, num_speculative_tokens: int, sample_method: str = "greedy"):
+    def __init__(self, layer: MTPLayer, num_speculative_tokens: int, sample_method: str = "greedy",
+                 max_num_seqs: int = 4, capacity: int = 256):
         self.layer, self.k = layer, int(num_speculative_tokens)
+        self.ring_size = self.k + 1
         self.sampler = DraftSampler(sample_method)
         self.requests: dict[str, _Request] = {}
+        self.queued: dict[str, _Queued] = {}
+        p = next(layer.parameters())
+        self.cache = SlotRows((layer.config.mla.cache_dim,), p.dtype, p.device, max_num_seqs, capacity,
+                              side_shape=(self.ring_size, layer.config.hidden_size))
 
-    def _empty(self, start: int) -> _Request:
-        p = next(self.layer.parameters())
-        return _Request(base=start, rows=p.new_zeros(0, self.layer.config.mla.cache_dim),
-                        tail=p.new_zeros(0, self.layer.config.hidden_size), end=start)
+    # -- observe: host bookkeeping now, the rows at the next flush -------------------------------------------
 
-    @torch.inference_mode()
     def observe(self, req_id: str, start: int, token_ids: Sequence[int], hidden: torch.Tensor | None) -> None:
+        if req_id in self.queued:
+            self.flush()  # its earlier rows first: a flush computes one observe per request
         state = self.requests.get(req_id)
         if state is not None and start < state.end:
             self.rollback(req_id, start)
             state = self.requests.get(req_id)
         if state is None or start != state.end:  # fresh, or after a gap: start over from here
-            state = self.requests[req_id] = self._empty(start)
+            state = self.requests[req_id] = _Request(self.cache.acquire(req_id), base=start, end=start,
+                                                     held_from=start)
         n = len(token_ids)
         if n == 0:
             return
-        ids = torch.tensor(list(token_ids), dtype=torch.int64, device=state.rows.device)
-        hidden = hidden.to(state.tail.dtype)  # [n, D]
-        if state.waiting:  # the waiting hidden pairs with this call's first token
-            row_hidden, next_ids, first = torch.cat([state.tail[-1:], hidden[:-1]]), ids, start - 1
-        else:
-            row_hidden, next_ids, first = hidden[:-1], ids[1:], start
-        if next_ids.numel():
-            positions = torch.arange(first, first + next_ids.numel(), device=ids.device)
-            x = self.layer.fuse_inputs(row_hidden, next_ids, positions)
-            state.rows = torch.cat([state.rows, self.layer.cache_rows(x, positions)])
-        state.tail = torch.cat([state.tail, hidden])[-(self.k + 1):]
+        ids = list(token_ids)
+        waiting = state.waiting  # the waiting hidden pairs with this call's first token
+        q = _Queued(state.slot, hidden, ring_first=start - 1 if waiting else None)
+        first = start - 1 if waiting else start
+        q.sources = list(range(n - 1))
+        q.next_ids = ids if waiting else ids[1:]
+        q.positions = list(range(first, start + n - 1))
+        q.index = [t - state.base for t in q.positions]
+        kept = min(n, self.ring_size)
+        q.ring = list(range(n - kept, n))
+        q.ring_positions = list(range(start + n - kept, start + n))
+        self.queued[req_id] = q
+        state.num_rows += len(q.positions)
         state.end = start + n
+        state.held_from = max(state.held_from, state.end - self.ring_size)
 
     @torch.inference_mode()
-    def propose(self, queries: Sequence[DraftQuery]) -> list[Draft]:
-        return [self._propose_one(q) for q in queries]
+    def flush(self) -> None:
+        """Computes every queued cache row in one batched pass and stores rows and ring entries."""
+        if not self.queued:
+            return
+        queued, self.queued = list(self.queued.values()), {}
+        hidden = torch.cat([q.hidden for q in queued]) if len(queued) > 1 else queued[0].hidden  # [N, D]
+        hidden = hidden.to(self.cache.dtype)
+        offsets = list(itertools.accumulate((q.hidden.shape[0] for q in queued), initial=0))
+        sources, waiting_rows, waiting_slots, waiting_ring = [], [], [], []
+        for q, at in zip(queued, offsets):
+            if q.ring_first is not None:
+                waiting_rows.append(len(sources))
+                waiting_slots.append(q.slot)
+                waiting_ring.append(q.ring_first % self.ring_size)
+                sources.append(at)  # placeholder: replaced by the held hidden
+            sources.extend(at + i for i in q.sources)
+        row_hidden = hidden.index_select(0, self.ids(sources))  # [R, D]
+        if waiting_rows:  # read before this flush's ring writes (k + 1 new rows wrap onto it)
+            row_hidden[self.ids(waiting_rows)] = self.cache.side[self.ids(waiting_slots), self.ids(waiting_ring)]
+        self._store_ring(queued, hidden, offsets)
+        if not sources:
+            return
+        positions = self.ids(t for q in queued for t in q.positions)
+        x = self.layer.fuse_inputs(row_hidden, self.ids(t for q in queued for t in q.next_ids), positions)
+        index = [i for q in queued for i in q.index]
+        self.cache.reserve(max(index) + 1 + self.k)  # room for the drafts' temporary rows too
+        slots = self.ids(q.slot for q in queued for _ in q.index)
+        self.cache.write(slots, self.ids(index), self.layer.cache_rows(x, positions))
 
-    def _propose_one(self, query: DraftQuery) -> Draft:
+    def _store_ring(self, queued: list[_Queued], hidden: torch.Tensor, offsets: list[int]) -> None:
+        rows = self.ids(at + i for q, at in zip(queued, offsets) for i in q.ring)
+        slots = self.ids(q.slot for q in queued for _ in q.ring)
+        ring = self.ids(t % self.ring_size for q in queued for t in q.ring_positions)
+        self.cache.side.index_put_((slots, ring), hidden.index_select(0, rows))
+
+    # -- propose: all queries in one batched pass per draft step ---------------------------------------------
+
+    def _can_draft(self, query: DraftQuery) -> bool:
         state = self.requests.get(query.req_id)
         p = len(query.token_ids) - 1
-        num = min(query.num_tokens, self.k)
-        if state is None or num <= 0 or state.end != p or not state.waiting or p < 1:
-            return Draft(tokens=())
-        hidden, token, rows = state.tail[-1:], int(query.token_ids[-1]), state.rows
-        tokens, probs = [], []
-        for j in range(num):
-            position = torch.tensor([p - 1 + j], device=rows.device)
-            x = self.layer.fuse_inputs(hidden, torch.tensor([token], device=rows.device), position)
-            hidden = self.layer.block(x, position, rows)  # [1, D], pre-norm: the next step's hidden
-            rows = torch.cat([rows, self.layer.cache_rows(x, position)])
-            token, prob = self.sampler.pick(self.layer.logits(hidden)[0], query.req_id, p + 1 + j)
-            tokens.append(token)
+        return (state is not None and min(query.num_tokens, self.k) > 0 and p >= 1 and state.end == p
+                and state.waiting)
+
+    def _draft(self, queries: list[DraftQuery], steps: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        states = [self.requests[q.req_id] for q in queries]
+        lens = [s.num_rows for s in states]
+        longest = max(lens)
+        self.cache.reserve(longest + steps)
+        slots = self.ids(s.slot for s in states)
+        keys = self.cache.gather(slots, longest + steps)  # [B, L + steps, C]; rows past a request's own: padding
+        visible = torch.arange(longest + steps, device=self.device)[None, :] < self.ids(lens)[:, None]
+        visible[:, longest:] = True  # [B, L + steps]: own cache rows and the draft rows (sliced per step)
+        hidden = self.cache.side[slots, self.ids((s.end - 1) % self.ring_size for s in states)]  # [B, D]
+        token = self.ids(int(q.token_ids[-1]) for q in queries)  # [B]
+        position = self.ids(s.end - 1 for s in states)  # [B] position p - 1
+        req_ids = [q.req_id for q in queries]
+        picked, probs = [], []
+        for j in range(steps):
+            x = self.layer.fuse_inputs(hidden, token, position + j)
+            seen = longest + j + 1
+            hidden = self.layer.step(x, position + j, keys[:, :seen], longest + j, visible[:, :seen])  # [B, D]
+            token, prob = self.sampler.pick_rows(self.layer.logits(hidden), req_ids, position + j + 2)
+            picked.append(token)
             probs.append(prob)
-        return Draft(tokens=tuple(tokens), probs=None if self.sampler.deterministic else torch.stack(probs))
+        return torch.stack(picked, 1), None if self.sampler.deterministic else torch.stack(probs, 1)
+
+    # -- rollback, release, inspection -----------------------------------------------------------------------
 
     def rollback(self, req_id: str, num_tokens: int) -> None:
         state = self.requests.get(req_id)
         if state is None or num_tokens >= state.end:
             return
-        keep_tail = num_tokens - (state.end - state.tail.shape[0])  # tail rows at positions < num_tokens
-        if num_tokens <= state.base or keep_tail <= 0:
-            self.requests.pop(req_id)  # nothing usable stays: the next observe starts afresh
+        if num_tokens <= state.base or num_tokens <= state.held_from:
+            self.release(req_id)  # nothing usable stays: the next observe starts afresh
             return
-        state.rows = state.rows[: max(0, num_tokens - 1 - state.base)]  # row t needs token t + 1 < num_tokens
-        state.tail = state.tail[:keep_tail]
+        state.num_rows = min(state.num_rows, max(0, num_tokens - 1 - state.base))  # row t needs token t + 1
         state.end = num_tokens
 
-    def release(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
+    def cached_rows(self, req_id: str) -> torch.Tensor:
+        """The request's cache rows [num_rows, C] (a copy; for tests and tools)."""
+        self.flush()
+        state = self.requests[req_id]
+        return self.cache.buffer[state.slot, : state.num_rows].clone()
+
+    def held_hidden(self, req_id: str) -> torch.Tensor:
+        """The kept hidden rows [m, D] of positions end - m .. end - 1 (a copy; for tests and tools)."""
+        self.flush()
+        state = self.requests[req_id]
+        ring = [t % self.ring_size for t in range(state.held_from, state.end)]
+        return self.cache.side[state.slot, self.ids(ring)].clone()
 
 
-def build_mtp_drafter(target_model, target_dir: Path, spec_config) -> MTPDrafter:
+def build_mtp_drafter(target_model, target_dir: Path, spec_config, max_num_seqs: int = 4) -> MTPDrafter:
     """The `mtp` drafter of a loaded target (`KimiForCausalLM`) from its own checkpoint folder."""
     if spec_config.model not in (None, "", str(target_dir)):
         raise MTPError(f"method 'mtp' reads the MTP layers of the served checkpoint; speculative_config.model "
@@ -125,10 +214,10 @@ def build_mtp_drafter(target_model, target_dir: Path, spec_config) -> MTPDrafter
     if len(layers) != 1:
         raise MTPError(f"{target_dir} has {len(layers)} MTP layers (num_nextn_predict_layers); the mtp drafter "
                        "drafts with exactly one")
-    return MTPDrafter(layers[0], spec_config.num_speculative_tokens, spec_config.draft_sample_method)
+    return MTPDrafter(layers[0], spec_config.num_speculative_tokens, spec_config.draft_sample_method, max_num_seqs)
 
 
 def build(config, target) -> Drafter:
     """The speculative core's factory form (`DRAFTER_FACTORIES`): `config` a `SpeculativeConfig`, `target` a
     `DraftTarget` (its `model` and `model_dir`)."""
-    return build_mtp_drafter(target.model, Path(target.model_dir), config)
+    return build_mtp_drafter(target.model, Path(target.model_dir), config, target.max_num_seqs)

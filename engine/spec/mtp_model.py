@@ -13,7 +13,10 @@ Contract:
   `x = eh_proj([enorm(e) ; hnorm(h_t)])`; `y = x + attn(input_layernorm(x))`; `out = y + ffn(post_attention_layernorm(y))`;
   logits `shared_head.head(shared_head.norm(out))` predict the token at t + 2. `out` (pre-norm) is the hidden the
   next chained draft step reads in place of `h`. Attention is causal over the layer's own latent cache
-  (`self_attn.latent(...)` of each earlier row), engine/spec/latent_attention.py.
+  (`self_attn.latent(...)` of each earlier row), engine/spec/latent_attention.py. `block(x, positions, ctx_keys)`
+  runs the rows of one sequence (training); `step(x, positions, keys, at, visible)` runs one row for each of B
+  sequences at once (drafting), each over its own keys `[B, S, C]` under a mask, after storing the rows' own cache
+  rows at `keys[:, at]`.
 - `forward_train(hidden [T, D], token_ids [T]) -> logits [T - 1, V]` (fp32) is the full-sequence form for
   distillation: row t uses `hidden[t]` and `token_ids[t + 1]` and predicts `token_ids[t + 2]` (the last row's target
   lies past the sequence). Differentiable (pure torch on CPU; the routed-expert kernel of the device in use must
@@ -95,8 +98,20 @@ class MTPLayer(nn.Module):
 
     def block(self, x: torch.Tensor, positions: torch.Tensor, ctx_keys: torch.Tensor) -> torch.Tensor:
         """x [T, D] after `ctx_keys` [S, C] (earlier positions), causal among the rows -> pre-norm out [T, D]."""
-        visible = causal_visible(ctx_keys.shape[0], x.shape[0], x.device)
-        y = x + self.self_attn(self.input_layernorm(x), positions, ctx_keys, visible)
+        visible = causal_visible(ctx_keys.shape[0], x.shape[0], x.device)[None]  # [1, T, S + T]
+        attn = self.self_attn(self.input_layernorm(x)[None], positions[None], ctx_keys[None], visible)[0]
+        return self._ffn(x + attn)
+
+    def step(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, at: int,
+             visible: torch.Tensor) -> torch.Tensor:
+        """One row per sequence: x [B, D] at positions [B], each over its own keys [B, S, C]. The rows' own cache
+        rows are stored at `keys[:, at]` first (later steps see them); visible [B, S] -> pre-norm out [B, D]."""
+        normed = self.input_layernorm(x)
+        keys[:, at] = self.self_attn.latent(normed, positions)
+        attn = self.self_attn.attend(normed[:, None], positions[:, None], keys, visible[:, None])[:, 0]
+        return self._ffn(x + attn)
+
+    def _ffn(self, y: torch.Tensor) -> torch.Tensor:
         ffn_in = self.post_attention_layernorm(y)
         return y + (self.block_sparse_moe(ffn_in) if self.spec.ffn == "moe" else self.mlp(ffn_in))
 

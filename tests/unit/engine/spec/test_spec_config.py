@@ -55,3 +55,40 @@ def test_ngram_lookup_semantics():
     assert lookup([1, 2, 3], 1, 3, 3) == ()  # no earlier occurrence
     assert lookup([7, 7], 2, 3, 2) == ()  # fewer tokens than needed for a match
     assert lookup([3, 4, 3], 1, 2, 5) == (4, 3)  # stops at the end of the known tokens
+
+
+def _lookup_by_hand(tokens, min_n, max_n, k):
+    """vLLM's rule spelled out: the longest n, the earliest start, the tokens after it."""
+    total = len(tokens)
+    if total < min_n or k <= 0:
+        return ()
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        for j in range(total - n):
+            if tokens[j: j + n] == tokens[total - n:]:
+                return tuple(tokens[j + n: min(total, j + n + k)])
+    return ()
+
+
+def test_ngram_lookup_equals_the_rule_spelled_out():
+    import random
+
+    rng = random.Random(0)
+    cases = [[rng.randrange(4) for _ in range(rng.randrange(1, 40))] for _ in range(300)]
+    found = 0
+    for tokens in cases:
+        want = _lookup_by_hand(tokens, 1, 4, 3)
+        assert lookup(tokens, 1, 4, 3) == want, tokens
+        found += bool(want)
+    assert found > 200
+    # negative control: the latest occurrence instead of the earliest differs from the rule on these cases
+    latest = [tokens for tokens in cases if _lookup_by_hand(tokens, 1, 4, 3) != _latest(tokens, 1, 4, 3)]
+    assert latest
+
+
+def _latest(tokens, min_n, max_n, k):
+    total = len(tokens)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        for j in reversed(range(total - n)):
+            if tokens[j: j + n] == tokens[total - n:]:
+                return tuple(tokens[j + n: min(total, j + n + k)])
+    return ()

@@ -72,13 +72,14 @@ def test_rollback_equals_a_fresh_run(k3, k3_dir, seq, cut):
     b.observe("r", 0, ids[:cut], hidden[:cut])
     sa, sb = a.requests["r"], b.requests["r"]
     assert (sa.base, sa.end) == (sb.base, sb.end)
-    torch.testing.assert_close(sa.rows, sb.rows, rtol=0, atol=0)
-    torch.testing.assert_close(sa.tail, sb.tail[-sa.tail.shape[0]:], rtol=0, atol=0)
+    torch.testing.assert_close(a.cached_rows("r"), b.cached_rows("r"), rtol=0, atol=0)
+    kept = a.held_hidden("r")
+    torch.testing.assert_close(kept, b.held_hidden("r")[-kept.shape[0]:], rtol=0, atol=0)
     q = [DraftQuery("r", ids[: cut + 1], 3)]
     assert a.propose(q) == b.propose(q)
     a.observe("r", cut, ids[cut:20], hidden[cut:20])
     b.observe("r", cut, ids[cut:20], hidden[cut:20])
-    torch.testing.assert_close(a.requests["r"].rows, b.requests["r"].rows, rtol=0, atol=0)
+    torch.testing.assert_close(a.cached_rows("r"), b.cached_rows("r"), rtol=0, atol=0)
     a.rollback("r", 0)
     assert "r" not in a.requests
 
