@@ -2,8 +2,8 @@
 
 Subcommands: `make-checkpoint` (a generated checkpoint in the official layout), `train-demo OUT_DIR` (trains the
 demo K3 model, trainer/; `python -m bench.demo_eval DIR` measures it), `up` (the whole mesh on localhost,
-deploy/launcher.py), `serve MODEL [flags]` (the same mesh, a drop-in for `vllm serve MODEL`: the flag table is
-deploy/flags.py, shared with `up`), `serve --role cache|prefill|decode|gateway` (one service, deploy/serve.py: each
+deploy/launcher.py), `serve MODEL [flags]` (the same mesh, a drop-in for `vllm serve MODEL`: its flags and `up`'s
+are generated from `LaunchConfig`, deploy/flags.py), `serve --role cache|prefill|decode|gateway` (one service, deploy/serve.py: each
 role parses its own flags, `kdamesh serve --role R --help` lists them) and `bench serve` (servebench/: `vllm bench
 serve`'s flags, metrics and result JSON). Each subcommand calls one function; no logic lives here.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deploy.flags import add_mesh_flags, launch_config_from, media_refusal, refusal
+from deploy.flags import add_mesh_flags, launch_config_from, refusal
 
 SERVE_MODEL_HELP = ("Serve MODEL with the whole mesh on localhost (cache, prefill, decode, gateway), as `kdamesh up "
                     "--model MODEL` does; takes the `vllm serve` flags that apply and refuses, naming it, a flag "
@@ -69,8 +69,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _refuse(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
-    """argparse's error (exit 2) naming a flag whose feature is not built yet, or whose value the gateway refuses."""
-    message = refusal(ns) or media_refusal(ns)
+    """argparse's error (exit 2) naming a flag whose feature is not built yet, or whose value an option object
+    refuses (the gateway's image URL flags, the engine's options, the replica counts)."""
+    message = refusal(ns)
+    if message is None:
+        try:
+            launch_config_from(ns, "INFO", "text", "none")
+        except ValueError as exc:
+            message = str(exc)
     if message is not None:
         parser.error(message)
 

@@ -30,9 +30,22 @@ from engine.model.batch import bytes_per_state, bytes_per_token
 from engine.model.config import ModelConfig
 from engine.spec.config import SpeculativeConfig
 from telemetry import units
+from telemetry.options import json_option, option
 
 MAX_AUTO_INTERVAL_BLOCKS = 4096
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMAT_CHOICES = ("safetensors", "fastsafetensors", "dummy")
+
+
+def byte_text(text: str) -> int | str:
+    """A byte-size flag's text: plain digits as an int, anything else ("2GiB") as given (`parse_bytes` reads it)."""
+    return int(text) if text.isdigit() else text
+
+
+def interval_text(text: str) -> int | str:
+    """`--snapshot-interval`: "auto" or a token count."""
+    return text if text == "auto" else int(text)
 
 
 def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
@@ -48,31 +61,48 @@ def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str
-    tokenizer: str | None = None  # default: the model folder
-    dtype: str = "auto"
-    load_format: str = "safetensors"
-    device: str = "cpu"
-    seed: int = 0
-    block_size: int = 16
-    kv_cache_memory: int | str = DEFAULT_KV_CACHE_MEMORY  # bytes for both pools together
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_forward_tokens: int | None = None  # tokens per model forward within a step; None: 2048 on CPU (runner.py)
-    max_model_len: int | None = None  # default: the model's limit, capped by what the block pool holds
-    enable_prefix_caching: bool = True
-    snapshot_interval: int | str = "auto"  # tokens, a multiple of block_size
+    model: str = option("--model", help="checkpoint folder (config.json, *.safetensors, tokenizer)")
+    tokenizer: str | None = option("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    dtype: str = option("--dtype", default="auto", choices=DTYPE_CHOICES)
+    load_format: str = option("--load-format", default="safetensors", choices=LOAD_FORMAT_CHOICES)
+    device: str = option("--device", default="cpu")
+    seed: int = option("--seed", default=0, parse=int)
+    block_size: int = option("--block-size", default=16, parse=int, help="tokens per KV block")
+    kv_cache_memory: int | str = option(  # bytes for both pools together
+        "--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY, parse=byte_text,
+        help="bytes for the KV block and KDA state pools together, per worker, e.g. 1GiB")
+    max_num_seqs: int = option("--max-num-seqs", default=64, parse=int)
+    max_num_batched_tokens: int = option("--max-num-batched-tokens", default=2048, parse=int)
+    max_forward_tokens: int | None = option(  # tokens per model forward within a step; None: 2048 on CPU (runner.py)
+        "--max-forward-tokens", default=None, parse=int,
+        help="tokens per model forward within a step (default: 2048 on CPU, unlimited on GPU)")
+    max_model_len: int | None = option(  # default: the model's limit, capped by what the block pool holds
+        "--max-model-len", default=None, parse=int,
+        help="context length (default: the model's, capped by what the KV block pool holds)")
+    enable_prefix_caching: bool = option("--enable-prefix-caching", default=True, kind="toggle")
+    snapshot_interval: int | str = option(  # tokens, a multiple of block_size
+        "--snapshot-interval", default="auto", parse=interval_text, help="tokens between KDA state snapshots, or 'auto'")
     snapshot_memory_fraction: float = 1 / 3  # of the memory left after the running slots
     num_kv_blocks: int | None = None  # override the computed block pool size
     num_snapshot_slots: int | None = None  # override the computed snapshot slot count
     num_speculative_tokens: int = 0
     model_fingerprint: str | None = None  # default: derived from config and weight headers
-    tensor_parallel_size: int = 1  # rank processes the model is split over (engine/parallel/executor.py)
-    enable_expert_parallel: bool = False  # split the routed experts by expert across those ranks
+    tensor_parallel_size: int = option(  # rank processes the model is split over (engine/parallel/executor.py)
+        "--tensor-parallel-size", "-tp", default=1, parse=int,
+        help="rank processes each worker splits its model over (engine/parallel/executor.py)")
+    enable_expert_parallel: bool = option(  # split the routed experts by expert across those ranks
+        "--enable-expert-parallel", default=False, kind="switch", help="split the routed experts by expert")
     collective_timeout_s: float = 60.0  # a rank collective waiting longer fails the engine (a hung or lost rank)
-    snapshot_policy: str = "hybrid"  # "hybrid": hints, junctions, turn ends too; "periodic": prompt ends + interval
-    snapshot_budget: int | str | None = None  # bytes of KDA snapshots, e.g. "2GiB"; None: snapshot_memory_fraction
-    speculative_config: SpeculativeConfig | dict | str | None = None  # engine/spec/config.py; None: no speculation
+    snapshot_policy: str = option(  # "hybrid": hints, junctions, turn ends too; "periodic": prompt ends + interval
+        "--snapshot-policy", default="hybrid", choices=SNAPSHOT_POLICIES,
+        help="where KDA state snapshots are taken (engine/memory/policy.py)")
+    snapshot_budget: int | str | None = option(  # bytes of KDA snapshots, e.g. "2GiB"; None: snapshot_memory_fraction
+        "--snapshot-budget", default=None, parse=byte_text,
+        help="bytes for KDA state snapshots per worker, e.g. 2GiB (default: a third of the memory left after the "
+             "running states)")
+    speculative_config: SpeculativeConfig | dict | str | None = json_option(  # engine/spec/config.py; None: off
+        "--speculative-config", help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+                                     '"num_speculative_tokens": 3, "prompt_lookup_max": 4} (engine/spec/config.py)')
 
     def __post_init__(self):
         positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,

@@ -36,6 +36,8 @@ from prefill_service.worker import (HandoffPublishError, PrefillAbortedError, Pr
                                     PrefillWorker)
 from protos import prefill_pb2, prefill_pb2_grpc
 from telemetry import tracing
+from telemetry.options import (address_option, cache_address_option, grace_option, load_remote_prefix_option,
+                               metrics_port_option, option, section, served_model_name_option, torch_threads_option)
 from telemetry.metrics import CounterSample, RequestTimer
 from worker.codec import (FINISH_REASONS, logprob_to_proto, media_from_proto, prompt_logprobs_to_proto,
                           sampling_from_proto)
@@ -50,24 +52,28 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_na
 
 @dataclass(frozen=True)
 class PrefillServiceConfig:
-    engine: EngineArgs
+    engine: EngineArgs = section(EngineArgs, "engine")
     # host:port of the cache service the handoffs go through.
-    cache_address: str
+    cache_address: str = cache_address_option("host:port of the cache service")
     # host:port to listen on; port 0 picks a free port.
-    address: str = "127.0.0.1:50052"
+    address: str = address_option("127.0.0.1:50052")
     # Name clients use for the model (requests naming another are NOT_FOUND); None: the model folder's name.
-    served_model_name: str | None = None
+    served_model_name: str | None = served_model_name_option()
     # Put every KV block in the handoff instead of only the tail partial block (more bytes, one fewer dependency).
-    handoff_full_kv: bool = False
+    handoff_full_kv: bool = option("--handoff-full-kv", default=False, kind="switch",
+                                   help="put every KV block in the handoff (default: the tail block; full blocks are "
+                                        "shared)")
     # Load cached prefixes (blocks + snapshots) from the cache service when it holds more than the local cache.
-    load_remote_prefix: bool = True
+    load_remote_prefix: bool = load_remote_prefix_option()
     # Deadline of each cache service call (seconds); gRPC message limit both ways (bytes).
     cache_timeout_s: float = 10.0
     max_message_bytes: int = 16 << 20
     # torch intra-op threads for this process; None: torch's default.
-    torch_threads: int | None = None
+    torch_threads: int | None = torch_threads_option()
     # Serve Prometheus /metrics on this port (0: a free port), on the host of `address`; None: no HTTP endpoint.
-    metrics_port: int | None = None
+    metrics_port: int | None = metrics_port_option()
+    # On SIGTERM/SIGINT: how long calls in flight get to finish (seconds).
+    shutdown_grace_s: float = grace_option()
     # The shared mesh token: required on calls to this worker and sent on its cache calls; None: open worker.
     mesh_token: str | None = field(default=None, repr=False)
     # The KV event stream to the gateways (worker/kv_events.py): drain period, heartbeat, subscriber queue.
