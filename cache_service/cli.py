@@ -20,14 +20,14 @@ from cache_service.config import CacheServiceConfig
 from cache_service.malloc_tuning import tune_malloc
 from cache_service.server import serve
 from telemetry.mesh_auth import mesh_token_from_env
-from telemetry.options import add_options, from_namespace, option
+from telemetry.options import add_options, from_namespace, log_level_option
 
 
 @dataclass(frozen=True)
 class CacheCliOptions:
     """The process's own flags beside the service's config."""
 
-    log_level: str = option("--log-level", default="INFO", help="log level of `python -m cache_service`")
+    log_level: str = log_level_option()
 
 
 def build_parser() -> argparse.ArgumentParser:

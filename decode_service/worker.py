@@ -1,6 +1,6 @@
 """The decode worker: continues a request from a prefill handoff, or prefills it locally, and streams its tokens.
 
-Contract (DESIGN.md "One chat request, end to end", step 4):
+Contract (docs/architecture.md, "The mesh", step 3):
 - `DecodeWorker.decode(job)` is an async iterator of `TokenBatch`es carrying every completion token of the request,
   the first one included, ending with one batch per choice whose `finish_reason` is set; the last batch of the stream
   carries `usage`.

@@ -20,6 +20,7 @@ Contract:
   whose value differs from its default, and every required one. So `from_namespace(cls, parse(to_argv(obj))) ==
   obj` for every object of flagged fields (tests/unit/deploy/test_options_tree.py).
 - The flags several services declare alike are field factories here (`grace_option`, `address_option`,
+  `log_level_option`,
   `metrics_port_option`, `served_model_name_option`, `torch_threads_option`, `load_remote_prefix_option`,
   `cache_address_option`): each is declared once and every service's parser gets the same flag.
 """
@@ -202,6 +203,10 @@ def _flag_argv(flag: Flag, value: Any) -> list[str]:
 
 
 # -- the flags several services declare alike ------------------------------------------------------------------------
+
+
+def log_level_option() -> Any:
+    return option("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
 
 def address_option(default: str) -> Any:

@@ -1,4 +1,4 @@
-"""The import layers of DESIGN.md ("who may import whom", downward only), checked on every first-party module.
+"""The import layers of docs/architecture.md ("Layers of the code", downward only), checked on every first-party module.
 
 One table, `LAYERS`, holds the rule of each top-level package (a folder of the repository root with an
 `__init__.py`; `tests/` is not checked). Every import counts, wherever it stands: module-level ones, lazy ones inside
@@ -178,7 +178,7 @@ CHECKED = sorted(first_party_packages(ROOT) - set(UNCHECKED))
 
 def test_every_first_party_package_has_a_rule():
     missing = sorted(set(CHECKED) - LAYERS.keys())
-    assert not missing, f"top-level packages without a layer rule: {missing}; add each to LAYERS (see DESIGN.md)"
+    assert not missing, f"top-level packages without a layer rule: {missing}; add each to LAYERS (see docs/architecture.md)"
 
 
 @pytest.mark.parametrize("package", [p for p in CHECKED if p in LAYERS])
