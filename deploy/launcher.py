@@ -218,11 +218,11 @@ def wait_ready(services: list[Service], timeout_s: float) -> None:
 
 def _print_endpoints(config: LaunchConfig, model: str, services: list[Service]) -> None:
     gateway, cache = services[-1], services[0]
-    lines = [f"kdamesh is up: {config.mode} mesh serving {config.served_model_name or Path(model).name} ({model})",
+    lines = [f"kdamesh is up: {config.mode} mesh serving {config.gateway.served_model_name or Path(model).name} ({model})",
              f"  REST     {gateway.address}/v1   (OpenAI-compatible: /v1/chat/completions, "
              f"/v1/completions, /v1/models; /tokenize, /metrics, /health)",
              f"  gRPC     {gateway.grpc_api}   (kdamesh.v1.Generation, the sdk/ client)",
-             f"  cache    {cache.address}   (backend {config.cache_backend}; {cache.metrics})"]
+             f"  cache    {cache.address}   (backend {config.cache.backend}; {cache.metrics})"]
     lines += [f"  {s.name:<8} {s.address}   ({s.metrics})" for s in services if s.role in ("prefill", "decode")]
     lines.append("Ctrl-C or SIGTERM stops everything.")
     lines.append("metrics " + json.dumps({s.name: s.metrics for s in services}))

@@ -162,3 +162,12 @@ def test_a_speculative_config_reaches_both_workers():
         assert engine_args_from(ns).speculative_config == SpeculativeConfig.parse(spec)
     ns = role_parser("decode").parse_args(["--model", "/m", "--speculative-config", spec])
     assert engine_args_from(ns).speculative_config.num_speculative_tokens == 3
+
+
+def test_the_endpoints_name_the_served_model_and_the_cache_backend(tmp_path, capsys):
+    from deploy.launcher import _print_endpoints
+
+    config = launch_config_from(_mesh([str(tmp_path), "--served-model-name", "k3"]), "info", "text", "none")
+    _print_endpoints(config, str(tmp_path), plan_services(config, str(tmp_path)))
+    out = capsys.readouterr().out
+    assert "mesh serving k3 (" in out and "(backend memory;" in out
