@@ -1,6 +1,8 @@
 """The decode service's gRPC server (`grpc.aio`): a thin `DecodeService` servicer over `DecodeWorker`.
 
 Contract:
+- The config's fields a user sets carry their flags (telemetry/options.py; its `engine` is a section of
+  `EngineArgs` flags): `kdamesh serve --role` generates its parser from them (deploy/serve.py).
 - `serve(config)` binds `config.address` (port 0: a free port), starts the server with standard health
   (NOT_SERVING for "" and `kdamesh.v1.DecodeService` until the model is loaded, then SERVING) and reflection, then
   loads the model in the background; it returns `(DecodeServer, port)` at once. `await server.ready()` waits for it.

@@ -2,7 +2,10 @@
 
 Contract:
 - `EngineArgs` is the one frozen dataclass of engine options (flags follow `vllm serve` where one exists).
-  `__post_init__` checks each field alone and raises `EngineConfigError` naming it.
+  `__post_init__` checks each field alone and raises `EngineConfigError` naming it. A field a user sets carries its
+  flag (`telemetry.options.option`: name, help, choices, parser; `json_option` for a JSON-valued one such as
+  `--speculative-config`): the worker roles and `kdamesh up` generate their parsers from them (docs/architecture.md,
+  "Options and flags"). Byte sizes stay as typed (`byte_text`: "2GiB", or an int of plain digits).
 - `plan_cache(args, model_config, dtype_bytes)` turns the memory budget into pool sizes, `CachePlan`:
   the KDA state pool holds `max_num_seqs * (1 + num_speculative_tokens)` running slots, then (with prefix caching)
   the snapshot slots: `snapshot_budget` bytes of them when set, else `snapshot_memory_fraction` of the remaining

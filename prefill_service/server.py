@@ -1,6 +1,8 @@
 """The prefill service's gRPC server (`grpc.aio`): a thin `PrefillService` servicer over `PrefillWorker`.
 
 Contract:
+- The config's fields a user sets carry their flags (telemetry/options.py; its `engine` is a section of
+  `EngineArgs` flags): `kdamesh serve --role` generates its parser from them (deploy/serve.py).
 - `serve(config)` binds `config.address` (port 0: a free port), starts the server with standard health
   (`grpc.health.v1.Health`: NOT_SERVING for "" and `kdamesh.v1.PrefillService` until the model is loaded, then
   SERVING) and reflection, then loads the model in the background; it returns `(PrefillServer, port)` at once.
