@@ -131,10 +131,10 @@ def _add_flag(parser, f: dataclasses.Field, flag: Flag) -> None:
                              "skip one of them")
         return
     kwargs: dict[str, Any] = {"dest": dest, "help": _help(f, flag)}
-    if f.default is MISSING and f.default_factory is MISSING:
+    if _required(f):
         kwargs["required"] = True
     else:
-        kwargs["default"] = f.default if f.default is not MISSING else f.default_factory()
+        kwargs["default"] = _default(f)
     if flag.kind == "switch":
         kwargs["action"] = "store_true"
     elif flag.kind == "off":
@@ -149,10 +149,9 @@ def _add_flag(parser, f: dataclasses.Field, flag: Flag) -> None:
 
 
 def _help(f: dataclasses.Field, flag: Flag) -> str:
-    if flag.kind in ("switch", "off", "toggle") or f.default is MISSING or "default" in flag.help:
+    if flag.kind in ("switch", "off", "toggle") or _required(f) or "default" in flag.help:
         return flag.help
-    default = f.default if f.default is not MISSING else f.default_factory()
-    shown = "unset" if default is None else default
+    shown = "unset" if _default(f) is None else _default(f)
     return f"{flag.help} (default: {shown})" if flag.help else f"default: {shown}"
 
 
@@ -175,12 +174,16 @@ def to_argv(obj: Any, skip: Iterable[str] = ()) -> list[str]:
     """The flags that rebuild `obj` through its parser (see the module docstring)."""
     argv: list[str] = []
     for f, flag in flags_of(type(obj), skip):
-        value, required = getattr(obj, f.name), f.default is MISSING and f.default_factory is MISSING
-        if required or value != _default(f):
+        value = getattr(obj, f.name)
+        if _required(f) or value != _default(f):
             argv += _flag_argv(flag, value)
     for f, sec in sections_of(type(obj), skip):
         argv += to_argv(getattr(obj, f.name), sec.skip)
     return argv
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING
 
 
 def _default(f: dataclasses.Field) -> Any:

@@ -23,7 +23,7 @@ UP_FLAGS = ["--kv-cache-memory", "64MiB", "--max-num-seqs", "4", "--snapshot-int
             '{"method": "ngram", "num_speculative_tokens": 3}', "--no-enable-prefix-caching", "--seed", "7",
             "--served-model-name", "k3", "--no-load-remote-prefix", "--kv-load-failure-policy", "fail",
             "--handoff-full-kv", "--torch-threads", "2", "--cache-backend", "memory", "--cache-byte-budget", "3GiB",
-            "--memory-arena", "heap", "--tenant-rpm", "60", "--pd-min-uncached-tokens", "0", "--public-docs",
+            "--memory-arena", "heap", "--no-data-plane", "--tenant-rpm", "60", "--pd-min-uncached-tokens", "0", "--public-docs",
             "--allowed-media-domains", "img.example.com", "--media-fetch-timeout-s", "2.5", "--grace-s", "12",
             "--uvicorn-log-level", "warning", "--tool-call-parser", "kimi_k2", "--reasoning-parser", "none",
             "--no-enable-auto-tool-choice", "--grpc-port", "7000", "--metrics-port", "9100", "--decode-replicas", "2"]
@@ -51,7 +51,8 @@ def test_up_flags_round_trip_through_every_roles_parser(tmp_path):
     for service in services:
         assert _parsed(service) == service.options, service.name
     cache, prefill, decode, gateway = services[0].options, services[1].options, services[2].options, services[-1].options
-    assert (cache.byte_budget, cache.memory_arena, cache.shutdown_grace_s) == (3 << 30, "heap", 12.0)
+    assert (cache.byte_budget, cache.memory_arena, cache.data_plane, cache.shutdown_grace_s) == \
+           (3 << 30, "heap", False, 12.0)
     engine = prefill.engine
     assert (engine.kv_cache_memory, engine.max_num_seqs, engine.snapshot_interval, engine.snapshot_budget) == \
            ("64MiB", 4, 256, "2GiB")
