@@ -3,7 +3,7 @@
 Subcommands: `make-checkpoint` (a generated checkpoint in the official layout), `train-demo OUT_DIR` (trains the
 demo K3 model, trainer/; `python -m bench.demo_eval DIR` measures it), `up` (the whole mesh on localhost,
 deploy/launcher.py), `serve MODEL [flags]` (the same mesh, a drop-in for `vllm serve MODEL`: its flags and `up`'s
-are generated from `LaunchConfig`, deploy/flags.py), `serve --role cache|prefill|decode|gateway` (one service, deploy/serve.py: each
+come from `LaunchConfig`, deploy/flags.py), `serve --role cache|prefill|decode|gateway` (one service, deploy/serve.py: each
 role parses its own flags, `kdamesh serve --role R --help` lists them) and `bench serve` (servebench/: `vllm bench
 serve`'s flags, metrics and result JSON). Each subcommand calls one function; no logic lives here.
 

@@ -30,7 +30,8 @@ PARSER_CHOICES = "'auto' (the model family's format), 'none', kimi_k3 or kimi_k2
 class VllmCompat:
     """`vllm serve` flags accepted at their no-op value only (`refusal`)."""
 
-    kv_cache_dtype: str = option("--kv-cache-dtype", default="auto", help="auto only (the KV cache has the model's dtype)")
+    kv_cache_dtype: str = option("--kv-cache-dtype", default="auto",
+                                 help="auto only (the KV cache has the model's dtype)")
     gpu_memory_utilization: float | None = option("--gpu-memory-utilization", default=None, parse=float,
                                                   help="refused: size the KV cache with --kv-cache-memory")
     trust_remote_code: bool = option("--trust-remote-code", default=False, kind="switch",

@@ -218,7 +218,8 @@ def wait_ready(services: list[Service], timeout_s: float) -> None:
 
 def _print_endpoints(config: LaunchConfig, model: str, services: list[Service]) -> None:
     gateway, cache = services[-1], services[0]
-    lines = [f"kdamesh is up: {config.mode} mesh serving {config.gateway.served_model_name or Path(model).name} ({model})",
+    name = config.gateway.served_model_name or Path(model).name
+    lines = [f"kdamesh is up: {config.mode} mesh serving {name} ({model})",
              f"  REST     {gateway.address}/v1   (OpenAI-compatible: /v1/chat/completions, "
              f"/v1/completions, /v1/models; /tokenize, /metrics, /health)",
              f"  gRPC     {gateway.grpc_api}   (kdamesh.v1.Generation, the sdk/ client)",

@@ -84,7 +84,8 @@ class EngineArgs:
         help="context length (default: the model's, capped by what the KV block pool holds)")
     enable_prefix_caching: bool = option("--enable-prefix-caching", default=True, kind="toggle")
     snapshot_interval: int | str = option(  # tokens, a multiple of block_size
-        "--snapshot-interval", default="auto", parse=interval_text, help="tokens between KDA state snapshots, or 'auto'")
+        "--snapshot-interval", default="auto", parse=interval_text,
+        help="tokens between KDA state snapshots, or 'auto'")
     snapshot_memory_fraction: float = 1 / 3  # of the memory left after the running slots
     num_kv_blocks: int | None = None  # override the computed block pool size
     num_snapshot_slots: int | None = None  # override the computed snapshot slot count

@@ -100,7 +100,8 @@ class GatewayConfig:
     host: str = host_option()
     http_port: int = http_port_option()
     # The public gRPC API (protos/gateway.proto); None: not served, 0: a free port.
-    grpc_port: int | None = option("--grpc-port", default=50051, parse=_grpc_port, show=lambda p: str(-1 if p is None else p),
+    grpc_port: int | None = option("--grpc-port", default=50051, parse=_grpc_port,
+                                   show=lambda port: str(-1 if port is None else port),
                                    help="the public gRPC API (kdamesh.v1.Generation); 0: a free port, -1: off")
     # Deadline of one request through the mesh (seconds).
     request_timeout_s: float = option("--request-timeout-s", default=600.0, parse=float)

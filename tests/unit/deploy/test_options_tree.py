@@ -23,7 +23,8 @@ UP_FLAGS = ["--kv-cache-memory", "64MiB", "--max-num-seqs", "4", "--snapshot-int
             '{"method": "ngram", "num_speculative_tokens": 3}', "--no-enable-prefix-caching", "--seed", "7",
             "--served-model-name", "k3", "--no-load-remote-prefix", "--kv-load-failure-policy", "fail",
             "--handoff-full-kv", "--torch-threads", "2", "--cache-backend", "memory", "--cache-byte-budget", "3GiB",
-            "--memory-arena", "heap", "--no-data-plane", "--tenant-rpm", "60", "--pd-min-uncached-tokens", "0", "--public-docs",
+            "--memory-arena", "heap", "--no-data-plane", "--tenant-rpm", "60", "--pd-min-uncached-tokens", "0",
+            "--public-docs",
             "--allowed-media-domains", "img.example.com", "--media-fetch-timeout-s", "2.5", "--grace-s", "12",
             "--uvicorn-log-level", "warning", "--tool-call-parser", "kimi_k2", "--reasoning-parser", "none",
             "--no-enable-auto-tool-choice", "--grpc-port", "7000", "--metrics-port", "9100", "--decode-replicas", "2"]
@@ -50,7 +51,7 @@ def test_up_flags_round_trip_through_every_roles_parser(tmp_path):
     assert [s.role for s in services] == ["cache", "prefill", "decode", "decode", "gateway"]
     for service in services:
         assert _parsed(service) == service.options, service.name
-    cache, prefill, decode, gateway = services[0].options, services[1].options, services[2].options, services[-1].options
+    cache, prefill, decode, gateway = (services[i].options for i in (0, 1, 2, -1))
     assert (cache.byte_budget, cache.memory_arena, cache.data_plane, cache.shutdown_grace_s) == \
            (3 << 30, "heap", False, 12.0)
     engine = prefill.engine
