@@ -42,6 +42,7 @@ from opentelemetry.trace import Tracer
 
 from cache_service.client import CacheClient
 from cache_service.objects import Status, object_key
+from decode_service.config import KV_LOAD_FAILURE_POLICIES
 from engine.async_engine import AsyncEngine
 from engine.memory.policy import hint_points
 from engine.outputs import PositionLogprobs, RequestOutput
@@ -60,7 +61,6 @@ log = logging.getLogger(__name__)
 
 KV_BLOCK = common_pb2.OBJECT_KIND_KV_BLOCK
 
-KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 class HandoffUnavailableError(RuntimeError):

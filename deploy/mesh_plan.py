@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cache_service.config import CacheServiceConfig
-from decode_service.server import DecodeServiceConfig
+from decode_service.config import DecodeServiceConfig
 from deploy.flags import PARSER_CHOICES, VllmCompat
 from engine.config import EngineArgs
 from gateway.config import MODES, GatewayConfig, host_option, http_port_option, mode_option
-from prefill_service.server import PrefillServiceConfig
+from prefill_service.config import PrefillServiceConfig
 from telemetry import options
 from telemetry.options import grace_option, option, section
 

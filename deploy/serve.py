@@ -22,11 +22,11 @@ import logging
 import os
 import signal
 
-from decode_service.server import DecodeServiceConfig
+from decode_service.config import DecodeServiceConfig
 from deploy.flags import VllmCompat, refusal
 from engine.config import EngineArgs
 from gateway.config import GatewayConfig
-from prefill_service.server import PrefillServiceConfig
+from prefill_service.config import PrefillServiceConfig
 from telemetry.mesh_auth import mesh_token_from_env
 from telemetry.options import add_options, from_namespace
 

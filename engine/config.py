@@ -1,6 +1,6 @@
 """Engine arguments and the cache plan derived from them.
 
-Contract:
+Contract (importing this module loads no torch: the command lines parse `EngineArgs` flags before any model code):
 - `EngineArgs` is the one frozen dataclass of engine options (flags follow `vllm serve` where one exists).
   `__post_init__` checks each field alone and raises `EngineConfigError` naming it. A field a user sets carries its
   flag (`telemetry.options.option`: name, help, choices, parser; `json_option` for a JSON-valued one such as
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from engine.errors import EngineConfigError
 from engine.memory.policy import SNAPSHOT_POLICIES
-from engine.model.batch import bytes_per_state, bytes_per_token
 from engine.model.config import ModelConfig
 from engine.spec.config import SpeculativeConfig
 from telemetry import units
@@ -203,6 +202,8 @@ def auto_snapshot_interval(block_size: int, token_bytes: int, state_bytes: int) 
 
 
 def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> CachePlan:
+    from engine.model.batch import bytes_per_state, bytes_per_token  # torch: the option classes above stay light
+
     bs = args.block_size
     token_b = bytes_per_token(config, dtype_bytes)
     state_b = bytes_per_state(config, dtype_bytes, tensor_parallel_size=args.tensor_parallel_size)  # one rank's heads

@@ -27,16 +27,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.caps import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_SEQUENCES, RequestCaps
 from gateway.discovery import DiscoverySettings, pool_target
 from gateway.media_fetch import DEFAULT_TIMEOUT_S, DOMAINS_FLAG, LOCAL_FLAG, MediaFetchConfig
-from gateway.mesh_client import MeshClient, PDDecider
 from gateway.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from gateway.ratelimit import TenantLimits
 from gateway.routing import RouterConfig
 from telemetry.options import grace_option, option, served_model_name_option
+
+if TYPE_CHECKING:
+    from gateway.mesh_client import MeshClient
 
 MODES = ("disaggregated", "colocated")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -235,6 +237,8 @@ class GatewayConfig:
         return MediaFetchConfig(self.allowed_media_domains, self.allowed_local_media_path, self.media_fetch_timeout_s)
 
     def make_mesh(self) -> MeshClient:
+        from gateway.mesh_client import MeshClient, PDDecider  # grpc: the command lines read this module first
+
         prefill = self.prefill_addresses if self.mode == "disaggregated" else ()
         return MeshClient(self.decode_addresses, prefill,
                           PDDecider(self.pd_min_uncached_tokens, self.pd_max_prefill_inflight), self.handoff_ttl_ms,
