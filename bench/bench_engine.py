@@ -211,7 +211,7 @@ def bench_ttft(model_dir: Path, total: int, cached: int, rng: random.Random, dty
 
 
 def released_configs() -> dict[str, dict]:
-    """config.json dicts with the released shapes of DESIGN.md (bf16)."""
+    """config.json dicts with the released shapes of docs/architecture.md (bf16)."""
     linear = _kimi_linear(hidden=2304, layers=27, mla_layers=[4, 8, 12, 16, 20, 24, 27], kda_heads=32,
                           kda_head_dim=128, mla_heads=32, kv_lora=512, nope=128, rope=64, v_dim=128, experts=256,
                           top_k=8, shared=1, moe_inter=1024, inter=9216)

@@ -7,7 +7,7 @@ clients in process (a client sends its next request when its previous one finish
 --max-concurrency` does):
 - `prefix_repetition`: the issue's workload — `--num-prefixes` (4) random prefixes of `--prefix-len` (512) tokens,
   each followed by `num_prompts / num_prefixes` random suffixes of `--suffix-len` (64), `--output-len` (8) tokens
-  out, `--num-prompts` (32) shuffled prompts, `--concurrency` (4) clients (bench/serve/datasets.py, token ids).
+  out, `--num-prompts` (32) shuffled prompts, `--concurrency` (4) clients (servebench/datasets.py, token ids).
   Reported: the share of the reusable shared-prefix tokens (the prefix of every prompt after the first with that
   prefix) served from the cache, the prompt-token hit rate, and TTFT (mean, p50, p90). No structure hints: only
   junctions can help here (a completions request of token ids carries none).

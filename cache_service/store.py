@@ -1,7 +1,7 @@
 """The store interface behind the cache service, and the value types it speaks (the shared-memory data plane's
 too: `reserve` / `commit` / `locate` of an arena store, see `memory_store`).
 
-Contract every backend keeps (DESIGN.md, "Cache service contract"):
+Contract every backend keeps (docs/architecture.md, "Cache service contract"):
 - Keys are opaque bytes (`objects.encode_key`); values are immutable payloads with a `Checksum`.
 - `put_many` verifies each payload against its checksum before storing it (mismatch: CORRUPT, nothing stored); an
   object becomes visible to readers whole or not at all. Re-putting a key replaces the object.

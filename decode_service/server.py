@@ -1,6 +1,7 @@
 """The decode service's gRPC server (`grpc.aio`): a thin `DecodeService` servicer over `DecodeWorker`.
 
 Contract:
+- Its options are `DecodeServiceConfig` (decode_service/config.py), whose fields carry their flags.
 - `serve(config)` binds `config.address` (port 0: a free port), starts the server with standard health
   (NOT_SERVING for "" and `kdamesh.v1.DecodeService` until the model is loaded, then SERVING) and reflection, then
   loads the model in the background; it returns `(DecodeServer, port)` at once. `await server.ready()` waits for it.
@@ -28,23 +29,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from decode_service.worker import (KV_LOAD_FAILURE_POLICIES, DecodeJob, DecodeWorker, Handoff,
+from decode_service.worker import (DecodeJob, DecodeWorker, Handoff,
                                    HandoffUnavailableError, TokenBatch)
-from engine.config import EngineArgs
 from engine.errors import InvalidRequestError
+from decode_service.config import DecodeServiceConfig  # noqa: F401 (re-exported)
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
 from telemetry import tracing
 from telemetry.metrics import CounterSample, RequestTimer, WorkerMetrics
 from worker.codec import FINISH_REASONS, logprob_to_proto, media_from_proto, sampling_from_proto
-from worker.kv_events import KVEventConfig
 from worker.server import WorkerServer, offload_samples, start_worker_server, transfer_samples
 from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
 
@@ -53,41 +51,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 ABORT_WAIT_S = 2.0  # after the grace period: how long aborted streams get to end before the server cancels them
 DRAINING = "decode worker is draining (shutting down) and takes no new requests; send this one to another worker"
-
-
-@dataclass(frozen=True)
-class DecodeServiceConfig:
-    engine: EngineArgs
-    # host:port of the cache service handoffs come from; None: every handoff is unusable (local prefill only).
-    cache_address: str | None = None
-    # host:port to listen on; port 0 picks a free port.
-    address: str = "127.0.0.1:50054"
-    # Name clients use for the model; None: the model folder's name.
-    served_model_name: str | None = None
-    # What to do when a handoff cannot be loaded: "recompute" the prompt here, or "fail" the call (UNAVAILABLE).
-    kv_load_failure_policy: str = "recompute"
-    # Colocated prompts: load the longer cached prefix (blocks + snapshot) the cache service holds before computing.
-    load_remote_prefix: bool = True
-    # Deadline of each cache service call (seconds); gRPC message limit both ways (bytes).
-    cache_timeout_s: float = 10.0
-    max_message_bytes: int = 16 << 20
-    # torch intra-op threads for this process; None: torch's default.
-    torch_threads: int | None = None
-    # Serve Prometheus /metrics on this port (0: a free port), on the host of `address`; None: no HTTP endpoint.
-    metrics_port: int | None = None
-    # The shared mesh token: required on calls to this worker and sent on its cache calls; None: open worker.
-    mesh_token: str | None = field(default=None, repr=False)
-    # The KV event stream to the gateways (worker/kv_events.py): drain period, heartbeat, subscriber queue.
-    kv_events: KVEventConfig = KVEventConfig()
-
-    def __post_init__(self):
-        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
-                             f"got {self.kv_load_failure_policy!r}")
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or Path(self.engine.model).name
 
 
 def chunk_to_proto(batch: TokenBatch, top_logprobs: int) -> decode_pb2.DecodeChunk:

@@ -1,6 +1,6 @@
 """The decode worker: continues a request from a prefill handoff, or prefills it locally, and streams its tokens.
 
-Contract (DESIGN.md "One chat request, end to end", step 4):
+Contract (docs/architecture.md, "The mesh", step 3):
 - `DecodeWorker.decode(job)` is an async iterator of `TokenBatch`es carrying every completion token of the request,
   the first one included, ending with one batch per choice whose `finish_reason` is set; the last batch of the stream
   carries `usage`.
@@ -42,6 +42,7 @@ from opentelemetry.trace import Tracer
 
 from cache_service.client import CacheClient
 from cache_service.objects import Status, object_key
+from decode_service.config import KV_LOAD_FAILURE_POLICIES
 from engine.async_engine import AsyncEngine
 from engine.memory.policy import hint_points
 from engine.outputs import PositionLogprobs, RequestOutput
@@ -60,7 +61,6 @@ log = logging.getLogger(__name__)
 
 KV_BLOCK = common_pb2.OBJECT_KIND_KV_BLOCK
 
-KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 class HandoffUnavailableError(RuntimeError):

@@ -2,8 +2,8 @@
 
 Subcommands: `make-checkpoint` (a generated checkpoint in the official layout), `train-demo OUT_DIR` (trains the
 demo K3 model, trainer/; `python -m bench.demo_eval DIR` measures it), `up` (the whole mesh on localhost,
-deploy/launcher.py), `serve MODEL [flags]` (the same mesh, a drop-in for `vllm serve MODEL`: the flag table is
-deploy/flags.py, shared with `up`), `serve --role cache|prefill|decode|gateway` (one service, deploy/serve.py: each
+deploy/launcher.py), `serve MODEL [flags]` (the same mesh, a drop-in for `vllm serve MODEL`: its flags and `up`'s
+come from `LaunchConfig`, deploy/flags.py), `serve --role cache|prefill|decode|gateway` (one service, deploy/serve.py: each
 role parses its own flags, `kdamesh serve --role R --help` lists them) and `bench serve` (servebench/: `vllm bench
 serve`'s flags, metrics and result JSON). Each subcommand calls one function; no logic lives here.
 
@@ -18,7 +18,24 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deploy.flags import add_mesh_flags, launch_config_from, media_refusal, refusal
+from dataclasses import dataclass
+
+from deploy.flags import add_mesh_flags, launch_config_from, refusal
+from telemetry.logs import LOG_FORMATS
+from telemetry.options import add_options, log_level_option, option
+from telemetry.tracing import EXPORTERS
+
+@dataclass(frozen=True)
+class GlobalOptions:
+    """The flags before the subcommand, for every service a `kdamesh` process runs or starts."""
+
+    log_level: str = log_level_option()
+    log_format: str = option("--log-format", default="text", choices=LOG_FORMATS,
+                             help="log lines as text or one JSON object per line (with request id and trace id)")
+    trace_exporter: str = option("--trace-exporter", default="auto", choices=EXPORTERS,
+                                 help="serve (and every service `up` starts): where spans go; auto: OTLP when "
+                                      "OTEL_EXPORTER_OTLP_ENDPOINT is set, else none")
+
 
 SERVE_MODEL_HELP = ("Serve MODEL with the whole mesh on localhost (cache, prefill, decode, gateway), as `kdamesh up "
                     "--model MODEL` does; takes the `vllm serve` flags that apply and refuses, naming it, a flag "
@@ -69,8 +86,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _refuse(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
-    """argparse's error (exit 2) naming a flag whose feature is not built yet, or whose value the gateway refuses."""
-    message = refusal(ns) or media_refusal(ns)
+    """argparse's error (exit 2) naming a flag whose feature is not built yet, or whose value an option object
+    refuses (the gateway's image URL flags, the engine's options, the replica counts)."""
+    message = refusal(ns)
+    if message is None:
+        try:
+            launch_config_from(ns, "INFO", "text", "none")
+        except ValueError as exc:
+            message = str(exc)
     if message is not None:
         parser.error(message)
 
@@ -89,12 +112,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdamesh", description="Serve Kimi K3 and Kimi Linear models.")
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--log-format", default="text", choices=["text", "json"],
-                        help="log lines as text or one JSON object per line (with request id and trace id)")
-    parser.add_argument("--trace-exporter", default="auto", choices=["auto", "none", "console", "otlp"],
-                        help="serve (and every service `up` starts): where spans go; auto: OTLP when "
-                             "OTEL_EXPORTER_OTLP_ENDPOINT is set, else none")
+    add_options(parser, GlobalOptions)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_checkpoint(sub)
     _add_train_demo(sub)

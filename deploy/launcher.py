@@ -3,7 +3,8 @@
 Contract:
 - `up(config)` first checks, before any process starts or model loads, that the model folder exists, that every
   port the mesh will listen on is free (a busy one: an error naming it, exit 2) and that the engine options fit
-  (the workers' context length, `engine_max_model_len`, which the gateway then reports in /v1/models). It starts
+  (the workers' context length, `engine_max_model_len`: the cache plan of the same `EngineArgs` the workers get,
+  which the gateway then reports in /v1/models). It starts
   the cache service, then the prefill (disaggregated mode only) and decode workers, then the gateway, each as its
   own process (`python -m deploy.cli serve --role …`) on the given ports or free ones; waits until each reports
   ready (gRPC health SERVING; the gateway's `GET /health` 200 carrying the launch's random nonce in
@@ -12,8 +13,7 @@ Contract:
   `restart=False`, `--no-restart`: the mesh stops instead). Then it stops everything — gateway first, cache last —
   with SIGTERM, and SIGKILL after `stop_timeout_s`. Returns 0 after a requested stop, 1 when a service failed.
 - No orphans: every child gets `PR_SET_PDEATHSIG` (SIGTERM) on Linux, so it also ends if the launcher is killed.
-- Without `--model`, the `small-k3` generated checkpoint is created on first run under
-  `$KDAMESH_HOME/checkpoints/small-k3` (default `~/.cache/kdamesh`) and reused afterwards.
+- Without `--model`, the mesh serves the shipped trained `demo-k3` (deploy/models/demo-k3, deploy/checkpoints.py).
 - Pools: `prefill_replicas` / `decode_replicas` workers of each role (`--prefill-replicas N --decode-replicas M`),
   each with its own gRPC and metrics port, all supervised; the gateway gets every address (deploy/mesh_plan.py).
 - Salt secret: the gateway gets `KDAMESH_CACHE_SALT_SECRET` — the launcher's own, else a fresh random one per
@@ -32,6 +32,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -43,11 +44,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from telemetry.options import to_argv
 from telemetry.mesh_auth import MESH_TOKEN_ENV, mesh_token_from_env, new_mesh_token
 from gateway.tenancy import SALT_SECRET_ENV
 from deploy.checkpoints import default_model_dir, resolve_model
 from deploy.mesh_plan import (API_KEYS_ENV, FAMILY_FORMATS, MODES, LaunchConfig, Service,  # noqa: F401 (re-exported)
-                              _engine_argv, free_port, plan_services)
+                              PLANNED, Wiring, free_port, plan_services)
 from deploy.supervisor import RestartPolicy, Supervisor
 
 INSTANCE_HEADER = "X-Kdamesh-Instance"  # the gateway's /health echoes its --instance-id
@@ -97,17 +99,12 @@ def busy_ports(host: str, ports: list[int]) -> list[int]:
 
 
 def engine_max_model_len(config: LaunchConfig, model: str) -> int:
-    """The context length the workers will enforce (the engine's cache plan of the flags both get)."""
-    from engine.config import EngineArgs, plan_cache
+    """The context length the workers will enforce: the engine's cache plan of the very `EngineArgs` both get."""
+    from engine.config import plan_cache
     from engine.model.config import load_model_config
     from engine.model.loader import resolve_dtype
 
-    d, memory = EngineArgs(model=model), config.kv_cache_memory
-    args = EngineArgs(model=model, dtype=config.dtype or d.dtype, device=config.device or d.device,
-                      kv_cache_memory=d.kv_cache_memory if memory is None else int(memory) if memory.isdigit()
-                      else memory, max_num_seqs=config.max_num_seqs or d.max_num_seqs,
-                      max_num_batched_tokens=config.max_num_batched_tokens or d.max_num_batched_tokens,
-                      max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching)
+    args = config.options("decode", Wiring(model, PLANNED, PLANNED)).engine
     model_config = load_model_config(model)
     dtype = resolve_dtype(args.dtype, args.device, model_config)
     return plan_cache(args, model_config, dtype.itemsize).max_model_len
@@ -153,7 +150,7 @@ def up(config: LaunchConfig) -> int:
         for s in (signal.SIGINT, signal.SIGTERM):  # a second signal must not interrupt the shutdown
             signal.signal(s, signal.SIG_IGN)
         for s in reversed(services):
-            s.stop(max(config.stop_timeout_s, (config.grace_s or 0.0) + 10.0))
+            s.stop(max(config.stop_timeout_s, config.grace_s + 10.0))
         for s, handler in previous.items():
             signal.signal(s, handler)
     return status
@@ -198,7 +195,8 @@ def _with_gateway_identity(services: list[Service], instance_id: str, max_model_
     """Gives the gateway its readiness nonce (echoed by its /health) and the workers' context length."""
     gateway = services[-1]
     gateway.instance_id = instance_id
-    gateway.argv += ["--instance-id", instance_id, "--max-model-len", str(max_model_len)]
+    gateway.options = dataclasses.replace(gateway.options, instance_id=instance_id, max_model_len=max_model_len)
+    gateway.argv = to_argv(gateway.options)
     return services
 
 
@@ -220,11 +218,12 @@ def wait_ready(services: list[Service], timeout_s: float) -> None:
 
 def _print_endpoints(config: LaunchConfig, model: str, services: list[Service]) -> None:
     gateway, cache = services[-1], services[0]
-    lines = [f"kdamesh is up: {config.mode} mesh serving {config.served_model_name or Path(model).name} ({model})",
+    name = config.gateway.served_model_name or Path(model).name
+    lines = [f"kdamesh is up: {config.mode} mesh serving {name} ({model})",
              f"  REST     {gateway.address}/v1   (OpenAI-compatible: /v1/chat/completions, "
              f"/v1/completions, /v1/models; /tokenize, /metrics, /health)",
              f"  gRPC     {gateway.grpc_api}   (kdamesh.v1.Generation, the sdk/ client)",
-             f"  cache    {cache.address}   (backend {config.cache_backend}; {cache.metrics})"]
+             f"  cache    {cache.address}   (backend {config.cache.backend}; {cache.metrics})"]
     lines += [f"  {s.name:<8} {s.address}   ({s.metrics})" for s in services if s.role in ("prefill", "decode")]
     lines.append("Ctrl-C or SIGTERM stops everything.")
     lines.append("metrics " + json.dumps({s.name: s.metrics for s in services}))

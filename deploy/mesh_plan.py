@@ -1,7 +1,16 @@
 """What `kdamesh up` starts: the launch options (`LaunchConfig`), one child process (`Service`), and the plan of
-the mesh (`plan_services`): every service's flags, ports and metrics port.
+the mesh (`plan_services`): every service's options, flags, ports and metrics port.
 
 Contract:
+- `LaunchConfig` is the launcher's own options (mode, ports, replicas, restarts, output parsers "auto") and holds
+  the option objects of every service: `engine` (`EngineArgs`, both workers), `prefill`, `decode`, `cache` and
+  `gateway` (their service configs), `vllm` (deploy/flags.py). Every field a flag sets carries it
+  (telemetry/options.py), so `kdamesh up` / `serve MODEL` parse straight into it; the fields the plan assigns
+  (`WORKER_WIRING`, `CACHE_WIRING`, `GATEWAY_WIRING`: addresses, ports, the model path, the context length) are
+  not flags there and hold placeholders until then.
+- `config.options(role, wiring)` is the option object the service of `role` runs with (the user's options plus the
+  plan's `Wiring`); `config.to_argv(role, wiring)` its command line: the flags that rebuild exactly that object
+  through the role's parser (deploy/serve.py). One default per flag: a value equal to the default is not written.
 - `plan_services(config, model)` -> the services in start order: cache, the prefill replicas (disaggregated mode;
   `prefill_replicas`), the decode replicas (`decode_replicas`), the gateway. With `grpc_port` P the gRPC ports are
   consecutive: cache P, prefill P+1 … P+N, decode P+N+1 … P+N+M, and the gateway's public gRPC API P+N+M+1 (with
@@ -15,6 +24,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -24,64 +34,103 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from cache_service.config import CacheServiceConfig
+from decode_service.config import DecodeServiceConfig
+from deploy.flags import PARSER_CHOICES, VllmCompat
+from engine.config import EngineArgs
+from gateway.config import MODES, GatewayConfig, host_option, http_port_option, mode_option
+from prefill_service.config import PrefillServiceConfig
+from telemetry import options
+from telemetry.options import grace_option, option, section
+
 API_KEYS_ENV = "KDAMESH_API_KEYS"
 FAMILY_FORMATS = {"kimi_k3": "kimi_k3", "kimi_linear": "kimi_k2"}
-MODES = ("disaggregated", "colocated")
+PLANNED = "planned.invalid:0"  # a wiring field's value until the plan assigns it
+WORKER_WIRING = ("engine", "cache_address", "address", "metrics_port", "shutdown_grace_s")
+CACHE_WIRING = ("address", "metrics_port", "shutdown_grace_s")
+GATEWAY_WIRING = ("model", "decode_addresses", "prefill_addresses", "cache_address", "mode", "host", "http_port",
+                  "grpc_port", "shutdown_grace_s", "max_model_len", "instance_id", "tool_call_parser",
+                  "reasoning_parser", "enable_auto_tool_choice")
+
+
+def _worker_template(cls):
+    return cls(engine=EngineArgs(model=""), cache_address=PLANNED)
+
+
+def _gateway_template() -> GatewayConfig:
+    return GatewayConfig(model="", decode_addresses=(PLANNED,), prefill_addresses=(PLANNED,))
+
+
+def _default_tenant_key(key: str) -> str:
+    """`--api-key KEY`: the KDAMESH_API_KEYS value of one key for the tenant 'default'."""
+    return f"{key}=default"
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What the plan assigns one service: its address and metrics port, and where the others are."""
+
+    model: str
+    address: str
+    cache_address: str
+    metrics_port: int | None = None
+    decode_addresses: tuple[str, ...] = ()
+    prefill_addresses: tuple[str, ...] = ()
+    grpc_port: int | None = None  # the gateway's public gRPC API
+
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    model: str | None = None  # None: DEFAULT_PRESET (the shipped demo-k3); a shipped model's name or a folder
-    mode: str = "disaggregated"
-    host: str = "127.0.0.1"
-    http_port: int = 8000  # the gateway's REST API
-    grpc_port: int | None = None  # first port of the mesh's gRPC services (cache, prefill, decode); None: free ports
-    cache_backend: str = "memory"  # or redis://host:port/db
-    cache_byte_budget: str | None = None  # memory backend budget, e.g. 4GiB (None: the service default)
-    pd_min_uncached_tokens: int = 256
-    kv_load_failure_policy: str = "recompute"
-    load_remote_prefix: bool = True  # False: both roles get --no-load-remote-prefix
-    # Engine options of both workers (None: the engine's defaults).
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    kv_cache_memory: str | None = None
-    max_model_len: int | None = None
-    dtype: str | None = None
-    load_format: str | None = None  # safetensors | fastsafetensors | dummy
-    seed: int | None = None
-    device: str | None = None
-    enable_prefix_caching: bool = True
-    torch_threads: int | None = None
-    snapshot_interval: str | None = None  # KDA state snapshots: tokens between them ("auto"), bytes, policy
-    snapshot_budget: str | None = None
-    snapshot_policy: str | None = None  # "hybrid" | "periodic"
-    tensor_parallel_size: int | None = None  # rank processes per worker
-    speculative_config: str | None = None  # --speculative-config JSON for both workers (engine/spec/config.py)
-    enable_expert_parallel: bool = False
-    served_model_name: str | None = None
-    # The gateway: its gRPC API port (None: grpc_port + 3, or a free port), tenancy, output parsers.
-    gateway_grpc_port: int | None = None
-    api_keys: str | None = None  # KDAMESH_API_KEYS for the gateway (None: the launcher's own environment's)
-    api_keys_file: str | None = None
-    tool_call_parser: str = "auto"  # "auto": the model family's format; "none": off; or a parser name
-    reasoning_parser: str = "auto"
-    enable_auto_tool_choice: bool = True
-    disable_log_requests: bool = False  # the gateway writes no access-log line per request
-    uvicorn_log_level: str | None = None  # the gateway's HTTP server log level (None: log_level)
-    allowed_media_domains: tuple[str, ...] = ()  # image URLs the gateway may read (gateway/media_fetch.py)
-    allowed_local_media_path: str | None = None
-    media_fetch_timeout_s: float | None = None  # None: the gateway's default (5 s)
+    model: str | None = option(  # None: DEFAULT_PRESET (the shipped demo-k3); a shipped model's name or a folder
+        "--model", default=None,
+        help="checkpoint folder or demo-k3 (default: demo-k3, the trained demo shipped in deploy/models)")
+    mode: str = mode_option()
+    host: str = host_option()
+    http_port: int = http_port_option()  # the gateway's REST API
+    grpc_port: int | None = option(  # first port of the mesh's gRPC services (cache, prefill, decode); None: free
+        "--grpc-port", default=None, parse=int,
+        help="first of consecutive ports for the cache, prefill and decode services, in that order (default: free)")
+    prefill_replicas: int = option(  # prefill workers (disaggregated mode), each with its own ports
+        "--prefill-replicas", default=1, parse=int,
+        help="prefill workers (disaggregated mode), each on its own ports; the gateway routes over them")
+    decode_replicas: int = option("--decode-replicas", default=1, parse=int,
+                                  help="decode workers, each on its own ports; the gateway routes over them")
+    # The gateway's public gRPC API port (None: the port after the last worker's, or a free port).
+    gateway_grpc_port: int | None = option(
+        "--gateway-grpc-port", default=None, parse=int,
+        help="the gateway's public gRPC API (default: the port after the last worker's with --grpc-port, else free)")
+    # KDAMESH_API_KEYS for the gateway (None: the launcher's own environment's).
+    api_keys: str | None = option("--api-key", default=None, parse=_default_tenant_key, metavar="KEY",
+                                  help="one API key every client must send (tenant 'default')")
+    # Output parsers: "auto": the model family's format; "none": off; or a parser name (the gateway's).
+    tool_call_parser: str = option("--tool-call-parser", default="auto", help=PARSER_CHOICES)
+    reasoning_parser: str = option("--reasoning-parser", default="auto", help=PARSER_CHOICES)
+    enable_auto_tool_choice: bool = option("--enable-auto-tool-choice", default=True, kind="toggle",
+                                           help='tool_choice "auto" (needs a tool-call parser)')
+    # First of the consecutive /metrics ports (cache, prefill…, decode…); None: free ports.
+    metrics_port: int | None = option(
+        "--metrics-port", default=None, parse=int,
+        help="first of consecutive Prometheus /metrics ports for the cache, prefill and decode services (default: "
+             "free); the gateway's /metrics is on its REST port")
+    grace_s: float = grace_option()  # every service's shutdown grace (seconds)
+    restart: bool = option("--no-restart", default=True, kind="off",  # False: a service that exits stops the mesh
+                           help="a service that exits stops the whole mesh (default: restart it with backoff)")
     log_level: str = "INFO"
     log_format: str = "text"  # "text" | "json" (telemetry/logs.py), for every service
     trace_exporter: str = "auto"  # "auto" | "none" | "console" | "otlp" (telemetry/tracing.py), for every service
-    # First of three consecutive /metrics ports (cache, prefill, decode); None: free ports.
-    metrics_port: int | None = None
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 15.0  # per service, after SIGTERM, before SIGKILL (at least grace_s + 10 s)
-    # Shutdown grace of every service (`--grace-s`, seconds); None: each service's default (5 s).
-    grace_s: float | None = None
-    restart: bool = True  # restart a service that exits (with backoff); False: stop the mesh instead
-    prefill_replicas: int = 1  # prefill workers (disaggregated mode), each with its own ports
-    decode_replicas: int = 1  # decode workers
+    # The option objects of the services (their wiring fields are the plan's).
+    engine: EngineArgs = section(EngineArgs, "engine (both workers)", default=EngineArgs(model=""), skip=("model",))
+    prefill: PrefillServiceConfig = section(PrefillServiceConfig, "prefill workers",
+                                            default=_worker_template(PrefillServiceConfig), skip=WORKER_WIRING)
+    decode: DecodeServiceConfig = section(DecodeServiceConfig, "decode workers",
+                                          default=_worker_template(DecodeServiceConfig), skip=WORKER_WIRING)
+    cache: CacheServiceConfig = section(CacheServiceConfig, "cache service", default=CacheServiceConfig(),
+                                        skip=CACHE_WIRING, aliases={"byte_budget": ("--cache-byte-budget",)})
+    gateway: GatewayConfig = section(GatewayConfig, "gateway", default=_gateway_template(), skip=GATEWAY_WIRING)
+    vllm: VllmCompat = section(VllmCompat, "vllm serve: flags accepted at their no-op value only (refused by name)",
+                               default=VllmCompat())
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -91,6 +140,35 @@ class LaunchConfig:
                              f"{self.decode_replicas}")
         if self.mode == "colocated" and self.prefill_replicas != 1:
             raise ValueError("--prefill-replicas needs --mode disaggregated (colocated mode runs no prefill worker)")
+
+    def options(self, role: str, wiring: Wiring):
+        """The option object the service of `role` runs with: the user's options and the plan's wiring."""
+        if role == "cache":
+            return dataclasses.replace(self.cache, address=wiring.address, metrics_port=wiring.metrics_port,
+                                       shutdown_grace_s=self.grace_s)
+        if role in ("prefill", "decode"):
+            return dataclasses.replace(getattr(self, role), engine=dataclasses.replace(self.engine, model=wiring.model),
+                                       cache_address=wiring.cache_address, address=wiring.address,
+                                       metrics_port=wiring.metrics_port, shutdown_grace_s=self.grace_s)
+        if role == "gateway":
+            return self._gateway_options(wiring)
+        raise ValueError(f"unknown role {role!r}")
+
+    def to_argv(self, role: str, wiring: Wiring) -> list[str]:
+        """The command line of `role`'s service: the flags that rebuild `self.options(role, wiring)`."""
+        return options.to_argv(self.options(role, wiring))
+
+    def _gateway_options(self, wiring: Wiring) -> GatewayConfig:
+        tool_parser = _parser_flag(self.tool_call_parser, wiring.model)
+        local = self.gateway.allowed_local_media_path
+        return dataclasses.replace(
+            self.gateway, model=wiring.model, decode_addresses=wiring.decode_addresses,
+            prefill_addresses=wiring.prefill_addresses if self.mode == "disaggregated" else (),
+            cache_address=wiring.cache_address, mode=self.mode, host=self.host, http_port=self.http_port,
+            grpc_port=wiring.grpc_port, shutdown_grace_s=self.grace_s, tool_call_parser=tool_parser,
+            reasoning_parser=_parser_flag(self.reasoning_parser, wiring.model),
+            enable_auto_tool_choice=bool(tool_parser) and self.enable_auto_tool_choice,
+            allowed_local_media_path=str(Path(local).resolve()) if local else None)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -120,6 +198,7 @@ class Service:
     ports: tuple[int, ...] = ()  # every port it listens on (checked free before anything starts)
     instance_id: str | None = None  # the gateway: the nonce its /health echoes (X-Kdamesh-Instance)
     name: str = ""  # unique in the mesh: the role, or "role-i" for one of several replicas ("": the role)
+    options: object | None = None  # the option object `argv` rebuilds (LaunchConfig.options)
 
     def __post_init__(self):
         self.name = self.name or self.role
@@ -152,108 +231,43 @@ class Service:
 
 
 def plan_services(config: LaunchConfig, model: str) -> list[Service]:
-    """The processes to start, in start order, with their flags (see the module docstring)."""
+    """The processes to start, in start order, with their options and flags (see the module docstring)."""
     host = config.host
     roles = ["cache", *(["prefill"] * (config.prefill_replicas if config.mode == "disaggregated" else 0)),
              *(["decode"] * config.decode_replicas)]
     grpc_ports = _ports(host, config.grpc_port, len(roles))
     metrics_ports = _ports(host, config.metrics_port, len(roles))
-    grace = [] if config.grace_s is None else ["--grace-s", str(config.grace_s)]
-    engine = _engine_argv(config, model) + grace
     cache = f"{host}:{grpc_ports[0]}"
     services = []
     for i, (role, port, metrics_port) in enumerate(zip(roles, grpc_ports, metrics_ports)):
         address = f"{host}:{port}"
-        if role == "cache":
-            argv = ["--address", address, "--cache-backend", config.cache_backend, "--metrics-port",
-                    str(metrics_port), *grace]
-            argv += ["--byte-budget", config.cache_byte_budget] if config.cache_byte_budget else []
-        else:
-            argv = ["--address", address, "--cache-address", cache, "--metrics-port", str(metrics_port), *engine]
-            if role == "decode":
-                argv[4:4] = ["--kv-load-failure-policy", config.kv_load_failure_policy]
-            argv += [] if config.load_remote_prefix else ["--no-load-remote-prefix"]
         same = roles.count(role)
         name = role if same == 1 else f"{role}-{i - roles.index(role)}"
-        services.append(Service(role, address, argv, metrics=f"http://{host}:{metrics_port}/metrics",
-                                ports=(port, metrics_port), name=name))
-    gateway_grpc = grpc_ports[-1] + 1 if config.grpc_port is not None else None
-    services.append(_gateway(config, model, [s.address for s in services if s.role == "decode"],
-                             [s.address for s in services if s.role == "prefill"], grace, gateway_grpc, cache))
+        services.append(_service(config, role, Wiring(model, address, cache, metrics_port), name=name,
+                                 metrics=f"http://{host}:{metrics_port}/metrics", ports=(port, metrics_port)))
+    if config.gateway_grpc_port is not None:
+        grpc_api_port = config.gateway_grpc_port
+    else:
+        grpc_api_port = grpc_ports[-1] + 1 if config.grpc_port is not None else free_port(host)
+    wiring = Wiring(model, f"http://{host}:{config.http_port}", cache,
+                    decode_addresses=tuple(s.address for s in services if s.role == "decode"),
+                    prefill_addresses=tuple(s.address for s in services if s.role == "prefill"),
+                    grpc_port=grpc_api_port)
+    env = {API_KEYS_ENV: config.api_keys} if config.api_keys is not None else None
+    services.append(_service(config, "gateway", wiring, env=env, grpc_api=f"{host}:{grpc_api_port}",
+                             metrics=f"http://{host}:{config.http_port}/metrics",
+                             ports=(config.http_port, grpc_api_port)))
     return services
+
+
+def _service(config: LaunchConfig, role: str, wiring: Wiring, **kwargs) -> Service:
+    opts = config.options(role, wiring)
+    return Service(role, wiring.address, options.to_argv(opts), options=opts, **kwargs)
 
 
 def _ports(host: str, first: int | None, count: int) -> list[int]:
     """`count` ports: `first` and the ones after it, or free ones."""
     return [first + i for i in range(count)] if first is not None else [free_port(host) for _ in range(count)]
-
-
-def _engine_argv(config: LaunchConfig, model: str) -> list[str]:
-    """The engine flags of both workers (only those set)."""
-    argv = ["--model", model]
-    for flag, value in (("--max-num-seqs", config.max_num_seqs),
-                        ("--max-num-batched-tokens", config.max_num_batched_tokens),
-                        ("--kv-cache-memory", config.kv_cache_memory), ("--max-model-len", config.max_model_len),
-                        ("--dtype", config.dtype), ("--device", config.device),
-                        ("--load-format", config.load_format), ("--seed", config.seed),
-                        ("--torch-threads", config.torch_threads),
-                        ("--snapshot-interval", config.snapshot_interval),
-                        ("--snapshot-budget", config.snapshot_budget), ("--snapshot-policy", config.snapshot_policy),
-                        ("--tensor-parallel-size", config.tensor_parallel_size),
-                        ("--speculative-config", config.speculative_config),
-                        ("--served-model-name", config.served_model_name)):
-        if value is not None:
-            argv += [flag, str(value)]
-    if not config.enable_prefix_caching:
-        argv.append("--no-enable-prefix-caching")
-    if config.enable_expert_parallel:
-        argv.append("--enable-expert-parallel")
-    return argv
-
-
-def _media_flags(config: LaunchConfig) -> list[str]:
-    argv = ["--allowed-media-domains", *config.allowed_media_domains] if config.allowed_media_domains else []
-    if config.allowed_local_media_path:
-        argv += ["--allowed-local-media-path", str(Path(config.allowed_local_media_path).resolve())]
-    if config.media_fetch_timeout_s is not None:
-        argv += ["--media-fetch-timeout-s", str(config.media_fetch_timeout_s)]
-    return argv
-
-
-def _gateway(config: LaunchConfig, model: str, decode: list[str], prefill: list[str], grace: list[str],
-             default_grpc_port: int | None, cache: str) -> Service:
-    host = config.host
-    argv = ["--model", model, "--host", host, "--http-port", str(config.http_port), "--mode", config.mode,
-            "--decode-addresses", ",".join(decode), "--pd-min-uncached-tokens", str(config.pd_min_uncached_tokens),
-            "--cache-address", cache, *grace]
-    if config.mode == "disaggregated":
-        argv += ["--prefill-addresses", ",".join(prefill)]
-    if config.served_model_name:
-        argv += ["--served-model-name", config.served_model_name]
-    if config.gateway_grpc_port is not None:
-        grpc_api_port = config.gateway_grpc_port
-    else:
-        grpc_api_port = default_grpc_port if default_grpc_port is not None else free_port(host)
-    argv += ["--grpc-port", str(grpc_api_port)]
-    tool_parser = _parser_flag(config.tool_call_parser, model)
-    reasoning_parser = _parser_flag(config.reasoning_parser, model)
-    if tool_parser:
-        argv += ["--tool-call-parser", tool_parser]
-        if config.enable_auto_tool_choice:
-            argv.append("--enable-auto-tool-choice")
-    if reasoning_parser:
-        argv += ["--reasoning-parser", reasoning_parser]
-    if config.api_keys_file:
-        argv += ["--api-keys-file", config.api_keys_file]
-    if config.disable_log_requests:
-        argv.append("--disable-log-requests")
-    if config.uvicorn_log_level:
-        argv += ["--uvicorn-log-level", config.uvicorn_log_level]
-    argv += _media_flags(config)
-    env = {API_KEYS_ENV: config.api_keys} if config.api_keys is not None else None
-    return Service("gateway", f"http://{host}:{config.http_port}", argv, env=env,
-                   grpc_api=f"{host}:{grpc_api_port}", metrics=f"http://{host}:{config.http_port}/metrics",
-                   ports=(config.http_port, grpc_api_port))
 
 
 def _parser_flag(value: str, model: str) -> str | None:

@@ -14,10 +14,11 @@ import dataclasses
 import json
 import sys
 
-from engine.config import parse_bytes
+from engine.config import EngineArgs, parse_bytes
 from engine.model.config import load_model_config
 from engine.parallel.config import ParallelError
 from engine.plan import PlanArgs, format_plan, plan
+from telemetry.options import add_options
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -25,8 +26,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = PlanArgs()
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="folder with config.json (weights are not read)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
-    parser.add_argument("--enable-expert-parallel", action="store_true", help="split routed experts by expert")
+    add_options(parser, EngineArgs, only=("tensor_parallel_size", "enable_expert_parallel"))  # the workers' flags
     parser.add_argument("--gpus", type=int, default=None, help="GPUs in all (default: one replica)")
     parser.add_argument("--gpu-memory", default="141GB", help="memory per GPU, e.g. 141GB (H200), 288GB (B300)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)

@@ -1,8 +1,11 @@
 """Engine arguments and the cache plan derived from them.
 
-Contract:
+Contract (importing this module loads no torch: the command lines parse `EngineArgs` flags before any model code):
 - `EngineArgs` is the one frozen dataclass of engine options (flags follow `vllm serve` where one exists).
-  `__post_init__` checks each field alone and raises `EngineConfigError` naming it.
+  `__post_init__` checks each field alone and raises `EngineConfigError` naming it. A field a user sets carries its
+  flag (`telemetry.options.option`: name, help, choices, parser; `json_option` for a JSON-valued one such as
+  `--speculative-config`): the worker roles and `kdamesh up` generate their parsers from them (docs/architecture.md,
+  "Options and flags"). Byte sizes stay as typed (`byte_text`: "2GiB", or an int of plain digits).
 - `plan_cache(args, model_config, dtype_bytes)` turns the memory budget into pool sizes, `CachePlan`:
   the KDA state pool holds `max_num_seqs * (1 + num_speculative_tokens)` running slots, then (with prefix caching)
   the snapshot slots: `snapshot_budget` bytes of them when set, else `snapshot_memory_fraction` of the remaining
@@ -17,8 +20,8 @@ Contract:
   unset or equal), so the state pool reserves 1 + k slots per running request. `num_speculative_tokens` alone
   only reserves the slots. A verification is never split across forwards: `max_forward_tokens` must hold 1 + k.
 - `compilation_config` (`--compilation-config`, engine/compilation.py: JSON string, dict or `CompilationConfig`)
-  is parsed into a `CompilationConfig` (None: its defaults); `enforce_eager` turns compiled and captured decode
-  steps off whatever it says.
+  is parsed into a `CompilationConfig` (None stays None and means its defaults: `CompilationConfig.parse(None)`);
+  `enforce_eager` turns compiled and captured decode steps off whatever it says.
 - `snapshot_interval="auto"` is the state's bytes expressed in tokens of KV, rounded to whole blocks (so periodic
   snapshots at most double the memory of the prefix they cover), clamped to [1, MAX_AUTO_INTERVAL_BLOCKS] blocks.
 """
@@ -30,13 +33,25 @@ from dataclasses import dataclass
 from engine.compilation import CompilationConfig
 from engine.errors import EngineConfigError
 from engine.memory.policy import SNAPSHOT_POLICIES
-from engine.model.batch import bytes_per_state, bytes_per_token
 from engine.model.config import ModelConfig
 from engine.spec.config import SpeculativeConfig
 from telemetry import units
+from telemetry.options import json_option, option
 
 MAX_AUTO_INTERVAL_BLOCKS = 4096
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMAT_CHOICES = ("safetensors", "fastsafetensors", "dummy")
+
+
+def byte_text(text: str) -> int | str:
+    """A byte-size flag's text: plain digits as an int, anything else ("2GiB") as given (`parse_bytes` reads it)."""
+    return int(text) if text.isdigit() else text
+
+
+def interval_text(text: str) -> int | str:
+    """`--snapshot-interval`: "auto" or a token count."""
+    return text if text == "auto" else int(text)
 
 
 def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
@@ -52,33 +67,55 @@ def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str
-    tokenizer: str | None = None  # default: the model folder
-    dtype: str = "auto"
-    load_format: str = "safetensors"
-    device: str = "cpu"
-    seed: int = 0
-    block_size: int = 16
-    kv_cache_memory: int | str = DEFAULT_KV_CACHE_MEMORY  # bytes for both pools together
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_forward_tokens: int | None = None  # tokens per model forward within a step; None: 2048 on CPU (runner.py)
-    max_model_len: int | None = None  # default: the model's limit, capped by what the block pool holds
-    enable_prefix_caching: bool = True
-    snapshot_interval: int | str = "auto"  # tokens, a multiple of block_size
+    model: str = option("--model", help="checkpoint folder (config.json, *.safetensors, tokenizer)")
+    tokenizer: str | None = option("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    dtype: str = option("--dtype", default="auto", choices=DTYPE_CHOICES)
+    load_format: str = option("--load-format", default="safetensors", choices=LOAD_FORMAT_CHOICES)
+    device: str = option("--device", default="cpu")
+    seed: int = option("--seed", default=0, parse=int)
+    block_size: int = option("--block-size", default=16, parse=int, help="tokens per KV block")
+    kv_cache_memory: int | str = option(  # bytes for both pools together
+        "--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY, parse=byte_text,
+        help="bytes for the KV block and KDA state pools together, per worker, e.g. 1GiB")
+    max_num_seqs: int = option("--max-num-seqs", default=64, parse=int)
+    max_num_batched_tokens: int = option("--max-num-batched-tokens", default=2048, parse=int)
+    max_forward_tokens: int | None = option(  # tokens per model forward within a step; None: 2048 on CPU (runner.py)
+        "--max-forward-tokens", default=None, parse=int,
+        help="tokens per model forward within a step (default: 2048 on CPU, unlimited on GPU)")
+    max_model_len: int | None = option(  # default: the model's limit, capped by what the block pool holds
+        "--max-model-len", default=None, parse=int,
+        help="context length (default: the model's, capped by what the KV block pool holds)")
+    enable_prefix_caching: bool = option("--enable-prefix-caching", default=True, kind="toggle")
+    snapshot_interval: int | str = option(  # tokens, a multiple of block_size
+        "--snapshot-interval", default="auto", parse=interval_text,
+        help="tokens between KDA state snapshots, or 'auto'")
     snapshot_memory_fraction: float = 1 / 3  # of the memory left after the running slots
     num_kv_blocks: int | None = None  # override the computed block pool size
     num_snapshot_slots: int | None = None  # override the computed snapshot slot count
     num_speculative_tokens: int = 0
     model_fingerprint: str | None = None  # default: derived from config and weight headers
-    tensor_parallel_size: int = 1  # rank processes the model is split over (engine/parallel/executor.py)
-    enable_expert_parallel: bool = False  # split the routed experts by expert across those ranks
+    tensor_parallel_size: int = option(  # rank processes the model is split over (engine/parallel/executor.py)
+        "--tensor-parallel-size", "-tp", default=1, parse=int,
+        help="rank processes each worker splits its model over (engine/parallel/executor.py)")
+    enable_expert_parallel: bool = option(  # split the routed experts by expert across those ranks
+        "--enable-expert-parallel", default=False, kind="switch", help="split the routed experts by expert")
     collective_timeout_s: float = 60.0  # a rank collective waiting longer fails the engine (a hung or lost rank)
-    snapshot_policy: str = "hybrid"  # "hybrid": hints, junctions, turn ends too; "periodic": prompt ends + interval
-    snapshot_budget: int | str | None = None  # bytes of KDA snapshots, e.g. "2GiB"; None: snapshot_memory_fraction
-    speculative_config: SpeculativeConfig | dict | str | None = None  # engine/spec/config.py; None: no speculation
-    enforce_eager: bool = False  # no compiled or captured decode step (engine/compilation.py)
-    compilation_config: CompilationConfig | dict | str | None = None  # engine/compilation.py; None: the defaults
+    snapshot_policy: str = option(  # "hybrid": hints, junctions, turn ends too; "periodic": prompt ends + interval
+        "--snapshot-policy", default="hybrid", choices=SNAPSHOT_POLICIES,
+        help="where KDA state snapshots are taken (engine/memory/policy.py)")
+    snapshot_budget: int | str | None = option(  # bytes of KDA snapshots, e.g. "2GiB"; None: snapshot_memory_fraction
+        "--snapshot-budget", default=None, parse=byte_text,
+        help="bytes for KDA state snapshots per worker, e.g. 2GiB (default: a third of the memory left after the "
+             "running states)")
+    speculative_config: SpeculativeConfig | dict | str | None = json_option(  # engine/spec/config.py; None: off
+        "--speculative-config", help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+                                     '"num_speculative_tokens": 3, "prompt_lookup_max": 4} (engine/spec/config.py)')
+    enforce_eager: bool = option(  # no compiled or captured decode step (engine/compilation.py)
+        "--enforce-eager", default=False, kind="switch",
+        help="run every step eagerly: no torch.compile, no CUDA graphs (vLLM's flag)")
+    compilation_config: CompilationConfig | dict | str | None = json_option(  # engine/compilation.py; None: defaults
+        "--compilation-config", help='the decode step\'s compilation, vLLM\'s JSON: {"level": 3, '
+                                     '"cudagraph_capture_sizes": [1, 2, 4, 8]} (engine/compilation.py)')
 
     def __post_init__(self):
         positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
@@ -109,7 +146,8 @@ class EngineArgs:
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise EngineConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
         self._resolve_speculative()
-        object.__setattr__(self, "compilation_config", CompilationConfig.parse(self.compilation_config))
+        if self.compilation_config is not None:  # None stays None (the defaults): a command line omits it
+            object.__setattr__(self, "compilation_config", CompilationConfig.parse(self.compilation_config))
         if not isinstance(self.enforce_eager, bool):
             raise EngineConfigError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -178,6 +216,8 @@ def auto_snapshot_interval(block_size: int, token_bytes: int, state_bytes: int) 
 
 
 def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> CachePlan:
+    from engine.model.batch import bytes_per_state, bytes_per_token  # torch: the option classes above stay light
+
     bs = args.block_size
     token_b = bytes_per_token(config, dtype_bytes)
     state_b = bytes_per_state(config, dtype_bytes, tensor_parallel_size=args.tensor_parallel_size)  # one rank's heads

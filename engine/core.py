@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from engine.compilation import CompilationConfig
 from engine.config import CachePlan, EngineArgs, plan_cache
 from engine.errors import InvalidRequestError
 from engine.exchange import CacheExchange
@@ -111,7 +112,8 @@ class EngineCore:
                             model_fingerprint(args.model, self.model.dtype, args.load_format, args.seed))
         self.manager = CacheManager(self.plan, has_kda=self.config.kda is not None)
         self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
-        graphs = None if args.enforce_eager else GraphOptions(args.compilation_config, args.max_num_seqs)
+        graphs = None if args.enforce_eager else GraphOptions(CompilationConfig.parse(args.compilation_config),
+                                                              args.max_num_seqs)
         self.executor.start(self.plan, args.max_forward_tokens, media=self.media.feeder,  # images: rank 0 plans them
                             graphs=graphs)
         self.runner = self.executor  # the runner's interface, on every rank (engine/parallel/executor.py)

@@ -23,7 +23,7 @@ Contract:
   draft is dropped; with none left it is a plain decode). The chunk carries the drafts and the out-slots of the
   KDA state after each position (`CacheManager.verify_slots`); blocks are allocated for every position.
 - `schedule()` changes pool holdings (admission, growth, preemption) but not `num_computed_tokens` of scheduled
-  chunks; the engine applies the step's results (`EngineCore._update`). `abort` and `finish` release everything.
+  chunks; the engine applies the step's results (`EngineCore.step`). `abort` and `finish` release everything.
 """
 
 from __future__ import annotations

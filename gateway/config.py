@@ -1,6 +1,9 @@
 """The gateway's configuration: one frozen dataclass, built by `kdamesh serve --role gateway` (deploy/serve.py).
 
 Contract:
+- Every field a user sets carries its flag (telemetry/options.py); `serve --role gateway` and `kdamesh up`
+  generate their parsers from them. `mode_option`, `host_option` and `http_port_option` are the flags `kdamesh up`
+  shares with the gateway (one declaration each).
 - `GatewayConfig` validates on construction (`ValueError`): at least one decode worker; prefill workers in
   disaggregated mode; parser names registered (`gateway.parsers`) and naming one output format; positive limits.
 - `model_name` is what clients put in `model` (`served_model_name`, else the folder's name); `served_names` also
@@ -24,82 +27,162 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from gateway.caps import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_SEQUENCES, RequestCaps
 from gateway.discovery import DiscoverySettings, pool_target
-from gateway.media_fetch import DEFAULT_TIMEOUT_S, MediaFetchConfig
-from gateway.mesh_client import MeshClient, PDDecider
+from gateway.media_fetch import DEFAULT_TIMEOUT_S, DOMAINS_FLAG, LOCAL_FLAG, MediaFetchConfig
 from gateway.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from gateway.ratelimit import TenantLimits
 from gateway.routing import RouterConfig
+from telemetry.options import grace_option, option, served_model_name_option
+
+if TYPE_CHECKING:
+    from gateway.mesh_client import MeshClient
 
 MODES = ("disaggregated", "colocated")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # A tenant's limits when neither a flag nor its key entry says otherwise (None: unlimited).
 DEFAULT_TENANT_LIMITS = TenantLimits(rpm=None, tpm=20_000_000, max_concurrency=256)
+
+
+def mode_option() -> Any:
+    """`--mode`, the gateway's and `kdamesh up`'s (deploy/mesh_plan.py)."""
+    return option("--mode", default="disaggregated", choices=MODES,
+                  help="disaggregated: prefill workers + the P/D decision; colocated: every request prefills on its "
+                       "decode worker")
+
+
+def host_option() -> Any:
+    return option("--host", default="127.0.0.1", help="the REST API's host")
+
+
+def http_port_option() -> Any:
+    return option("--port", "--http-port", default=8000, parse=int, dest="http_port", help="the REST API's port")
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    """A pool flag's comma-separated host:port list."""
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+def _grpc_port(text: str) -> int | None:
+    """`--grpc-port`: a port, 0 (a free one) or -1 (off, None)."""
+    port = int(text)
+    return None if port < 0 else port
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     # The model folder (its tokenizer and chat format are used here) and the name clients use (None: folder name).
-    model: str
-    decode_addresses: tuple[str, ...]
-    prefill_addresses: tuple[str, ...] = ()
-    served_model_name: str | None = None
+    model: str = option("--model", help="checkpoint folder (tokenizer and chat format are read from it)")
+    decode_addresses: tuple[str, ...] = option(
+        "--decode-addresses", "--decode-workers", parse=_addresses, show=",".join,
+        help="comma-separated host:port list of decode workers, or one dns:///NAME:PORT (every address of a "
+             "headless Service, re-resolved)")
+    prefill_addresses: tuple[str, ...] = option(
+        "--prefill-addresses", "--prefill-workers", default=(), parse=_addresses, show=",".join,
+        help="comma-separated host:port list of prefill workers, or one dns:///NAME:PORT")
+    served_model_name: str | None = served_model_name_option()
     # host:port of the cache service whose KV events the routing follows (gateway/routing.py); None: not followed.
-    cache_address: str | None = None
+    cache_address: str | None = option(
+        "--cache-address", default=None,
+        help="host:port of the cache service: the gateway follows its KV events, so a prefix it holds counts as "
+             "reusable (a transfer) on workers that load remote prefixes (default: none)")
     # "disaggregated": prefill workers + P/D decider; "colocated": every request prefills on its decode worker.
-    mode: str = "disaggregated"
+    mode: str = mode_option()
     # Remote prefill only when at least this many prompt tokens are not in the decode worker's prefix cache.
-    pd_min_uncached_tokens: int = 256
+    pd_min_uncached_tokens: int = option(
+        "--pd-min-uncached-tokens", default=256, parse=int,
+        help="prefill remotely only when at least this many prompt tokens are uncached on the decode worker (0: "
+             "always, when prefill workers exist)")
     # Colocate when this many prefills are already in flight from this gateway (0: no limit).
-    pd_max_prefill_inflight: int = 0
-    host: str = "127.0.0.1"
-    http_port: int = 8000
+    pd_max_prefill_inflight: int = option("--pd-max-prefill-inflight", default=0, parse=int,
+                                          help="colocate when this many remote prefills are in flight (0: no limit)")
+    host: str = host_option()
+    http_port: int = http_port_option()
     # The public gRPC API (protos/gateway.proto); None: not served, 0: a free port.
-    grpc_port: int | None = 50051
+    grpc_port: int | None = option("--grpc-port", default=50051, parse=_grpc_port,
+                                   show=lambda port: str(-1 if port is None else port),
+                                   help="the public gRPC API (kdamesh.v1.Generation); 0: a free port, -1: off")
     # Deadline of one request through the mesh (seconds).
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = option("--request-timeout-s", default=600.0, parse=float)
     # On SIGTERM/SIGINT: how long running streams and calls get to finish (seconds); streams still running near
     # the end get a clean error event.
-    shutdown_grace_s: float = 5.0
+    shutdown_grace_s: float = grace_option()
     # TTL of handoff objects (milliseconds); 0: the cache service's default (30 s).
-    handoff_ttl_ms: int = 0
+    handoff_ttl_ms: int = option("--handoff-ttl-ms", default=0, parse=int, help="0: the cache service's default (30 s)")
     # Tenancy: the KDAMESH_API_KEYS value ("key=tenant,..."), and/or a JSON file of key -> tenant (or limits).
     api_keys: str | None = None
-    api_keys_file: str | None = None
+    api_keys_file: str | None = option(
+        "--api-keys-file", default=None,
+        help="JSON object of API key -> tenant (or {tenant, rpm, tpm, max_concurrency}); also read: "
+             "KDAMESH_API_KEYS='key1=tenantA,key2=tenantB'. No keys: the gateway is open")
     # Default per-tenant limits (None: DEFAULT_TENANT_LIMITS, 0: unlimited).
-    tenant_rpm: int | None = None
-    tenant_tpm: int | None = None
-    tenant_max_concurrency: int | None = None
+    tenant_rpm: int | None = option("--tenant-rpm", default=None, parse=int,
+                                    help="requests/minute per tenant (0, default: no limit)")
+    tenant_tpm: int | None = option("--tenant-tpm", default=None, parse=int,
+                                    help="tokens/minute per tenant (default 20M; 0: none)")
+    tenant_max_concurrency: int | None = option("--tenant-max-concurrency", default=None, parse=int,
+                                                help="in flight per tenant (default 256)")
     # Per-request caps (gateway/caps.py; max_prompt_tokens None: the context length alone).
-    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
-    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES
-    max_prompt_tokens: int | None = None
+    max_prompts_per_request: int = option("--max-prompts-per-request", default=DEFAULT_MAX_PROMPTS, parse=int,
+                                          help="prompts in one /v1/completions")
+    max_sequences_per_request: int = option("--max-sequences-per-request", default=DEFAULT_MAX_SEQUENCES, parse=int,
+                                            help="n x prompts: sequences one request may generate")
+    max_prompt_tokens: int | None = option("--max-prompt-tokens", default=None, parse=int,
+                                           help="tokens in one prompt, 413 beyond (default: the context length alone)")
     # Image URLs the gateway may read (gateway/media_fetch.py): http(s) hosts, a local directory, the fetch deadline.
-    allowed_media_domains: tuple[str, ...] = ()
-    allowed_local_media_path: str | None = None
-    media_fetch_timeout_s: float = DEFAULT_TIMEOUT_S
+    allowed_media_domains: tuple[str, ...] = option(
+        DOMAINS_FLAG, default=(), kind="list", metavar="HOST",
+        help="host names whose http(s) image URLs the gateway fetches (exact names, any port); unset: none (only "
+             "data: URLs, and files under --allowed-local-media-path)")
+    allowed_local_media_path: str | None = option(
+        LOCAL_FLAG, default=None, metavar="DIR",
+        help="a directory whose files image parts may name as file:///... URLs (symlinks and .. must resolve inside "
+             "it); unset: none. Only for trusted clients")
+    media_fetch_timeout_s: float = option("--media-fetch-timeout-s", default=DEFAULT_TIMEOUT_S, parse=float,
+                                          help="deadline of fetching one image URL, redirects and body included "
+                                               "(seconds)")
     # With API keys configured: serve the API docs / the Prometheus metrics without a key.
-    public_docs: bool = False
-    public_metrics: bool = False
+    public_docs: bool = option("--public-docs", default=False, kind="switch",
+                               help="serve /openapi.json, /docs, /redoc without a key")
+    public_metrics: bool = option("--public-metrics", default=False, kind="switch",
+                                  help="serve /metrics without a key")
     # Output parsers (vLLM flags): None leaves the model's text as content.
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = option("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS))
+    reasoning_parser: str | None = option("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS))
+    enable_auto_tool_choice: bool = option(
+        "--enable-auto-tool-choice", default=False, kind="switch",
+        help='let the model decide to call tools (tool_choice "auto"; needs --tool-call-parser)')
     # Context length the gateway reports (/tokenize, /v1/models); None: the checkpoint's. Workers enforce their own.
-    max_model_len: int | None = None
+    max_model_len: int | None = option("--max-model-len", default=None, parse=int,
+                                       help="context length reported by /tokenize and /v1/models (default: the "
+                                            "checkpoint's)")
     # Echoed by GET /health as X-Kdamesh-Instance: the launcher's proof that it reached its own gateway.
-    instance_id: str | None = None
+    instance_id: str | None = option("--instance-id", default=None,
+                                     help="echoed by GET /health as X-Kdamesh-Instance (the launcher's readiness "
+                                          "check)")
     # Seconds between gRPC health checks of the workers.
-    health_check_interval_s: float = 5.0
+    health_check_interval_s: float = option("--health-check-interval-s", default=5.0, parse=float,
+                                            help="seconds between gRPC health checks of the workers")
     # One queued request on a worker costs as much as this many uncached prompt tokens (routing, gateway/routing.py).
     route_load_weight: float = 128.0
     # The shared mesh token sent on every worker call (KDAMESH_MESH_TOKEN); None: the workers are open.
     mesh_token: str | None = field(default=None, repr=False)
     # A `dns:///NAME:PORT` pool (gateway/discovery.py): re-resolved this often (seconds), and the first workers
     # awaited this long at start-up (seconds).
-    discovery_refresh_s: float = 10.0
-    discovery_startup_timeout_s: float = 300.0
+    discovery_refresh_s: float = option(
+        "--discovery-refresh-s", default=10.0, parse=float,
+        help="dns: worker pools: seconds between re-resolutions (also right after a health check fails)")
+    discovery_startup_timeout_s: float = option(
+        "--discovery-startup-timeout-s", default=300.0, parse=float,
+        help="dns: worker pools: seconds to wait at start-up for the first address of each pool")
+    # The HTTP server (deploy/serve.py runs it): no access-log line per request; its log level (None: --log-level).
+    disable_log_requests: bool = option("--disable-log-requests", default=False, kind="switch",
+                                        help="no access-log line per request")
+    uvicorn_log_level: str | None = option("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
+                                           help="the HTTP server's log level (default: --log-level)")
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -154,6 +237,8 @@ class GatewayConfig:
         return MediaFetchConfig(self.allowed_media_domains, self.allowed_local_media_path, self.media_fetch_timeout_s)
 
     def make_mesh(self) -> MeshClient:
+        from gateway.mesh_client import MeshClient, PDDecider  # grpc: the command lines read this module first
+
         prefill = self.prefill_addresses if self.mode == "disaggregated" else ()
         return MeshClient(self.decode_addresses, prefill,
                           PDDecider(self.pd_min_uncached_tokens, self.pd_max_prefill_inflight), self.handoff_ttl_ms,

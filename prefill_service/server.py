@@ -1,6 +1,7 @@
 """The prefill service's gRPC server (`grpc.aio`): a thin `PrefillService` servicer over `PrefillWorker`.
 
 Contract:
+- Its options are `PrefillServiceConfig` (prefill_service/config.py), whose fields carry their flags.
 - `serve(config)` binds `config.address` (port 0: a free port), starts the server with standard health
   (`grpc.health.v1.Health`: NOT_SERVING for "" and `kdamesh.v1.PrefillService` until the model is loaded, then
   SERVING) and reflection, then loads the model in the background; it returns `(PrefillServer, port)` at once.
@@ -22,60 +23,27 @@ Contract:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from engine.config import EngineArgs
 from engine.sampling import SamplingParams
 from prefill_service.worker import (HandoffPublishError, PrefillAbortedError, PrefillJob, PrefillResult,
                                     PrefillWorker)
+from prefill_service.config import PrefillServiceConfig  # noqa: F401 (re-exported)
 from protos import prefill_pb2, prefill_pb2_grpc
 from telemetry import tracing
 from telemetry.metrics import CounterSample, RequestTimer
 from worker.codec import (FINISH_REASONS, logprob_to_proto, media_from_proto, prompt_logprobs_to_proto,
                           sampling_from_proto)
-from worker.kv_events import KVEventConfig
 from worker.server import WorkerServer, offload_samples, start_worker_server, transfer_samples
 from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
-
-
-@dataclass(frozen=True)
-class PrefillServiceConfig:
-    engine: EngineArgs
-    # host:port of the cache service the handoffs go through.
-    cache_address: str
-    # host:port to listen on; port 0 picks a free port.
-    address: str = "127.0.0.1:50052"
-    # Name clients use for the model (requests naming another are NOT_FOUND); None: the model folder's name.
-    served_model_name: str | None = None
-    # Put every KV block in the handoff instead of only the tail partial block (more bytes, one fewer dependency).
-    handoff_full_kv: bool = False
-    # Load cached prefixes (blocks + snapshots) from the cache service when it holds more than the local cache.
-    load_remote_prefix: bool = True
-    # Deadline of each cache service call (seconds); gRPC message limit both ways (bytes).
-    cache_timeout_s: float = 10.0
-    max_message_bytes: int = 16 << 20
-    # torch intra-op threads for this process; None: torch's default.
-    torch_threads: int | None = None
-    # Serve Prometheus /metrics on this port (0: a free port), on the host of `address`; None: no HTTP endpoint.
-    metrics_port: int | None = None
-    # The shared mesh token: required on calls to this worker and sent on its cache calls; None: open worker.
-    mesh_token: str | None = field(default=None, repr=False)
-    # The KV event stream to the gateways (worker/kv_events.py): drain period, heartbeat, subscriber queue.
-    kv_events: KVEventConfig = KVEventConfig()
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or Path(self.engine.model).name
 
 
 # -- proto <-> engine ------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The prefill worker: a prompt in, its first output token and a handoff object for decode out.
 
-Contract (DESIGN.md "One chat request, end to end", step 3, and "Exactly-once handoff"):
+Contract (docs/architecture.md, "The mesh", step 2, and "Exactly-once handoff"):
 - `PrefillWorker.prefill(job)` consumes all N prompt tokens and samples token N+1, then publishes to the cache service
   one `BatchPut` holding the prompt's full KV blocks the service lacks and the handoff object, and returns a
   `PrefillResult` (first token, handoff key, cached tokens, timings). Decode continues from the state after N tokens

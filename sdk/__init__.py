@@ -10,7 +10,7 @@ Blocking, whole answers::
 
     with Client("localhost:50051", api_key="sk-tenant-a") as client:
         print([m.id for m in client.models()])
-        reply = client.chat("small-k3", [{"role": "user", "content": "Hello!"}],
+        reply = client.chat("demo-k3", [{"role": "user", "content": "Hello!"}],
                             sampling=Sampling(max_tokens=64, temperature=0.7, seed=1))
         choice = reply.choices[0]
         print(choice.message.reasoning_content, choice.message.content, choice.finish_reason)
@@ -18,7 +18,7 @@ Blocking, whole answers::
 
 Streaming (closing the iterator, or leaving the loop with `break` and dropping it, cancels the request)::
 
-    for chunk in client.chat_stream("small-k3", messages, sampling=Sampling(max_tokens=256)):
+    for chunk in client.chat_stream("demo-k3", messages, sampling=Sampling(max_tokens=256)):
         for c in chunk.choices:
             print(c.reasoning_content or c.content, end="", flush=True)
 
@@ -26,25 +26,25 @@ Tools and structured output (enforced by the engine's grammar)::
 
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-    reply = client.chat("small-k3", messages, tools=[weather], tool_choice="get_weather",
+    reply = client.chat("demo-k3", messages, tools=[weather], tool_choice="get_weather",
                         sampling=Sampling(max_tokens=200))
     call = reply.choices[0].message.tool_calls[0]
     print(call.name, call.parsed_arguments())
-    reply = client.chat("small-k3", messages, response_format={
+    reply = client.chat("demo-k3", messages, response_format={
         "type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}})
 
 Completions, token ids, tokenizer::
 
-    done = client.generate("small-k3", "Once upon a time", sampling=Sampling(max_tokens=16), return_token_ids=True)
-    ids = client.tokenize("small-k3", messages=[{"role": "user", "content": "hi"}])
-    text = client.detokenize("small-k3", ids)
+    done = client.generate("demo-k3", "Once upon a time", sampling=Sampling(max_tokens=16), return_token_ids=True)
+    ids = client.tokenize("demo-k3", messages=[{"role": "user", "content": "hi"}])
+    text = client.detokenize("demo-k3", ids)
 
 asyncio::
 
     from sdk import AsyncClient
 
     async with AsyncClient("localhost:50051", api_key=key) as client:
-        async for chunk in client.chat_stream("small-k3", messages):
+        async for chunk in client.chat_stream("demo-k3", messages):
             ...
 
 Deadlines and retries: `timeout=` (seconds) on the client sets the default deadline of every call, and on a call its

@@ -1,4 +1,4 @@
-"""The special-token strings of the Kimi chat formats (DESIGN.md "Gateway conventions").
+"""The special-token strings of the Kimi chat formats (docs/architecture.md, "Gateway conventions").
 
 Contract:
 - Kimi K3 "XTML": a block is `<|open|>HEADER<|sep|>…<|close|>NAME<|sep|>`, a message ends with `<|end_of_msg|>`

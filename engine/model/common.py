@@ -11,7 +11,7 @@ Contract:
   or the shared experts together with the routed ones, cost one all-reduce).
 - `VocabEmbedding` holds vocabulary rows `[r*V/N, (r+1)*V/N)`; ids outside give zero rows and the all-reduce sums
   the ranks' rows, so every rank gets the full embedding (bitwise: exactly one rank contributes a non-zero row).
-- RMSNorm computes in fp32 and multiplies the weight after casting back (DESIGN.md "Shared forms").
+- RMSNorm computes in fp32 and multiplies the weight after casting back (docs/architecture.md, "Shared forms").
 """
 
 from __future__ import annotations

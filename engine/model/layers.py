@@ -11,7 +11,7 @@ Contract:
   `tp_dims` (engine/model/common.py); heads that do not divide by the TP size raise `ParallelError`.
 - One `DecoderLayer` serves both families; its `LayerSpec` and the model config select the mixer (KDA or MLA), the
   FFN (dense or MoE, plain or latent), the residual style (plain adds or K3 attention residuals) and the activation.
-- Numerics follow DESIGN.md "Shared forms": RMSNorm in fp32 with the weight applied after the cast back; KDA state,
+- Numerics (docs/architecture.md's shared forms): RMSNorm in fp32, the weight applied after the cast back; KDA state,
   gates and the gated output norm in fp32; router logits in fp32.
 - Projections of the same input run as one matmul once `engine.model.fused.bind_fused_weights` has bound them (the
   loader does): KDA's q/k/v, f_a, b and output-gate projections; MLA's query, kv_a and output-gate projections;

@@ -1,1 +1,1 @@
-"""Configs of the released models (values from shared/DESIGN.md) for `kdamesh plan`; no weights."""
+"""Configs of the released models (the released shapes in docs/architecture.md) for `kdamesh plan`; no weights."""

@@ -10,7 +10,7 @@ The package follows the seams of the work:
 How the engine uses it (engine/core.py): `add_request` compiles the grammar (cached) and gives each sequence a
 matcher; each step fills the bitmasks of the constrained rows before the forward, masks their logits rows and
 advances each matcher with its sampled token. The gateway builds these parameters from OpenAI requests on its side
-(gateway/chat_service.py) and sends them as `common.StructuredOutput`; worker/codec.py turns that into
+(gateway/plan.py) and sends them as `common.StructuredOutput`; worker/codec.py turns that into
 `StructuredOutputParams`.
 """
 

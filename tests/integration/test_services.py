@@ -340,7 +340,10 @@ def test_role_flags_build_the_service_configs():
     ns = role_parser("gateway").parse_args(["--model", "/m", "--decode-addresses", "a:1, b:2", "--port", "9"])
     assert ns.decode_addresses == ("a:1", "b:2") and ns.http_port == 9 and ns.prefill_addresses == ()
 
-    services = plan_services(LaunchConfig(model="/m", grpc_port=7000, http_port=8100, max_num_seqs=4), "/m")
+    from engine.config import EngineArgs
+
+    config = LaunchConfig(model="/m", grpc_port=7000, http_port=8100, engine=EngineArgs(model="", max_num_seqs=4))
+    services = plan_services(config, "/m")
     assert [s.role for s in services] == ["cache", "prefill", "decode", "gateway"]
     by_role = {s.role: s for s in services}
     assert by_role["cache"].address == "127.0.0.1:7000" and by_role["decode"].address == "127.0.0.1:7002"

@@ -7,7 +7,7 @@ Contract:
   (`get_calibrate_all_experts_flag`) and the `fla` kernels it needs are stubs placed in `sys.modules` only while the
   files execute (`stubbed_modules`), then restored, so other tests see the interpreter as before. The loaded
   package is cached for the process (`load_reference_package`).
-- The `fla` stand-ins are written here from the formulas (DESIGN.md "Shared forms"), token by token in fp32, and
+- The `fla` stand-ins are written here from the formulas (docs/architecture.md "Shared forms"), token by token in fp32, and
   share nothing with `kernels/`:
   `chunk_kda` / `fused_recurrent_kda` (gated delta rule, with fla's in-kernel q/k L2 norm, gate and beta sigmoid,
   state [N, H, V, K] when `transpose_state_layout`, else [N, H, K, V]; varlen `cu_seqlens` with B = 1),

@@ -1,4 +1,4 @@
-"""The import layers of DESIGN.md ("who may import whom", downward only), checked on every first-party module.
+"""The import layers of docs/architecture.md ("Layers of the code", downward only), checked on every first-party module.
 
 One table, `LAYERS`, holds the rule of each top-level package (a folder of the repository root with an
 `__init__.py`; `tests/` is not checked). Every import counts, wherever it stands: module-level ones, lazy ones inside
@@ -178,7 +178,7 @@ CHECKED = sorted(first_party_packages(ROOT) - set(UNCHECKED))
 
 def test_every_first_party_package_has_a_rule():
     missing = sorted(set(CHECKED) - LAYERS.keys())
-    assert not missing, f"top-level packages without a layer rule: {missing}; add each to LAYERS (see DESIGN.md)"
+    assert not missing, f"top-level packages without a layer rule: {missing}; add each to LAYERS (see docs/architecture.md)"
 
 
 @pytest.mark.parametrize("package", [p for p in CHECKED if p in LAYERS])
@@ -241,3 +241,23 @@ def test_importing_the_torch_free_packages_loads_no_torch(package):
     bad = {p: [m for m in loaded if within(m, (p,))] for p in TORCH_FREE[package]}
     assert not any(bad.values()), f"importing {package} loads " + "; ".join(
         f"{p} ({len(ms)} modules: {', '.join(ms[:4])}, ...)" for p, ms in bad.items() if ms)
+
+
+# The options tree: what every `kdamesh` command line reads before any model code (docs/architecture.md, "Options
+# and flags"), so `kdamesh up` refuses a busy port or a bad flag without loading torch.
+OPTIONS_MODULES = ("telemetry.options", "engine.config", "prefill_service.config", "decode_service.config",
+                   "cache_service.config", "gateway.config", "deploy.flags", "deploy.mesh_plan", "deploy.serve",
+                   "deploy.launcher", "deploy.cli")
+
+
+def _loaded_by(modules: tuple[str, ...]) -> list[str]:
+    code = ("import importlib, json, sys\n"
+            f"for m in {list(modules)!r}:\n    importlib.import_module(m)\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def test_the_options_tree_loads_no_torch():
+    assert not [m for m in _loaded_by(OPTIONS_MODULES) if within(m, ("torch", "kernels"))]
+    assert "torch" in _loaded_by(("engine.model.batch",))  # negative control: the check sees a torch import

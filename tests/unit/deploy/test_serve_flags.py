@@ -64,7 +64,7 @@ def test_the_worker_roles_refuse_the_same_flags(flag, monkeypatch):
 def test_tensor_and_expert_parallelism_reach_the_launch_config(tmp_path):  # built now: no longer refused
     config = launch_config_from(_mesh([str(tmp_path), "--tensor-parallel-size", "2", "--enable-expert-parallel"]),
                                 "info", "text", "none")
-    assert (config.tensor_parallel_size, config.enable_expert_parallel) == (2, True)
+    assert (config.engine.tensor_parallel_size, config.engine.enable_expert_parallel) == (2, True)
 
 
 def test_an_unknown_flag_gets_argparses_error():
@@ -78,13 +78,14 @@ def test_the_seed_command_reaches_the_launch_config(tmp_path):
                 "--max-num-seqs", "4", "--max-num-batched-tokens", "512", "--dtype", "float32", "--seed", "7",
                 "--disable-log-requests", "--uvicorn-log-level", "warning", "--no-restart"])
     config = launch_config_from(ns, "info", "text", "none")
-    assert (config.model, config.http_port, config.load_format, config.enable_prefix_caching) == \
+    assert (config.model, config.http_port, config.engine.load_format, config.engine.enable_prefix_caching) == \
            (str(tmp_path), 8123, "fastsafetensors", True)
     assert (config.tool_call_parser, config.reasoning_parser, config.enable_auto_tool_choice) == \
            ("kimi_k3", "kimi_k3", True)
-    assert (config.api_keys, config.served_model_name, config.max_model_len, config.seed) == \
-           ("sk-1=default", "k3", 4096, 7)
-    assert not config.restart and config.disable_log_requests and config.uvicorn_log_level == "warning"
+    assert (config.api_keys, config.engine.max_model_len, config.engine.seed) == ("sk-1=default", 4096, 7)
+    assert config.gateway.served_model_name == config.prefill.served_model_name == config.decode.served_model_name \
+        == "k3"
+    assert not config.restart and config.gateway.disable_log_requests and config.gateway.uvicorn_log_level == "warning"
     assert not _mesh([str(tmp_path), "--no-enable-prefix-caching"]).enable_prefix_caching
 
     services = {s.role: s for s in plan_services(config, str(tmp_path))}
@@ -150,13 +151,23 @@ def test_a_bad_image_url_flag_is_refused_naming_it(bad, monkeypatch):
 
 
 def test_a_speculative_config_reaches_both_workers():
+    from deploy.serve import engine_args_from
+    from engine.spec.config import SpeculativeConfig
+
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
     config = launch_config_from(_mesh(["/m", "--speculative-config", spec]), "info", "text", None)
-    assert config.speculative_config == spec
-    from deploy.launcher import _engine_argv
-    from deploy.serve import engine_args_from
-
-    argv = _engine_argv(config, "/m")
-    assert argv[argv.index("--speculative-config") + 1] == spec
+    assert config.engine.speculative_config == SpeculativeConfig.parse(spec)
+    for service in plan_services(config, "/m")[1:-1]:
+        ns = role_parser(service.role).parse_args(service.argv)
+        assert engine_args_from(ns).speculative_config == SpeculativeConfig.parse(spec)
     ns = role_parser("decode").parse_args(["--model", "/m", "--speculative-config", spec])
     assert engine_args_from(ns).speculative_config.num_speculative_tokens == 3
+
+
+def test_the_endpoints_name_the_served_model_and_the_cache_backend(tmp_path, capsys):
+    from deploy.launcher import _print_endpoints
+
+    config = launch_config_from(_mesh([str(tmp_path), "--served-model-name", "k3"]), "info", "text", "none")
+    _print_endpoints(config, str(tmp_path), plan_services(config, str(tmp_path)))
+    out = capsys.readouterr().out
+    assert "mesh serving k3 (" in out and "(backend memory;" in out

@@ -10,7 +10,7 @@
 - export/resume replays the carried output through a fresh matcher;
 - invalid schemas and parameters raise `InvalidRequestError`; schemas are checked copies of what was given.
 
-(The OpenAI request -> structured output mapping is the gateway's, gateway/chat_service.py, tested there.)
+(The OpenAI request -> structured output mapping is the gateway's, gateway/plan.py, tested there.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Export/import of request state and prefix-cache entries, and the checksummed wire format.
 
-The exactly-once handoff invariant of DESIGN.md: a request exported after its first sampled token and imported
+docs/architecture.md's exactly-once handoff: a request exported after its first sampled token and imported
 into a fresh engine continues with the same tokens as the colocated run; importing a zeroed KDA state must change
 the output (a zeroed recurrent state still produces fluent text, so only an exact comparison catches it).
 """

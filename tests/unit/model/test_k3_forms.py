@@ -1,4 +1,4 @@
-"""Each Kimi K3 form against a naive, readable reference written here from DESIGN.md ("The model families").
+"""Each Kimi K3 form against a naive, readable reference written here from docs/architecture.md ("The two model families").
 
 Forms: (a) attention residuals — `attn_res_mix` and a whole `KimiTextModel` stack's block bookkeeping; (b) SiTU;
 (c) the lower-bounded KDA gate with `A_log` padded to [128]; (d) gated MLA with q-LoRA, run through the paged cache
@@ -98,7 +98,7 @@ class _StandInFFN(nn.Module):
 
 
 def _naive_stack(model: KimiTextModel, emb: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
-    """DESIGN.md's attention-residual loop, written out; returns (model.norm output, number of snapshots)."""
+    """The attention-residual loop of docs/architecture.md, written out; returns (model.norm output, number of snapshots)."""
     eps = model.config.rms_norm_eps
     snapshots: list[torch.Tensor] = []
     prefix_sum = emb.double()

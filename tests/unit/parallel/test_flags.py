@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from deploy.cli import build_parser, main
-from deploy.launcher import LaunchConfig, _engine_argv
+from deploy.launcher import LaunchConfig, plan_services
 from deploy.serve import engine_args_from, role_parser
+from engine.config import EngineArgs
 from engine.model.checkpoint import make_checkpoint
 
 
@@ -24,9 +25,11 @@ def test_worker_flags_set_the_engine_args(role):
 def test_up_passes_them_to_both_workers():
     ns = build_parser().parse_args(["up", "-tp", "2", "--enable-expert-parallel"])
     assert ns.tensor_parallel_size == 2 and ns.enable_expert_parallel
-    argv = _engine_argv(LaunchConfig(tensor_parallel_size=2, enable_expert_parallel=True), "m")
-    assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and "--enable-expert-parallel" in argv
-    assert "--tensor-parallel-size" not in _engine_argv(LaunchConfig(), "m")
+    config = LaunchConfig(engine=EngineArgs(model="", tensor_parallel_size=2, enable_expert_parallel=True))
+    for worker in plan_services(config, "m")[1:-1]:
+        argv = worker.argv
+        assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and "--enable-expert-parallel" in argv
+    assert all("--tensor-parallel-size" not in s.argv for s in plan_services(LaunchConfig(), "m"))
 
 
 def test_plan_subcommand(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """`kdamesh plan`: the planner's per-rank bytes equal what the models and pools built for the tiny presets hold
-(TP=1, TP=2, EP=2, packed MXFP4), the released configs give DESIGN.md's per-request numbers, and the CLI says
+(TP=1, TP=2, EP=2, packed MXFP4), the released configs give docs/architecture.md's per-request numbers, and the CLI says
 clearly when something does not fit."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_pools_equal_the_allocated_cache(preset, tp):
 
 def test_released_configs_match_the_design_numbers():
     k3, linear = load_model_config(CONFIGS / "kimi-k3"), load_model_config(CONFIGS / "kimi-linear-48b")
-    assert len(k3.kda_layer_ids) == 69 and kv_bytes_per_token(k3, 2) == 27648  # DESIGN.md: 69 layers, 27,648 B
+    assert len(k3.kda_layer_ids) == 69 and kv_bytes_per_token(k3, 2) == 27648  # docs/architecture.md: 69 layers, 27,648 B
     assert state_bytes_per_request(k3, 2) == pytest.approx(449e6, rel=0.01)  # ≈449 MB at TP1
     assert state_bytes_per_request(linear, 2) == pytest.approx(43e6, rel=0.02)  # ≈43 MB
     assert state_bytes_per_request(k3, 2, tp=8) * 8 == state_bytes_per_request(k3, 2)
