@@ -146,10 +146,7 @@ class EngineArgs:
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise EngineConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
         self._resolve_speculative()
-        if self.compilation_config is not None:  # None stays None (the defaults): a command line omits it
-            object.__setattr__(self, "compilation_config", CompilationConfig.parse(self.compilation_config))
-        if not isinstance(self.enforce_eager, bool):
-            raise EngineConfigError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        self._resolve_compilation()
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise EngineConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.collective_timeout_s <= 0:
@@ -158,6 +155,12 @@ class EngineArgs:
             raise EngineConfigError(f"snapshot_policy must be one of {SNAPSHOT_POLICIES}, got {self.snapshot_policy!r}")
         if self.snapshot_budget is not None and parse_bytes(self.snapshot_budget, "snapshot_budget") < 0:
             raise EngineConfigError(f"snapshot_budget must be >= 0, got {self.snapshot_budget!r}")
+
+    def _resolve_compilation(self) -> None:
+        if self.compilation_config is not None:  # None stays None (the defaults): a command line omits it
+            object.__setattr__(self, "compilation_config", CompilationConfig.parse(self.compilation_config))
+        if not isinstance(self.enforce_eager, bool):
+            raise EngineConfigError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
 
     def _resolve_speculative(self) -> None:
         spec = SpeculativeConfig.parse(self.speculative_config)
