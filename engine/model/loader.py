@@ -43,7 +43,7 @@ from torch import nn
 from tqdm import tqdm
 
 from engine.model.config import ModelConfig, load_model_config
-from engine.model.fused import bind_fused_weights
+from engine.model.fused import bind_fused_weights, lay_out_for_gemv
 from engine.model.model import KimiForCausalLM
 from engine.model.moe import EXPERT_FORMATS
 from engine.model.mxfp4 import GROUP, dequantize_mxfp4, mxfp4_shapes, quantize_mxfp4
@@ -160,15 +160,18 @@ def checkpoint_layout(model: KimiForCausalLM) -> dict[str, TensorTarget]:
 
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str, ctx: RankContext = SINGLE,
-                      experts_format: str = "dense") -> KimiForCausalLM:
+                      experts_format: str = "dense", gemv_layout: bool = False) -> KimiForCausalLM:
     """This rank's model with uninitialised storage in `dtype` (fp32 where the design keeps fp32; packed
-    MXFP4 experts stay uint8)."""
+    MXFP4 experts stay uint8). `gemv_layout`: linear weights input-major (engine.model.fused.lay_out_for_gemv;
+    `load_model` asks for it on CPU, where decode's one-row products stream them faster)."""
     with torch.device("meta"):
         model = KimiForCausalLM(config, ctx, experts_format)
     model = model.to_empty(device=device)
     for name, param in model.named_parameters():
         if param.dtype.is_floating_point:
             param.data = param.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
+    if gemv_layout:
+        lay_out_for_gemv(model)
     bind_fused_weights(model)  # projections of one input share a tensor; loading fills it through the views
     return model.eval().requires_grad_(False)
 
@@ -185,7 +188,8 @@ def load_model(model_dir: str | Path, load_config: LoadConfig = LoadConfig(),
         files = checkpoint_files(Path(model_dir))
         header = read_header(files)
     experts_format = resolve_experts_format(load_config.experts_format, header, config)
-    model = build_empty_model(config, dtype, load_config.device, ctx, experts_format)
+    model = build_empty_model(config, dtype, load_config.device, ctx, experts_format,
+                              gemv_layout=torch.device(load_config.device).type == "cpu")
     layout = checkpoint_layout(model)
     if header is None:
         plan = dummy_plan(layout, config)

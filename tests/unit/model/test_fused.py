@@ -81,3 +81,29 @@ def test_fused_weight_is_padded_and_the_padding_never_reaches_an_output():
     assert first.shape == (4, 8) and second.shape == (4, 1)
     torch.testing.assert_close(first, torch.cat([parts[0][0](x), parts[0][1](x)], dim=-1))
     torch.testing.assert_close(second, parts[1][0](x))
+
+
+@pytest.mark.parametrize("preset", ["tiny-linear", "tiny-k3"])
+def test_cpu_load_stores_linears_input_major(tmp_path, preset):
+    """`load_model` on CPU lays linear weights out input-major (`lay_out_for_gemv`): same names, shapes and values,
+    fused groups still bound (their members views of one input-major tensor), MLA's reshaped kv_b_proj untouched,
+    and the logits equal a row-major copy's within fp32 rounding (negative control: perturbing one weight moves
+    them)."""
+    from engine.model.fused import column_major
+
+    model_dir = make_checkpoint(preset, tmp_path / preset, seed=2)
+    model = load_model(model_dir, LoadConfig(dtype="float32"))
+    weights = {n: p for n, p in model.named_parameters() if n.endswith("proj.weight") and p.dim() == 2}
+    assert weights and all(column_major(p) for n, p in weights.items() if "kv_b_proj" not in n and p.shape[0] > 1)
+    assert all(p.is_contiguous() for n, p in weights.items() if "kv_b_proj" in n)
+    groups = _groups(model)
+    assert all((g.group if isinstance(g, FusedLinear) else g).tensor() is not None for g in groups)
+    row_major = KimiForCausalLM(model.config)
+    row_major.load_state_dict({n: p.contiguous() for n, p in model.state_dict().items()})
+    assert not any(column_major(p) for n, p in row_major.named_parameters() if n.endswith("proj.weight"))
+    prompts = [[3, 9, 27, 81, 243], [7, 49, 343]]
+    want = _logits(row_major.eval(), prompts)
+    torch.testing.assert_close(_logits(model, prompts), want, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        next(iter(weights.values())).add_(0.5)
+    assert not torch.allclose(_logits(model, prompts), want, atol=1e-3)
