@@ -1,10 +1,11 @@
 """The decode worker: continues a request from a prefill handoff, or prefills it locally, and streams its tokens.
 
 Contract (DESIGN.md "One chat request, end to end", step 4):
-- `DecodeWorker.decode(job)` is an async iterator of `TokenBatch`es carrying every completion token of the request,
+- `DecodeWorker.decode(job, handoff)` (a `worker.codec.GenerationJob`; `handoff` None: the local path) is an async
+  iterator of `TokenBatch`es carrying every completion token of the request,
   the first one included, ending with one batch per choice whose `finish_reason` is set; the last batch of the stream
   carries `usage`.
-- Handoff path (`job.handoff` set): one `BatchGet` fetches the handoff object (an `engine.transfer.RequestState` after
+- Handoff path (`handoff` set): one `BatchGet` fetches the handoff object (an `engine.transfer.RequestState` after
   all N prompt tokens, sampled token N+1 carried as its output) together with the prompt's full KV blocks, which the
   lean handoff names by hash (the worker computes the hashes from the prompt, its model fingerprint and the tenant
   salt, and checks them against the handoff's). The state is verified (prompt, first token, token count, block
@@ -14,7 +15,7 @@ Contract (DESIGN.md "One chat request, end to end", step 4):
 - When the handoff cannot be used (cache service down, handoff expired, missing block, corrupt or mismatched object)
   the worker counts the failure and, with `kv_load_failure_policy="recompute"` (default), prefills the prompt itself
   (greedy and seeded outputs are unchanged); with `"fail"` it raises `HandoffUnavailableError`.
-- Local path (`job.handoff` None, the colocated mode): the engine prefills (using its own prefix cache, and before
+- Local path (`handoff` None, the colocated mode): the engine prefills (using its own prefix cache, and before
   that the longer prefix the cache service may hold — offloaded snapshots included — loaded as prefill loads it,
   worker/prefix.py; not with `load_remote_prefix=False`) and decodes; `n > 1` is served here. The job's structure hints (`snapshot_hints`) and the remote
   junction are snapshot points of the prompt (prefill_service/worker.py), on this path and on the recompute one.
@@ -45,12 +46,11 @@ from cache_service.objects import Status, object_key
 from engine.async_engine import AsyncEngine
 from engine.memory.policy import hint_points
 from engine.outputs import PositionLogprobs, RequestOutput
-from engine.sampling import SamplingParams
 from engine.transfer import (CorruptObjectError, MissingBlockError, ModelMismatchError, RequestState,
                              ShapeMismatchError, TransferError, stitch_handoff)
 from protos import common_pb2
 from telemetry import tracing
-from worker.codec import prompt_logprobs_to_proto
+from worker.codec import GenerationJob, prompt_logprobs_to_proto
 from worker.offload import SnapshotPublisher
 from worker.prefix import PrefixCounters, RemotePrefix
 from worker.tenancy import engine_cache_salt, prompt_block_hashes
@@ -77,26 +77,6 @@ class Handoff:
     cached_tokens: int = 0  # prompt tokens prefill served from the cache
 
 
-@dataclass(frozen=True)
-class DecodeJob:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    handoff: Handoff | None = None  # None: prefill locally (colocated)
-    tenant_salt: bytes = b""
-    priority: int = 0
-    deadline: float | None = None  # time.monotonic() seconds
-    media: tuple = ()  # engine.vision.feed.ImageInput of the prompt's images (pixels for local prefill only)
-    snapshot_hints: tuple[int, ...] = ()  # prompt token positions to snapshot the KDA state at (protos/prefill.proto)
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
 @dataclass
 class TokenBatch:
     index: int  # choice
@@ -106,7 +86,7 @@ class TokenBatch:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cached_tokens: int | None = None  # prompt tokens served from the cache; on the first batch of the request
-    usage: Usage | None = None
+    usage: common_pb2.Usage | None = None  # the one Usage type of the mesh (protos/common.proto)
     used_handoff: bool = False
     # `prompt_logprobs=k` (colocated): prompt positions 2..N in proto form, on the first batch of the request
     prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
@@ -167,25 +147,25 @@ class DecodeWorker:
 
     # -- decode --------------------------------------------------------------------------------------------------
 
-    async def decode(self, job: DecodeJob) -> AsyncIterator[TokenBatch]:
+    async def decode(self, job: GenerationJob, handoff: Handoff | None = None) -> AsyncIterator[TokenBatch]:
         attributes = {tracing.REQUEST_ID: job.request_id, tracing.PROMPT_TOKENS: len(job.prompt_token_ids)}
         with tracing.child_span(self.tracer, "decode", attributes) as span:
             output_tokens, finish = 0, []
-            async for batch in self._decode(job):
+            async for batch in self._decode(job, handoff):
                 output_tokens += len(batch.token_ids)
                 if batch.finish_reason is not None:
                     finish.append(batch.finish_reason)
                 if batch.usage is not None:
-                    path = "local" if job.handoff is None else ("handoff" if batch.used_handoff else "recompute")
+                    path = "local" if handoff is None else ("handoff" if batch.used_handoff else "recompute")
                     tracing.set_attributes(span, {tracing.DECODE_PATH: path,
                                                   tracing.HIT_TOKENS: batch.usage.cached_tokens})
                 yield batch
             tracing.set_attributes(span, {tracing.GEN_AI_USAGE_OUTPUT_TOKENS: output_tokens,
                                           tracing.GEN_AI_RESPONSE_FINISH_REASONS: tuple(finish) or None})
 
-    async def _decode(self, job: DecodeJob) -> AsyncIterator[TokenBatch]:
+    async def _decode(self, job: GenerationJob, handoff: Handoff | None) -> AsyncIterator[TokenBatch]:
         hint_points(job.snapshot_hints, len(job.prompt_token_ids), self.layout.block_size)  # before anything runs
-        if job.handoff is None:
+        if handoff is None:
             self.counters.local_requests += 1
             hints = job.snapshot_hints + await self._load_remote_prefix(job)
             async for batch in self._generate(job, job.params.n, cached_tokens=None, hints=hints):
@@ -193,7 +173,7 @@ class DecodeWorker:
             return
         self.counters.handoff_requests += 1
         try:
-            state = await self._load_handoff(job)
+            state = await self._load_handoff(job, handoff)
         except _LoadFailure as exc:
             self.counters.handoff_failures += 1
             reasons = self.counters.failure_reasons
@@ -206,10 +186,10 @@ class DecodeWorker:
                 yield batch
             return
         self.counters.handoff_loaded += 1
-        async for batch in self._continue(job, state):
+        async for batch in self._continue(job, handoff, state):
             yield batch
 
-    async def _load_remote_prefix(self, job: DecodeJob) -> tuple[int, ...]:
+    async def _load_remote_prefix(self, job: GenerationJob) -> tuple[int, ...]:
         """Loads the cache service's longer prefix of a local prompt -> its remote junction, as a hint."""
         if self.prefix is None:
             return ()
@@ -220,7 +200,7 @@ class DecodeWorker:
         junction = self.prefix.junction(presence, len(ids))
         return (junction,) if junction else ()
 
-    async def _generate(self, job: DecodeJob, n: int, cached_tokens: int | None,
+    async def _generate(self, job: GenerationJob, n: int, cached_tokens: int | None,
                         hints: tuple[int, ...] | None = None) -> AsyncIterator[TokenBatch]:
         stream = self.engine.generate(job.request_id, {"prompt_token_ids": list(job.prompt_token_ids)}, job.params,
                                       priority=job.priority, cache_salt=engine_cache_salt(job.tenant_salt),
@@ -229,8 +209,7 @@ class DecodeWorker:
         async for batch in self._batches(stream, job, n, cached_tokens, used_handoff=False, carried=0):
             yield batch
 
-    async def _continue(self, job: DecodeJob, state: RequestState) -> AsyncIterator[TokenBatch]:
-        handoff = job.handoff
+    async def _continue(self, job: GenerationJob, handoff: Handoff, state: RequestState) -> AsyncIterator[TokenBatch]:
         yield TokenBatch(0, [handoff.first_token_id], first_token_logprob=handoff.first_token_logprob,
                          cached_tokens=handoff.cached_tokens)
         stream = self.engine.import_request(job.request_id, state, job.params, priority=job.priority,
@@ -239,7 +218,7 @@ class DecodeWorker:
                                          first=False):
             yield batch
 
-    async def _batches(self, stream: AsyncIterator[RequestOutput], job: DecodeJob, n: int, cached_tokens: int | None,
+    async def _batches(self, stream: AsyncIterator[RequestOutput], job: GenerationJob, n: int, cached_tokens: int | None,
                        used_handoff: bool, carried: int, first: bool = True) -> AsyncIterator[TokenBatch]:
         """Engine deltas -> token batches; the first batch (when `first`) gets the cached tokens, the last the
         usage."""
@@ -262,19 +241,20 @@ class DecodeWorker:
                 cached = out.num_cached_tokens if cached_tokens is None else cached_tokens
                 if pending is None:
                     pending = TokenBatch(0, [], used_handoff=used_handoff)
-                pending.usage = Usage(len(job.prompt_token_ids), sum(totals), cached)
+                pending.usage = common_pb2.Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=sum(totals),
+                                                 cached_tokens=cached)
         if pending is not None:
             yield pending
 
     # -- the handoff ---------------------------------------------------------------------------------------------
 
-    async def _load_handoff(self, job: DecodeJob) -> RequestState:
+    async def _load_handoff(self, job: GenerationJob, handoff: Handoff) -> RequestState:
         if self.cache is None:
             raise _LoadFailure("no_cache_service", "this worker has no cache service")
         if job.params.n != 1:
             raise _LoadFailure("n", "a handoff carries one sequence")
         hashes = prompt_block_hashes(self.layout, job.prompt_token_ids, job.tenant_salt, job.media)
-        key = job.handoff.key
+        key = handoff.key
         keys = [key] + [object_key(key.model_fingerprint, key.tenant_salt, KV_BLOCK, h) for h in hashes]
         with tracing.child_span(self.tracer, "handoff.claim", {tracing.KEYS: len(keys),
                                                                tracing.BLOCKS: len(hashes)}) as span:
@@ -286,7 +266,7 @@ class DecodeWorker:
                     raise _LoadFailure(got[0].status.name.lower(), got[0].message or "handoff not found")
                 self._claim(key)
                 blocks = [r.data if r.status == Status.FOUND else None for r in got[1:]]
-                return await asyncio.to_thread(self._assemble, job, got[0].data, hashes, blocks)
+                return await asyncio.to_thread(self._assemble, job, handoff, got[0].data, hashes, blocks)
             except _LoadFailure as exc:
                 tracing.mark_error(span, exc.reason, str(exc))
                 raise
@@ -297,7 +277,7 @@ class DecodeWorker:
         self._claims.add(task)
         task.add_done_callback(self._claims.discard)
 
-    def _assemble(self, job: DecodeJob, data: bytes, hashes: list[bytes],
+    def _assemble(self, job: GenerationJob, handoff: Handoff, data: bytes, hashes: list[bytes],
                   blocks: list[bytes | None]) -> RequestState:
         """Parses and checks the handoff, filling the full blocks a lean handoff leaves out. Runs in a thread."""
         try:
@@ -306,7 +286,7 @@ class DecodeWorker:
             raise _LoadFailure("corrupt", str(exc)) from None
         n = len(job.prompt_token_ids)
         if (state.prompt_token_ids != list(job.prompt_token_ids) or state.num_computed_tokens != n
-                or state.output_token_ids != [job.handoff.first_token_id]):
+                or state.output_token_ids != [handoff.first_token_id]):
             raise _LoadFailure("mismatch", "the handoff belongs to another prompt or first token")
         if state.block_hashes != hashes[: n // self.layout.block_size]:
             raise _LoadFailure("mismatch", "the handoff's block hashes differ from this prompt's")

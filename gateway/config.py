@@ -86,7 +86,7 @@ class GatewayConfig:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     enable_auto_tool_choice: bool = False
-    # Context length the gateway reports (/tokenize, /v1/models); None: the checkpoint's. Workers enforce their own.
+    # An optional upper bound on the context length the workers report (gateway/core.py); None: theirs alone.
     max_model_len: int | None = None
     # Echoed by GET /health as X-Kdamesh-Instance: the launcher's proof that it reached its own gateway.
     instance_id: str | None = None

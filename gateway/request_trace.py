@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
-from gateway.events import Usage
 from protos import common_pb2
 from telemetry import tracing
 from telemetry.context import request_id_scope
@@ -80,7 +79,7 @@ class RequestTrace:
         if self._done:
             return
         self._done = True
-        usage = run.usage() if run is not None else Usage(0, 0, 0)
+        usage = run.usage() if run is not None else common_pb2.Usage()
         reasons = run.finish_reasons() if run is not None else []
         ttft = None if run is None or run.first_token_at is None else run.first_token_at - run.start
         route = (run.route or None) if run is not None else None

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from gateway.chat_run import ChatRun
 from gateway.completion_run import CompletionRun
-from gateway.events import ChatEvent, CompletionEvent, PromptLogprobs, Usage
+from gateway.events import ChatEvent, CompletionEvent, PromptLogprobs
 from gateway.parsers import fold
 from gateway.run import Run
 from protos import common_pb2
@@ -37,7 +37,7 @@ class RestFormat:
     collect: Callable[[Run], Awaitable[dict]]
 
 
-def usage_dict(usage: Usage) -> dict:
+def usage_dict(usage: common_pb2.Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}

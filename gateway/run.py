@@ -28,12 +28,12 @@ from collections.abc import AsyncIterator
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
-from gateway.events import Usage
 from gateway.mesh_client import MeshError, TokenEvent
 from gateway.protocol import failure_of, mesh_api_error
 from gateway.ratelimit import Lease
 from gateway.request_trace import RequestTrace
 from gateway.tenancy import Principal
+from protos import common_pb2
 
 if TYPE_CHECKING:
     from gateway.core import GatewayCore
@@ -87,8 +87,9 @@ class Run:
 
     # -- the lifecycle -------------------------------------------------------------------------------------------
 
-    def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, sum(self.choice_token_counts()), self.cached_tokens)
+    def usage(self) -> common_pb2.Usage:
+        return common_pb2.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=sum(self.choice_token_counts()),
+                                cached_tokens=self.cached_tokens)
 
     async def _step(self):
         """The next mesh item (see the module docstring); a `MeshError` becomes its `ApiError` here."""

@@ -1,6 +1,9 @@
 """Conversions between the wire contract (`protos`) and the engine's request types, for the worker services.
 
-Contract: pure functions, no I/O. `sampling_from_proto` raises `InvalidRequestError` for values out of range (proto3
+Contract: pure functions, no I/O. `generation_from_proto(msg, deadline)` decodes a `GenerationRequest` (the request
+both `PrefillRequest` and `DecodeRequest` embed) into the one `GenerationJob` both workers run: the prompt (at least
+one token, else `InvalidRequestError`), the engine's `SamplingParams`, the tenant salt, media, priority, structure
+hints and the call's deadline. A new per-request field is decoded here once. `sampling_from_proto` raises `InvalidRequestError` for values out of range (proto3
 defaults mean vLLM's defaults); `structured_from_proto` raises it for an unusable structured-output spec;
 `logprob_to_proto` keeps the sampled token and its top `top` alternatives (`prompt_logprobs_to_proto` does so for
 every prompt position but the first, with the token's rank); `FINISH_REASONS` maps the engine's finish reasons to
@@ -13,6 +16,7 @@ package; `cache_service` and `sdk` depend on the generated messages alone and ne
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 from engine.outputs import PositionLogprobs
@@ -24,6 +28,30 @@ from protos import common_pb2
 
 FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
                   "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """One generation request as a worker runs it (decoded from `GenerationRequest`)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams  # the request's own parameters (prefill samples one token of them)
+    tenant_salt: bytes = b""
+    priority: int = 0
+    media: tuple[ImageInput, ...] = ()  # the prompt's images, in token order
+    snapshot_hints: tuple[int, ...] = ()  # prompt token positions to snapshot the KDA state at (protos/common.proto)
+    deadline: float | None = None  # time.monotonic() seconds; None: no deadline
+
+
+def generation_from_proto(msg: common_pb2.GenerationRequest, deadline: float | None) -> GenerationJob:
+    """Raises InvalidRequestError for an empty prompt or any invalid field."""
+    prompt = tuple(msg.prompt.ids)
+    if not prompt:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    return GenerationJob(request_id=msg.request_id, prompt_token_ids=prompt, params=sampling_from_proto(msg.sampling),
+                         tenant_salt=msg.tenant_salt, priority=msg.priority, media=media_from_proto(msg.media),
+                         snapshot_hints=tuple(msg.snapshot_hints), deadline=deadline)
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -39,6 +67,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=msg.include_stop_str_in_output,
         logprobs=msg.top_logprobs if msg.logprobs else None, skip_special_tokens=msg.skip_special_tokens,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        logit_bias=dict(msg.logit_bias) or None,
         structured=structured_from_proto(msg.structured_output) if msg.HasField("structured_output") else None)
 
 
