@@ -210,6 +210,7 @@ async def _gateway(mesh: Mesh, model_dir, pd_min: int = 0):
     config = GatewayConfig(model=str(model_dir), decode_addresses=(mesh.decode_address,),
                            prefill_addresses=(mesh.prefill_address,), pd_min_uncached_tokens=pd_min)
     mesh_client = config.make_mesh()
+    await mesh_client.refresh_info()  # what the app's start-up does (an ASGI transport runs no lifespan)
     app = create_app(config, mesh=mesh_client, tokenizer=KimiTokenizer.from_pretrained(model_dir))
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=30)
     return client, mesh_client
