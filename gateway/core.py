@@ -59,6 +59,7 @@ from gateway.protocol import (ApiError, ChatCompletionRequest, CompletionJob, To
                               TokenizeCompletionRequest)
 from gateway.ratelimit import Lease, RateLimiter, RateLimitExceeded
 from gateway.request_trace import RequestTrace
+from gateway.run import RunContext
 from gateway.tenancy import AuthError, CacheSalter, Principal, TenantDirectory
 from telemetry import tracing
 
@@ -188,6 +189,12 @@ class GatewayCore:
 
     # -- runs --------------------------------------------------------------------------------------------------
 
+    def run_context(self) -> RunContext:
+        """What a run sees of the gateway (gateway.run); the mesh is read at each call (discovery may rebuild it)."""
+        return RunContext(generate=lambda request: self.mesh.generate(request), tokenizer=self.tokenizer,
+                          marker_ids=self.marker_ids, metrics=self.metrics, model=self.config.model_name,
+                          request_timeout_s=self.config.request_timeout_s)
+
     async def plan_chat(self, request: ChatCompletionRequest) -> ChatPlan:
         return self.planner.plan(request, await self._fetch_media(request.messages))
 
@@ -206,7 +213,7 @@ class GatewayCore:
         self.caps.check([len(plan.prompt_ids)], request.n, "messages")
         lease = self._admit(principal, len(plan.prompt_ids), request.completion_limit, request.n, api)
         salt = self.tenant_salt(principal, request.cache_salt)
-        return ChatRun(self, principal, lease, plan, f"chatcmpl-{request.request_id or uuid.uuid4().hex}", salt,
+        return ChatRun(self.run_context(), principal, lease, plan, f"chatcmpl-{request.request_id or uuid.uuid4().hex}", salt,
                        api, trace)
 
     def complete(self, principal: Principal, job: CompletionJob, *, api: str = "rest",
@@ -220,7 +227,7 @@ class GatewayCore:
         lease = self._admit(principal, sum(len(p) for p in job.prompts), job.max_tokens, request.n * len(job.prompts),
                             api)
         salt = self.tenant_salt(principal, request.cache_salt)
-        return CompletionRun(self, principal, lease, job, f"cmpl-{request.request_id or uuid.uuid4().hex}", salt, api,
+        return CompletionRun(self.run_context(), principal, lease, job, f"cmpl-{request.request_id or uuid.uuid4().hex}", salt, api,
                              trace)
 
     # -- tokenizer and models ----------------------------------------------------------------------------------

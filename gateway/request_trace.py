@@ -18,15 +18,26 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from protos import common_pb2
 from telemetry import tracing
 from telemetry.context import request_id_scope
 from telemetry.logs import log_request
 
-if TYPE_CHECKING:
-    from gateway.run import Run
+
+
+class FinishedRun(Protocol):
+    """What `finish` reads of a run (gateway.run.Run has it; this module does not import the runs)."""
+
+    id: str
+    start: float  # time.monotonic() at admission
+    first_token_at: float | None
+    route: str
+
+    def usage(self) -> common_pb2.Usage: ...
+
+    def finish_reasons(self) -> list[str]: ...
 
 
 class RequestTrace:
@@ -74,7 +85,7 @@ class RequestTrace:
             stack.enter_context(request_id_scope(self.request_id))
             yield
 
-    def finish(self, run: "Run | None" = None) -> None:
+    def finish(self, run: FinishedRun | None = None) -> None:
         """Ends the root span and writes the access line (once)."""
         if self._done:
             return
