@@ -37,13 +37,13 @@ from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from decode_service.worker import (KV_LOAD_FAILURE_POLICIES, DecodeWorker, Handoff,
-                                   HandoffUnavailableError, TokenBatch)
+                                   HandoffUnavailableError)
 from engine.config import EngineArgs
 from engine.errors import InvalidRequestError
-from protos import decode_pb2, decode_pb2_grpc
+from protos import common_pb2, decode_pb2, decode_pb2_grpc
 from telemetry import tracing
 from telemetry.metrics import CounterSample, RequestTimer, WorkerMetrics
-from worker.codec import FINISH_REASONS, generation_from_proto, logprob_to_proto
+from worker.codec import generation_from_proto
 from worker.kv_events import KVEventConfig
 from worker.server import WorkerServer, offload_samples, start_worker_server, transfer_samples
 from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
@@ -90,27 +90,6 @@ class DecodeServiceConfig:
         return self.served_model_name or Path(self.engine.model).name
 
 
-def chunk_to_proto(batch: TokenBatch, top_logprobs: int) -> decode_pb2.DecodeChunk:
-    chunk = decode_pb2.DecodeChunk(index=batch.index, token_ids=batch.token_ids,
-                                   finish_reason=FINISH_REASONS[batch.finish_reason])
-    if batch.first_token_logprob is not None:
-        chunk.logprobs.append(batch.first_token_logprob)
-    elif batch.logprobs:
-        chunk.logprobs.extend(logprob_to_proto(e, t, top_logprobs) for e, t in zip(batch.logprobs, batch.token_ids))
-    if batch.finish_reason == "stop" and not isinstance(batch.stop_reason, str):
-        stop_id = batch.stop_reason if isinstance(batch.stop_reason, int) else (
-            batch.token_ids[-1] if batch.token_ids else None)
-        if stop_id is not None:
-            chunk.stop_token_id = stop_id
-    if batch.cached_tokens is not None:
-        chunk.cached_tokens = batch.cached_tokens
-    chunk.prompt_logprobs.extend(batch.prompt_logprobs)
-    if batch.usage is not None:
-        chunk.usage.CopyFrom(batch.usage)
-        chunk.used_handoff = batch.used_handoff
-    return chunk
-
-
 def handoff_from_proto(request: decode_pb2.DecodeRequest) -> Handoff | None:
     """The request's handoff (None: the local path); InvalidRequestError when it names no source."""
     source = request.WhichOneof("source")
@@ -149,19 +128,18 @@ class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServiceServicer):
         try:
             handoff = handoff_from_proto(request)
             job = generation_from_proto(request.generation, call_deadline(context))
-            top = job.params.logprobs or 0
-            async for batch in worker.decode(job, handoff):
-                if batch.finish_reason == "abort" and call in self._aborted:
+            async for chunk in worker.decode(job, handoff):
+                if chunk.finish_reason == common_pb2.FINISH_REASON_ABORT and call in self._aborted:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker shut down before this request "
                                         "finished (its drain grace period passed)")
-                timer.add_tokens(len(batch.token_ids))
-                last = batch
-                yield chunk_to_proto(batch, top)
+                timer.add_tokens(len(chunk.token_ids))
+                last = chunk
+                yield chunk
         except self.handled_errors as exc:
             await self.fail(context, exc)
         finally:
             self._leave(call)
-        if last is not None and last.usage is not None:
+        if last is not None and last.HasField("usage"):
             u = last.usage
             path = "local" if handoff is None else ("handoff" if last.used_handoff else "recompute")
             self.metrics.serving.observe(timer, (path,), prompt_tokens=u.prompt_tokens,

@@ -2,9 +2,9 @@
 
 Contract (DESIGN.md "One chat request, end to end", step 4):
 - `DecodeWorker.decode(job, handoff)` (a `worker.codec.GenerationJob`; `handoff` None: the local path) is an async
-  iterator of `TokenBatch`es carrying every completion token of the request,
-  the first one included, ending with one batch per choice whose `finish_reason` is set; the last batch of the stream
-  carries `usage`.
+  iterator of `DecodeChunk`s (protos/decode.proto: the one output event a worker streams to the gateway) carrying
+  every completion token of the request, the first one included, ending with one chunk per choice whose `finish_reason` is set; the last chunk of the stream
+  carries `usage` and `used_handoff`.
 - Handoff path (`handoff` set): one `BatchGet` fetches the handoff object (an `engine.transfer.RequestState` after
   all N prompt tokens, sampled token N+1 carried as its output) together with the prompt's full KV blocks, which the
   lean handoff names by hash (the worker computes the hashes from the prompt, its model fingerprint and the tenant
@@ -45,12 +45,12 @@ from cache_service.client import CacheClient
 from cache_service.objects import Status, object_key
 from engine.async_engine import AsyncEngine
 from engine.memory.policy import hint_points
-from engine.outputs import PositionLogprobs, RequestOutput
+from engine.outputs import RequestOutput
 from engine.transfer import (CorruptObjectError, MissingBlockError, ModelMismatchError, RequestState,
                              ShapeMismatchError, TransferError, stitch_handoff)
-from protos import common_pb2
+from protos import common_pb2, decode_pb2
 from telemetry import tracing
-from worker.codec import GenerationJob, prompt_logprobs_to_proto
+from worker.codec import FINISH_REASONS, GenerationJob, output_chunk, prompt_logprobs_to_proto
 from worker.offload import SnapshotPublisher
 from worker.prefix import PrefixCounters, RemotePrefix
 from worker.tenancy import engine_cache_salt, prompt_block_hashes
@@ -59,6 +59,7 @@ from worker.transfers import timed_get
 log = logging.getLogger(__name__)
 
 KV_BLOCK = common_pb2.OBJECT_KIND_KV_BLOCK
+FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items() if name is not None}  # for the span
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
@@ -75,21 +76,6 @@ class Handoff:
     first_token_id: int
     first_token_logprob: common_pb2.TokenLogprob | None = None  # passed through to the first batch
     cached_tokens: int = 0  # prompt tokens prefill served from the cache
-
-
-@dataclass
-class TokenBatch:
-    index: int  # choice
-    token_ids: list[int]
-    logprobs: list[PositionLogprobs] | None = None  # engine form, one per token (None: not asked for)
-    first_token_logprob: common_pb2.TokenLogprob | None = None  # the handoff's first token, already in proto form
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    cached_tokens: int | None = None  # prompt tokens served from the cache; on the first batch of the request
-    usage: common_pb2.Usage | None = None  # the one Usage type of the mesh (protos/common.proto)
-    used_handoff: bool = False
-    # `prompt_logprobs=k` (colocated): prompt positions 2..N in proto form, on the first batch of the request
-    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -147,23 +133,23 @@ class DecodeWorker:
 
     # -- decode --------------------------------------------------------------------------------------------------
 
-    async def decode(self, job: GenerationJob, handoff: Handoff | None = None) -> AsyncIterator[TokenBatch]:
+    async def decode(self, job: GenerationJob, handoff: Handoff | None = None) -> AsyncIterator[decode_pb2.DecodeChunk]:
         attributes = {tracing.REQUEST_ID: job.request_id, tracing.PROMPT_TOKENS: len(job.prompt_token_ids)}
         with tracing.child_span(self.tracer, "decode", attributes) as span:
             output_tokens, finish = 0, []
-            async for batch in self._decode(job, handoff):
-                output_tokens += len(batch.token_ids)
-                if batch.finish_reason is not None:
-                    finish.append(batch.finish_reason)
-                if batch.usage is not None:
-                    path = "local" if handoff is None else ("handoff" if batch.used_handoff else "recompute")
+            async for chunk in self._decode(job, handoff):
+                output_tokens += len(chunk.token_ids)
+                if chunk.finish_reason:
+                    finish.append(FINISH_NAMES[chunk.finish_reason])
+                if chunk.HasField("usage"):
+                    path = "local" if handoff is None else ("handoff" if chunk.used_handoff else "recompute")
                     tracing.set_attributes(span, {tracing.DECODE_PATH: path,
-                                                  tracing.HIT_TOKENS: batch.usage.cached_tokens})
-                yield batch
+                                                  tracing.HIT_TOKENS: chunk.usage.cached_tokens})
+                yield chunk
             tracing.set_attributes(span, {tracing.GEN_AI_USAGE_OUTPUT_TOKENS: output_tokens,
                                           tracing.GEN_AI_RESPONSE_FINISH_REASONS: tuple(finish) or None})
 
-    async def _decode(self, job: GenerationJob, handoff: Handoff | None) -> AsyncIterator[TokenBatch]:
+    async def _decode(self, job: GenerationJob, handoff: Handoff | None) -> AsyncIterator[decode_pb2.DecodeChunk]:
         hint_points(job.snapshot_hints, len(job.prompt_token_ids), self.layout.block_size)  # before anything runs
         if handoff is None:
             self.counters.local_requests += 1
@@ -201,7 +187,7 @@ class DecodeWorker:
         return (junction,) if junction else ()
 
     async def _generate(self, job: GenerationJob, n: int, cached_tokens: int | None,
-                        hints: tuple[int, ...] | None = None) -> AsyncIterator[TokenBatch]:
+                        hints: tuple[int, ...] | None = None) -> AsyncIterator[decode_pb2.DecodeChunk]:
         stream = self.engine.generate(job.request_id, {"prompt_token_ids": list(job.prompt_token_ids)}, job.params,
                                       priority=job.priority, cache_salt=engine_cache_salt(job.tenant_salt),
                                       deadline=job.deadline, media=job.media,
@@ -209,9 +195,12 @@ class DecodeWorker:
         async for batch in self._batches(stream, job, n, cached_tokens, used_handoff=False, carried=0):
             yield batch
 
-    async def _continue(self, job: GenerationJob, handoff: Handoff, state: RequestState) -> AsyncIterator[TokenBatch]:
-        yield TokenBatch(0, [handoff.first_token_id], first_token_logprob=handoff.first_token_logprob,
-                         cached_tokens=handoff.cached_tokens)
+    async def _continue(self, job: GenerationJob, handoff: Handoff,
+                        state: RequestState) -> AsyncIterator[decode_pb2.DecodeChunk]:
+        first = decode_pb2.DecodeChunk(index=0, token_ids=[handoff.first_token_id], cached_tokens=handoff.cached_tokens)
+        if handoff.first_token_logprob is not None:
+            first.logprobs.append(handoff.first_token_logprob)
+        yield first
         stream = self.engine.import_request(job.request_id, state, job.params, priority=job.priority,
                                             deadline=job.deadline, media=job.media)
         async for batch in self._batches(stream, job, 1, handoff.cached_tokens, used_handoff=True, carried=1,
@@ -219,30 +208,30 @@ class DecodeWorker:
             yield batch
 
     async def _batches(self, stream: AsyncIterator[RequestOutput], job: GenerationJob, n: int, cached_tokens: int | None,
-                       used_handoff: bool, carried: int, first: bool = True) -> AsyncIterator[TokenBatch]:
-        """Engine deltas -> token batches; the first batch (when `first`) gets the cached tokens, the last the
-        usage."""
-        pending: TokenBatch | None = None
+                       used_handoff: bool, carried: int, first: bool = True) -> AsyncIterator[decode_pb2.DecodeChunk]:
+        """Engine deltas -> chunks; the first chunk (when `first`) gets the cached tokens, the last the usage."""
+        pending: decode_pb2.DecodeChunk | None = None
+        top = job.params.logprobs or 0
         totals = [carried] + [0] * (n - 1)
         async for out in stream:
             for c in out.outputs:
                 if pending is not None:
                     yield pending
                 totals[c.index] = len(c.token_ids)
-                pending = TokenBatch(c.index, list(c.delta_token_ids), logprobs=c.delta_logprobs,
-                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                     used_handoff=used_handoff)
+                pending = output_chunk(c.index, list(c.delta_token_ids), c.delta_logprobs, c.finish_reason,
+                                       c.stop_reason, top)
                 if first:
                     pending.cached_tokens = out.num_cached_tokens if cached_tokens is None else cached_tokens
-                    pending.prompt_logprobs = prompt_logprobs_to_proto(
-                        out.prompt_logprobs, list(job.prompt_token_ids), job.params.prompt_logprobs or 0)
+                    pending.prompt_logprobs.extend(prompt_logprobs_to_proto(
+                        out.prompt_logprobs, list(job.prompt_token_ids), job.params.prompt_logprobs or 0))
                     first = False
             if out.finished:
                 cached = out.num_cached_tokens if cached_tokens is None else cached_tokens
                 if pending is None:
-                    pending = TokenBatch(0, [], used_handoff=used_handoff)
-                pending.usage = common_pb2.Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=sum(totals),
-                                                 cached_tokens=cached)
+                    pending = decode_pb2.DecodeChunk(index=0)
+                pending.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(job.prompt_token_ids),
+                                                        completion_tokens=sum(totals), cached_tokens=cached))
+                pending.used_handoff = used_handoff
         if pending is not None:
             yield pending
 

@@ -8,7 +8,8 @@ Contract:
   `common_pb2.Usage`) on the very last event. Leaving the iteration early cancels the gRPC calls in flight (decode
   aborts the request and frees its memory).
 - Every worker call carries the request once, as a `GenerationRequest` (`generation_request`): prefill and decode
-  get the same message.
+  get the same message. Output comes back as one event type, decode's `DecodeChunk` (a prefill that already ended
+  the output is turned into one); `token_event(chunk, route)` is the one place it becomes a `TokenEvent`.
 - Disaggregated path (when the P/D decision says so: `gateway.routing.PDDecider`, re-exported here): `Prefill` on
   a prefill worker, then `Decode` from its handoff on a decode worker. When the first token already ends the
   output, decode is skipped. When prefill fails with UNAVAILABLE / ABORTED / INTERNAL / UNKNOWN (cache service
@@ -223,18 +224,11 @@ class MeshClient(WorkerPool):
         finished = False
         try:
             async for chunk in call:
-                event = TokenEvent(index=chunk.index, token_ids=list(chunk.token_ids), logprobs=list(chunk.logprobs),
-                                   finish_reason=FINISH_NAMES.get(chunk.finish_reason),
-                                   stop_token_id=chunk.stop_token_id if chunk.HasField("stop_token_id") else None,
-                                   prompt_logprobs=list(chunk.prompt_logprobs) or prompt_logprobs)
+                if not chunk.prompt_logprobs:
+                    chunk.prompt_logprobs.extend(prompt_logprobs)
                 prompt_logprobs = []
-                if chunk.HasField("cached_tokens"):
-                    event.cached_tokens = chunk.cached_tokens
-                if chunk.HasField("usage"):
-                    event.usage = chunk.usage
-                    event.route = route
-                    finished = True
-                yield event
+                finished = chunk.HasField("usage")
+                yield token_event(chunk, route)
         except grpc.aio.AioRpcError as exc:
             raise MeshError(exc.code(), exc.details() or exc.code().name) from None
         finally:
@@ -274,11 +268,23 @@ def _remaining(deadline: float | None, cap: float | None = None) -> float | None
     return left if cap is None else min(left, cap)
 
 
+def token_event(chunk: decode_pb2.DecodeChunk, route: str) -> TokenEvent:
+    """The gateway's view of a worker's output event (the only place one is read); `route` goes on the last."""
+    last = chunk.HasField("usage")
+    return TokenEvent(index=chunk.index, token_ids=list(chunk.token_ids), logprobs=list(chunk.logprobs),
+                      finish_reason=FINISH_NAMES.get(chunk.finish_reason),
+                      stop_token_id=chunk.stop_token_id if chunk.HasField("stop_token_id") else None,
+                      usage=chunk.usage if last else None,
+                      cached_tokens=chunk.cached_tokens if chunk.HasField("cached_tokens") else None,
+                      route=route if last else "", prompt_logprobs=list(chunk.prompt_logprobs))
+
+
 def _first_token_only(response: prefill_pb2.PrefillResponse) -> TokenEvent:
-    finish = FINISH_NAMES.get(response.finish_reason)
-    return TokenEvent(index=0, token_ids=[response.first_token_id], cached_tokens=response.cached_tokens,
-                      logprobs=[response.first_token_logprob] if response.HasField("first_token_logprob") else [],
-                      finish_reason=finish, prompt_logprobs=list(response.prompt_logprobs),
-                      usage=common_pb2.Usage(prompt_tokens=response.prompt_tokens, completion_tokens=1,
-                                             cached_tokens=response.cached_tokens),
-                      route="remote")
+    """A prefill that already ended the output, as the one-chunk stream decode would have sent."""
+    chunk = decode_pb2.DecodeChunk(index=0, token_ids=[response.first_token_id], finish_reason=response.finish_reason,
+                                   cached_tokens=response.cached_tokens, prompt_logprobs=response.prompt_logprobs,
+                                   usage=common_pb2.Usage(prompt_tokens=response.prompt_tokens, completion_tokens=1,
+                                                          cached_tokens=response.cached_tokens))
+    if response.HasField("first_token_logprob"):
+        chunk.logprobs.append(response.first_token_logprob)
+    return token_event(chunk, "remote")

@@ -5,6 +5,8 @@ both `PrefillRequest` and `DecodeRequest` embed) into the one `GenerationJob` bo
 one token, else `InvalidRequestError`), the engine's `SamplingParams`, the tenant salt, media, priority, structure
 hints and the call's deadline. A new per-request field is decoded here once. `sampling_from_proto` raises `InvalidRequestError` for values out of range (proto3
 defaults mean vLLM's defaults); `structured_from_proto` raises it for an unusable structured-output spec;
+`output_chunk` turns one engine delta of a choice into the `DecodeChunk` the decode worker streams (the one
+worker -> gateway output event: tokens, logprobs with the top `top`, finish reason, stop token id).
 `logprob_to_proto` keeps the sampled token and its top `top` alternatives (`prompt_logprobs_to_proto` does so for
 every prompt position but the first, with the token's rank); `FINISH_REASONS` maps the engine's finish reasons to
 the proto enum. `media_from_proto` turns a request's `MediaItem`s into the engine's `ImageInput`s (content hash
@@ -24,7 +26,7 @@ from engine.sampling import SamplingParams
 from engine.vision.feed import ImageInput
 from engine.structured import (DEFAULT_MAX_REASONING_TOKENS, DEFAULT_MAX_STRING_TOKENS, StructuredOutputParams,
                                ToolSpec)
-from protos import common_pb2
+from protos import common_pb2, decode_pb2
 
 FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
                   "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
@@ -101,6 +103,19 @@ def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputP
         output_format=msg.output_format or None, starts_in_reasoning=msg.starts_in_reasoning,
         max_reasoning_tokens=limit("max_reasoning_tokens", DEFAULT_MAX_REASONING_TOKENS),
         max_string_tokens=limit("max_string_tokens", DEFAULT_MAX_STRING_TOKENS))
+
+
+def output_chunk(index: int, token_ids: list[int], logprobs: list[PositionLogprobs] | None,
+                 finish_reason: str | None, stop_reason: int | str | None, top: int) -> decode_pb2.DecodeChunk:
+    """One choice's new tokens as a `DecodeChunk`; with finish "stop" by a token, its id (`stop_token_id`)."""
+    chunk = decode_pb2.DecodeChunk(index=index, token_ids=token_ids, finish_reason=FINISH_REASONS[finish_reason])
+    if logprobs:
+        chunk.logprobs.extend(logprob_to_proto(e, t, top) for e, t in zip(logprobs, token_ids))
+    if finish_reason == "stop" and not isinstance(stop_reason, str):
+        stop_id = stop_reason if isinstance(stop_reason, int) else (token_ids[-1] if token_ids else None)
+        if stop_id is not None:
+            chunk.stop_token_id = stop_id
+    return chunk
 
 
 def logprob_to_proto(entries: PositionLogprobs, token_id: int, top: int) -> common_pb2.TokenLogprob:
