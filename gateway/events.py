@@ -8,8 +8,8 @@ Contract:
 - Completions (`CompletionEvent`): text deltas with their token ids and logprobs, `text_offset` (characters of the
   choice sent before) and `logprob_offset` (the text offset of the first token in `logprobs`: after an echoed
   prompt), the finish reason on a choice's last event.
-- Token counts of a whole request are the mesh's one `Usage` type, `protos.common_pb2.Usage` (the decode worker
-  sends it, runs count it, REST, gRPC and the SDK report it).
+- Token counts of a whole request are the mesh's one `Usage` type, the `Usage` message of protos/common.proto (the
+  decode worker sends it, runs count in it, REST, gRPC and the SDK report it).
 """
 
 from __future__ import annotations
