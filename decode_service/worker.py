@@ -3,8 +3,8 @@
 Contract (DESIGN.md "One chat request, end to end", step 4):
 - `DecodeWorker.decode(job, handoff)` (a `worker.codec.GenerationJob`; `handoff` None: the local path) is an async
   iterator of `DecodeChunk`s (protos/decode.proto: the one output event a worker streams to the gateway) carrying
-  every completion token of the request, the first one included, ending with one chunk per choice whose `finish_reason` is set; the last chunk of the stream
-  carries `usage` and `used_handoff`.
+  every completion token of the request, the first one included, ending with one chunk per choice whose
+  `finish_reason` is set; the last chunk of the stream carries `usage` and `used_handoff`.
 - Handoff path (`handoff` set): one `BatchGet` fetches the handoff object (an `engine.transfer.RequestState` after
   all N prompt tokens, sampled token N+1 carried as its output) together with the prompt's full KV blocks, which the
   lean handoff names by hash (the worker computes the hashes from the prompt, its model fingerprint and the tenant
@@ -74,7 +74,7 @@ class Handoff:
 
     key: common_pb2.ObjectKey
     first_token_id: int
-    first_token_logprob: common_pb2.TokenLogprob | None = None  # passed through to the first batch
+    first_token_logprob: common_pb2.TokenLogprob | None = None  # passed through on the first chunk
     cached_tokens: int = 0  # prompt tokens prefill served from the cache
 
 
@@ -154,8 +154,8 @@ class DecodeWorker:
         if handoff is None:
             self.counters.local_requests += 1
             hints = job.snapshot_hints + await self._load_remote_prefix(job)
-            async for batch in self._generate(job, job.params.n, cached_tokens=None, hints=hints):
-                yield batch
+            async for chunk in self._generate(job, job.params.n, cached_tokens=None, hints=hints):
+                yield chunk
             return
         self.counters.handoff_requests += 1
         try:
@@ -168,12 +168,12 @@ class DecodeWorker:
                 raise HandoffUnavailableError(f"handoff of {job.request_id!r} unavailable ({exc})") from None
             log.info("request %s: handoff unusable (%s); computing the prompt here", job.request_id, exc)
             self.counters.recomputed += 1
-            async for batch in self._generate(job, 1, cached_tokens=None):
-                yield batch
+            async for chunk in self._generate(job, 1, cached_tokens=None):
+                yield chunk
             return
         self.counters.handoff_loaded += 1
-        async for batch in self._continue(job, handoff, state):
-            yield batch
+        async for chunk in self._continue(job, handoff, state):
+            yield chunk
 
     async def _load_remote_prefix(self, job: GenerationJob) -> tuple[int, ...]:
         """Loads the cache service's longer prefix of a local prompt -> its remote junction, as a hint."""
@@ -192,8 +192,8 @@ class DecodeWorker:
                                       priority=job.priority, cache_salt=engine_cache_salt(job.tenant_salt),
                                       deadline=job.deadline, media=job.media,
                                       snapshot_hints=job.snapshot_hints if hints is None else hints)
-        async for batch in self._batches(stream, job, n, cached_tokens, used_handoff=False, carried=0):
-            yield batch
+        async for chunk in self._chunks(stream, job, n, cached_tokens, used_handoff=False, carried=0):
+            yield chunk
 
     async def _continue(self, job: GenerationJob, handoff: Handoff,
                         state: RequestState) -> AsyncIterator[decode_pb2.DecodeChunk]:
@@ -203,12 +203,12 @@ class DecodeWorker:
         yield first
         stream = self.engine.import_request(job.request_id, state, job.params, priority=job.priority,
                                             deadline=job.deadline, media=job.media)
-        async for batch in self._batches(stream, job, 1, handoff.cached_tokens, used_handoff=True, carried=1,
+        async for chunk in self._chunks(stream, job, 1, handoff.cached_tokens, used_handoff=True, carried=1,
                                          first=False):
-            yield batch
+            yield chunk
 
-    async def _batches(self, stream: AsyncIterator[RequestOutput], job: GenerationJob, n: int, cached_tokens: int | None,
-                       used_handoff: bool, carried: int, first: bool = True) -> AsyncIterator[decode_pb2.DecodeChunk]:
+    async def _chunks(self, stream: AsyncIterator[RequestOutput], job: GenerationJob, n: int, cached_tokens: int | None,
+                      used_handoff: bool, carried: int, first: bool = True) -> AsyncIterator[decode_pb2.DecodeChunk]:
         """Engine deltas -> chunks; the first chunk (when `first`) gets the cached tokens, the last the usage."""
         pending: decode_pb2.DecodeChunk | None = None
         top = job.params.logprobs or 0

@@ -7,8 +7,8 @@ Modules, by job:
   `handler` (the one skeleton both fronts run a generation request through);
 - the pipeline: `core` (`GatewayCore`: auth -> plan -> admit -> run), `protocol` (request validation, the error
   envelope), `plan` (rendering, sampling, structured output, parsers), `run` / `chat_run` / `completion_run` (a
-  request through the mesh, seeing the gateway through a `RunContext`), `text` (detokenisation and stop rules of a choice), `events`, `request_trace`
-  (telemetry of one request);
+  request through the mesh, seeing the gateway through a `RunContext`), `text` (detokenisation and stop rules of a
+  choice), `events`, `request_trace` (telemetry of one request);
 - around it: `config` (`GatewayConfig`), `worker_pool` (channels, membership, health, KV-event subscriptions,
   the workers' reported facts), `mesh_client` (the request orchestrator over the pools: P/D decision, prefill ->
   decode over gRPC), `routing` (prefix- and

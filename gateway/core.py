@@ -213,8 +213,8 @@ class GatewayCore:
         self.caps.check([len(plan.prompt_ids)], request.n, "messages")
         lease = self._admit(principal, len(plan.prompt_ids), request.completion_limit, request.n, api)
         salt = self.tenant_salt(principal, request.cache_salt)
-        return ChatRun(self.run_context(), principal, lease, plan, f"chatcmpl-{request.request_id or uuid.uuid4().hex}", salt,
-                       api, trace)
+        return ChatRun(self.run_context(), principal, lease, plan,
+                       f"chatcmpl-{request.request_id or uuid.uuid4().hex}", salt, api, trace)
 
     def complete(self, principal: Principal, job: CompletionJob, *, api: str = "rest",
                  trace: RequestTrace | None = None) -> CompletionRun:
@@ -227,8 +227,8 @@ class GatewayCore:
         lease = self._admit(principal, sum(len(p) for p in job.prompts), job.max_tokens, request.n * len(job.prompts),
                             api)
         salt = self.tenant_salt(principal, request.cache_salt)
-        return CompletionRun(self.run_context(), principal, lease, job, f"cmpl-{request.request_id or uuid.uuid4().hex}", salt, api,
-                             trace)
+        return CompletionRun(self.run_context(), principal, lease, job,
+                             f"cmpl-{request.request_id or uuid.uuid4().hex}", salt, api, trace)
 
     # -- tokenizer and models ----------------------------------------------------------------------------------
 

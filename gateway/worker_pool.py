@@ -15,8 +15,9 @@ Contract:
   every transition.
 - Worker facts (protos/worker.proto `WorkerInfoService.Info`): `refresh_info()` asks every worker whose facts are
   not known (a new, or newly healthy, worker; bounded by `timeout_s`, a worker that does not answer stays unknown);
-  `check_health` calls it after each round, `set_worker_addresses` after adding workers. `info` maps address -> `WorkerInfo` of the current members that
-  answered (a worker that turns unhealthy or leaves its pool is forgotten: it may come back another engine).
+  `check_health` calls it after each round, `set_worker_addresses` after adding workers. `info` maps address ->
+  `WorkerInfo` of the current members that answered (a worker that turns unhealthy or leaves its pool is
+  forgotten: it may come back another engine).
   `max_model_len()` is the smallest `max_model_len` over them, or None while none has answered: the context length
   the whole pool serves, whichever worker a request reaches.
 - Telemetry: the worker channels carry `telemetry.rpc.client_interceptors()`: every call sends the caller's current

@@ -3,8 +3,9 @@
 Contract: pure functions, no I/O. `generation_from_proto(msg, deadline)` decodes a `GenerationRequest` (the request
 both `PrefillRequest` and `DecodeRequest` embed) into the one `GenerationJob` both workers run: the prompt (at least
 one token, else `InvalidRequestError`), the engine's `SamplingParams`, the tenant salt, media, priority, structure
-hints and the call's deadline. A new per-request field is decoded here once. `sampling_from_proto` raises `InvalidRequestError` for values out of range (proto3
-defaults mean vLLM's defaults); `structured_from_proto` raises it for an unusable structured-output spec;
+hints and the call's deadline. A new per-request field is decoded here once. `sampling_from_proto` raises
+`InvalidRequestError` for values out of range (proto3 defaults mean vLLM's defaults); `structured_from_proto` raises
+it for an unusable structured-output spec;
 `output_chunk` turns one engine delta of a choice into the `DecodeChunk` the decode worker streams (the one
 worker -> gateway output event: tokens, logprobs with the top `top`, finish reason, stop token id).
 `logprob_to_proto` keeps the sampled token and its top `top` alternatives (`prompt_logprobs_to_proto` does so for
