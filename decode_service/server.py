@@ -35,14 +35,14 @@ import grpc
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from decode_service.worker import (DecodeJob, DecodeWorker, Handoff,
-                                   HandoffUnavailableError, TokenBatch)
+from decode_service.worker import (DecodeWorker, Handoff,
+                                   HandoffUnavailableError)
 from engine.errors import InvalidRequestError
 from decode_service.config import DecodeServiceConfig  # noqa: F401 (re-exported)
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
 from telemetry import tracing
 from telemetry.metrics import CounterSample, RequestTimer, WorkerMetrics
-from worker.codec import FINISH_REASONS, logprob_to_proto, media_from_proto, sampling_from_proto
+from worker.codec import generation_from_proto
 from worker.server import WorkerServer, offload_samples, start_worker_server, transfer_samples
 from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
 
@@ -53,48 +53,17 @@ ABORT_WAIT_S = 2.0  # after the grace period: how long aborted streams get to en
 DRAINING = "decode worker is draining (shutting down) and takes no new requests; send this one to another worker"
 
 
-def chunk_to_proto(batch: TokenBatch, top_logprobs: int) -> decode_pb2.DecodeChunk:
-    chunk = decode_pb2.DecodeChunk(index=batch.index, token_ids=batch.token_ids,
-                                   finish_reason=FINISH_REASONS[batch.finish_reason])
-    if batch.first_token_logprob is not None:
-        chunk.logprobs.append(batch.first_token_logprob)
-    elif batch.logprobs:
-        chunk.logprobs.extend(logprob_to_proto(e, t, top_logprobs) for e, t in zip(batch.logprobs, batch.token_ids))
-    if batch.finish_reason == "stop" and not isinstance(batch.stop_reason, str):
-        stop_id = batch.stop_reason if isinstance(batch.stop_reason, int) else (
-            batch.token_ids[-1] if batch.token_ids else None)
-        if stop_id is not None:
-            chunk.stop_token_id = stop_id
-    if batch.cached_tokens is not None:
-        chunk.cached_tokens = batch.cached_tokens
-    chunk.prompt_logprobs.extend(batch.prompt_logprobs)
-    if batch.usage is not None:
-        u = batch.usage
-        chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                                              cached_tokens=u.cached_tokens))
-        chunk.used_handoff = batch.used_handoff
-    return chunk
-
-
-def job_from_proto(request: decode_pb2.DecodeRequest, deadline: float | None) -> DecodeJob:
-    params = sampling_from_proto(request.sampling)
+def handoff_from_proto(request: decode_pb2.DecodeRequest) -> Handoff | None:
+    """The request's handoff (None: the local path); InvalidRequestError when it names no source."""
     source = request.WhichOneof("source")
-    handoff = None
-    if source == "handoff":
-        h = request.handoff
-        prompt = tuple(h.prompt.ids)
-        handoff = Handoff(key=h.handoff_key, first_token_id=h.first_token_id,
-                          first_token_logprob=h.first_token_logprob if h.HasField("first_token_logprob") else None,
-                          cached_tokens=h.cached_tokens)
-    elif source == "local":
-        prompt = tuple(request.local.prompt.ids)
-    else:
+    if source == "local":
+        return None
+    if source != "handoff":
         raise InvalidRequestError("a decode request needs a handoff or a local prompt", param="source")
-    if not prompt:
-        raise InvalidRequestError("the prompt is empty", param="prompt")
-    return DecodeJob(request_id=request.request_id, prompt_token_ids=prompt, params=params, handoff=handoff,
-                     tenant_salt=request.tenant_salt, priority=request.priority, deadline=deadline,
-                     media=media_from_proto(request.media), snapshot_hints=tuple(request.snapshot_hints))
+    h = request.handoff
+    return Handoff(key=h.handoff_key, first_token_id=h.first_token_id,
+                   first_token_logprob=h.first_token_logprob if h.HasField("first_token_logprob") else None,
+                   cached_tokens=h.cached_tokens)
 
 
 # -- the servicer ----------------------------------------------------------------------------------------------
@@ -116,26 +85,26 @@ class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServiceServicer):
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
         timer = RequestTimer()
-        worker: DecodeWorker = await self.admit(request, context)
-        call, last = object(), None
-        self._enter(call, request.request_id)
+        worker: DecodeWorker = await self.admit(request.generation, context)
+        call, last, handoff = object(), None, None
+        self._enter(call, request.generation.request_id)
         try:
-            job = job_from_proto(request, call_deadline(context))
-            top = job.params.logprobs or 0
-            async for batch in worker.decode(job):
-                if batch.finish_reason == "abort" and call in self._aborted:
+            handoff = handoff_from_proto(request)
+            job = generation_from_proto(request.generation, call_deadline(context))
+            async for chunk in worker.decode(job, handoff):
+                if chunk.finish_reason == common_pb2.FINISH_REASON_ABORT and call in self._aborted:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker shut down before this request "
                                         "finished (its drain grace period passed)")
-                timer.add_tokens(len(batch.token_ids))
-                last = batch
-                yield chunk_to_proto(batch, top)
+                timer.add_tokens(len(chunk.token_ids))
+                last = chunk
+                yield chunk
         except self.handled_errors as exc:
             await self.fail(context, exc)
         finally:
             self._leave(call)
-        if last is not None and last.usage is not None:
+        if last is not None and last.HasField("usage"):
             u = last.usage
-            path = "local" if job.handoff is None else ("handoff" if last.used_handoff else "recompute")
+            path = "local" if handoff is None else ("handoff" if last.used_handoff else "recompute")
             self.metrics.serving.observe(timer, (path,), prompt_tokens=u.prompt_tokens,
                                          completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens)
 

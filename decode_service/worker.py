@@ -1,10 +1,11 @@
 """The decode worker: continues a request from a prefill handoff, or prefills it locally, and streams its tokens.
 
 Contract (docs/architecture.md, "The mesh", step 3):
-- `DecodeWorker.decode(job)` is an async iterator of `TokenBatch`es carrying every completion token of the request,
-  the first one included, ending with one batch per choice whose `finish_reason` is set; the last batch of the stream
-  carries `usage`.
-- Handoff path (`job.handoff` set): one `BatchGet` fetches the handoff object (an `engine.transfer.RequestState` after
+- `DecodeWorker.decode(job, handoff)` (a `worker.codec.GenerationJob`; `handoff` None: the local path) is an async
+  iterator of `DecodeChunk`s (protos/decode.proto: the one output event a worker streams to the gateway) carrying
+  every completion token of the request, the first one included, ending with one chunk per choice whose
+  `finish_reason` is set; the last chunk of the stream carries `usage` and `used_handoff`.
+- Handoff path (`handoff` set): one `BatchGet` fetches the handoff object (an `engine.transfer.RequestState` after
   all N prompt tokens, sampled token N+1 carried as its output) together with the prompt's full KV blocks, which the
   lean handoff names by hash (the worker computes the hashes from the prompt, its model fingerprint and the tenant
   salt, and checks them against the handoff's). The state is verified (prompt, first token, token count, block
@@ -14,7 +15,7 @@ Contract (docs/architecture.md, "The mesh", step 3):
 - When the handoff cannot be used (cache service down, handoff expired, missing block, corrupt or mismatched object)
   the worker counts the failure and, with `kv_load_failure_policy="recompute"` (default), prefills the prompt itself
   (greedy and seeded outputs are unchanged); with `"fail"` it raises `HandoffUnavailableError`.
-- Local path (`job.handoff` None, the colocated mode): the engine prefills (using its own prefix cache, and before
+- Local path (`handoff` None, the colocated mode): the engine prefills (using its own prefix cache, and before
   that the longer prefix the cache service may hold — offloaded snapshots included — loaded as prefill loads it,
   worker/prefix.py; not with `load_remote_prefix=False`) and decodes; `n > 1` is served here. The job's structure hints (`snapshot_hints`) and the remote
   junction are snapshot points of the prompt (prefill_service/worker.py), on this path and on the recompute one.
@@ -45,13 +46,12 @@ from cache_service.objects import Status, object_key
 from decode_service.config import KV_LOAD_FAILURE_POLICIES
 from engine.async_engine import AsyncEngine
 from engine.memory.policy import hint_points
-from engine.outputs import PositionLogprobs, RequestOutput
-from engine.sampling import SamplingParams
+from engine.outputs import RequestOutput
 from engine.transfer import (CorruptObjectError, MissingBlockError, ModelMismatchError, RequestState,
                              ShapeMismatchError, TransferError, stitch_handoff)
-from protos import common_pb2
+from protos import common_pb2, decode_pb2
 from telemetry import tracing
-from worker.codec import prompt_logprobs_to_proto
+from worker.codec import FINISH_REASONS, GenerationJob, output_chunk, prompt_logprobs_to_proto
 from worker.offload import SnapshotPublisher
 from worker.prefix import PrefixCounters, RemotePrefix
 from worker.tenancy import engine_cache_salt, prompt_block_hashes
@@ -60,6 +60,7 @@ from worker.transfers import timed_get
 log = logging.getLogger(__name__)
 
 KV_BLOCK = common_pb2.OBJECT_KIND_KV_BLOCK
+FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items() if name is not None}  # for the span
 
 
 
@@ -73,43 +74,8 @@ class Handoff:
 
     key: common_pb2.ObjectKey
     first_token_id: int
-    first_token_logprob: common_pb2.TokenLogprob | None = None  # passed through to the first batch
+    first_token_logprob: common_pb2.TokenLogprob | None = None  # passed through on the first chunk
     cached_tokens: int = 0  # prompt tokens prefill served from the cache
-
-
-@dataclass(frozen=True)
-class DecodeJob:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    handoff: Handoff | None = None  # None: prefill locally (colocated)
-    tenant_salt: bytes = b""
-    priority: int = 0
-    deadline: float | None = None  # time.monotonic() seconds
-    media: tuple = ()  # engine.vision.feed.ImageInput of the prompt's images (pixels for local prefill only)
-    snapshot_hints: tuple[int, ...] = ()  # prompt token positions to snapshot the KDA state at (protos/prefill.proto)
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-@dataclass
-class TokenBatch:
-    index: int  # choice
-    token_ids: list[int]
-    logprobs: list[PositionLogprobs] | None = None  # engine form, one per token (None: not asked for)
-    first_token_logprob: common_pb2.TokenLogprob | None = None  # the handoff's first token, already in proto form
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    cached_tokens: int | None = None  # prompt tokens served from the cache; on the first batch of the request
-    usage: Usage | None = None
-    used_handoff: bool = False
-    # `prompt_logprobs=k` (colocated): prompt positions 2..N in proto form, on the first batch of the request
-    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -167,33 +133,33 @@ class DecodeWorker:
 
     # -- decode --------------------------------------------------------------------------------------------------
 
-    async def decode(self, job: DecodeJob) -> AsyncIterator[TokenBatch]:
+    async def decode(self, job: GenerationJob, handoff: Handoff | None = None) -> AsyncIterator[decode_pb2.DecodeChunk]:
         attributes = {tracing.REQUEST_ID: job.request_id, tracing.PROMPT_TOKENS: len(job.prompt_token_ids)}
         with tracing.child_span(self.tracer, "decode", attributes) as span:
             output_tokens, finish = 0, []
-            async for batch in self._decode(job):
-                output_tokens += len(batch.token_ids)
-                if batch.finish_reason is not None:
-                    finish.append(batch.finish_reason)
-                if batch.usage is not None:
-                    path = "local" if job.handoff is None else ("handoff" if batch.used_handoff else "recompute")
+            async for chunk in self._decode(job, handoff):
+                output_tokens += len(chunk.token_ids)
+                if chunk.finish_reason:
+                    finish.append(FINISH_NAMES[chunk.finish_reason])
+                if chunk.HasField("usage"):
+                    path = "local" if handoff is None else ("handoff" if chunk.used_handoff else "recompute")
                     tracing.set_attributes(span, {tracing.DECODE_PATH: path,
-                                                  tracing.HIT_TOKENS: batch.usage.cached_tokens})
-                yield batch
+                                                  tracing.HIT_TOKENS: chunk.usage.cached_tokens})
+                yield chunk
             tracing.set_attributes(span, {tracing.GEN_AI_USAGE_OUTPUT_TOKENS: output_tokens,
                                           tracing.GEN_AI_RESPONSE_FINISH_REASONS: tuple(finish) or None})
 
-    async def _decode(self, job: DecodeJob) -> AsyncIterator[TokenBatch]:
+    async def _decode(self, job: GenerationJob, handoff: Handoff | None) -> AsyncIterator[decode_pb2.DecodeChunk]:
         hint_points(job.snapshot_hints, len(job.prompt_token_ids), self.layout.block_size)  # before anything runs
-        if job.handoff is None:
+        if handoff is None:
             self.counters.local_requests += 1
             hints = job.snapshot_hints + await self._load_remote_prefix(job)
-            async for batch in self._generate(job, job.params.n, cached_tokens=None, hints=hints):
-                yield batch
+            async for chunk in self._generate(job, job.params.n, cached_tokens=None, hints=hints):
+                yield chunk
             return
         self.counters.handoff_requests += 1
         try:
-            state = await self._load_handoff(job)
+            state = await self._load_handoff(job, handoff)
         except _LoadFailure as exc:
             self.counters.handoff_failures += 1
             reasons = self.counters.failure_reasons
@@ -202,14 +168,14 @@ class DecodeWorker:
                 raise HandoffUnavailableError(f"handoff of {job.request_id!r} unavailable ({exc})") from None
             log.info("request %s: handoff unusable (%s); computing the prompt here", job.request_id, exc)
             self.counters.recomputed += 1
-            async for batch in self._generate(job, 1, cached_tokens=None):
-                yield batch
+            async for chunk in self._generate(job, 1, cached_tokens=None):
+                yield chunk
             return
         self.counters.handoff_loaded += 1
-        async for batch in self._continue(job, state):
-            yield batch
+        async for chunk in self._continue(job, handoff, state):
+            yield chunk
 
-    async def _load_remote_prefix(self, job: DecodeJob) -> tuple[int, ...]:
+    async def _load_remote_prefix(self, job: GenerationJob) -> tuple[int, ...]:
         """Loads the cache service's longer prefix of a local prompt -> its remote junction, as a hint."""
         if self.prefix is None:
             return ()
@@ -220,61 +186,64 @@ class DecodeWorker:
         junction = self.prefix.junction(presence, len(ids))
         return (junction,) if junction else ()
 
-    async def _generate(self, job: DecodeJob, n: int, cached_tokens: int | None,
-                        hints: tuple[int, ...] | None = None) -> AsyncIterator[TokenBatch]:
+    async def _generate(self, job: GenerationJob, n: int, cached_tokens: int | None,
+                        hints: tuple[int, ...] | None = None) -> AsyncIterator[decode_pb2.DecodeChunk]:
         stream = self.engine.generate(job.request_id, {"prompt_token_ids": list(job.prompt_token_ids)}, job.params,
                                       priority=job.priority, cache_salt=engine_cache_salt(job.tenant_salt),
                                       deadline=job.deadline, media=job.media,
                                       snapshot_hints=job.snapshot_hints if hints is None else hints)
-        async for batch in self._batches(stream, job, n, cached_tokens, used_handoff=False, carried=0):
-            yield batch
+        async for chunk in self._chunks(stream, job, n, cached_tokens, used_handoff=False, carried=0):
+            yield chunk
 
-    async def _continue(self, job: DecodeJob, state: RequestState) -> AsyncIterator[TokenBatch]:
-        handoff = job.handoff
-        yield TokenBatch(0, [handoff.first_token_id], first_token_logprob=handoff.first_token_logprob,
-                         cached_tokens=handoff.cached_tokens)
+    async def _continue(self, job: GenerationJob, handoff: Handoff,
+                        state: RequestState) -> AsyncIterator[decode_pb2.DecodeChunk]:
+        first = decode_pb2.DecodeChunk(index=0, token_ids=[handoff.first_token_id], cached_tokens=handoff.cached_tokens)
+        if handoff.first_token_logprob is not None:
+            first.logprobs.append(handoff.first_token_logprob)
+        yield first
         stream = self.engine.import_request(job.request_id, state, job.params, priority=job.priority,
                                             deadline=job.deadline, media=job.media)
-        async for batch in self._batches(stream, job, 1, handoff.cached_tokens, used_handoff=True, carried=1,
+        async for chunk in self._chunks(stream, job, 1, handoff.cached_tokens, used_handoff=True, carried=1,
                                          first=False):
-            yield batch
+            yield chunk
 
-    async def _batches(self, stream: AsyncIterator[RequestOutput], job: DecodeJob, n: int, cached_tokens: int | None,
-                       used_handoff: bool, carried: int, first: bool = True) -> AsyncIterator[TokenBatch]:
-        """Engine deltas -> token batches; the first batch (when `first`) gets the cached tokens, the last the
-        usage."""
-        pending: TokenBatch | None = None
+    async def _chunks(self, stream: AsyncIterator[RequestOutput], job: GenerationJob, n: int, cached_tokens: int | None,
+                      used_handoff: bool, carried: int, first: bool = True) -> AsyncIterator[decode_pb2.DecodeChunk]:
+        """Engine deltas -> chunks; the first chunk (when `first`) gets the cached tokens, the last the usage."""
+        pending: decode_pb2.DecodeChunk | None = None
+        top = job.params.logprobs or 0
         totals = [carried] + [0] * (n - 1)
         async for out in stream:
             for c in out.outputs:
                 if pending is not None:
                     yield pending
                 totals[c.index] = len(c.token_ids)
-                pending = TokenBatch(c.index, list(c.delta_token_ids), logprobs=c.delta_logprobs,
-                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                     used_handoff=used_handoff)
+                pending = output_chunk(c.index, list(c.delta_token_ids), c.delta_logprobs, c.finish_reason,
+                                       c.stop_reason, top)
                 if first:
                     pending.cached_tokens = out.num_cached_tokens if cached_tokens is None else cached_tokens
-                    pending.prompt_logprobs = prompt_logprobs_to_proto(
-                        out.prompt_logprobs, list(job.prompt_token_ids), job.params.prompt_logprobs or 0)
+                    pending.prompt_logprobs.extend(prompt_logprobs_to_proto(
+                        out.prompt_logprobs, list(job.prompt_token_ids), job.params.prompt_logprobs or 0))
                     first = False
             if out.finished:
                 cached = out.num_cached_tokens if cached_tokens is None else cached_tokens
                 if pending is None:
-                    pending = TokenBatch(0, [], used_handoff=used_handoff)
-                pending.usage = Usage(len(job.prompt_token_ids), sum(totals), cached)
+                    pending = decode_pb2.DecodeChunk(index=0)
+                pending.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(job.prompt_token_ids),
+                                                        completion_tokens=sum(totals), cached_tokens=cached))
+                pending.used_handoff = used_handoff
         if pending is not None:
             yield pending
 
     # -- the handoff ---------------------------------------------------------------------------------------------
 
-    async def _load_handoff(self, job: DecodeJob) -> RequestState:
+    async def _load_handoff(self, job: GenerationJob, handoff: Handoff) -> RequestState:
         if self.cache is None:
             raise _LoadFailure("no_cache_service", "this worker has no cache service")
         if job.params.n != 1:
             raise _LoadFailure("n", "a handoff carries one sequence")
         hashes = prompt_block_hashes(self.layout, job.prompt_token_ids, job.tenant_salt, job.media)
-        key = job.handoff.key
+        key = handoff.key
         keys = [key] + [object_key(key.model_fingerprint, key.tenant_salt, KV_BLOCK, h) for h in hashes]
         with tracing.child_span(self.tracer, "handoff.claim", {tracing.KEYS: len(keys),
                                                                tracing.BLOCKS: len(hashes)}) as span:
@@ -286,7 +255,7 @@ class DecodeWorker:
                     raise _LoadFailure(got[0].status.name.lower(), got[0].message or "handoff not found")
                 self._claim(key)
                 blocks = [r.data if r.status == Status.FOUND else None for r in got[1:]]
-                return await asyncio.to_thread(self._assemble, job, got[0].data, hashes, blocks)
+                return await asyncio.to_thread(self._assemble, job, handoff, got[0].data, hashes, blocks)
             except _LoadFailure as exc:
                 tracing.mark_error(span, exc.reason, str(exc))
                 raise
@@ -297,7 +266,7 @@ class DecodeWorker:
         self._claims.add(task)
         task.add_done_callback(self._claims.discard)
 
-    def _assemble(self, job: DecodeJob, data: bytes, hashes: list[bytes],
+    def _assemble(self, job: GenerationJob, handoff: Handoff, data: bytes, hashes: list[bytes],
                   blocks: list[bytes | None]) -> RequestState:
         """Parses and checks the handoff, filling the full blocks a lean handoff leaves out. Runs in a thread."""
         try:
@@ -306,7 +275,7 @@ class DecodeWorker:
             raise _LoadFailure("corrupt", str(exc)) from None
         n = len(job.prompt_token_ids)
         if (state.prompt_token_ids != list(job.prompt_token_ids) or state.num_computed_tokens != n
-                or state.output_token_ids != [job.handoff.first_token_id]):
+                or state.output_token_ids != [handoff.first_token_id]):
             raise _LoadFailure("mismatch", "the handoff belongs to another prompt or first token")
         if state.block_hashes != hashes[: n // self.layout.block_size]:
             raise _LoadFailure("mismatch", "the handoff's block hashes differ from this prompt's")

@@ -3,8 +3,8 @@
 Contract:
 - `up(config)` first checks, before any process starts or model loads, that the model folder exists, that every
   port the mesh will listen on is free (a busy one: an error naming it, exit 2) and that the engine options fit
-  (the workers' context length, `engine_max_model_len`: the cache plan of the same `EngineArgs` the workers get,
-  which the gateway then reports in /v1/models). It starts
+  (`engine_max_model_len`, the cache plan of the same `EngineArgs` the workers get: options they would refuse
+  fail here; the gateway learns the context length from the workers themselves). It starts
   the cache service, then the prefill (disaggregated mode only) and decode workers, then the gateway, each as its
   own process (`python -m deploy.cli serve --role …`) on the given ports or free ones; waits until each reports
   ready (gRPC health SERVING; the gateway's `GET /health` 200 carrying the launch's random nonce in
@@ -184,15 +184,16 @@ def _preflight(config: LaunchConfig, model: str) -> list[Service] | None:
               "(choose another --port / --grpc-port / --metrics-port, or stop what listens there)", file=sys.stderr)
         return None
     try:
-        max_model_len = engine_max_model_len(config, model)
+        engine_max_model_len(config, model)  # the workers' own plan: options they would refuse fail here, early
     except ValueError as exc:  # EngineConfigError: the workers would refuse these options
         print(f"kdamesh up: {exc}", file=sys.stderr)
         return None
-    return _with_gateway_identity(planned, secrets.token_hex(8), max_model_len)
+    return _with_gateway_identity(planned, secrets.token_hex(8), config.engine.max_model_len)
 
 
-def _with_gateway_identity(services: list[Service], instance_id: str, max_model_len: int) -> list[Service]:
-    """Gives the gateway its readiness nonce (echoed by its /health) and the workers' context length."""
+def _with_gateway_identity(services: list[Service], instance_id: str, max_model_len: int | None) -> list[Service]:
+    """Gives the gateway its readiness nonce (echoed by its /health) and the user's `--max-model-len` as an upper
+    bound (None: none); the context length itself the gateway learns from the workers (gateway/worker_pool.py)."""
     gateway = services[-1]
     gateway.instance_id = instance_id
     gateway.options = dataclasses.replace(gateway.options, instance_id=instance_id, max_model_len=max_model_len)

@@ -7,7 +7,9 @@ Contract:
   history and `torch.Generator`; a row draws random numbers only from its own generator, a fixed count per step
   (one exponential per vocabulary entry), so a seeded request samples the same tokens whatever else is in the
   batch. `temperature == 0` is greedy (argmax after penalties); no random numbers are drawn then.
-- Processing order, per row: repetition penalty (prompt and output tokens), frequency and presence penalties
+- Processing order, per row: logit bias (`logit_bias`: token id -> value added to its logit, each in [-100, 100],
+  at most `MAX_LOGIT_BIAS` entries; ids checked against the vocabulary by `check_vocab`), repetition penalty
+  (prompt and output tokens), frequency and presence penalties
   (output tokens), temperature, min_p, top_k, top_p, then sampling. Logprobs are the model's raw log-softmax
   (before any processing), as vLLM v1 reports them by default.
 - `structured` (a validated `engine.structured.StructuredOutputParams`) makes the engine mask each row's logits with
@@ -28,6 +30,7 @@ from engine.structured import StructuredOutputParams
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
 
 
 @dataclass
@@ -52,6 +55,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # structured output (grammar-constrained decoding, see engine/structured/); None: unconstrained
     structured: StructuredOutputParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (logit units, [-100, 100])
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -59,6 +63,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        if not _is_logit_bias(self.logit_bias):
+            raise InvalidRequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids >= 0 to values in "
+                                      f"[-100, 100], got {self.logit_bias!r}", param="logit_bias")
 
     def _validate(self) -> None:
         def bad(param: str, why: str) -> InvalidRequestError:
@@ -112,6 +119,18 @@ class SamplingParams:
         if bad:
             raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})",
                                       param="stop_token_ids")
+        bad = sorted(t for t in self.logit_bias or {} if t >= vocab_size)
+        if bad:
+            raise InvalidRequestError(f"logit_bias token ids {bad} are outside the vocabulary (size {vocab_size})",
+                                      param="logit_bias")
+
+
+def _is_logit_bias(bias) -> bool:
+    """None, or at most MAX_LOGIT_BIAS token ids >= 0 mapped to finite values in [-100, 100]."""
+    if bias is None:
+        return True
+    return isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS and all(
+        _is_int(t) and t >= 0 and _is_finite(v) and -100 <= v <= 100 for t, v in bias.items())
 
 
 def _is_int(value) -> bool:
@@ -154,7 +173,7 @@ class Sampler:
         if not rows:
             return []
         plain = [r.params.greedy and not r.params.has_penalties and r.params.logprobs is None and not r.suppress_ids
-                 for r in rows]
+                 and not r.params.logit_bias for r in rows]
         if all(plain):  # the common fast path: one argmax over the batch
             return [SampleResult(int(t)) for t in logits.argmax(dim=-1).tolist()]
         return [self._sample_row(logits[i], row) for i, row in enumerate(rows)]
@@ -175,6 +194,8 @@ class Sampler:
         unless greedy): greedy picks their argmax, sampling draws from their softmax (so does speculative
         verification, engine/spec/verify.py). `logits` itself is never changed."""
         p = row.params
+        if p.logit_bias:
+            logits = apply_logit_bias(logits, p.logit_bias)
         x = apply_penalties(logits.clone(), p, row.prompt_token_ids, row.output_token_ids) if p.has_penalties \
             else logits
         if row.suppress_ids:
@@ -197,6 +218,13 @@ class Sampler:
                 values, ids = logprobs.topk(p.logprobs)
                 result.top = list(zip(ids.tolist(), values.tolist()))
         return result
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    """A copy of logits [V] with `bias[t]` added at each token t."""
+    ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)  # [B]
+    values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)  # [B]
+    return logits.index_add(0, ids, values)
 
 
 def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int],

@@ -7,9 +7,11 @@ Modules, by job:
   `handler` (the one skeleton both fronts run a generation request through);
 - the pipeline: `core` (`GatewayCore`: auth -> plan -> admit -> run), `protocol` (request validation, the error
   envelope), `plan` (rendering, sampling, structured output, parsers), `run` / `chat_run` / `completion_run` (a
-  request through the mesh), `text` (detokenisation and stop rules of a choice), `events`, `request_trace`
-  (telemetry of one request);
-- around it: `config` (`GatewayConfig`), `mesh_client` (prefill -> decode over gRPC), `routing` (prefix- and
+  request through the mesh, seeing the gateway through a `RunContext`), `text` (detokenisation and stop rules of a
+  choice), `events`, `request_trace` (telemetry of one request);
+- around it: `config` (`GatewayConfig`), `worker_pool` (channels, membership, health, KV-event subscriptions,
+  the workers' reported facts), `mesh_client` (the request orchestrator over the pools: P/D decision, prefill ->
+  decode over gRPC), `routing` (prefix- and
   load-aware worker choice, the P/D decision), `tenancy` (API keys, cache salts), `ratelimit` (per-tenant limits),
   `metrics` (Prometheus).
 Subpackages: `gateway.chat` renders chat conversations to prompt token ids (the Kimi K3 XTML program and the Kimi

@@ -14,28 +14,22 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING
-
-from engine.tokenizer import KimiTokenizer
 from gateway.events import ChatEvent
 from gateway.mesh_client import MeshRequest, TokenEvent
 from gateway.parsers import DeltaMessage, build_output_parser
 from gateway.plan import ChatPlan
 from gateway.ratelimit import Lease
 from gateway.request_trace import RequestTrace
-from gateway.run import Run
+from gateway.run import Run, RunContext
 from gateway.tenancy import Principal
-from gateway.text import ChoiceText, TextRules
+from gateway.text import TextRules
 from protos import common_pb2
-
-if TYPE_CHECKING:
-    from gateway.core import GatewayCore
 
 
 class _ChatChoice:
-    def __init__(self, index: int, tokenizer: KimiTokenizer, plan: ChatPlan, markers: frozenset[int]):
+    def __init__(self, index: int, context: RunContext, plan: ChatPlan):
         self.index = index
-        self.text = ChoiceText(tokenizer, TextRules.of(plan.sampling, markers))
+        self.text = context.choice_text(TextRules.of(plan.sampling, context.marker_ids))
         parser = build_output_parser(plan.tool_parser, plan.reasoning_parser,
                                      start_in_reasoning=plan.prompt.starts_in_reasoning)
         self.stream = parser.stream() if parser is not None else None
@@ -65,14 +59,14 @@ class ChatRun(Run):
     endpoint = "chat"
     prompt_param = "messages"
 
-    def __init__(self, core: "GatewayCore", principal: Principal, lease: Lease, plan: ChatPlan, request_id: str,
+    def __init__(self, context: RunContext, principal: Principal, lease: Lease, plan: ChatPlan, request_id: str,
                  salt: bytes, api: str, trace: RequestTrace | None = None):
-        super().__init__(core, principal, lease, request_id, len(plan.prompt_ids), api, trace)
+        super().__init__(context, principal, lease, request_id, len(plan.prompt_ids), api, trace)
         self.plan = plan
         self.salt = salt
         self.stream = plan.request.stream
         self.include_usage = plan.request.include_usage
-        self.choices = [_ChatChoice(i, core.tokenizer, plan, core.marker_ids) for i in range(plan.request.n)]
+        self.choices = [_ChatChoice(i, context, plan) for i in range(plan.request.n)]
         self.prompt_logprobs: list = []  # `prompt_logprobs`: tokens 2..N of the rendered prompt, once the mesh sent them
 
     def choice_token_counts(self) -> list[int]:
@@ -84,9 +78,9 @@ class ChatRun(Run):
     async def _items(self) -> AsyncIterator[TokenEvent]:
         request = MeshRequest(request_id=self.mesh_id, prompt_token_ids=tuple(self.plan.prompt_ids),
                               sampling=self.plan.sampling, model=self.model, tenant_salt=self.salt,
-                              priority=self.plan.request.priority, timeout_s=self.core.config.request_timeout_s,
+                              priority=self.plan.request.priority, timeout_s=self.context.request_timeout_s,
                               media=self.plan.media, snapshot_hints=self.plan.snapshot_hints)
-        async with aclosing(self.core.mesh.generate(request)) as events:
+        async with aclosing(self.context.generate(request)) as events:
             async for event in events:
                 yield event
 

@@ -14,19 +14,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING
 
 from gateway.events import CompletionEvent, PromptLogprobs
 from gateway.mesh_client import MeshError, MeshRequest, TokenEvent
 from gateway.protocol import CompletionJob
 from gateway.ratelimit import Lease
 from gateway.request_trace import RequestTrace
-from gateway.run import Run
+from gateway.run import Run, RunContext
 from gateway.tenancy import Principal
-from gateway.text import ChoiceText, TextRules
-
-if TYPE_CHECKING:
-    from gateway.core import GatewayCore
+from gateway.text import TextRules
 
 
 class CompletionRun(Run):
@@ -34,16 +30,16 @@ class CompletionRun(Run):
 
     endpoint = "completions"
 
-    def __init__(self, core: "GatewayCore", principal: Principal, lease: Lease, job: CompletionJob,
+    def __init__(self, context: RunContext, principal: Principal, lease: Lease, job: CompletionJob,
                  request_id: str, salt: bytes, api: str, trace: RequestTrace | None = None):
-        super().__init__(core, principal, lease, request_id, sum(len(p) for p in job.prompts), api, trace)
+        super().__init__(context, principal, lease, request_id, sum(len(p) for p in job.prompts), api, trace)
         self.job = job
         self.salt = salt
         self.n = job.request.n  # choices per prompt
         self.stream = job.request.stream
         self.include_usage = job.request.include_usage
         rules = TextRules.of(job.sampling)
-        self.choices = {p * self.n + i: ChoiceText(core.tokenizer, rules) for p in range(len(job.prompts))
+        self.choices = {p * self.n + i: context.choice_text(rules) for p in range(len(job.prompts))
                         for i in range(self.n)}
         self.sent_text = {i: 0 for i in self.choices}
         self.echoed: set[int] = set()
@@ -59,17 +55,17 @@ class CompletionRun(Run):
 
     def prompt_echo(self, p: int) -> str:
         text = self.job.prompt_texts[p]
-        return text if text is not None else self.core.tokenizer.decode(self.job.prompts[p])
+        return text if text is not None else self.context.tokenizer.decode(self.job.prompts[p])
 
     async def _pump(self, p: int, queue: asyncio.Queue, end: object) -> None:
         """Puts prompt p's mesh events on `queue` as (p, event), then a `MeshError` if it failed, then `end`."""
         job = self.job
         request = MeshRequest(request_id=f"{self.mesh_id}-{p}", prompt_token_ids=tuple(job.prompts[p]),
                               sampling=job.sampling, model=self.model, tenant_salt=self.salt,
-                              priority=job.request.priority, timeout_s=self.core.config.request_timeout_s,
+                              priority=job.request.priority, timeout_s=self.context.request_timeout_s,
                               snapshot_hints=job.snapshot_hints)
         try:
-            async with aclosing(self.core.mesh.generate(request)) as events:
+            async with aclosing(self.context.generate(request)) as events:
                 async for event in events:
                     await queue.put((p, event))
                     if all(self.choices[p * self.n + i].finished for i in range(self.n)):

@@ -155,10 +155,9 @@ class GatewayConfig:
     enable_auto_tool_choice: bool = option(
         "--enable-auto-tool-choice", default=False, kind="switch",
         help='let the model decide to call tools (tool_choice "auto"; needs --tool-call-parser)')
-    # Context length the gateway reports (/tokenize, /v1/models); None: the checkpoint's. Workers enforce their own.
+    # An optional upper bound on the context length the workers report (gateway/core.py); None: theirs alone.
     max_model_len: int | None = option("--max-model-len", default=None, parse=int,
-                                       help="context length reported by /tokenize and /v1/models (default: the "
-                                            "checkpoint's)")
+                                       help="an optional upper bound on the context length the workers report")
     # Echoed by GET /health as X-Kdamesh-Instance: the launcher's proof that it reached its own gateway.
     instance_id: str | None = option("--instance-id", default=None,
                                      help="echoed by GET /health as X-Kdamesh-Instance (the launcher's readiness "

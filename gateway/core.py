@@ -26,18 +26,22 @@ Contract:
   first addresses and builds the mesh over them, then keeps re-resolving (also right after a worker fails its
   health check) into `MeshClient.set_worker_addresses`; `close()` stops that.
 - `tokenize` (async) / `detokenize` / `model_cards` answer vLLM's /tokenize, /detokenize and /v1/models.
+- `max_model_len` is what the workers report, never recomputed here: the smallest context length over every worker
+  of both pools that answered `WorkerInfoService.Info` (`WorkerPool.max_model_len`, asked at `start()` and after
+  each health round), capped by `config.max_model_len` when that optional upper bound is set. None while no worker
+  has answered: /v1/models and /tokenize then report `max_model_len: null` (gRPC: 0) and admission answers 503
+  with `Retry-After` (`gateway.plan.check_prompt_length`), so a prompt over the workers' limit is always the
+  gateway's 400, never a worker's error.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
 import uuid
 from collections.abc import Mapping
-from pathlib import Path
 
 from engine.formats.markers import OUTPUT_MARKERS
 from engine.tokenizer import KimiTokenizer
@@ -55,17 +59,11 @@ from gateway.protocol import (ApiError, ChatCompletionRequest, CompletionJob, To
                               TokenizeCompletionRequest)
 from gateway.ratelimit import Lease, RateLimiter, RateLimitExceeded
 from gateway.request_trace import RequestTrace
+from gateway.run import RunContext
 from gateway.tenancy import AuthError, CacheSalter, Principal, TenantDirectory
 from telemetry import tracing
 
 log = logging.getLogger(__name__)
-
-
-def model_max_len(model_dir: str | Path) -> int:
-    """The context length a checkpoint declares (config.json, or its text_config)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    text = config.get("text_config") or config
-    return int(text.get("model_max_length") or text.get("max_position_embeddings") or 1 << 20)
 
 
 class GatewayCore:
@@ -88,7 +86,6 @@ class GatewayCore:
         self.salter = salter if salter is not None else CacheSalter.from_env(env)
         self.limiter = RateLimiter(self.tenants.limits())
         self.family = read_family(config.model)
-        self.max_model_len = config.max_model_len or model_max_len(config.model)
         self.caps = config.request_caps()
         self.fetcher = MediaFetcher(config.media_fetch())
         self.created = int(time.time())
@@ -103,7 +100,7 @@ class GatewayCore:
         if self.tokenizer is None:
             self.tokenizer = KimiTokenizer.from_pretrained(self.config.model)
         self.renderer = ChatRenderer.from_pretrained(self.config.model, self.tokenizer)
-        self.planner = ChatPlanner(self.renderer, self.config, self.max_model_len,
+        self.planner = ChatPlanner(self.renderer, self.config, lambda: self.max_model_len,
                                    load_media_config(self.config.model))
         specials = self.tokenizer.special_tokens
         self.marker_ids = frozenset(specials[m] for m in OUTPUT_MARKERS if m in specials)
@@ -112,6 +109,7 @@ class GatewayCore:
         self.mesh.on_health_change = self._health_changed
         for address in list(self.mesh.decoders) + list(self.mesh.prefillers):
             self._health_changed(address, True)
+        await self.mesh.refresh_info()  # the workers' limits before the first request, when they are up
         self._health_task = asyncio.create_task(self.mesh.run_health_checks(self.config.health_check_interval_s))
         self.mesh.start_kv_events()
         self._log_start()
@@ -151,6 +149,13 @@ class GatewayCore:
             self.discovery.notify_failure(address)  # pods may have moved: re-resolve now
 
     @property
+    def max_model_len(self) -> int | None:
+        """The context length the workers serve (see the module docstring); None while none has reported."""
+        reported = self.mesh.max_model_len() if self.mesh is not None else None
+        cap = self.config.max_model_len
+        return reported if reported is None or cap is None else min(reported, cap)
+
+    @property
     def served(self) -> set[str]:
         return self.config.served_names
 
@@ -172,7 +177,7 @@ class GatewayCore:
         return bytes.fromhex(self.salter.cache_salt(principal, client_salt))
 
     def _admit(self, principal: Principal, prompt_tokens: int, max_tokens: int | None, n: int, api: str) -> Lease:
-        budget = max_tokens if max_tokens is not None else max(0, self.max_model_len - prompt_tokens)
+        budget = max_tokens if max_tokens is not None else max(0, (self.max_model_len or 0) - prompt_tokens)
         try:
             lease = self.limiter.acquire(principal.tenant, prompt_tokens, budget * n)
         except RateLimitExceeded as exc:
@@ -183,6 +188,12 @@ class GatewayCore:
         return lease
 
     # -- runs --------------------------------------------------------------------------------------------------
+
+    def run_context(self) -> RunContext:
+        """What a run sees of the gateway (gateway.run); the mesh is read at each call (discovery may rebuild it)."""
+        return RunContext(generate=lambda request: self.mesh.generate(request), tokenizer=self.tokenizer,
+                          marker_ids=self.marker_ids, metrics=self.metrics, model=self.config.model_name,
+                          request_timeout_s=self.config.request_timeout_s)
 
     async def plan_chat(self, request: ChatCompletionRequest) -> ChatPlan:
         return self.planner.plan(request, await self._fetch_media(request.messages))
@@ -202,8 +213,8 @@ class GatewayCore:
         self.caps.check([len(plan.prompt_ids)], request.n, "messages")
         lease = self._admit(principal, len(plan.prompt_ids), request.completion_limit, request.n, api)
         salt = self.tenant_salt(principal, request.cache_salt)
-        return ChatRun(self, principal, lease, plan, f"chatcmpl-{request.request_id or uuid.uuid4().hex}", salt,
-                       api, trace)
+        return ChatRun(self.run_context(), principal, lease, plan,
+                       f"chatcmpl-{request.request_id or uuid.uuid4().hex}", salt, api, trace)
 
     def complete(self, principal: Principal, job: CompletionJob, *, api: str = "rest",
                  trace: RequestTrace | None = None) -> CompletionRun:
@@ -216,8 +227,8 @@ class GatewayCore:
         lease = self._admit(principal, sum(len(p) for p in job.prompts), job.max_tokens, request.n * len(job.prompts),
                             api)
         salt = self.tenant_salt(principal, request.cache_salt)
-        return CompletionRun(self, principal, lease, job, f"cmpl-{request.request_id or uuid.uuid4().hex}", salt, api,
-                             trace)
+        return CompletionRun(self.run_context(), principal, lease, job,
+                             f"cmpl-{request.request_id or uuid.uuid4().hex}", salt, api, trace)
 
     # -- tokenizer and models ----------------------------------------------------------------------------------
 

@@ -19,7 +19,8 @@ Contract:
   is kept). An empty prefill set is applied (every request then takes the colocated path). `run(apply)` resolves
   every `refresh_s`, and at once after `notify_failure()` but never more often than every `min_refresh_s`, and
   gives each new set to `apply` (`MeshClient.set_worker_addresses(role, addresses)`), within `apply_timeout_s`.
-- `Discovery(config, resolver, settings)` serves one `GatewayConfig`: `active` when a pool is a DNS target (the
+- `Discovery(config, resolver, settings)` serves one `GatewayConfig` (typed here as `PoolsConfig`, the fields it
+  reads): `active` when a pool is a DNS target (the
   prefill pool only in disaggregated mode). `resolve_config()` waits, within `settings.startup_timeout_s`, until
   every DNS pool resolved to at least one address (RuntimeError naming the target otherwise) and returns the config
   with those addresses (for `make_mesh`); a static config comes back as it is. `start(mesh)` runs one watcher task
@@ -37,12 +38,21 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from gateway.config import GatewayConfig
+from typing import Protocol
 
 log = logging.getLogger(__name__)
+
+
+class PoolsConfig(Protocol):
+    """What discovery reads of the gateway's config (`gateway.config.GatewayConfig`, a frozen dataclass; this
+    module does not import it)."""
+
+    decode_addresses: tuple[str, ...]
+    prefill_addresses: tuple[str, ...]
+    mode: str
+    discovery_refresh_s: float
+    discovery_startup_timeout_s: float
+
 
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 Apply = Callable[[tuple[str, ...]], Awaitable[object]]
@@ -172,7 +182,7 @@ class PoolWatcher:
 class Discovery:
     """The gateway's watchers, one per DNS pool (see the module docstring)."""
 
-    def __init__(self, config: "GatewayConfig", resolver: Resolver = system_resolver,
+    def __init__(self, config: PoolsConfig, resolver: Resolver = system_resolver,
                  settings: DiscoverySettings | None = None):
         self.config = config
         self.settings = settings or DiscoverySettings(refresh_s=config.discovery_refresh_s,
@@ -189,7 +199,7 @@ class Discovery:
     def active(self) -> bool:
         return bool(self.watchers)
 
-    async def resolve_config(self) -> "GatewayConfig":
+    async def resolve_config(self) -> PoolsConfig:
         """The config with every DNS pool's first non-empty address set (see the module docstring)."""
         deadline = time.monotonic() + self.settings.startup_timeout_s
         for watcher in self.watchers.values():

@@ -8,7 +8,8 @@ Contract:
 - Completions (`CompletionEvent`): text deltas with their token ids and logprobs, `text_offset` (characters of the
   choice sent before) and `logprob_offset` (the text offset of the first token in `logprobs`: after an echoed
   prompt), the finish reason on a choice's last event.
-- `Usage`: token counts of a whole request (`cached_tokens`: prompt tokens served from the prefix cache).
+- Token counts of a whole request are the mesh's one `Usage` type, the `Usage` message of protos/common.proto (the
+  decode worker sends it, runs count in it, REST, gRPC and the SDK report it).
 """
 
 from __future__ import annotations
@@ -53,9 +54,3 @@ class PromptLogprobs:
     token_ids: list[int]
     logprobs: list[common_pb2.TokenLogprob]  # tokens 2..N (the first has none)
 
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int

@@ -31,8 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.core import GatewayCore
-from gateway.grpc_translate import (chat_body, chat_choice, completion_choice, generate_body, tokenize_body,
-                                    usage_proto)
+from gateway.grpc_translate import chat_body, chat_choice, completion_choice, generate_body, tokenize_body
 from gateway.handler import Start, open_run
 from gateway.protocol import ApiError, internal_error, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from gateway.request_trace import RequestTrace
@@ -94,7 +93,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                 if event.finish_reason is not None:
                     unfinished -= 1
                     if unfinished == 0:
-                        message.usage.CopyFrom(usage_proto(run.usage()))
+                        message.usage.CopyFrom(run.usage())
                 yield message
         except ApiError as exc:
             await self._abort(context, exc)
@@ -137,7 +136,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         self.core.metrics.count_request("grpc", "models", 200)
         return gateway_pb2.ListModelsResponse(models=[
             gateway_pb2.ModelCard(id=c["id"], owned_by=c["owned_by"], created=c["created"],
-                                  max_model_len=c["max_model_len"], root=c["root"], family=c["family"])
+                                  max_model_len=c["max_model_len"] or 0, root=c["root"], family=c["family"])
             for c in self.core.model_cards()])
 
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest, context):
@@ -147,7 +146,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             tokens = await core.tokenize(parse_tokenize(tokenize_body(request), core.served))
         except ApiError as exc:
             await self._fail(context, "tokenize", exc)
-        return gateway_pb2.TokenizeResponse(token_ids=tokens, count=len(tokens), max_model_len=core.max_model_len)
+        return gateway_pb2.TokenizeResponse(token_ids=tokens, count=len(tokens), max_model_len=core.max_model_len or 0)
 
     async def Detokenize(self, request: gateway_pb2.DetokenizeRequest, context):
         core = self.core

@@ -8,8 +8,8 @@ Contract:
   client on a chat request — the gateway derives it from `response_format` / `tool_choice`).
 - Events become messages: `chat_choice(tokenizer, ChatEvent)` / `completion_choice(tokenizer, CompletionEvent,
   job)` one choice of a `ChatResponse` / `GenerateResponse` (reasoning and content deltas joined, tool-call
-  fragments, logprobs with token bytes and ids, finish and stop reasons on a choice's last message);
-  `usage_proto(Usage)`.
+  fragments, logprobs with token bytes and ids, finish and stop reasons on a choice's last message). Usage needs no
+  translation: runs count in the proto's own `Usage`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import base64
 
 import json
 
-from gateway.events import ChatEvent, CompletionEvent, Usage
+from gateway.events import ChatEvent, CompletionEvent
 from gateway.protocol import ApiError, CompletionJob
 from protos import common_pb2, gateway_pb2
 
@@ -53,6 +53,8 @@ def _sampling_fields(s: common_pb2.SamplingParams, chat: bool) -> dict:
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty"):
         if s.HasField(name):
             out[name] = getattr(s, name)
+    if s.logit_bias:
+        out["logit_bias"] = {str(token): bias for token, bias in s.logit_bias.items()}
     if chat:
         out["logprobs"] = s.logprobs
         if s.logprobs:
@@ -192,9 +194,6 @@ def logprob_entry(tokenizer, lp: common_pb2.TokenLogprob) -> gateway_pb2.Logprob
     return entry
 
 
-def usage_proto(u: Usage) -> common_pb2.Usage:
-    return common_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                            cached_tokens=u.cached_tokens)
 
 
 def _finish(choice, event: ChatEvent | CompletionEvent) -> None:

@@ -28,7 +28,7 @@ def version_body() -> dict:
     return {"version": version}
 
 
-def tokenizer_info_body(tokenizer: KimiTokenizer, max_model_len: int) -> dict:
+def tokenizer_info_body(tokenizer: KimiTokenizer, max_model_len: int | None) -> dict:
     def text(token_id: int | None) -> str | None:
         return None if token_id is None else tokenizer.convert_ids_to_tokens(token_id)
 

@@ -1,9 +1,15 @@
-"""The gateway's client of the mesh: prefill -> decode orchestration (after the P/D decision), and token events.
+"""The gateway's request orchestrator: the P/D decision, prefill -> decode over the worker pools, token events.
 
 Contract:
-- `MeshClient.generate(request)` is an async iterator of `TokenEvent`s for one prompt: every completion token of
-  every choice in order, a choice's last event with its `finish_reason`, and `usage` on the very last event. Leaving
-  the iteration early cancels the gRPC calls in flight (decode aborts the request and frees its memory).
+- `MeshClient` is a `gateway.worker_pool.WorkerPool` (channels, membership, health, KV-event subscriptions, the
+  workers' reported facts; same constructor, plus the P/D `decider` and `handoff_ttl_ms`) that runs requests over
+  its pools. `generate(request)` is an async iterator of `TokenEvent`s for one prompt: every completion token of
+  every choice in order, a choice's last event with its `finish_reason`, and `usage` (the mesh's one
+  `common_pb2.Usage`) on the very last event. Leaving the iteration early cancels the gRPC calls in flight (decode
+  aborts the request and frees its memory).
+- Every worker call carries the request once, as a `GenerationRequest` (`generation_request`): prefill and decode
+  get the same message. Output comes back as one event type, decode's `DecodeChunk` (a prefill that already ended
+  the output is turned into one); `token_event(chunk, route)` is the one place it becomes a `TokenEvent`.
 - Disaggregated path (when the P/D decision says so: `gateway.routing.PDDecider`, re-exported here): `Prefill` on
   a prefill worker, then `Decode` from its handoff on a decode worker. When the first token already ends the
   output, decode is skipped. When prefill fails with UNAVAILABLE / ABORTED / INTERNAL / UNKNOWN (cache service
@@ -15,25 +21,13 @@ Contract:
 - Errors: `MeshError` with the gRPC status code and message of the failing call (INVALID_ARGUMENT, NOT_FOUND,
   DEADLINE_EXCEEDED, UNAVAILABLE, ...); the REST layer maps it to an HTTP status.
 - Worker choice (`gateway.routing.Router`, one per pool): the healthy worker of least cost = uncached prompt tokens
-  on that worker (its prefix index, fed by its KV event stream: `start_kv_events()` subscribes to every worker,
-  gateway/kv_events.py; the prompt is hashed as the engine hashes it, `prompt_key`) + a load term (queue and KV
-  usage); ties go to the first listed. No healthy decode worker: `MeshError(UNAVAILABLE)`; no healthy prefill
-  worker: the colocated path. When a worker reports fewer cached tokens than its index promised (a local prefill's
-  first chunk, a prefill response), the index is emptied and resubscribed (`Router.observe`,
-  `stats.stale_beliefs`), so no second request is routed on that belief.
-- The cache service (`cache_address`): its own KV event stream feeds a `CacheServiceView` shared by both routers,
-  so a prefix it holds counts as reusable (at a transfer's cost) on a worker that loads remote prefixes — in the
-  cost and in the P/D decision (gateway/routing.py). Without `cache_address`, only the workers' own caches count.
-- Pool membership: `set_worker_addresses(role, addresses)` replaces a pool's workers (service discovery,
-  gateway/discovery.py); see `Router.set_addresses`.
-- Health: `check_health()` asks every worker's gRPC health service once and marks it healthy or unhealthy in its
-  router (an unhealthy worker gets no new requests until it passes again); `run_health_checks(interval_s)` does that
-  until cancelled (the gateway runs it as a background task). `on_health_change(address, healthy)` is called on
-  every transition.
-- Telemetry: the worker channels carry `telemetry.rpc.client_interceptors()`: every call sends the caller's current
-  trace context (`traceparent`) and request id (`x-request-id`), so the workers' spans join the request's trace.
-- Security: with `mesh_token`, every call carries it (`x-kdamesh-mesh-token`, `telemetry.mesh_auth`); workers
-  started with the token reject calls without it.
+  on that worker (its prefix index, fed by its KV event stream; the prompt is hashed as the engine hashes it,
+  `prompt_key`) + a load term (queue and KV usage); ties go to the first listed. No healthy decode worker:
+  `MeshError(UNAVAILABLE)`; no healthy prefill worker: the colocated path. When a worker reports fewer cached
+  tokens than its index promised (a local prefill's first chunk, a prefill response), the index is emptied and
+  resubscribed (`Router.observe`, `stats.stale_beliefs`), so no second request is routed on that belief.
+- The cache service (`cache_address`): a prefix it holds counts as reusable (at a transfer's cost) on a worker that
+  loads remote prefixes — in the cost and in the P/D decision (gateway/routing.py).
 """
 
 from __future__ import annotations
@@ -45,16 +39,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.memory.hashing import MediaSpan
-from gateway.kv_events import KVEventSubscriber, SubscriberConfig
 from gateway.prefix_index import PromptKey
-from gateway.routing import CACHE, CacheServiceView, NoHealthyWorker, PDDecider, Pick, Router, RouterConfig, \
-    parse_worker_list
-from protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from telemetry import mesh_auth
-from telemetry.rpc import client_interceptors
+from gateway.routing import CACHE, NoHealthyWorker, PDDecider, Pick, Router, RouterConfig
+from gateway.worker_pool import WorkerChannel, WorkerPool
+from protos import common_pb2, decode_pb2, prefill_pb2
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +56,7 @@ FALLBACK_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.Sta
 # A decode stream that sent its last chunk (with usage) is given this long to end by itself when its consumer stops
 # there, so the worker records it as OK rather than CANCELLED (seconds).
 END_OF_STREAM_S = 1.0
-MAX_MESSAGE_BYTES = 16 << 20
-# A worker removed from its pool (service discovery) keeps its channel this long for the calls it still serves (s).
-RETIRED_CHANNEL_GRACE_S = 600.0
+__all__ = ["MeshClient", "MeshError", "MeshRequest", "MeshStats", "PDDecider", "TokenEvent", "generation_request"]
 
 
 class MeshError(Exception):
@@ -118,158 +106,14 @@ class MeshStats:
     stale_beliefs: int = 0  # requests whose worker served fewer cached tokens than its KV-event index promised
 
 
-class _Worker:
-    def __init__(self, address: str, stub_type, mesh_token: str | None = None):
-        self.address = address
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        self.channel = grpc.aio.insecure_channel(
-            address, options=options,
-            interceptors=[*client_interceptors(), *mesh_auth.client_interceptors(mesh_token)])
-        self.stub = stub_type(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-
-
-class MeshClient:
+class MeshClient(WorkerPool):
     def __init__(self, decode_addresses: Sequence[str], prefill_addresses: Sequence[str] = (),
                  decider: PDDecider | None = None, handoff_ttl_ms: int = 0, *,
-                 router_config: RouterConfig = RouterConfig(), on_health_change=None,
-                 mesh_token: str | None = None, model: str = "",
-                 subscriber_config: SubscriberConfig | None = None, cache_address: str | None = None):
-        if not decode_addresses:
-            raise ValueError("the mesh needs at least one decode worker")
-        self.decoders = {a: _Worker(a, decode_pb2_grpc.DecodeServiceStub, mesh_token) for a in decode_addresses}
-        self.prefillers = {a: _Worker(a, prefill_pb2_grpc.PrefillServiceStub, mesh_token) for a in prefill_addresses}
-        self.cache_address = cache_address
-        self.cache_view = CacheServiceView(router_config.stale_after_s) if cache_address else None
-        self.cache_channel = _Worker(cache_address, lambda channel: None, mesh_token) if cache_address else None
-        self.decode_router = Router(list(self.decoders), router_config, cache_view=self.cache_view)
-        self.prefill_router = Router(list(self.prefillers), router_config, cache_view=self.cache_view) \
-            if self.prefillers else None
+                 router_config: RouterConfig = RouterConfig(), **pool_options):
+        super().__init__(decode_addresses, prefill_addresses, router_config=router_config, **pool_options)
         self.decider = decider or PDDecider()
         self.handoff_ttl_ms = handoff_ttl_ms
-        self.on_health_change = on_health_change  # (address, healthy) on every transition
         self.stats = MeshStats()
-        self._router_config = router_config
-        self._mesh_token = mesh_token
-        self._retired: list[_Worker] = []  # removed by `set_worker_addresses`; channels closing
-        self._retiring: set[asyncio.Task] = set()
-        self.model = model  # the served model name the event subscriptions ask for ("": any)
-        self.subscriber_config = subscriber_config or SubscriberConfig(stale_after_s=router_config.stale_after_s)
-        self.subscribers: dict[str, KVEventSubscriber] = {}
-        self._events_started = False
-
-    def start_kv_events(self) -> None:
-        """Subscribes to every worker's KV event stream (call on the event loop; idempotent). Until then every
-        worker's index is empty: routing by load alone."""
-        self._events_started = True
-        for address, worker in [*self.decoders.items(), *self.prefillers.items()]:
-            self._subscribe(address, worker)
-        if self.cache_channel is not None and self.cache_address not in self.subscribers:
-            subscriber = KVEventSubscriber(self.cache_address, self.cache_channel.channel, self.cache_view, "",
-                                           self.subscriber_config)
-            self.subscribers[self.cache_address] = subscriber
-            subscriber.start()
-
-    async def stop_kv_events(self) -> None:
-        self._events_started = False
-        subscribers, self.subscribers = list(self.subscribers.values()), {}
-        await asyncio.gather(*(s.stop() for s in subscribers))
-
-    def _subscribe(self, address: str, worker: _Worker) -> None:
-        if address in self.subscribers:
-            return
-        router = self.decode_router if address in self.decoders else self.prefill_router
-        subscriber = KVEventSubscriber(address, worker.channel, router, self.model, self.subscriber_config)
-        self.subscribers[address] = subscriber
-        subscriber.start()
-
-    async def close(self) -> None:
-        await self.stop_kv_events()
-        for task in list(self._retiring):
-            task.cancel()
-        cache = [self.cache_channel] if self.cache_channel is not None else []
-        for w in list(self.decoders.values()) + list(self.prefillers.values()) + self._retired + cache:
-            await w.channel.close()
-
-    async def set_worker_addresses(self, role: str, addresses: Sequence[str]) -> tuple[tuple[str, ...], ...]:
-        """Replaces the worker set of a pool (`role` "decode" or "prefill"): what service discovery calls after each
-        resolution. New workers get a channel and join the pool's router (empty index, healthy); removed workers
-        leave the router at once and their channel closes once their calls in flight end (at most
-        `RETIRED_CHANNEL_GRACE_S`). The decode pool may not become empty (`ValueError`: keep the last resolution);
-        an empty prefill pool sends every request down the colocated path. Returns `(added, removed)`."""
-        if role not in ("decode", "prefill"):
-            raise ValueError(f"role must be 'decode' or 'prefill', got {role!r}")
-        wanted = parse_worker_list(list(addresses))
-        if role == "decode" and not wanted:
-            raise ValueError("the decode pool needs at least one worker address")
-        workers = self.decoders if role == "decode" else self.prefillers
-        stub = decode_pb2_grpc.DecodeServiceStub if role == "decode" else prefill_pb2_grpc.PrefillServiceStub
-        router = self.decode_router if role == "decode" else self.prefill_router
-        if router is None:  # the first prefill workers of a gateway that started without any
-            if not wanted:
-                return (), ()
-            router = self.prefill_router = Router(wanted, self._router_config, cache_view=self.cache_view)
-            added, removed = wanted, ()
-        else:
-            added, removed = router.set_addresses(wanted)
-        for address in added:
-            workers[address] = _Worker(address, stub, self._mesh_token)
-            if self._events_started:
-                self._subscribe(address, workers[address])
-        for address in removed:
-            subscriber = self.subscribers.pop(address, None)
-            if subscriber is not None:
-                await subscriber.stop()
-            self._retire(workers.pop(address))
-        return added, removed
-
-    def _retire(self, worker: _Worker) -> None:
-        self._retired.append(worker)
-        task = asyncio.get_running_loop().create_task(worker.channel.close(grace=RETIRED_CHANNEL_GRACE_S))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
-
-    async def health(self, timeout_s: float = 1.0) -> dict[str, bool]:
-        """address -> whether the worker reports SERVING."""
-        async def check(w: _Worker) -> bool:
-            try:
-                r = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-            except grpc.aio.AioRpcError:
-                return False
-            return r.status == health_pb2.HealthCheckResponse.SERVING
-
-        workers = list(self.decoders.values()) + list(self.prefillers.values())
-        results = await asyncio.gather(*(check(w) for w in workers))
-        return {w.address: ok for w, ok in zip(workers, results)}
-
-    async def check_health(self, timeout_s: float = 1.0) -> dict[str, bool]:
-        """Asks every worker once and updates the routers; returns address -> healthy."""
-        results = await self.health(timeout_s)
-        for address, ok in results.items():
-            router = self.decode_router if address in self.decoders else self.prefill_router
-            if address not in self.decoders and address not in self.prefillers:
-                continue  # removed from its pool while being checked
-            if router.is_healthy(address) == ok:
-                continue
-            if ok:
-                router.mark_healthy(address)
-                log.info("mesh worker %s is healthy again", address)
-            else:
-                router.mark_unhealthy(address)
-                log.warning("mesh worker %s failed its health check; routing around it", address)
-            if self.on_health_change is not None:
-                self.on_health_change(address, ok)
-        return results
-
-    async def run_health_checks(self, interval_s: float, timeout_s: float = 1.0) -> None:
-        """`check_health` every `interval_s` seconds until cancelled."""
-        while True:
-            try:
-                await self.check_health(timeout_s)
-            except Exception:  # a health round must never kill the loop
-                log.exception("health check round failed")
-            await asyncio.sleep(interval_s)
 
     def prompt_key(self, req: MeshRequest) -> PromptKey:
         """The prompt as the routers see it: hashed like the engine does (the tenant's engine cache salt,
@@ -288,12 +132,13 @@ class MeshClient:
         except NoHealthyWorker as exc:
             raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no healthy decode worker ({exc})") from None
         decoder = self.decoders[pick.address]
+        generation = generation_request(req)
         try:
             route = self._route(req, pick)
-            source: dict = {"local": decode_pb2.LocalPrefill(prompt=common_pb2.TokenIds(ids=req.prompt_token_ids))}
+            source: dict = {"local": decode_pb2.LocalPrefill()}
             prompt_logprobs: list[common_pb2.TokenLogprob] = []
             if route == "remote":
-                response = await self._prefill(req, key, deadline)
+                response = await self._prefill(generation, key, deadline, _comparable(req))
                 if response is None:
                     route = "fallback"
                 elif response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -305,13 +150,10 @@ class MeshClient:
                     source = {"handoff": decode_pb2.HandoffSource(
                         handoff_key=response.handoff_key, first_token_id=response.first_token_id,
                         first_token_logprob=response.first_token_logprob if response.HasField(
-                            "first_token_logprob") else None,
-                        prompt=common_pb2.TokenIds(ids=req.prompt_token_ids), cached_tokens=response.cached_tokens)}
+                            "first_token_logprob") else None, cached_tokens=response.cached_tokens)}
             if route != "remote":
                 self.stats.local += 1
-            request = decode_pb2.DecodeRequest(request_id=req.request_id, model=req.model, sampling=req.sampling,
-                                               tenant_salt=req.tenant_salt, priority=req.priority, media=req.media,
-                                               snapshot_hints=req.snapshot_hints, **source)
+            request = decode_pb2.DecodeRequest(generation=generation, **source)
             belief = pick if route != "remote" and _comparable(req) else None  # a local prefill reports its hit
             async for event in self._decode(decoder, request, deadline, route, prompt_logprobs):
                 if belief is not None and event.cached_tokens is not None:
@@ -344,12 +186,10 @@ class MeshClient:
             source = self.cache_address if wrong == CACHE else pick.address
             log.info("%s served %d cached tokens where the indexes promised %d; resyncing the KV events of %s",
                      pick.address, actual_tokens, pick.cached_tokens, source)
-            subscriber = self.subscribers.get(source)
-            if subscriber is not None:
-                subscriber.resync()
+            self.resync(source)
 
-    async def _prefill(self, req: MeshRequest, key: PromptKey,
-                       deadline: float | None) -> prefill_pb2.PrefillResponse | None:
+    async def _prefill(self, generation: common_pb2.GenerationRequest, key: PromptKey, deadline: float | None,
+                       comparable: bool) -> prefill_pb2.PrefillResponse | None:
         """The prefill response, or None when the request should fall back to the colocated path."""
         try:
             pick = self.prefill_router.route(key)
@@ -357,11 +197,7 @@ class MeshClient:
             self.stats.prefill_fallbacks += 1
             return None
         worker = self.prefillers[pick.address]
-        request = prefill_pb2.PrefillRequest(request_id=req.request_id, model=req.model,
-                                             prompt=common_pb2.TokenIds(ids=req.prompt_token_ids),
-                                             sampling=req.sampling, tenant_salt=req.tenant_salt,
-                                             priority=req.priority, handoff_ttl_ms=self.handoff_ttl_ms,
-                                             media=req.media, snapshot_hints=req.snapshot_hints)
+        request = prefill_pb2.PrefillRequest(generation=generation, handoff_ttl_ms=self.handoff_ttl_ms)
         try:
             response = await worker.stub.Prefill(request, timeout=_remaining(deadline))
         except grpc.aio.AioRpcError as exc:
@@ -373,7 +209,7 @@ class MeshClient:
             raise MeshError(exc.code(), exc.details() or exc.code().name) from None
         finally:
             self.prefill_router.finish(pick.address)
-        if _comparable(req):
+        if comparable:
             self._observe(self.prefill_router, pick, response.cached_tokens)
         self.stats.remote += 1
         self.stats.handoff_bytes += response.handoff_bytes
@@ -381,25 +217,18 @@ class MeshClient:
         self.stats.publish_ms += response.timings.publish_ms
         return response
 
-    async def _decode(self, decoder: _Worker, request: decode_pb2.DecodeRequest, deadline: float | None,
+    async def _decode(self, decoder: WorkerChannel, request: decode_pb2.DecodeRequest, deadline: float | None,
                       route: str, prompt_logprobs: list[common_pb2.TokenLogprob]) -> AsyncIterator[TokenEvent]:
         """The decode stream as events; `prompt_logprobs` (the prefill's) go on the first one."""
         call = decoder.stub.Decode(request, timeout=_remaining(deadline))
         finished = False
         try:
             async for chunk in call:
-                event = TokenEvent(index=chunk.index, token_ids=list(chunk.token_ids), logprobs=list(chunk.logprobs),
-                                   finish_reason=FINISH_NAMES.get(chunk.finish_reason),
-                                   stop_token_id=chunk.stop_token_id if chunk.HasField("stop_token_id") else None,
-                                   prompt_logprobs=list(chunk.prompt_logprobs) or prompt_logprobs)
+                if not chunk.prompt_logprobs:
+                    chunk.prompt_logprobs.extend(prompt_logprobs)
                 prompt_logprobs = []
-                if chunk.HasField("cached_tokens"):
-                    event.cached_tokens = chunk.cached_tokens
-                if chunk.HasField("usage"):
-                    event.usage = chunk.usage
-                    event.route = route
-                    finished = True
-                yield event
+                finished = chunk.HasField("usage")
+                yield token_event(chunk, route)
         except grpc.aio.AioRpcError as exc:
             raise MeshError(exc.code(), exc.details() or exc.code().name) from None
         finally:
@@ -418,6 +247,14 @@ async def _end_call(call, finished: bool) -> None:
         call.cancel()  # a no-op once the call has ended
 
 
+def generation_request(req: MeshRequest) -> common_pb2.GenerationRequest:
+    """The one message both workers get for `req` (protos/common.proto `GenerationRequest`)."""
+    return common_pb2.GenerationRequest(request_id=req.request_id, model=req.model,
+                                        prompt=common_pb2.TokenIds(ids=req.prompt_token_ids), sampling=req.sampling,
+                                        tenant_salt=req.tenant_salt, media=req.media, priority=req.priority,
+                                        snapshot_hints=req.snapshot_hints)
+
+
 def _comparable(req: MeshRequest) -> bool:
     """Whether the cached tokens a worker reports for `req` measure its prefix cache (prompt logprobs compute the
     whole prompt, whatever is cached)."""
@@ -431,11 +268,23 @@ def _remaining(deadline: float | None, cap: float | None = None) -> float | None
     return left if cap is None else min(left, cap)
 
 
+def token_event(chunk: decode_pb2.DecodeChunk, route: str) -> TokenEvent:
+    """The gateway's view of a worker's output event (the only place one is read); `route` goes on the last."""
+    last = chunk.HasField("usage")
+    return TokenEvent(index=chunk.index, token_ids=list(chunk.token_ids), logprobs=list(chunk.logprobs),
+                      finish_reason=FINISH_NAMES.get(chunk.finish_reason),
+                      stop_token_id=chunk.stop_token_id if chunk.HasField("stop_token_id") else None,
+                      usage=chunk.usage if last else None,
+                      cached_tokens=chunk.cached_tokens if chunk.HasField("cached_tokens") else None,
+                      route=route if last else "", prompt_logprobs=list(chunk.prompt_logprobs))
+
+
 def _first_token_only(response: prefill_pb2.PrefillResponse) -> TokenEvent:
-    finish = FINISH_NAMES.get(response.finish_reason)
-    return TokenEvent(index=0, token_ids=[response.first_token_id], cached_tokens=response.cached_tokens,
-                      logprobs=[response.first_token_logprob] if response.HasField("first_token_logprob") else [],
-                      finish_reason=finish, prompt_logprobs=list(response.prompt_logprobs),
-                      usage=common_pb2.Usage(prompt_tokens=response.prompt_tokens, completion_tokens=1,
-                                             cached_tokens=response.cached_tokens),
-                      route="remote")
+    """A prefill that already ended the output, as the one-chunk stream decode would have sent."""
+    chunk = decode_pb2.DecodeChunk(index=0, token_ids=[response.first_token_id], finish_reason=response.finish_reason,
+                                   cached_tokens=response.cached_tokens, prompt_logprobs=response.prompt_logprobs,
+                                   usage=common_pb2.Usage(prompt_tokens=response.prompt_tokens, completion_tokens=1,
+                                                          cached_tokens=response.cached_tokens))
+    if response.HasField("first_token_logprob"):
+        chunk.logprobs.append(response.first_token_logprob)
+    return token_event(chunk, "remote")

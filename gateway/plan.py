@@ -1,7 +1,8 @@
 """Everything decided about a chat request before it reaches the mesh (`ChatPlan`), and the prompt-length rule.
 
 Contract:
-- `ChatPlanner(renderer, config, max_model_len).plan(request, fetched)` renders a validated chat request and
+- `ChatPlanner(renderer, config, max_model_len).plan(request, fetched)` (`max_model_len`: a callable giving the
+  context length now, None while unknown) renders a validated chat request and
   decides: the prompt ids; the sampling parameters with structured output (`tool_choice` "required" / named and
   `response_format` json kinds become the engine's grammar, wrapped in the model's output format); which output
   parsers read the text (the configured ones; with a grammar, the family's own, since its wrapping must be read
@@ -17,13 +18,15 @@ Contract:
 - `render(request, fetched)` renders a chat (or /tokenize chat) request with the same checks, nothing else decided
   (its ids hold one pad per image, as the chat template writes it).
 - `check_prompt_length(prompt_tokens, max_tokens, limit, param)`: 400 `context_length_exceeded` when the prompt
-  (plus `max_tokens` when given) does not fit in `limit` tokens.
+  (plus `max_tokens` when given) does not fit in `limit` tokens; 503 (`Retry-After`) when `limit` is None (no
+  worker has reported its context length yet, gateway/worker_pool.py): the gateway never admits a request it
+  cannot check.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -32,6 +35,7 @@ from gateway.config import GatewayConfig
 from gateway.media import DecodedImage, MediaConfig, collect_images, expand
 from gateway.hints import check_client_hints, merge_hints, shift_past_media, structure_hints
 from gateway.protocol import ApiError, ChatCompletionRequest, TokenizeChatRequest, sampling_from_chat
+from gateway.protocol.errors import RETRY_AFTER_S
 from protos import common_pb2
 
 CHAT_FIELDS = ("messages", "tools", "tool_choice", "response_format", "chat_template_kwargs")
@@ -58,7 +62,10 @@ class ChatPlan:
         return self.expanded_ids if self.expanded_ids is not None else self.prompt.token_ids
 
 
-def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limit: int, param: str) -> None:
+def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limit: int | None, param: str) -> None:
+    if limit is None:
+        raise ApiError(503, "no model server has reported its context length yet; retry shortly",
+                       code="context_length_unknown", headers={"Retry-After": RETRY_AFTER_S})
     if prompt_tokens >= limit or prompt_tokens + (max_tokens or 0) > limit:
         asked = f" + {max_tokens} completion tokens" if max_tokens else ""
         raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request has "
@@ -66,7 +73,7 @@ def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limit: int, 
 
 
 class ChatPlanner:
-    def __init__(self, renderer: ChatRenderer, config: GatewayConfig, max_model_len: int,
+    def __init__(self, renderer: ChatRenderer, config: GatewayConfig, max_model_len: Callable[[], int | None],
                  media: MediaConfig | None = None):
         self.renderer = renderer
         self.media = media
@@ -103,7 +110,7 @@ class ChatPlanner:
         images = self._images(request, fetched)
         prompt = self._render(request, tool_choice, response_format, images)
         expanded, media = expand(prompt.token_ids, images, self.media.pad_id) if images else (None, ())
-        check_prompt_length(len(expanded or prompt.token_ids), request.completion_limit, self.max_model_len,
+        check_prompt_length(len(expanded or prompt.token_ids), request.completion_limit, self.max_model_len(),
                             "messages")
         client_hints = check_client_hints(request.kdamesh_snapshot_hints, len(prompt.token_ids))
         hints = merge_hints(client_hints, structure_hints(self.renderer, request.messages, request.tools_json(),

@@ -18,16 +18,26 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from gateway.events import Usage
 from protos import common_pb2
 from telemetry import tracing
 from telemetry.context import request_id_scope
 from telemetry.logs import log_request
 
-if TYPE_CHECKING:
-    from gateway.run import Run
+
+
+class FinishedRun(Protocol):
+    """What `finish` reads of a run (gateway.run.Run has it; this module does not import the runs)."""
+
+    id: str
+    start: float  # time.monotonic() at admission
+    first_token_at: float | None
+    route: str
+
+    def usage(self) -> common_pb2.Usage: ...
+
+    def finish_reasons(self) -> list[str]: ...
 
 
 class RequestTrace:
@@ -75,12 +85,12 @@ class RequestTrace:
             stack.enter_context(request_id_scope(self.request_id))
             yield
 
-    def finish(self, run: "Run | None" = None) -> None:
+    def finish(self, run: FinishedRun | None = None) -> None:
         """Ends the root span and writes the access line (once)."""
         if self._done:
             return
         self._done = True
-        usage = run.usage() if run is not None else Usage(0, 0, 0)
+        usage = run.usage() if run is not None else common_pb2.Usage()
         reasons = run.finish_reasons() if run is not None else []
         ttft = None if run is None or run.first_token_at is None else run.first_token_at - run.start
         route = (run.route or None) if run is not None else None

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from gateway.chat_run import ChatRun
 from gateway.completion_run import CompletionRun
-from gateway.events import ChatEvent, CompletionEvent, PromptLogprobs, Usage
+from gateway.events import ChatEvent, CompletionEvent, PromptLogprobs
 from gateway.parsers import fold
 from gateway.run import Run
 from protos import common_pb2
@@ -37,7 +37,7 @@ class RestFormat:
     collect: Callable[[Run], Awaitable[dict]]
 
 
-def usage_dict(usage: Usage) -> dict:
+def usage_dict(usage: common_pb2.Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
@@ -110,7 +110,7 @@ def _response(run: Run, obj: str, choices: list[dict]) -> dict:
 
 
 def chat_chunks(run: ChatRun, event: ChatEvent) -> list[dict]:
-    tokenizer, obj = run.core.tokenizer, CHAT.chunk_object
+    tokenizer, obj = run.context.tokenizer, CHAT.chunk_object
     logprobs = {"content": [chat_logprobs_entry(tokenizer, lp) for lp in event.logprobs]} if event.logprobs else None
 
     def choice(delta: dict, lp, finish: str | None = None) -> dict:
@@ -134,7 +134,7 @@ async def collect_chat(run: ChatRun) -> dict:
     deltas: dict[int, list] = {c.index: [] for c in run.choices}
     logprobs: dict[int, list] = {c.index: [] for c in run.choices}
     finish: dict[int, tuple] = {}
-    tokenizer = run.core.tokenizer
+    tokenizer = run.context.tokenizer
     async for event in run.events():
         deltas[event.index].extend(event.deltas)
         logprobs[event.index].extend(chat_logprobs_entry(tokenizer, lp) for lp in event.logprobs)
@@ -170,19 +170,19 @@ def completion_chunks(run: CompletionRun, ev: CompletionEvent) -> list[dict]:
     if not (ev.text or ev.finish_reason is not None or (request.return_token_ids and ev.token_ids)):
         return []
     echoed = _echoed(request, ev.prompt)
-    logprobs = completion_logprobs(run.core.tokenizer, ev.logprobs, ev.text_offset if echoed else ev.logprob_offset,
+    logprobs = completion_logprobs(run.context.tokenizer, ev.logprobs, ev.text_offset if echoed else ev.logprob_offset,
                                    echoed, request.logprobs) if request.logprobs is not None else None
     choice = {"index": ev.index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason,
               "stop_reason": ev.stop_reason}
     if request.return_token_ids:
         choice["token_ids"] = ev.token_ids
     if request.prompt_logprobs is not None and ev.prompt is not None:
-        choice["prompt_logprobs"] = vllm_prompt_logprobs(run.core.tokenizer, ev.prompt, request.prompt_logprobs)
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(run.context.tokenizer, ev.prompt, request.prompt_logprobs)
     return [_chunk(run, COMPLETION.chunk_object, [choice])]
 
 
 async def collect_completion(run: CompletionRun) -> dict:
-    request, tokenizer = run.job.request, run.core.tokenizer
+    request, tokenizer = run.job.request, run.context.tokenizer
     texts = {i: "" for i in run.choices}
     lps: dict[int, list] = {i: [] for i in run.choices}
     offsets = {i: 0 for i in run.choices}

@@ -16,6 +16,10 @@ Contract:
 - While the mesh works (each `_step`) the trace's span and request id are current, so gRPC calls and tasks started
   there carry them; they are attached and detached within one step, never across a `yield`.
 - `stream` / `include_usage`: how the client asked for the response; `choices` has one entry per choice.
+- A run sees the gateway only through its `RunContext` (`context`): the mesh's `generate`, the tokenizer its
+  choices detokenise with (`choice_text(rules)` makes a choice's text state), the output markers, the metrics, the
+  served model name and the deadline of one request through the mesh. `GatewayCore.run_context()` makes it; runs
+  never import the core.
 """
 
 from __future__ import annotations
@@ -24,21 +28,37 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from gateway.events import Usage
-from gateway.mesh_client import MeshError, TokenEvent
+from engine.tokenizer import KimiTokenizer
+from gateway.mesh_client import MeshError, MeshRequest, TokenEvent
+from gateway.metrics import GatewayMetrics
 from gateway.protocol import failure_of, mesh_api_error
 from gateway.ratelimit import Lease
 from gateway.request_trace import RequestTrace
 from gateway.tenancy import Principal
-
-if TYPE_CHECKING:
-    from gateway.core import GatewayCore
+from gateway.text import ChoiceText, TextRules
+from protos import common_pb2
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a run needs of the gateway (see the module docstring)."""
+
+    generate: Callable[[MeshRequest], AsyncIterator[TokenEvent]]  # one prompt through the mesh
+    tokenizer: KimiTokenizer
+    marker_ids: frozenset[int]  # special ids the output parsers read (others are dropped)
+    metrics: GatewayMetrics
+    model: str  # the served model name
+    request_timeout_s: float  # deadline of one request through the mesh (seconds)
+
+    def choice_text(self, rules: TextRules) -> ChoiceText:
+        """A choice's detokenisation and stop-rule state."""
+        return ChoiceText(self.tokenizer, rules)
 
 
 class Run:
@@ -47,9 +67,9 @@ class Run:
     endpoint = ""  # the metrics label: "chat" | "completions"
     prompt_param = "prompt"  # the request field a context-length error names
 
-    def __init__(self, core: "GatewayCore", principal: Principal, lease: Lease, request_id: str,
+    def __init__(self, context: RunContext, principal: Principal, lease: Lease, request_id: str,
                  prompt_tokens: int, api: str, trace: RequestTrace | None = None):
-        self.core = core
+        self.context = context
         self.trace = trace
         self.principal = principal
         self.lease = lease
@@ -57,7 +77,7 @@ class Run:
         # the mesh's request id: unique even when a client reuses its own `request_id`
         self.mesh_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         self.created = int(time.time())
-        self.model = core.config.model_name
+        self.model = context.model
         self.api = api
         self.prompt_tokens = prompt_tokens
         self.stream = False
@@ -87,8 +107,9 @@ class Run:
 
     # -- the lifecycle -------------------------------------------------------------------------------------------
 
-    def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, sum(self.choice_token_counts()), self.cached_tokens)
+    def usage(self) -> common_pb2.Usage:
+        return common_pb2.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=sum(self.choice_token_counts()),
+                                cached_tokens=self.cached_tokens)
 
     async def _step(self):
         """The next mesh item (see the module docstring); a `MeshError` becomes its `ApiError` here."""
@@ -151,7 +172,7 @@ class Run:
             self.cached_tokens = event.usage.cached_tokens
             if event.route:
                 self.route = event.route
-                self.core.metrics.routes.labels(event.route).inc()
+                self.context.metrics.routes.labels(event.route).inc()
 
     async def close(self) -> None:
         if self._closed:
@@ -168,7 +189,7 @@ class Run:
         """Releases the lease and records the run, exactly once (from `close`, whatever ended the run)."""
         usage = self.usage()
         self.lease.release(usage.prompt_tokens + usage.completion_tokens)
-        metrics = self.core.metrics
+        metrics = self.context.metrics
         metrics.running.labels(self.api).dec()
         metrics.observe_tokens(self.principal.tenant, usage.prompt_tokens, usage.completion_tokens,
                                usage.cached_tokens)

@@ -30,23 +30,19 @@ from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from engine.sampling import SamplingParams
-from prefill_service.worker import (HandoffPublishError, PrefillAbortedError, PrefillJob, PrefillResult,
+from prefill_service.worker import (HandoffPublishError, PrefillAbortedError, PrefillResult,
                                     PrefillWorker)
 from prefill_service.config import PrefillServiceConfig  # noqa: F401 (re-exported)
 from protos import prefill_pb2, prefill_pb2_grpc
 from telemetry import tracing
 from telemetry.metrics import CounterSample, RequestTimer
-from worker.codec import (FINISH_REASONS, logprob_to_proto, media_from_proto, prompt_logprobs_to_proto,
-                          sampling_from_proto)
+from worker.codec import FINISH_REASONS, generation_from_proto, logprob_to_proto, prompt_logprobs_to_proto
 from worker.server import WorkerServer, offload_samples, start_worker_server, transfer_samples
 from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
-
-
-# -- proto <-> engine ------------------------------------------------------------------------------------------
 
 
 def response_to_proto(result: PrefillResult, params: SamplingParams) -> prefill_pb2.PrefillResponse:
@@ -81,15 +77,11 @@ class PrefillServicer(WorkerServicer, prefill_pb2_grpc.PrefillServiceServicer):
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         timer = RequestTimer()
-        worker: PrefillWorker = await self.admit(request, context)
+        worker: PrefillWorker = await self.admit(request.generation, context)
         try:
-            params = sampling_from_proto(request.sampling)
-            job = PrefillJob(request_id=request.request_id, prompt_token_ids=tuple(request.prompt.ids),
-                             params=params, media=media_from_proto(request.media),
-                             tenant_salt=request.tenant_salt, priority=request.priority,
-                             handoff_ttl_s=request.handoff_ttl_ms / 1000 if request.handoff_ttl_ms else None,
-                             deadline=call_deadline(context), snapshot_hints=tuple(request.snapshot_hints))
-            result = await worker.prefill(job)
+            job = generation_from_proto(request.generation, call_deadline(context))
+            params = job.params
+            result = await worker.prefill(job, request.handoff_ttl_ms / 1000 if request.handoff_ttl_ms else None)
         except self.handled_errors as exc:
             await self.fail(context, exc)
         timer.add_tokens(1)

@@ -1,7 +1,8 @@
 """The prefill worker: a prompt in, its first output token and a handoff object for decode out.
 
 Contract (docs/architecture.md, "The mesh", step 2, and "Exactly-once handoff"):
-- `PrefillWorker.prefill(job)` consumes all N prompt tokens and samples token N+1, then publishes to the cache service
+- `PrefillWorker.prefill(job, handoff_ttl_s)` (a `worker.codec.GenerationJob`; TTL None: the cache service's handoff
+  default) consumes all N prompt tokens and samples token N+1, then publishes to the cache service
   one `BatchPut` holding the prompt's full KV blocks the service lacks and the handoff object, and returns a
   `PrefillResult` (first token, handoff key, cached tokens, timings). Decode continues from the state after N tokens
   with token N+1 as its first input, so every prompt token is applied to the KDA state exactly once.
@@ -51,10 +52,10 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.memory.policy import hint_points
 from engine.outputs import PositionLogprobs, RequestOutput
-from engine.sampling import SamplingParams
 from engine.transfer import RequestState, encode_block, lean_handoff
 from protos import common_pb2
 from telemetry import tracing
+from worker.codec import GenerationJob
 from worker.offload import SnapshotPublisher
 from worker.prefix import PrefixCounters, RemotePrefix
 from worker.tenancy import engine_cache_salt, prompt_block_hashes
@@ -73,19 +74,6 @@ class HandoffPublishError(RuntimeError):
 
 class PrefillAbortedError(RuntimeError):
     """The engine ended the request without a first token (aborted, e.g. while shutting down)."""
-
-
-@dataclass(frozen=True)
-class PrefillJob:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams  # the request's own parameters (max_tokens as asked; prefill samples one token)
-    media: tuple = ()  # engine.vision.feed.ImageInput of the prompt's images (worker.codec.media_from_proto)
-    tenant_salt: bytes = b""
-    priority: int = 0
-    handoff_ttl_s: float | None = None  # None: the cache service's handoff default (30 s)
-    deadline: float | None = None  # time.monotonic() seconds
-    snapshot_hints: tuple[int, ...] = ()  # prompt token positions to snapshot the KDA state at (protos/prefill.proto)
 
 
 @dataclass(frozen=True)
@@ -151,17 +139,17 @@ class PrefillWorker:
 
     # -- the request -------------------------------------------------------------------------------------------
 
-    async def prefill(self, job: PrefillJob) -> PrefillResult:
+    async def prefill(self, job: GenerationJob, handoff_ttl_s: float | None = None) -> PrefillResult:
         attributes = {tracing.REQUEST_ID: job.request_id, tracing.PROMPT_TOKENS: len(job.prompt_token_ids)}
         with tracing.child_span(self.tracer, "prefill", attributes) as span:
-            result = await self._prefill(job)
+            result = await self._prefill(job, handoff_ttl_s)
             tracing.set_attributes(span, {
                 tracing.HIT_TOKENS: result.cached_tokens, tracing.BYTES: result.handoff_bytes,
                 tracing.BLOCKS: result.published_blocks, "kdamesh.first_token_id": result.first_token_id,
                 "kdamesh.finish_reason": result.finish_reason})
             return result
 
-    async def _prefill(self, job: PrefillJob) -> PrefillResult:
+    async def _prefill(self, job: GenerationJob, handoff_ttl_s: float | None) -> PrefillResult:
         t0 = time.perf_counter()
         self.counters.requests += 1
         ids = list(job.prompt_token_ids)
@@ -187,8 +175,8 @@ class PrefillWorker:
         if finish == "length" and max_tokens > 1:
             finish = None  # only prefill's own one-token limit: decode continues
 
-        handoff_key, handoff_bytes, published = await self._publish(job, state, hashes, presence.blocks,
-                                                                    with_handoff=finish is None)
+        handoff_key, handoff_bytes, published = await self._publish(
+            job, state, hashes, presence.blocks, with_handoff=finish is None, handoff_ttl_s=handoff_ttl_s)
         self._publish_snapshots_later(hashes, presence.snapshots, salt)
         t_done = time.perf_counter()
         return PrefillResult(
@@ -201,7 +189,7 @@ class PrefillWorker:
             timings=PrefillTimings(load_ms=(t_loaded - t0) * 1e3, compute_ms=(t_computed - t_loaded) * 1e3,
                                    publish_ms=(t_done - t_computed) * 1e3, total_ms=(t_done - t0) * 1e3))
 
-    async def _compute(self, job: PrefillJob, ids: list[int], hints: tuple[int, ...]) -> RequestOutput:
+    async def _compute(self, job: GenerationJob, ids: list[int], hints: tuple[int, ...]) -> RequestOutput:
         """Runs the prompt and samples one token with the request's parameters; returns the final output."""
         one = dataclasses.replace(job.params, max_tokens=1, min_tokens=min(job.params.min_tokens, 1))
         final = None
@@ -216,8 +204,8 @@ class PrefillWorker:
 
     # -- publishing ---------------------------------------------------------------------------------------------
 
-    async def _publish(self, job: PrefillJob, state: RequestState, hashes: list[bytes], remote_blocks: list[bool],
-                       with_handoff: bool) -> tuple[common_pb2.ObjectKey | None, int, int]:
+    async def _publish(self, job: GenerationJob, state: RequestState, hashes: list[bytes], remote_blocks: list[bool],
+                       with_handoff: bool, handoff_ttl_s: float | None) -> tuple[common_pb2.ObjectKey | None, int, int]:
         """Stores the prompt's full blocks the service lacks and (`with_handoff`) the handoff, in one BatchPut.
         -> (handoff key or None, handoff bytes, blocks stored). Raises HandoffPublishError."""
         salt, fp = job.tenant_salt, self.fingerprint
@@ -233,7 +221,7 @@ class PrefillWorker:
             handoff = b""
             if with_handoff:
                 handoff = (state if self.handoff_full_kv else lean_handoff(state)).to_bytes()
-                objects.append(PutObject(handoff_key, handoff, job.handoff_ttl_s))
+                objects.append(PutObject(handoff_key, handoff, handoff_ttl_s))
             return objects, handoff
 
         with tracing.child_span(self.tracer, "handoff.publish", {"kdamesh.handoff": with_handoff}) as span:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/decode.proto\x12\nkdamesh.v1\x1a\x13protos/common.proto\"\xc7\x01\n\rHandoffSource\x12*\n\x0bhandoff_key\x18\x01 \x01(\x0b\x32\x15.kdamesh.v1.ObjectKey\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x35\n\x13\x66irst_token_logprob\x18\x03 \x01(\x0b\x32\x18.kdamesh.v1.TokenLogprob\x12$\n\x06prompt\x18\x04 \x01(\x0b\x32\x14.kdamesh.v1.TokenIds\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\"4\n\x0cLocalPrefill\x12$\n\x06prompt\x18\x01 \x01(\x0b\x32\x14.kdamesh.v1.TokenIds\"\xa8\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\x07handoff\x18\x03 \x01(\x0b\x32\x19.kdamesh.v1.HandoffSourceH\x00\x12)\n\x05local\x18\x04 \x01(\x0b\x32\x18.kdamesh.v1.LocalPrefillH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kdamesh.v1.SamplingParams\x12\x13\n\x0btenant_salt\x18\x06 \x01(\x0c\x12$\n\x05media\x18\x07 \x03(\x0b\x32\x15.kdamesh.v1.MediaItem\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x16\n\x0esnapshot_hints\x18\t \x03(\rB\x08\n\x06source\"\xd3\x02\n\x0b\x44\x65\x63odeChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kdamesh.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kdamesh.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kdamesh.v1.Usage\x12\x14\n\x0cused_handoff\x18\x07 \x01(\x08\x12\x1a\n\rcached_tokens\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.kdamesh.v1.TokenLogprobB\x10\n\x0e_stop_token_idB\x10\n\x0e_cached_tokens\"X\n\x0cProbeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12$\n\x06prompt\x18\x02 \x01(\x0b\x32\x14.kdamesh.v1.TokenIds\x12\x13\n\x0btenant_salt\x18\x03 \x01(\x0c\"Z\n\rProbeResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x01\x32\x8d\x01\n\rDecodeService\x12>\n\x06\x44\x65\x63ode\x12\x19.kdamesh.v1.DecodeRequest\x1a\x17.kdamesh.v1.DecodeChunk0\x01\x12<\n\x05Probe\x12\x18.kdamesh.v1.ProbeRequest\x1a\x19.kdamesh.v1.ProbeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/decode.proto\x12\nkdamesh.v1\x1a\x13protos/common.proto\"\xaf\x01\n\rHandoffSource\x12*\n\x0bhandoff_key\x18\x01 \x01(\x0b\x32\x15.kdamesh.v1.ObjectKey\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x35\n\x13\x66irst_token_logprob\x18\x03 \x01(\x0b\x32\x18.kdamesh.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x05 \x01(\rJ\x04\x08\x04\x10\x05R\x06prompt\"\x1c\n\x0cLocalPrefillJ\x04\x08\x01\x10\x02R\x06prompt\"\x9a\x02\n\rDecodeRequest\x12,\n\x07handoff\x18\x03 \x01(\x0b\x32\x19.kdamesh.v1.HandoffSourceH\x00\x12)\n\x05local\x18\x04 \x01(\x0b\x32\x18.kdamesh.v1.LocalPrefillH\x00\x12\x31\n\ngeneration\x18\n \x01(\x0b\x32\x1d.kdamesh.v1.GenerationRequestB\x08\n\x06sourceJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tJ\x04\x08\t\x10\nR\nrequest_idR\x05modelR\x08samplingR\x0btenant_saltR\x05mediaR\x08priorityR\x0esnapshot_hints\"\xd3\x02\n\x0b\x44\x65\x63odeChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kdamesh.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kdamesh.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kdamesh.v1.Usage\x12\x14\n\x0cused_handoff\x18\x07 \x01(\x08\x12\x1a\n\rcached_tokens\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.kdamesh.v1.TokenLogprobB\x10\n\x0e_stop_token_idB\x10\n\x0e_cached_tokens\"X\n\x0cProbeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12$\n\x06prompt\x18\x02 \x01(\x0b\x32\x14.kdamesh.v1.TokenIds\x12\x13\n\x0btenant_salt\x18\x03 \x01(\x0c\"Z\n\rProbeResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x01\x32\x8d\x01\n\rDecodeService\x12>\n\x06\x44\x65\x63ode\x12\x19.kdamesh.v1.DecodeRequest\x1a\x17.kdamesh.v1.DecodeChunk0\x01\x12<\n\x05Probe\x12\x18.kdamesh.v1.ProbeRequest\x1a\x19.kdamesh.v1.ProbeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.decode_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HANDOFFSOURCE']._serialized_start=57
-  _globals['_HANDOFFSOURCE']._serialized_end=256
-  _globals['_LOCALPREFILL']._serialized_start=258
-  _globals['_LOCALPREFILL']._serialized_end=310
-  _globals['_DECODEREQUEST']._serialized_start=313
-  _globals['_DECODEREQUEST']._serialized_end=609
-  _globals['_DECODECHUNK']._serialized_start=612
-  _globals['_DECODECHUNK']._serialized_end=951
-  _globals['_PROBEREQUEST']._serialized_start=953
-  _globals['_PROBEREQUEST']._serialized_end=1041
-  _globals['_PROBERESPONSE']._serialized_start=1043
-  _globals['_PROBERESPONSE']._serialized_end=1133
-  _globals['_DECODESERVICE']._serialized_start=1136
-  _globals['_DECODESERVICE']._serialized_end=1277
+  _globals['_HANDOFFSOURCE']._serialized_end=232
+  _globals['_LOCALPREFILL']._serialized_start=234
+  _globals['_LOCALPREFILL']._serialized_end=262
+  _globals['_DECODEREQUEST']._serialized_start=265
+  _globals['_DECODEREQUEST']._serialized_end=547
+  _globals['_DECODECHUNK']._serialized_start=550
+  _globals['_DECODECHUNK']._serialized_end=889
+  _globals['_PROBEREQUEST']._serialized_start=891
+  _globals['_PROBEREQUEST']._serialized_end=979
+  _globals['_PROBERESPONSE']._serialized_start=981
+  _globals['_PROBERESPONSE']._serialized_end=1071
+  _globals['_DECODESERVICE']._serialized_start=1074
+  _globals['_DECODESERVICE']._serialized_end=1215
 # @@protoc_insertion_point(module_scope)

@@ -8,46 +8,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandoffSource(_message.Message):
-    __slots__ = ("handoff_key", "first_token_id", "first_token_logprob", "prompt", "cached_tokens")
+    __slots__ = ("handoff_key", "first_token_id", "first_token_logprob", "cached_tokens")
     HANDOFF_KEY_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     handoff_key: _common_pb2.ObjectKey
     first_token_id: int
     first_token_logprob: _common_pb2.TokenLogprob
-    prompt: _common_pb2.TokenIds
     cached_tokens: int
-    def __init__(self, handoff_key: _Optional[_Union[_common_pb2.ObjectKey, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, handoff_key: _Optional[_Union[_common_pb2.ObjectKey, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class LocalPrefill(_message.Message):
-    __slots__ = ("prompt",)
-    PROMPT_FIELD_NUMBER: _ClassVar[int]
-    prompt: _common_pb2.TokenIds
-    def __init__(self, prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "model", "handoff", "local", "sampling", "tenant_salt", "media", "priority", "snapshot_hints")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("handoff", "local", "generation")
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
-    MEDIA_FIELD_NUMBER: _ClassVar[int]
-    PRIORITY_FIELD_NUMBER: _ClassVar[int]
-    SNAPSHOT_HINTS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    model: str
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     handoff: HandoffSource
     local: LocalPrefill
-    sampling: _common_pb2.SamplingParams
-    tenant_salt: bytes
-    media: _containers.RepeatedCompositeFieldContainer[_common_pb2.MediaItem]
-    priority: int
-    snapshot_hints: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., handoff: _Optional[_Union[HandoffSource, _Mapping]] = ..., local: _Optional[_Union[LocalPrefill, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[bytes] = ..., media: _Optional[_Iterable[_Union[_common_pb2.MediaItem, _Mapping]]] = ..., priority: _Optional[int] = ..., snapshot_hints: _Optional[_Iterable[int]] = ...) -> None: ...
+    generation: _common_pb2.GenerationRequest
+    def __init__(self, handoff: _Optional[_Union[HandoffSource, _Mapping]] = ..., local: _Optional[_Union[LocalPrefill, _Mapping]] = ..., generation: _Optional[_Union[_common_pb2.GenerationRequest, _Mapping]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "stop_token_id", "usage", "used_handoff", "cached_tokens", "prompt_logprobs")

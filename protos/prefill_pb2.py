@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/prefill.proto\x12\nkdamesh.v1\x1a\x13protos/common.proto\"\x84\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12$\n\x06prompt\x18\x03 \x01(\x0b\x32\x14.kdamesh.v1.TokenIds\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kdamesh.v1.SamplingParams\x12\x13\n\x0btenant_salt\x18\x05 \x01(\x0c\x12$\n\x05media\x18\x06 \x03(\x0b\x32\x15.kdamesh.v1.MediaItem\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x16\n\x0ehandoff_ttl_ms\x18\x08 \x01(\r\x12\x16\n\x0esnapshot_hints\x18\t \x03(\r\"m\n\x0ePrefillTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07load_ms\x18\x02 \x01(\x01\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x12\n\npublish_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\"\xad\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x35\n\x13\x66irst_token_logprob\x18\x03 \x01(\x0b\x32\x18.kdamesh.v1.TokenLogprob\x12*\n\x0bhandoff_key\x18\x04 \x01(\x0b\x32\x15.kdamesh.v1.ObjectKey\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kdamesh.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12\x15\n\rhandoff_bytes\x18\x08 \x01(\x04\x12\x18\n\x10published_blocks\x18\t \x01(\r\x12\x1b\n\x13published_snapshots\x18\n \x01(\r\x12+\n\x07timings\x18\x0b \x01(\x0b\x32\x1a.kdamesh.v1.PrefillTimings\x12\x31\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x18.kdamesh.v1.TokenLogprob2T\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.kdamesh.v1.PrefillRequest\x1a\x1b.kdamesh.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/prefill.proto\x12\nkdamesh.v1\x1a\x13protos/common.proto\"\xde\x01\n\x0ePrefillRequest\x12\x16\n\x0ehandoff_ttl_ms\x18\x08 \x01(\r\x12\x31\n\ngeneration\x18\n \x01(\x0b\x32\x1d.kdamesh.v1.GenerationRequestJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\t\x10\nR\nrequest_idR\x05modelR\x06promptR\x08samplingR\x0btenant_saltR\x05mediaR\x08priorityR\x0esnapshot_hints\"m\n\x0ePrefillTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07load_ms\x18\x02 \x01(\x01\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x12\n\npublish_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\"\xad\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x35\n\x13\x66irst_token_logprob\x18\x03 \x01(\x0b\x32\x18.kdamesh.v1.TokenLogprob\x12*\n\x0bhandoff_key\x18\x04 \x01(\x0b\x32\x15.kdamesh.v1.ObjectKey\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kdamesh.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12\x15\n\rhandoff_bytes\x18\x08 \x01(\x04\x12\x18\n\x10published_blocks\x18\t \x01(\r\x12\x1b\n\x13published_snapshots\x18\n \x01(\r\x12+\n\x07timings\x18\x0b \x01(\x0b\x32\x1a.kdamesh.v1.PrefillTimings\x12\x31\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x18.kdamesh.v1.TokenLogprob2T\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.kdamesh.v1.PrefillRequest\x1a\x1b.kdamesh.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.prefill_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=58
-  _globals['_PREFILLREQUEST']._serialized_end=318
-  _globals['_PREFILLTIMINGS']._serialized_start=320
-  _globals['_PREFILLTIMINGS']._serialized_end=429
-  _globals['_PREFILLRESPONSE']._serialized_start=432
-  _globals['_PREFILLRESPONSE']._serialized_end=861
-  _globals['_PREFILLSERVICE']._serialized_start=863
-  _globals['_PREFILLSERVICE']._serialized_end=947
+  _globals['_PREFILLREQUEST']._serialized_end=280
+  _globals['_PREFILLTIMINGS']._serialized_start=282
+  _globals['_PREFILLTIMINGS']._serialized_end=391
+  _globals['_PREFILLRESPONSE']._serialized_start=394
+  _globals['_PREFILLRESPONSE']._serialized_end=823
+  _globals['_PREFILLSERVICE']._serialized_start=825
+  _globals['_PREFILLSERVICE']._serialized_end=909
 # @@protoc_insertion_point(module_scope)

@@ -8,26 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "sampling", "tenant_salt", "media", "priority", "handoff_ttl_ms", "snapshot_hints")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
-    MEDIA_FIELD_NUMBER: _ClassVar[int]
-    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("handoff_ttl_ms", "generation")
     HANDOFF_TTL_MS_FIELD_NUMBER: _ClassVar[int]
-    SNAPSHOT_HINTS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    model: str
-    prompt: _common_pb2.TokenIds
-    sampling: _common_pb2.SamplingParams
-    tenant_salt: bytes
-    media: _containers.RepeatedCompositeFieldContainer[_common_pb2.MediaItem]
-    priority: int
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     handoff_ttl_ms: int
-    snapshot_hints: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[bytes] = ..., media: _Optional[_Iterable[_Union[_common_pb2.MediaItem, _Mapping]]] = ..., priority: _Optional[int] = ..., handoff_ttl_ms: _Optional[int] = ..., snapshot_hints: _Optional[_Iterable[int]] = ...) -> None: ...
+    generation: _common_pb2.GenerationRequest
+    def __init__(self, handoff_ttl_ms: _Optional[int] = ..., generation: _Optional[_Union[_common_pb2.GenerationRequest, _Mapping]] = ...) -> None: ...
 
 class PrefillTimings(_message.Message):
     __slots__ = ("queue_ms", "load_ms", "compute_ms", "publish_ms", "total_ms")

@@ -20,8 +20,9 @@ FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_
 def _usage(msg) -> Usage | None:
     if not msg.HasField("usage"):
         return None
-    u = msg.usage
-    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+    usage = Usage()
+    usage.CopyFrom(msg.usage)
+    return usage
 
 
 def _logprob(entry: gateway_pb2.LogprobEntry) -> Logprob:

@@ -40,6 +40,7 @@ class Sampling:
     top_logprobs: int = 0
     n: int = 1
     skip_special_tokens: bool = True
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit ([-100, 100])
 
     def to_proto(self) -> common_pb2.SamplingParams:
         msg = common_pb2.SamplingParams(
@@ -54,6 +55,7 @@ class Sampling:
                 setattr(msg, name, value)
         if self.seed is not None:
             msg.seed = self.seed % (1 << 64)
+        msg.logit_bias.update(self.logit_bias or {})
         return msg
 
 
@@ -96,15 +98,9 @@ class ChatOptions:
 # -- outputs -----------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int  # prompt tokens served from the prefix cache
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
+# Token counts of a request: the mesh's one `Usage` message (protos/common.proto: prompt_tokens, completion_tokens,
+# cached_tokens, reasoning_tokens), the same type the gateway and the workers use; total = prompt + completion.
+Usage = common_pb2.Usage
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,12 @@ Modules:
   in the background, health SERVING once loaded, graceful stop, the engine gauges and worker counters as metrics.
 - `worker.servicer`: admission of a call (loading, draining, model name), its deadline, and the gRPC status
   of an engine error.
-- `worker.codec`: the wire contract (`protos`) <-> the engine's request types (sampling, structured output,
-  logprobs, finish reasons, media items -> image inputs).
+- `worker.codec`: the wire contract (`protos`) <-> the engine's request types: one `GenerationRequest` -> the
+  `GenerationJob` both workers run (sampling, structured output, media items -> image inputs), logprobs, finish
+  reasons.
+- `worker.info`: `WorkerInfoService` — the engine's context length, block size, speculation and parallel layout,
+  which the gateway reads instead of recomputing them.
+- `worker.kv_events`: the KV event stream of the engine's prefix cache.
 - `worker.tenancy`: the one mapping of a tenant salt to the engine's cache salt, and a prompt's block hashes.
 - `worker.transfers`: timed `BatchGet` / `BatchPut` calls for the transfer counters.
 - `worker.prefix`: a prompt's prefix in the cache service — lookup, load into the engine (the prefix hit rule), and

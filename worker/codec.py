@@ -1,7 +1,13 @@
 """Conversions between the wire contract (`protos`) and the engine's request types, for the worker services.
 
-Contract: pure functions, no I/O. `sampling_from_proto` raises `InvalidRequestError` for values out of range (proto3
-defaults mean vLLM's defaults); `structured_from_proto` raises it for an unusable structured-output spec;
+Contract: pure functions, no I/O. `generation_from_proto(msg, deadline)` decodes a `GenerationRequest` (the request
+both `PrefillRequest` and `DecodeRequest` embed) into the one `GenerationJob` both workers run: the prompt (at least
+one token, else `InvalidRequestError`), the engine's `SamplingParams`, the tenant salt, media, priority, structure
+hints and the call's deadline. A new per-request field is decoded here once. `sampling_from_proto` raises
+`InvalidRequestError` for values out of range (proto3 defaults mean vLLM's defaults); `structured_from_proto` raises
+it for an unusable structured-output spec;
+`output_chunk` turns one engine delta of a choice into the `DecodeChunk` the decode worker streams (the one
+worker -> gateway output event: tokens, logprobs with the top `top`, finish reason, stop token id).
 `logprob_to_proto` keeps the sampled token and its top `top` alternatives (`prompt_logprobs_to_proto` does so for
 every prompt position but the first, with the token's rank); `FINISH_REASONS` maps the engine's finish reasons to
 the proto enum. `media_from_proto` turns a request's `MediaItem`s into the engine's `ImageInput`s (content hash
@@ -13,6 +19,7 @@ package; `cache_service` and `sdk` depend on the generated messages alone and ne
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 from engine.outputs import PositionLogprobs
@@ -20,10 +27,34 @@ from engine.sampling import SamplingParams
 from engine.vision.feed import ImageInput
 from engine.structured import (DEFAULT_MAX_REASONING_TOKENS, DEFAULT_MAX_STRING_TOKENS, StructuredOutputParams,
                                ToolSpec)
-from protos import common_pb2
+from protos import common_pb2, decode_pb2
 
 FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
                   "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT}
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """One generation request as a worker runs it (decoded from `GenerationRequest`)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams  # the request's own parameters (prefill samples one token of them)
+    tenant_salt: bytes = b""
+    priority: int = 0
+    media: tuple[ImageInput, ...] = ()  # the prompt's images, in token order
+    snapshot_hints: tuple[int, ...] = ()  # prompt token positions to snapshot the KDA state at (protos/common.proto)
+    deadline: float | None = None  # time.monotonic() seconds; None: no deadline
+
+
+def generation_from_proto(msg: common_pb2.GenerationRequest, deadline: float | None) -> GenerationJob:
+    """Raises InvalidRequestError for an empty prompt or any invalid field."""
+    prompt = tuple(msg.prompt.ids)
+    if not prompt:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    return GenerationJob(request_id=msg.request_id, prompt_token_ids=prompt, params=sampling_from_proto(msg.sampling),
+                         tenant_salt=msg.tenant_salt, priority=msg.priority, media=media_from_proto(msg.media),
+                         snapshot_hints=tuple(msg.snapshot_hints), deadline=deadline)
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -39,6 +70,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=msg.include_stop_str_in_output,
         logprobs=msg.top_logprobs if msg.logprobs else None, skip_special_tokens=msg.skip_special_tokens,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        logit_bias=dict(msg.logit_bias) or None,
         structured=structured_from_proto(msg.structured_output) if msg.HasField("structured_output") else None)
 
 
@@ -72,6 +104,19 @@ def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputP
         output_format=msg.output_format or None, starts_in_reasoning=msg.starts_in_reasoning,
         max_reasoning_tokens=limit("max_reasoning_tokens", DEFAULT_MAX_REASONING_TOKENS),
         max_string_tokens=limit("max_string_tokens", DEFAULT_MAX_STRING_TOKENS))
+
+
+def output_chunk(index: int, token_ids: list[int], logprobs: list[PositionLogprobs] | None,
+                 finish_reason: str | None, stop_reason: int | str | None, top: int) -> decode_pb2.DecodeChunk:
+    """One choice's new tokens as a `DecodeChunk`; with finish "stop" by a token, its id (`stop_token_id`)."""
+    chunk = decode_pb2.DecodeChunk(index=index, token_ids=token_ids, finish_reason=FINISH_REASONS[finish_reason])
+    if logprobs:
+        chunk.logprobs.extend(logprob_to_proto(e, t, top) for e, t in zip(logprobs, token_ids))
+    if finish_reason == "stop" and not isinstance(stop_reason, str):
+        stop_id = stop_reason if isinstance(stop_reason, int) else (token_ids[-1] if token_ids else None)
+        if stop_id is not None:
+            chunk.stop_token_id = stop_id
+    return chunk
 
 
 def logprob_to_proto(entries: PositionLogprobs, token_id: int, top: int) -> common_pb2.TokenLogprob:

@@ -10,7 +10,9 @@ Contract:
 - Loading (`WorkerServer._load`): `config.torch_threads` set, the `AsyncEngine` created, a `CacheClient` opened when
   `config.cache_address` is set (trace context and `config.mesh_token` on its calls), the role's worker built
   (`make_worker`), the KV event stream started (worker/kv_events.py, `config.kv_events`), then SERVING.
-- Every worker also serves `KVEventService` (protos/kv_events.proto): the gateway's view of its prefix cache.
+- Every worker also serves `KVEventService` (protos/kv_events.proto): the gateway's view of its prefix cache, and
+  `WorkerInfoService` (protos/worker.proto, worker/info.py): its engine's context length, block size, speculation
+  and parallel layout, set once the model is loaded.
   Health turns NOT_SERVING when the engine fails (`AsyncEngine.is_healthy`: its step loop died or, under tensor
   parallelism, a rank process is gone; checked every `ENGINE_WATCH_S`).
 - `stop(grace)`: NOT_SERVING first, new calls refused (`servicer.stopping`), a load in progress cancelled, the KV
@@ -42,7 +44,8 @@ from telemetry.grpc_server import start_grpc_server
 from telemetry.metrics import (CounterSample, EngineGauges, MetricsServer, WorkerMetrics, metrics_host,
                                start_metrics_server)
 from telemetry.rpc import client_interceptors, server_interceptors
-from protos import kv_events_pb2_grpc
+from protos import kv_events_pb2_grpc, worker_pb2_grpc
+from worker.info import WorkerInfoServicer, worker_info
 from worker.kv_events import KVEventPublisher, KVEventServicer, engine_publisher
 from worker.prefix import PrefixCounters
 
@@ -107,6 +110,7 @@ class WorkerServer:
         self.cache: CacheClient | None = None
         self.metrics_http: MetricsServer | None = None
         self.kv_event_servicer: KVEventServicer | None = None  # set by `start_worker_server`
+        self.info_servicer: WorkerInfoServicer | None = None  # set by `start_worker_server`
         self.kv_events: KVEventPublisher | None = None  # once loaded
         self._loading: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None  # health follows the engine (`_watch_engine`)
@@ -152,6 +156,7 @@ class WorkerServer:
                                           loads_remote_prefix=prefix is not None and prefix.enabled)
         await self.kv_events.start()
         self.kv_event_servicer.publisher = self.kv_events
+        self.info_servicer.info = worker_info(self.engine, self.role, self.config.model_name)
         for name in ("", self.service_name):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("%s worker ready: model %s loaded in %.1f s", self.role, self.config.model_name,
@@ -204,10 +209,12 @@ async def start_worker_server(server_cls: type[WorkerServer], servicer_cls: type
                             with_tpot=server_cls.with_tpot, model_name=config.model_name)
     servicer = servicer_cls(config, metrics)
     kv_event_servicer = KVEventServicer(servicer)
+    info_servicer = WorkerInfoServicer(servicer)
 
     def add_servicers(grpc_server: grpc.aio.Server) -> None:
         add_servicer(servicer, grpc_server)
         kv_events_pb2_grpc.add_KVEventServiceServicer_to_server(kv_event_servicer, grpc_server)
+        worker_pb2_grpc.add_WorkerInfoServiceServicer_to_server(info_servicer, grpc_server)
 
     grpc_server, port, health_servicer = await start_grpc_server(
         config.address, server_cls.service_name, add_servicers, config.max_message_bytes,
@@ -215,6 +222,7 @@ async def start_worker_server(server_cls: type[WorkerServer], servicer_cls: type
         mesh_token=config.mesh_token)
     server = server_cls(config, grpc_server, port, health_servicer, servicer, tracer_provider)
     server.kv_event_servicer = kv_event_servicer
+    server.info_servicer = info_servicer
     if config.metrics_port is not None:
         server.metrics_http = start_metrics_server(config.metrics_port, metrics_host(config.address),
                                                    metrics.registry)

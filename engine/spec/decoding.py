@@ -73,7 +73,7 @@ class SpecDecoding:
         p = req.params
         targets = [self._row(req, draft, i) for i in range(len(draft) + 1)]
         if p.greedy:
-            if all(not (t.output_token_ids or t.suppress_ids) for t in targets):
+            if not p.logit_bias and all(not (t.output_token_ids or t.suppress_ids) for t in targets):
                 choice = rows.argmax(dim=-1).tolist()
             else:
                 choice = [int(Sampler.target_logits(rows[i], t).argmax()) for i, t in enumerate(targets)]

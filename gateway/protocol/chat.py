@@ -4,7 +4,7 @@ Contract:
 - `parse_chat(body, served)` validates a decoded body with `ChatCompletionRequest` and returns it, or raises
   `ApiError` (400 naming the first bad field as `param`; 404 `model_not_found` for a model not in `served`).
   `prompt_logprobs` k (vLLM's) returns the rendered prompt's logprobs (top-level `prompt_logprobs`).
-  Fields this gateway cannot honour (`logit_bias`, `continue_final_message`, `echo`) are refused
+  Fields this gateway cannot honour (`continue_final_message`, `echo`) are refused
   with 400 when set to something that matters, rather than silently dropped.
 - `ChatCompletionRequest.effective_tool_choice` is vLLM's reading of `tool_choice` (tools without a choice: "auto");
   `completion_limit` is `max_completion_tokens`, else `max_tokens`.

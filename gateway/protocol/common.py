@@ -13,7 +13,8 @@ Contract:
   fields (`stream_options` without `stream`, `min_tokens` above the completion limit) and for fields this gateway
   cannot honour when set to something that matters (`UNSUPPORTED`); `sampling_params(logprobs,
   skip_special_tokens)` builds the mesh `SamplingParams` (`seed` taken modulo 2^64; `logprobs` None: none, k: the
-  sampled token's plus the top k). `kdamesh_snapshot_hints` (kdamesh's extension, a list of integers) is checked
+  sampled token's plus the top k; `logit_bias` keys, token ids as strings, become the proto map's ids; ids beyond the
+  vocabulary are the workers' 400). `kdamesh_snapshot_hints` (kdamesh's extension, a list of integers) is checked
   against the prompt length where that is known (`gateway.hints.check_client_hints`).
 """
 
@@ -34,6 +35,7 @@ MAX_N = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SNAPSHOT_HINTS = 1024
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI (engine/sampling.py MAX_LOGIT_BIAS)
 HINTS_PARAM = "kdamesh_snapshot_hints"
 UINT32_MAX = (1 << 32) - 1  # the mesh's token counts and ids are uint32
 INT32_MAX = (1 << 31) - 1  # top_k is int32
@@ -165,12 +167,13 @@ class SamplingRequest(RequestModel):
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
-    logit_bias: dict[str, float] | None = None  # accepted by the OpenAI API, not honoured here (refused when set)
+    # OpenAI's logit bias: token id (as a string key) -> added to its logit, in [-100, 100] (engine/sampling.py)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     # kdamesh's extension: prompt token positions where reusable parts end (gateway/hints.py checks the range)
     kdamesh_snapshot_hints: list[int] | None = Field(default=None, max_length=MAX_SNAPSHOT_HINTS)
 
     # (field, whether its value changes the result): refused with 400 `unsupported_parameter` when it does
-    UNSUPPORTED: ClassVar[tuple] = (("logit_bias", bool),)
+    UNSUPPORTED: ClassVar[tuple] = ()
 
     @field_validator("model")
     @classmethod
@@ -185,6 +188,18 @@ class SamplingRequest(RequestModel):
     def _finite(cls, v):
         if v is not None and not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
             raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v is None:
+            return v
+        for token, bias in v.items():
+            if not token.isdigit() or int(token) > UINT32_MAX:
+                raise ValueError(f"keys must be token ids (non-negative integers), got {token!r}")
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise ValueError(f"values must be in [-100, 100], got {bias!r} for token {token}")
         return v
 
     @field_validator("top_p", "repetition_penalty")
@@ -267,4 +282,6 @@ class SamplingRequest(RequestModel):
             sampling.top_k = self.top_k
         if self.seed is not None:
             sampling.seed = self.seed % (1 << 64)
+        for token, bias in (self.logit_bias or {}).items():
+            sampling.logit_bias[int(token)] = bias
         return sampling

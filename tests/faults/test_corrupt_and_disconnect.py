@@ -41,14 +41,14 @@ def test_a_corrupt_handoff_is_recomputed(model_dir, own_redis):
     async def body():
         async with Mesh(model_dir, backend=own_redis.url) as mesh:
             local = await mesh.run(PROMPT, greedy(8), "local")
-            response = await mesh.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
-                request_id="corrupt", prompt=common_pb2.TokenIds(ids=PROMPT), sampling=greedy(8)), timeout=20)
+            generation = common_pb2.GenerationRequest(request_id="corrupt", prompt=common_pb2.TokenIds(ids=PROMPT),
+                                                      sampling=greedy(8))
+            response = await mesh.prefill_stub.Prefill(prefill_pb2.PrefillRequest(generation=generation), timeout=20)
             assert _corrupt_everything(own_redis) >= 1
             call = mesh.decode_stub.Decode(decode_pb2.DecodeRequest(
-                request_id="corrupt", sampling=greedy(8),
+                generation=generation,
                 handoff=decode_pb2.HandoffSource(handoff_key=response.handoff_key,
                                                  first_token_id=response.first_token_id,
-                                                 prompt=common_pb2.TokenIds(ids=PROMPT),
                                                  cached_tokens=response.cached_tokens)), timeout=20)
             tokens = [t async for chunk in call for t in chunk.token_ids]
             assert tokens == local.ids

@@ -234,22 +234,21 @@ class Mesh:
         """One request over the stubs: `Prefill` then `Decode` from its handoff ("remote"), or a local `Decode`."""
         request_id = f"direct-{random.getrandbits(48):x}"
         run, ids = Run(route=route), common_pb2.TokenIds(ids=prompt)
-        request = decode_pb2.DecodeRequest(request_id=request_id, sampling=sampling, tenant_salt=tenant_salt,
-                                           snapshot_hints=hints)
+        generation = common_pb2.GenerationRequest(request_id=request_id, prompt=ids, sampling=sampling,
+                                                  tenant_salt=tenant_salt, snapshot_hints=hints)
+        request = decode_pb2.DecodeRequest(generation=generation)
         if route == "local":
-            request.local.prompt.CopyFrom(ids)
+            request.local.SetInParent()
         else:
-            first = await self.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
-                request_id=request_id, prompt=ids, sampling=sampling, tenant_salt=tenant_salt, snapshot_hints=hints),
-                timeout=timeout_s)
+            first = await self.prefill_stub.Prefill(prefill_pb2.PrefillRequest(generation=generation),
+                                                    timeout=timeout_s)
             if first.finish_reason:
                 run.tokens[0] = [first.first_token_id]
                 run.usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=1,
                                              cached_tokens=first.cached_tokens)
                 return run
             request.handoff.CopyFrom(decode_pb2.HandoffSource(
-                handoff_key=first.handoff_key, first_token_id=first.first_token_id, prompt=ids,
-                cached_tokens=first.cached_tokens))
+                handoff_key=first.handoff_key, first_token_id=first.first_token_id, cached_tokens=first.cached_tokens))
         async for chunk in self.decode_stub.Decode(request, timeout=timeout_s):
             run.tokens.setdefault(chunk.index, []).extend(chunk.token_ids)
             if chunk.HasField("usage"):

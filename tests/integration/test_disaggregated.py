@@ -139,16 +139,19 @@ def test_handoff_with_every_block_equals_colocated(tiny_k3):
 async def _prefill(mesh: Mesh, prompt: list[int], sampling, request_id: str,
                    ttl_ms: int = 0) -> prefill_pb2.PrefillResponse:
     return await mesh.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
-        request_id=request_id, prompt=common_pb2.TokenIds(ids=prompt), sampling=sampling, handoff_ttl_ms=ttl_ms),
-        timeout=20)
+        generation=_generation(prompt, sampling, request_id), handoff_ttl_ms=ttl_ms), timeout=20)
+
+
+def _generation(prompt: list[int], sampling, request_id: str) -> common_pb2.GenerationRequest:
+    return common_pb2.GenerationRequest(request_id=request_id, prompt=common_pb2.TokenIds(ids=prompt),
+                                        sampling=sampling)
 
 
 async def _decode(mesh: Mesh, prompt: list[int], sampling, response: prefill_pb2.PrefillResponse,
                   request_id: str) -> tuple[list[int], decode_pb2.DecodeChunk]:
     call = mesh.decode_stub.Decode(decode_pb2.DecodeRequest(
-        request_id=request_id, sampling=sampling,
+        generation=_generation(prompt, sampling, request_id),
         handoff=decode_pb2.HandoffSource(handoff_key=response.handoff_key, first_token_id=response.first_token_id,
-                                         prompt=common_pb2.TokenIds(ids=prompt),
                                          cached_tokens=response.cached_tokens)), timeout=20)
     tokens, last = [], None
     async for chunk in call:
@@ -372,15 +375,13 @@ def test_cancelled_decode_frees_its_blocks(tiny_k3):
             for source in ("handoff", "local"):
                 if source == "handoff":
                     response = await _prefill(mesh, prompt, sampling, f"cancel-{source}")
-                    request = decode_pb2.DecodeRequest(request_id=f"cancel-{source}", sampling=sampling,
+                    request = decode_pb2.DecodeRequest(generation=_generation(prompt, sampling, f"cancel-{source}"),
                                                        handoff=decode_pb2.HandoffSource(
                                                            handoff_key=response.handoff_key,
-                                                           first_token_id=response.first_token_id,
-                                                           prompt=common_pb2.TokenIds(ids=prompt)))
+                                                           first_token_id=response.first_token_id))
                 else:
-                    request = decode_pb2.DecodeRequest(request_id=f"cancel-{source}", sampling=sampling,
-                                                       local=decode_pb2.LocalPrefill(
-                                                           prompt=common_pb2.TokenIds(ids=prompt)))
+                    request = decode_pb2.DecodeRequest(generation=_generation(prompt, sampling, f"cancel-{source}"),
+                                                       local=decode_pb2.LocalPrefill())
                 call = mesh.decode_stub.Decode(request, timeout=30)
                 received = 0
                 async for chunk in call:

@@ -93,7 +93,8 @@ CASES = [
     ("/v1/chat/completions", chat(response_format={"type": "json_schema"}), 400, "response_format"),
     ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {"schema": "x"}}), 400,
      "response_format"),
-    ("/v1/chat/completions", chat(logit_bias={"5": 10}), 400, "logit_bias"),
+    ("/v1/chat/completions", chat(logit_bias={"5": 1000}), 400, "logit_bias"),
+    ("/v1/chat/completions", chat(logit_bias={"99999999": 1}), 400, None),  # beyond the vocabulary: the workers' 400
     ("/v1/chat/completions", chat(continue_final_message=True), 400, "continue_final_message"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 import sdk
+from protos import worker_pb2
 
 from tests.integration.gateway_harness import check_released, checkpoint_fixture, run, running_gateway, wait_idle
 from tests.integration.mesh_harness import Mesh
@@ -209,8 +210,11 @@ def test_docs_and_metrics_need_a_key_and_mesh_errors_name_no_worker(tiny_k3):
                     assert (await gw.http.get(path)).status_code == 200, path
             dead = "127.0.0.1:9"  # nothing listens there: the mesh call fails with the address in its detail
             async with running_gateway(mesh, tiny_k3, decode_addresses=(dead,), colocated=True) as gw:
-                reply = await gw.http.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG,
-                                                                         "max_tokens": 2})
+                body = {"model": MODEL, "messages": MSG, "max_tokens": 2}
+                reply = await gw.http.post("/v1/chat/completions", json=body)  # nobody reported a context length
+                assert reply.status_code == 503 and "127.0.0.1" not in reply.text, reply.text
+                gw.core.mesh.info[dead] = worker_pb2.WorkerInfo(max_model_len=4096)  # it answered, then died
+                reply = await gw.http.post("/v1/chat/completions", json=body)
                 assert reply.status_code == 503, reply.text
                 assert "127.0.0.1" not in reply.text and reply.headers["x-request-id"] in reply.text
 

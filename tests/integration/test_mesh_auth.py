@@ -98,8 +98,9 @@ def test_workers_need_the_token(model_dir):
 
 
 async def _unauthenticated_decode(address: str) -> None:
-    request = decode_pb2.DecodeRequest(request_id="no-token", sampling=greedy(4),
-                                       local=decode_pb2.LocalPrefill(prompt=common_pb2.TokenIds(ids=[1, 2, 3])))
+    request = decode_pb2.DecodeRequest(generation=common_pb2.GenerationRequest(
+        request_id="no-token", sampling=greedy(4), prompt=common_pb2.TokenIds(ids=[1, 2, 3])),
+        local=decode_pb2.LocalPrefill())
     async with _channel(address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async for _ in decode_pb2_grpc.DecodeServiceStub(channel).Decode(request, timeout=10):

@@ -37,6 +37,11 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
+def _generation(request_id: str, prompt: list[int], sampling, model: str = "") -> common_pb2.GenerationRequest:
+    return common_pb2.GenerationRequest(request_id=request_id, model=model, prompt=common_pb2.TokenIds(ids=prompt),
+                                        sampling=sampling)
+
+
 # -- gRPC service behaviour --------------------------------------------------------------------------------------
 
 
@@ -70,7 +75,8 @@ def test_health_reflection_and_a_model_that_does_not_load(tiny_k3, tmp_path):
 
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(
-                    prefill_pb2.PrefillRequest(prompt=common_pb2.TokenIds(ids=[1, 2])), timeout=5)
+                    prefill_pb2.PrefillRequest(generation=common_pb2.GenerationRequest(
+                        prompt=common_pb2.TokenIds(ids=[1, 2]))), timeout=5)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         await broken.stop(0)
 
@@ -88,9 +94,8 @@ def test_errors_are_grpc_statuses_with_messages(tiny_k3):
         async with Mesh(tiny_k3, engine={"max_model_len": 128}) as mesh:
             async def prefill_error(prompt, sampling, model=""):
                 with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await mesh.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
-                        request_id="bad", model=model, prompt=common_pb2.TokenIds(ids=prompt), sampling=sampling),
-                        timeout=10)
+                    await mesh.prefill_stub.Prefill(prefill_pb2.PrefillRequest(generation=_generation(
+                        "bad", prompt, sampling, model=model)), timeout=10)
                 return info.value
 
             async def decode_error(request):
@@ -109,11 +114,10 @@ def test_errors_are_grpc_statuses_with_messages(tiny_k3):
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "n" in e.details()
             e = await prefill_error([1, 2, 3], greedy(4), model="another-model")
             assert e.code() == grpc.StatusCode.NOT_FOUND
-            e = await decode_error(decode_pb2.DecodeRequest(request_id="x", sampling=greedy(4)))
+            e = await decode_error(decode_pb2.DecodeRequest(generation=_generation("x", [1, 2, 3], greedy(4))))
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "handoff or a local prompt" in e.details()
-            e = await decode_error(decode_pb2.DecodeRequest(
-                request_id="x", sampling=greedy(200), local=decode_pb2.LocalPrefill(
-                    prompt=common_pb2.TokenIds(ids=[1, 2, 3]))))
+            e = await decode_error(decode_pb2.DecodeRequest(generation=_generation("x", [1, 2, 3], greedy(200)),
+                                                            local=decode_pb2.LocalPrefill()))
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "maximum context length" in e.details()
             # The mesh client surfaces them as MeshError with the same code.
             with pytest.raises(MeshError) as info:
@@ -129,8 +133,8 @@ def test_deadlines_abort_and_free_the_request(tiny_k3):
     async def main():
         async with Mesh(tiny_k3) as mesh:
             engine = mesh.decode_server.engine
-            request = decode_pb2.DecodeRequest(request_id="slow", sampling=greedy(5000), local=decode_pb2.LocalPrefill(
-                prompt=common_pb2.TokenIds(ids=_prompt(40, 2))))
+            request = decode_pb2.DecodeRequest(generation=_generation("slow", _prompt(40, 2), greedy(5000)),
+                                               local=decode_pb2.LocalPrefill())
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 async for _ in mesh.decode_stub.Decode(request, timeout=0.5):
                     pass
@@ -145,8 +149,8 @@ def test_deadlines_abort_and_free_the_request(tiny_k3):
 def test_graceful_stop_finishes_streams_in_flight(tiny_k3):
     async def main():
         async with Mesh(tiny_k3) as mesh:
-            request = decode_pb2.DecodeRequest(request_id="drain", sampling=greedy(60), local=decode_pb2.LocalPrefill(
-                prompt=common_pb2.TokenIds(ids=_prompt(30, 4))))
+            request = decode_pb2.DecodeRequest(generation=_generation("drain", _prompt(30, 4), greedy(60)),
+                                               local=decode_pb2.LocalPrefill())
             call = mesh.decode_stub.Decode(request, timeout=30)
             tokens = []
             async for chunk in call:
@@ -206,6 +210,7 @@ async def _gateway(mesh: Mesh, model_dir, pd_min: int = 0):
     config = GatewayConfig(model=str(model_dir), decode_addresses=(mesh.decode_address,),
                            prefill_addresses=(mesh.prefill_address,), pd_min_uncached_tokens=pd_min)
     mesh_client = config.make_mesh()
+    await mesh_client.refresh_info()  # what the app's start-up does (an ASGI transport runs no lifespan)
     app = create_app(config, mesh=mesh_client, tokenizer=KimiTokenizer.from_pretrained(model_dir))
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=30)
     return client, mesh_client

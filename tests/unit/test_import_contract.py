@@ -7,6 +7,10 @@ package's `_LAZY` map (engine/__init__.py imports those on attribute access). A 
 nothing but `bench` imports `bench` or `tests`. Where a rule names third-party roots, anything else outside the standard library
 is a violation too. A first-party package without a rule fails, so a new package gets one.
 
+No import cycles inside a package: among the modules of one top-level package, the graph of every import (the same
+imports as above, `TYPE_CHECKING` ones included: a cycle hidden there is still two modules that need each other) has
+no cycle (`package_cycles`).
+
 A subprocess check adds what static parsing cannot see: importing every module of the torch-free packages loads no
 torch (nor the model code) through whatever they import in turn.
 """
@@ -228,6 +232,65 @@ def test_the_checker_sees_lazy_maps_relative_imports_and_third_party_roots(tmp_p
     })
     assert [str(i) for i in violations(tmp_path, "engine")] == ["engine:1 imports cache_service.server"]
     assert [str(i) for i in violations(tmp_path, "kernels")] == ["kernels.op:2 imports requests"]
+
+
+def package_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (an import of a name inside a module, or of something
+    below a known module, counts as that module)."""
+    index = module_index(root, package)
+    edges: dict[str, set[str]] = {m: set() for m in index}
+    for module, path in index.items():
+        for imp in imports_of(path, module, set(index)):
+            target = imp.target
+            while target not in index and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in index and target != module:
+                edges[module].add(target)
+    return edges
+
+
+def package_cycles(root: Path, package: str) -> list[list[str]]:
+    """The strongly connected components of more than one module in `package`'s import graph, each sorted."""
+    edges, order, low, stack, cycles = package_graph(root, package), {}, {}, [], []
+
+    def visit(module: str) -> None:  # Tarjan's algorithm
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in sorted(edges[module]):
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in order:
+            visit(module)
+    return cycles
+
+
+@pytest.mark.parametrize("package", CHECKED)
+def test_no_import_cycles_inside_a_package(package):
+    cycles = package_cycles(ROOT, package)
+    assert not cycles, f"modules of {package} that import each other (directly or around a loop): {cycles}"
+
+
+def test_the_cycle_check_finds_cycles_hidden_behind_type_checking(tmp_path):
+    _write(tmp_path, {
+        "gateway/__init__.py": "", "gateway/text.py": "",
+        "gateway/core.py": "from gateway.run import Run\nfrom gateway import text\n",
+        "gateway/run.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gateway.trace import T\n",
+        "gateway/trace.py": "from gateway.core import Core\n",
+    })
+    assert package_cycles(tmp_path, "gateway") == [["gateway.core", "gateway.run", "gateway.trace"]]
+    (tmp_path / "gateway/trace.py").write_text("from gateway.text import x\n")  # the loop broken
+    assert package_cycles(tmp_path, "gateway") == []
 
 
 @pytest.mark.parametrize("package", sorted(TORCH_FREE))

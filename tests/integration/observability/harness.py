@@ -50,13 +50,14 @@ async def traced_request(prefill_address: str, decode_address: str, request_id: 
     async with grpc.aio.insecure_channel(prefill_address, interceptors=client_interceptors()) as pch, \
             grpc.aio.insecure_channel(decode_address, interceptors=client_interceptors()) as dch:
         with root.activate(), request_id_scope(request_id):
-            pre = await prefill_pb2_grpc.PrefillServiceStub(pch).Prefill(prefill_pb2.PrefillRequest(
-                request_id=request_id, prompt=common_pb2.TokenIds(ids=prompt), sampling=sampling), timeout=30)
+            generation = common_pb2.GenerationRequest(request_id=request_id, prompt=common_pb2.TokenIds(ids=prompt),
+                                                      sampling=sampling)
+            pre = await prefill_pb2_grpc.PrefillServiceStub(pch).Prefill(
+                prefill_pb2.PrefillRequest(generation=generation), timeout=30)
             source = decode_pb2.HandoffSource(handoff_key=handoff_key or pre.handoff_key,
-                                              first_token_id=pre.first_token_id,
-                                              prompt=common_pb2.TokenIds(ids=prompt), cached_tokens=pre.cached_tokens)
-            call = decode_pb2_grpc.DecodeServiceStub(dch).Decode(decode_pb2.DecodeRequest(
-                request_id=request_id, sampling=sampling, handoff=source), timeout=30)
+                                              first_token_id=pre.first_token_id, cached_tokens=pre.cached_tokens)
+            call = decode_pb2_grpc.DecodeServiceStub(dch).Decode(
+                decode_pb2.DecodeRequest(generation=generation, handoff=source), timeout=30)
             chunks = [chunk async for chunk in call]
     usage = chunks[-1].usage
     root.finish(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
@@ -86,8 +87,9 @@ def ancestors(span, by_id: dict) -> list[str]:
 
 def local_request(request_id: str, max_tokens: int) -> decode_pb2.DecodeRequest:
     """A Decode that prefills PROMPT on the decode worker itself."""
-    return decode_pb2.DecodeRequest(request_id=request_id, sampling=greedy(max_tokens),
-                                    local=decode_pb2.LocalPrefill(prompt=common_pb2.TokenIds(ids=PROMPT)))
+    return decode_pb2.DecodeRequest(generation=common_pb2.GenerationRequest(
+        request_id=request_id, sampling=greedy(max_tokens), prompt=common_pb2.TokenIds(ids=PROMPT)),
+        local=decode_pb2.LocalPrefill())
 
 
 async def start_decode(model_dir, kv_cache_memory: int = 8 << 20) -> tuple[object, int]:

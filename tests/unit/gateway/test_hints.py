@@ -63,7 +63,7 @@ def test_a_hint_is_dropped_where_the_prompt_differs(renderer):
 
 
 def _planner(renderer) -> ChatPlanner:
-    return ChatPlanner(renderer, GatewayConfig(model="m", decode_addresses=("127.0.0.1:1",), mode="colocated"), max_model_len=100_000)
+    return ChatPlanner(renderer, GatewayConfig(model="m", decode_addresses=("127.0.0.1:1",), mode="colocated"), max_model_len=lambda: 100_000)
 
 
 def test_plan_merges_client_hints_and_refuses_bad_ones(renderer):
@@ -101,7 +101,7 @@ class _FakePrefill:
 
     async def Prefill(self, request, timeout=None):  # noqa: N802 (the gRPC method name)
         self.requests.append(request)
-        return prefill_pb2.PrefillResponse(request_id=request.request_id, first_token_id=7,
+        return prefill_pb2.PrefillResponse(request_id=request.generation.request_id, first_token_id=7,
                                            handoff_key=common_pb2.ObjectKey(), prompt_tokens=4)
 
 
@@ -150,8 +150,10 @@ def test_mesh_client_copies_hints_into_prefill_and_decode(route):
         return events, prefill.requests, decode.requests
 
     events, prefills, decodes = asyncio.run(run())
-    assert events and [list(r.snapshot_hints) for r in decodes] == [[2, 4]]
-    assert [list(r.snapshot_hints) for r in prefills] == ([[2, 4]] if route == "remote" else [])
+    assert events and [list(r.generation.snapshot_hints) for r in decodes] == [[2, 4]]
+    assert [list(r.generation.snapshot_hints) for r in prefills] == ([[2, 4]] if route == "remote" else [])
+    if route == "remote":  # one request, sent alike to both workers
+        assert prefills[0].generation == decodes[0].generation
 
 
 def test_hints_shift_past_expanded_image_pads():

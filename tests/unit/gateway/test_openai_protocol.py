@@ -70,7 +70,8 @@ def test_tool_choice_defaults_like_vllm():
     ({"model": "m", "messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
     ({"model": "m", "messages": MSG, "response_format": {"type": "json_schema"}}, 400, "response_format"),
     ({"model": "m", "messages": MSG, "top_p": 0}, 400, "top_p"),
-    ({"model": "m", "messages": MSG, "logit_bias": {"1": 2}}, 400, "logit_bias"),
+    ({"model": "m", "messages": MSG, "logit_bias": {"a": 2}}, 400, "logit_bias"),
+    ({"model": "m", "messages": MSG, "logit_bias": {"1": 101}}, 400, "logit_bias"),
     ({"model": "m", "messages": MSG, "stream_options": {}}, 400, "stream_options"),
     ({"model": "m", "messages": MSG, "seed": 1 << 64}, 400, "seed"),
     ([], 400, None),
@@ -121,7 +122,7 @@ class _Tok:
 
 
 @pytest.mark.parametrize("field, value", [("top_p", 0), ("temperature", -1), ("n", 0), ("stop", [""]),
-                                          ("seed", 1 << 64), ("presence_penalty", 3), ("logit_bias", {"1": 2})])
+                                          ("seed", 1 << 64), ("presence_penalty", 3), ("logit_bias", {"-1": 2})])
 def test_completions_validate_sampling_fields_as_chat_does(field, value):
     with pytest.raises(ApiError) as chat:
         parse_chat({"model": "m", "messages": MSG, field: value}, SERVED)
@@ -251,7 +252,8 @@ def test_sdk_folds_chunks_and_maps_errors():
     choice = done.choices[0]
     assert choice.message.reasoning_content == "think " and choice.finish_reason == "tool_calls"
     assert choice.message.tool_calls[0].parsed_arguments() == {"a": 1} and choice.message.tool_calls[0].id == "i"
-    assert done.usage == sdk.Usage(3, 4, 2) and done.usage.total_tokens == 7
+    assert done.usage == sdk.Usage(prompt_tokens=3, completion_tokens=4, cached_tokens=2)
+    assert done.usage != sdk.Usage(prompt_tokens=3, completion_tokens=4)  # negative control: cached tokens count
 
     class FakeError(grpc.RpcError):
         def __init__(self, code, trailers=()):
