@@ -20,7 +20,8 @@ import sys
 
 from dataclasses import dataclass
 
-from deploy.flags import add_mesh_flags, launch_config_from, refusal
+from deploy.flags import refusal
+from deploy.mesh_plan import add_mesh_flags, launch_config_from
 from telemetry.logs import LOG_FORMATS
 from telemetry.options import add_options, log_level_option, option
 from telemetry.tracing import EXPORTERS

@@ -1,11 +1,12 @@
 """The flags of the local mesh: `kdamesh up` and `kdamesh serve MODEL` (a drop-in for `vllm serve`).
 
 Contract:
-- `add_mesh_flags(parser, model_positional)` generates every flag `up` / `serve MODEL` take from `LaunchConfig`
-  (deploy/mesh_plan.py) and the option objects it holds: the engine's (`EngineArgs`, both workers), the workers'
-  (`PrefillServiceConfig`, `DecodeServiceConfig`), the cache service's and the gateway's (`GatewayConfig`), minus
-  what the mesh plan assigns (addresses, ports), plus `VllmCompat`. `launch_config_from(ns)` builds the
-  `LaunchConfig` from them (a value an option object refuses raises its ValueError, naming it).
+- `add_mesh_flags(parser, model_positional)` (deploy/mesh_plan.py, beside `LaunchConfig`) generates every flag
+  `up` / `serve MODEL` take from `LaunchConfig` and the option objects it holds: the engine's (`EngineArgs`, both
+  workers), the workers' (`PrefillServiceConfig`, `DecodeServiceConfig`), the cache service's and the gateway's
+  (`GatewayConfig`), minus what the mesh plan assigns (addresses, ports), plus this module's `VllmCompat`.
+  `launch_config_from(ns)` (there too) builds the `LaunchConfig` from them (a value an option object refuses raises
+  its ValueError, naming it).
 - `VllmCompat` holds the `vllm serve` flags accepted at their no-op value only: `refusal(ns)` is the message naming
   the first such flag set to something else (`--kv-cache-dtype` other than auto, `--gpu-memory-utilization` at all:
   the KV cache is sized by `--kv-cache-memory`), a `--tensor-parallel-size` < 1 or a `--speculative-config` that
@@ -21,7 +22,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from telemetry.options import add_options, option
+from telemetry.options import option
 
 PARSER_CHOICES = "'auto' (the model family's format), 'none', kimi_k3 or kimi_k2"
 
@@ -55,20 +56,3 @@ def refusal(ns: argparse.Namespace) -> str | None:
     if ns.gpu_memory_utilization is not None:
         return "--gpu-memory-utilization: not built; size the KV cache of each worker with --kv-cache-memory"
     return None
-
-
-def add_mesh_flags(p: argparse.ArgumentParser, model_positional: bool) -> None:
-    from deploy.mesh_plan import LaunchConfig
-
-    if model_positional:
-        p.add_argument("model", help="checkpoint folder (config.json, *.safetensors, tokenizer) or demo-k3")
-    add_options(p, LaunchConfig, skip=("model",) if model_positional else ())
-
-
-def launch_config_from(ns: argparse.Namespace, log_level: str, log_format: str, trace_exporter: str):
-    """The launcher's config from `add_mesh_flags` flags and the global logging flags."""
-    from deploy.mesh_plan import LaunchConfig
-    from telemetry.options import from_namespace
-
-    return from_namespace(LaunchConfig, ns, base=LaunchConfig(), model=ns.model, log_level=log_level.upper(),
-                          log_format=log_format, trace_exporter=trace_exporter)

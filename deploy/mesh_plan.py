@@ -24,6 +24,8 @@ Contract:
 
 from __future__ import annotations
 
+import argparse
+
 import dataclasses
 import json
 import os
@@ -41,7 +43,7 @@ from engine.config import EngineArgs
 from gateway.config import MODES, GatewayConfig, host_option, http_port_option, mode_option
 from prefill_service.config import PrefillServiceConfig
 from telemetry import options
-from telemetry.options import grace_option, option, section
+from telemetry.options import add_options, from_namespace, grace_option, option, section
 
 API_KEYS_ENV = "KDAMESH_API_KEYS"
 FAMILY_FORMATS = {"kimi_k3": "kimi_k3", "kimi_linear": "kimi_k2"}
@@ -281,3 +283,16 @@ def _parser_flag(value: str, model: str) -> str | None:
     except (OSError, ValueError):
         return None
     return FAMILY_FORMATS.get(family)
+
+
+def add_mesh_flags(p: argparse.ArgumentParser, model_positional: bool) -> None:
+    if model_positional:
+        p.add_argument("model", help="checkpoint folder (config.json, *.safetensors, tokenizer) or demo-k3")
+    add_options(p, LaunchConfig, skip=("model",) if model_positional else ())
+
+
+def launch_config_from(ns: argparse.Namespace, log_level: str, log_format: str, trace_exporter: str):
+    """The launcher's config from `add_mesh_flags` flags and the global logging flags."""
+
+    return from_namespace(LaunchConfig, ns, base=LaunchConfig(), model=ns.model, log_level=log_level.upper(),
+                          log_format=log_format, trace_exporter=trace_exporter)

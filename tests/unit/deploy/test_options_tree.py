@@ -12,7 +12,7 @@ import pytest
 
 from cache_service.cli import config_from_args
 from deploy.cli import build_parser
-from deploy.flags import launch_config_from
+from deploy.mesh_plan import launch_config_from
 from deploy.launcher import LaunchConfig, engine_max_model_len, plan_services
 from deploy.serve import gateway_config_from, role_parser, worker_config_from
 from telemetry import options

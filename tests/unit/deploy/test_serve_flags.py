@@ -10,7 +10,7 @@ import io
 import pytest
 
 from deploy import cli
-from deploy.flags import add_mesh_flags, launch_config_from
+from deploy.mesh_plan import add_mesh_flags, launch_config_from
 from deploy.launcher import busy_ports, free_port, plan_services
 from deploy.serve import role_parser
 
