@@ -73,6 +73,9 @@ class EngineArgs:
     snapshot_policy: str = "hybrid"  # "hybrid": hints, junctions, turn ends too; "periodic": prompt ends + interval
     snapshot_budget: int | str | None = None  # bytes of KDA snapshots, e.g. "2GiB"; None: snapshot_memory_fraction
     speculative_config: SpeculativeConfig | dict | str | None = None  # engine/spec/config.py; None: no speculation
+    # the step thread turns ids into text and matches stop strings (engine/request.py `OutputState`); False: ids
+    # only (outputs carry no text, stop strings are not matched: the caller, e.g. the mesh gateway, does both once)
+    detokenize: bool = True
 
     def __post_init__(self):
         positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
@@ -100,6 +103,8 @@ class EngineArgs:
                 raise EngineConfigError(f"{name} must be a non-negative integer, got {value!r}")
         if self.num_kv_blocks == 0:
             raise EngineConfigError("num_kv_blocks must be positive")
+        if not isinstance(self.detokenize, bool):
+            raise EngineConfigError(f"detokenize must be a bool, got {self.detokenize!r}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise EngineConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
         self._resolve_speculative()

@@ -29,8 +29,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.formats.stop import StopMatcher
 from engine.memory.hashing import BlockHasher
 from engine.outputs import CompletionOutput, Logprob, PositionLogprobs
@@ -67,7 +65,7 @@ class Request:
     arrival: int  # admission order key (smaller = earlier)
     hasher: BlockHasher
     priority: int = 0  # smaller runs first
-    generator: torch.Generator | None = None
+    seed: int | None = None  # sampled requests: the noise seed of engine/sampling.py (None: greedy)
     output: "OutputState | None" = None
     export_on_finish: bool = False
     imported: RequestState | None = None  # carried KV + state, written at admission
