@@ -7,8 +7,19 @@ Contract:
   changes) and queues `params.n` sequences. A prompt is a str (tokenised without special tokens), a list of ids,
   or `{"prompt_token_ids": [...]}` / `{"prompt": str}`. Admission rejects requests that can never run: an empty
   prompt, ids outside the vocabulary, `len(prompt) + max_tokens > max_model_len`, or more KV blocks than the pool.
-- `step()` schedules, runs the model once, samples, commits full blocks and snapshots, detokenises, checks stops,
-  frees finished requests, and returns one delta `RequestOutput` per request that changed (see engine/outputs.py).
+- `step()` is schedule -> execute -> update (vLLM v1's shape): `_schedule` (drafts, the scheduler's batch, the
+  exchange's pending reads) -> `_execute(out)` reads that batch and never changes a request: the forward, then every
+  logits row sampled and verified at once on the device with ONE read-back (engine/step_sampling.py) -> a frozen
+  `StepResult` -> `update_from_output(out, result)` is the one place that applies it: appended tokens (stops,
+  grammar), `num_computed_tokens` (assigned there and nowhere else in the step), verification counters and
+  settling, commits and snapshot copies, the drafter's observations, finished requests. Data-dependent control flow
+  (a row finished, a stop id) is decided on the host from the read-back. Returns one delta `RequestOutput` per
+  request that changed (see engine/outputs.py).
+- Sampled sequences get a noise seed at admission (`params.seed + index`, else one drawn from the engine's seeded
+  RNG); with the output position it decides every random number of the sequence (engine/sampling.py), so a seeded
+  request reproduces in any batch and an exported request carries only its seed.
+- `args.detokenize` (default on): the step thread detokenises and matches stop strings; off, outputs carry ids only
+  (empty text, `Logprob.decoded_token` None) and stop strings are left to the caller (the mesh gateway does both).
 - Speculative decoding (`args.speculative_config`, engine/spec/): before scheduling, the drafter proposes tokens for
   the running decodes; the step verifies them in the same forward (engine/spec/decoding.py) and appends the
   accepted drafts plus one token, so a request may gain up to 1 + k tokens in a step.
