@@ -217,35 +217,41 @@ def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class RowBatch:
-    """The rows' parameters as device tensors [L] (built once per step) plus what the host knows of them."""
+    """The rows' parameters as device tensors [L] (built once per step) plus what the host knows of them. The
+    tensors exist only when some row samples (an all-greedy batch uploads nothing)."""
 
-    greedy: torch.Tensor  # [L] bool
-    temperature: torch.Tensor  # [L] fp32; 1 for greedy rows
-    top_k: torch.Tensor  # [L] int64; 0: off
-    top_p: torch.Tensor  # [L] fp32; 1: off
-    min_p: torch.Tensor  # [L] fp32; 0: off
-    seeds: torch.Tensor  # [L] int64; 0 for greedy rows
-    positions: torch.Tensor  # [L] int64
     any_sampled: bool
     any_greedy: bool
     logprobs_k: int | None  # the most top logprobs any row asks (None: no row asks logprobs)
     logprobs: list[int | None]  # per row: top logprobs asked (None: none)
+    greedy: torch.Tensor | None = None  # [L] bool
+    temperature: torch.Tensor | None = None  # [L] fp32; 1 for greedy rows
+    top_k: torch.Tensor | None = None  # [L] int64; 0: off
+    top_p: torch.Tensor | None = None  # [L] fp32; 1: off
+    min_p: torch.Tensor | None = None  # [L] fp32; 0: off
+    seeds: torch.Tensor | None = None  # [L] int64; 0 for greedy rows
+    positions: torch.Tensor | None = None  # [L] int64
 
     @classmethod
     def build(cls, rows: Sequence[SampleRow], device: torch.device) -> "RowBatch":
         params = [r.params for r in rows]
         greedy = [p.greedy for p in params]
         asked = [p.logprobs for p in params if p.logprobs is not None]
-        return cls(
-            greedy=upload(greedy, torch.bool, device),
-            temperature=upload([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32, device),
-            top_k=upload([0 if g or p.top_k < 0 else p.top_k for p, g in zip(params, greedy)], torch.long, device),
-            top_p=upload([1.0 if g else p.top_p for p, g in zip(params, greedy)], torch.float32, device),
-            min_p=upload([0.0 if g else p.min_p for p, g in zip(params, greedy)], torch.float32, device),
-            seeds=upload([0 if g else _need_seed(r) for r, g in zip(rows, greedy)], torch.long, device),
-            positions=upload([r.position for r in rows], torch.long, device),
-            any_sampled=not all(greedy), any_greedy=any(greedy), logprobs_k=max(asked) if asked else None,
-            logprobs=[p.logprobs for p in params])
+        batch = cls(any_sampled=not all(greedy), any_greedy=any(greedy), logprobs_k=max(asked) if asked else None,
+                    logprobs=[p.logprobs for p in params])
+        if batch.any_sampled:
+            columns = [(1.0, 0, 1.0, 0.0, 0) if g else
+                       (p.temperature, max(p.top_k, 0), p.top_p, p.min_p, _need_seed(r))
+                       for r, p, g in zip(rows, params, greedy)]
+            temperature, top_k, top_p, min_p, seeds = zip(*columns)
+            batch.greedy = upload(greedy, torch.bool, device)
+            batch.temperature = upload(temperature, torch.float32, device)
+            batch.top_k = upload(top_k, torch.long, device)
+            batch.top_p = upload(top_p, torch.float32, device)
+            batch.min_p = upload(min_p, torch.float32, device)
+            batch.seeds = upload(seeds, torch.long, device)
+            batch.positions = upload([r.position for r in rows], torch.long, device)
+        return batch
 
     def keys(self, stream: int) -> torch.Tensor:
         return row_keys(self.seeds, self.positions, stream)  # [L]
