@@ -4,7 +4,9 @@ A synthetic target and drafter over a tiny vocabulary (next-token tables keyed b
 run through `engine.spec.accept` for every method and draft kind; the empirical distribution of the first L
 generated tokens over N samples is compared with the target's exact joint by total variation. A deliberately
 biased rule (a rejection redraws from p instead of the residual) must fail the same
-threshold: the negative control that proves the test can fail."""
+threshold: the negative control that proves the test can fail. Both forms are checked: one row at a time with a
+`torch.Generator` (`accept`), and all N sequences at once (`accept_rows`, one call per round) with the engine's
+counter-based noise keyed by (row seed, output position)."""
 
 from __future__ import annotations
 
@@ -64,8 +66,12 @@ def _tv(rule, method: str, one_hot: bool, seed: int = 0) -> float:
     for _ in range(N):
         seq = _generate(target, draft, method, one_hot, gen, rule)
         counts[seq] = counts.get(seq, 0) + 1
-    exact = _exact_joint(target)
-    return 0.5 * sum(abs(counts.get(s, 0) / N - p) for s, p in exact.items())
+    return _distance(counts, target)
+
+
+def _distance(counts: dict[tuple[int, ...], int], target) -> float:
+    """Total variation between the empirical joint of N sequences and the target's exact one."""
+    return 0.5 * sum(abs(counts.get(s, 0) / N - p) for s, p in _exact_joint(target).items())
 
 
 def _biased(p, q, draft, method, gen):
@@ -82,12 +88,16 @@ def _biased(p, q, draft, method, gen):
 
 @pytest.mark.parametrize("method", ["standard", "block"])
 @pytest.mark.parametrize("one_hot", [True, False])
-def test_speculative_sampling_keeps_the_target_distribution(method, one_hot):
-    assert _tv(acc.accept, method, one_hot) < THRESHOLD
+@pytest.mark.parametrize("rows_at_once", [False, True], ids=["one-row", "rows-at-once"])
+def test_speculative_sampling_keeps_the_target_distribution(method, one_hot, rows_at_once):
+    tv, rule = (_tv_rows, acc.accept_rows) if rows_at_once else (_tv, acc.accept)
+    assert tv(rule, method, one_hot) < THRESHOLD
 
 
-def test_a_biased_acceptance_rule_fails_the_same_threshold():
-    assert _tv(_biased, "standard", one_hot=False) > THRESHOLD
+@pytest.mark.parametrize("rows_at_once", [False, True], ids=["one-row", "rows-at-once"])
+def test_a_biased_acceptance_rule_fails_the_same_threshold(rows_at_once):
+    tv, rule = (_tv_rows, _biased_rows) if rows_at_once else (_tv, _biased)
+    assert tv(rule, "standard", one_hot=False) > THRESHOLD
 
 
 def test_greedy_accepts_the_matching_prefix():
@@ -144,8 +154,7 @@ def _tv_rows(rule, method: str, one_hot: bool, seed: int = 0) -> float:
     counts: dict[tuple[int, ...], int] = {}
     for out in outs:
         counts[tuple(out[:L])] = counts.get(tuple(out[:L]), 0) + 1
-    exact = _exact_joint(target)
-    return 0.5 * sum(abs(counts.get(s, 0) / N - p) for s, p in exact.items())
+    return _distance(counts, target)
 
 
 def _biased_rows(p, q, draft, num_drafts, method, uniforms, draw):
@@ -154,16 +163,6 @@ def _biased_rows(p, q, draft, num_drafts, method, uniforms, draw):
     p_x = p[:, :-1].gather(2, draft[:, :, None])[:, :, 0]
     a = (uniforms * q_x < p_x).long().cumprod(1).sum(1)
     return a, draw(p.gather(1, a[:, None, None].expand(-1, 1, p.shape[2]))[:, 0], a)
-
-
-@pytest.mark.parametrize("method", ["standard", "block"])
-@pytest.mark.parametrize("one_hot", [True, False])
-def test_rows_at_once_keep_the_target_distribution(method, one_hot):
-    assert _tv_rows(acc.accept_rows, method, one_hot) < THRESHOLD
-
-
-def test_rows_at_once_biased_rule_fails_the_same_threshold():
-    assert _tv_rows(_biased_rows, "standard", one_hot=False) > THRESHOLD
 
 
 def test_rows_of_different_draft_lengths_are_judged_alone():
