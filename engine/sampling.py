@@ -6,14 +6,15 @@ Contract:
 - `Sampler.sample(logits [L, V] fp32, rows)` picks one token per row; `sample_on_device` does the same and leaves
   the result on the logits' device (`DeviceSample`) for the caller's one read-back (`read_back`). All rows are
   processed by the same tensor ops at once: no value is read back to the host while sampling, whatever the batch.
-- Randomness is counter-based: row r's noise is a hash of (its request's `seed`, its output `position`, a stream
-  id, the vocabulary index), computed with int64 tensor ops on the device (`uniform_noise`). A seeded request
+- Randomness is counter-based: row r's random number is a hash of (its request's `seed`, its output `position`, a
+  stream id), computed with int64 tensor ops on the device (`row_uniforms`: a 52-bit uniform), and a draw is the
+  inverse CDF of the row's weights at it (`categorical`: one cumsum and one searchsorted per batch). A seeded request
   therefore samples the same tokens whatever else is in the batch, in any order, on any engine: a handoff carries
   only the seed (engine/transfer.py `RequestState.sampling_seed`), and the output position says where it is.
   `temperature == 0` is greedy (argmax after penalties); its rows use no noise.
 - Processing order, per row: repetition penalty (prompt and output tokens), frequency and presence penalties
   (output tokens), min_tokens suppression of stop ids, then (sampled rows only) temperature, min_p, top_k, top_p,
-  then an exponential race (argmax of p / Exp(1) noise == a categorical draw). Logprobs are the model's raw
+  then the draw. Logprobs are the model's raw
   log-softmax (before any processing), as vLLM v1 reports them by default.
 - `structured` (a validated `engine.structured.StructuredOutputParams`) makes the engine mask each row's logits with
   its grammar before this sampler runs (so logprobs are then over the allowed tokens, as in vLLM); for such
@@ -156,7 +157,7 @@ class SampleResult:
 
 # -- counter-based noise -----------------------------------------------------------------------------------------
 
-STREAM_SAMPLE, STREAM_ACCEPT, STREAM_RESIDUAL = 1, 2, 3  # independent noise streams per (seed, position)
+STREAM_SAMPLE, STREAM_ACCEPT, STREAM_RESIDUAL = 1, 2, 3  # independent random streams per (seed, position)
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 
@@ -186,22 +187,24 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch
     return _mix(h, positions & _MASK32)
 
 
-def uniform_noise(keys: torch.Tensor, width: int) -> torch.Tensor:
-    """keys [R] -> fp32 uniforms in (0, 1) [R, width], entry (r, v) a hash of (keys[r], v) alone."""
-    columns = _mix(torch.zeros(width, dtype=torch.long, device=keys.device),
-                   torch.arange(width, dtype=torch.long, device=keys.device))  # [width]
-    bits = _mix(keys[:, None], columns[None, :]) >> 8  # [R, width], 24 bits
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+def spread_keys(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """keys [R] -> [R, width] keys of (key, j): several independent numbers for one (seed, position, stream)."""
+    return _mix(keys[:, None], torch.arange(width, dtype=torch.long, device=keys.device)[None, :])
 
 
-def exponential_noise(keys: torch.Tensor, width: int) -> torch.Tensor:
-    """Exp(1) noise [R, width] (strictly positive) from the keys' uniforms."""
-    return -torch.log(uniform_noise(keys, width))
+def row_uniforms(keys: torch.Tensor) -> torch.Tensor:
+    """keys [...] -> float64 uniforms in (0, 1) [...], 52 random bits each (two hashes of the key)."""
+    high = _mix(keys, 0x5851F42D)  # 32 bits
+    low = _mix(keys, 0x14057B7E) >> 12  # 20 bits
+    return (((high << 20) | low).double() + 0.5) * 2.0 ** -52
 
 
-def race(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """A categorical draw per row from non-negative weights [R, V] (need not sum to 1) -> ids [R]."""
-    return (weights / exponential_noise(keys, weights.shape[-1])).argmax(dim=-1)
+def categorical(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """A categorical draw per row from non-negative weights [R, V] (need not sum to 1; each row has some mass):
+    the inverse CDF at the row's uniform -> ids [R]. Always an id of positive weight."""
+    cdf = weights.double().cumsum(dim=-1)  # [R, V]
+    target = row_uniforms(keys) * cdf[:, -1]  # [R], strictly below the row's total
+    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp(max=weights.shape[-1] - 1)
 
 
 # -- batched processing ------------------------------------------------------------------------------------------
@@ -445,5 +448,5 @@ class Sampler:
         greedy = x.argmax(dim=-1)  # [L]
         if not batch.any_sampled:
             return greedy
-        drawn = race(torch.softmax(x, dim=-1), batch.keys(STREAM_SAMPLE))  # [L]
+        drawn = categorical(torch.softmax(x, dim=-1), batch.keys(STREAM_SAMPLE))  # [L]
         return torch.where(batch.greedy, greedy, drawn) if batch.any_greedy else drawn

@@ -7,8 +7,9 @@ Contract:
   the request's output position `num_output_tokens + i`, its penalties counting the drafts before it and its
   min_tokens suppression as if they were accepted. All rows are processed and picked by the same tensor ops; the
   verifications are then accepted together (engine/spec/accept.py: greedy rows by `accept_greedy_rows`, sampled
-  rows by `accept_rows` with the request's counter-based noise: stream ACCEPT for the uniforms, RESIDUAL for the
-  follow-up token, keyed by seed and output position). Logprobs (when any row asks) are of the raw logits.
+  rows by `accept_rows` with the request's counter-based noise: stream ACCEPT keyed by the verification's first
+  output position for its uniforms, RESIDUAL at the follow-up token's position for its draw; no number is ever used
+  by two verifications of a request). Logprobs (when any row asks) are of the raw logits.
 - Exactly one device -> host transfer per call (`read_back`): the ids of every row (a verification's rows hold its
   accepted drafts then the token after them), the accepted counts, the logprobs. What depends on those values
   (a row finished, a stop id) is decided on the host afterwards.
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling import (
-    STREAM_ACCEPT, STREAM_RESIDUAL, DeviceSample, RowBatch, SampleResult, SampleRow, Sampler, logprob_fields, race,
-    read_back, row_keys, uniform_noise, upload)
+    STREAM_ACCEPT, STREAM_RESIDUAL, DeviceSample, RowBatch, SampleResult, SampleRow, Sampler, categorical,
+    logprob_fields, read_back, row_keys, row_uniforms, spread_keys, upload)
 from engine.spec.accept import accept_greedy_rows, accept_rows
 
 
@@ -99,12 +100,12 @@ class StepSampler:
         q = _draft_probs(chunks, D, p.shape[-1], p.device)  # [B, D, V] or None
         seeds = batch.seeds[upload(list(firsts), torch.long, x.device)]  # [B]
         starts = batch.positions[upload(list(firsts), torch.long, x.device)]  # [B] output position of row 0
-        offsets = torch.arange(D, device=x.device)[None, :]  # [1, D]
-        keys = row_keys(seeds[:, None].expand(B, D), starts[:, None] + offsets, STREAM_ACCEPT)  # [B, D]
-        uniforms = uniform_noise(keys.reshape(-1), 1).view(B, D)
+        # keyed by the verification's first position: a later verification (which starts past this one's accepted
+        # tokens) never reuses a uniform this one looked at (block verification looks at all of them)
+        uniforms = row_uniforms(spread_keys(row_keys(seeds, starts, STREAM_ACCEPT), D))  # [B, D]
 
         def draw(weights: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-            return race(weights, row_keys(seeds, starts + at, STREAM_RESIDUAL))
+            return categorical(weights, row_keys(seeds, starts + at, STREAM_RESIDUAL))
 
         return accept_rows(p, q, draft, num_drafts, self.method, uniforms, draw)
 

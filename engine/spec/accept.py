@@ -21,11 +21,11 @@ emits a + 1 tokens.
   joint distribution, and accepts at least as many tokens as `standard` in expectation.
 All three run over a batch of verifying rows at once, as tensor ops with no read-back (`accept_greedy_rows`,
 `accept_rows`: drafts padded to the longest, `num_drafts` per row; a loop over draft positions, never over rows).
-Their randomness is passed in: uniforms `[B, D]` and a `draw(weights [B, V], at [B]) -> ids [B]` (the engine's
-counter-based noise of engine/sampling.py, keyed by the request's seed and output position, so seeded requests
-reproduce); categorical draws use the exponential race (argmax of weight / Exp(1) noise), which works on
-unnormalised weights. `accept(p, q, draft, method, generator)` and `accept_greedy(choice, draft)` are the one-row
-forms (a `torch.Generator`'s numbers; what the distribution tests drive).
+Their randomness is passed in: uniforms `[B, D]` and a categorical `draw(weights [B, V], at [B]) -> ids [B]` on
+unnormalised weights (the engine's: engine/sampling.py's counter-based uniforms keyed by the request's seed and
+output position, and its inverse-CDF `categorical`, so seeded requests reproduce).
+`accept(p, q, draft, method, generator)` and `accept_greedy(choice, draft)` are the one-row forms (a
+`torch.Generator`'s numbers, draws by the exponential race: argmax of weight / Exp(1) noise).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 
-from engine.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, race, row_keys, uniform_noise
+from engine.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, categorical, row_keys, row_uniforms, spread_keys
 from engine.spec import accept as acc
 
 V, L, K, N = 3, 3, 3, 10_000
@@ -140,11 +140,10 @@ def _tv_rows(rule, method: str, one_hot: bool, seed: int = 0) -> float:
             prev = x
             p_rows.append(target[pos + j + 1, x])
         drafts = torch.stack(tokens, 1)  # [B, K]
-        keys = row_keys(seeds[rows][:, None].expand(-1, K), pos[:, None] + torch.arange(K), STREAM_ACCEPT)
-        uniforms = uniform_noise(keys.reshape(-1), 1).view(-1, K)
+        uniforms = row_uniforms(spread_keys(row_keys(seeds[rows], pos, STREAM_ACCEPT), K))  # [B, K]
 
         def draw(weights, at):
-            return race(weights, row_keys(seeds[rows], pos + at, STREAM_RESIDUAL))
+            return categorical(weights, row_keys(seeds[rows], pos + at, STREAM_RESIDUAL))
 
         a, y = rule(torch.stack(p_rows, 1), None if one_hot else torch.stack(q_rows, 1), drafts,
                     torch.full((len(live),), K), method, uniforms, draw)
