@@ -7,15 +7,15 @@ Contract:
   the result on the logits' device (`DeviceSample`) for the caller's one read-back (`read_back`). All rows are
   processed by the same tensor ops at once: no value is read back to the host while sampling, whatever the batch.
 - Randomness is counter-based: row r's random number is a hash of (its request's `seed`, its output `position`, a
-  stream id), computed with int64 tensor ops on the device (`row_uniforms`: a 52-bit uniform), and a draw is the
-  inverse CDF of the row's weights at it (`categorical`: one cumsum and one searchsorted per batch). A seeded request
-  therefore samples the same tokens whatever else is in the batch, in any order, on any engine: a handoff carries
-  only the seed (engine/transfer.py `RequestState.sampling_seed`), and the output position says where it is.
+  stream id), computed with int64 tensor ops on the device (`row_uniforms`: a uniform of 52-bit resolution from a
+  32-bit key), and a draw is the inverse CDF of the row's weights at it (`categorical`: one cumsum and one
+  searchsorted per batch). A seeded request therefore samples the same tokens whatever else is in the batch, in any
+  order, on any engine: a handoff carries only the seed (engine/transfer.py `RequestState.sampling_seed`), and the
+  output position says where it is.
   `temperature == 0` is greedy (argmax after penalties); its rows use no noise.
 - Processing order, per row: repetition penalty (prompt and output tokens), frequency and presence penalties
   (output tokens), min_tokens suppression of stop ids, then (sampled rows only) temperature, min_p, top_k, top_p,
-  then the draw. Logprobs are the model's raw
-  log-softmax (before any processing), as vLLM v1 reports them by default.
+  then the draw. Logprobs are the model's raw log-softmax (before any processing), as vLLM v1 reports them.
 - `structured` (a validated `engine.structured.StructuredOutputParams`) makes the engine mask each row's logits with
   its grammar before this sampler runs (so logprobs are then over the allowed tokens, as in vLLM); for such
   requests `min_tokens` does not suppress stop ids (the grammar decides where the output ends).
@@ -193,7 +193,7 @@ def spread_keys(keys: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def row_uniforms(keys: torch.Tensor) -> torch.Tensor:
-    """keys [...] -> float64 uniforms in (0, 1) [...], 52 random bits each (two hashes of the key)."""
+    """keys [...] -> float64 uniforms in (0, 1) [...] of 52-bit resolution (two hashes of the key)."""
     high = _mix(keys, 0x5851F42D)  # 32 bits
     low = _mix(keys, 0x14057B7E) >> 12  # 20 bits
     return (((high << 20) | low).double() + 0.5) * 2.0 ** -52
