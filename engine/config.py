@@ -116,6 +116,9 @@ class EngineArgs:
     compilation_config: CompilationConfig | dict | str | None = json_option(  # engine/compilation.py; None: defaults
         "--compilation-config", help='the decode step\'s compilation, vLLM\'s JSON: {"level": 3, '
                                      '"cudagraph_capture_sizes": [1, 2, 4, 8]} (engine/compilation.py)')
+    # the step thread turns ids into text and matches stop strings (engine/request.py `OutputState`); False: ids
+    # only (outputs carry no text, stop strings are not matched: the caller, e.g. the mesh gateway, does both once)
+    detokenize: bool = True
 
     def __post_init__(self):
         positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
@@ -143,6 +146,8 @@ class EngineArgs:
                 raise EngineConfigError(f"{name} must be a non-negative integer, got {value!r}")
         if self.num_kv_blocks == 0:
             raise EngineConfigError("num_kv_blocks must be positive")
+        if not isinstance(self.detokenize, bool):
+            raise EngineConfigError(f"detokenize must be a bool, got {self.detokenize!r}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise EngineConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens!r}")
         self._resolve_speculative()

@@ -7,8 +7,19 @@ Contract:
   changes) and queues `params.n` sequences. A prompt is a str (tokenised without special tokens), a list of ids,
   or `{"prompt_token_ids": [...]}` / `{"prompt": str}`. Admission rejects requests that can never run: an empty
   prompt, ids outside the vocabulary, `len(prompt) + max_tokens > max_model_len`, or more KV blocks than the pool.
-- `step()` schedules, runs the model once, samples, commits full blocks and snapshots, detokenises, checks stops,
-  frees finished requests, and returns one delta `RequestOutput` per request that changed (see engine/outputs.py).
+- `step()` is schedule -> execute -> update (vLLM v1's shape): `_schedule` (drafts, the scheduler's batch) ->
+  `_execute(out)` reads that batch and never changes a request: the forward, then every
+  logits row sampled and verified at once on the device with ONE read-back (engine/step_sampling.py) -> a frozen
+  `StepResult` -> `update_from_output(out, result)` is the one place that applies it: appended tokens (stops,
+  grammar), `num_computed_tokens` (assigned there and nowhere else in the step), verification counters and
+  settling, commits and snapshot copies, the drafter's observations, finished requests. Data-dependent control flow
+  (a row finished, a stop id) is decided on the host from the read-back. Returns one delta `RequestOutput` per
+  request that changed (see engine/outputs.py).
+- Sampled sequences get a noise seed at admission (`params.seed + index`, else one drawn from the engine's seeded
+  RNG); with the output position it decides every random number of the sequence (engine/sampling.py), so a seeded
+  request reproduces in any batch and an exported request carries only its seed.
+- `args.detokenize` (default on): the step thread detokenises and matches stop strings; off, outputs carry ids only
+  (empty text, `Logprob.decoded_token` None) and stop strings are left to the caller (the mesh gateway does both).
 - Speculative decoding (`args.speculative_config`, engine/spec/): before scheduling, the drafter proposes tokens for
   the running decodes; the step verifies them in the same forward (engine/spec/decoding.py) and appends the
   accepted drafts plus one token, so a request may gain up to 1 + k tokens in a step.
@@ -66,10 +77,11 @@ from engine.phase_times import PhaseTimes
 from engine.request import OutputState, Request, RequestStatus
 from engine.runner import GraphOptions
 from engine.parallel.executor import ExecutorConfig, open_executor
-from engine.sampling import SampleResult, SampleRow, Sampler, SamplingParams
+from engine.sampling import SampleResult, SamplingParams
+from engine.step_sampling import StepSampler
 from engine.spec.setup import open_spec_decoding
 from engine.stats import EngineStats, engine_stats, model_fingerprint
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured import GrammarBackend
 from engine.vision.cache import DEFAULT_BUDGET_BYTES
 from engine.vision.feed import ImageInput, check_images, load_media
@@ -78,6 +90,17 @@ from engine.transfer import CacheLayout, RequestState, check_request_state
 logger = logging.getLogger(__name__)
 
 PromptInput = str | list[int] | dict
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What executing a scheduled batch produced, per chunk of `SchedulerOutput.chunks`: the tokens it emits (None
+    for a chunk without logits: a prefill piece), per sampled chunk (drafts verified, accepted), and the drafter's
+    tapped hidden rows of the step's tokens (None without taps)."""
+
+    tokens: list[list[SampleResult] | None]
+    verified: list[tuple[int, int]]
+    tapped: torch.Tensor | None
 
 
 @dataclass
@@ -121,8 +144,8 @@ class EngineCore:
         self.layout = CacheLayout(self.fingerprint, self.plan.block_size, (layers, bs, dim),
                                   {name: shape for name, (shape, _) in self.runner.state_shapes().items()})
         self.exchange = CacheExchange(self.manager, self.runner, self.layout)
-        self.sampler = Sampler()
         self.spec = open_spec_decoding(args, self.model, self.manager, self.plan, self.executor)
+        self.step_sampler = StepSampler(self.spec.config.rejection_sample_method if self.spec else "standard")
         self._seed_rng = random.Random(args.seed)
         self._parents: dict[str, _Parent] = {}
         self._requests: dict[str, Request] = {}  # child id -> request, unfinished
@@ -209,13 +232,17 @@ class EngineCore:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             req = Request(request_id=child_id, parent_id=request_id, index=i, prompt_token_ids=ids, params=params,
                           max_tokens=max_tokens, arrival=self._arrivals, hasher=hasher, priority=priority,
-                          generator=self._make_generator(params, i), export_on_finish=export_on_finish,
+                          seed=self._make_seed(params, i), export_on_finish=export_on_finish,
                           cache_salt=cache_salt, media=media, snapshot_points=dict(points))
-            req.output = OutputState(params, self.tokenizer, self.eos_token_ids)
+            req.output = self._output_state(params)
             self._attach_grammar(req)
             self._arrivals += 1
             children.append(req)
         self._register(_Parent(request_id, text, ids, children))
+
+    def _output_state(self, params: SamplingParams) -> OutputState:
+        """Detokenising on the step thread unless `args.detokenize` is off (ids only)."""
+        return OutputState(params, self.tokenizer if self.args.detokenize else None, self.eos_token_ids)
 
     def _register(self, parent: _Parent) -> None:
         self._parents[parent.request_id] = parent
@@ -260,13 +287,11 @@ class EngineCore:
         logger.error("request %s: sampled token %d is outside its grammar; aborting it", req.request_id, token)
         return False
 
-    def _make_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+    def _make_seed(self, params: SamplingParams, index: int) -> int | None:
+        """A sampled sequence's noise seed (engine/sampling.py): the request's seed + its index, else a fresh one."""
         if params.greedy:
             return None
-        seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(63)
-        gen = torch.Generator(device=self.runner.device)
-        gen.manual_seed(seed)
-        return gen
+        return params.seed + index if params.seed is not None else self._seed_rng.getrandbits(63)
 
     def abort(self, request_id: str) -> bool:
         """Ends a request (parent id) now; False when it is unknown or already finished."""
@@ -281,56 +306,72 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
-    # -- the step --------------------------------------------------------------------------------------------
+    # -- the step: schedule -> execute -> update ---------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        out = self._schedule()
+        if not out.is_empty:
+            self.num_steps += 1
+            self.update_from_output(out, self._execute(out))
+        return self._collect_outputs()
+
+    def _schedule(self) -> SchedulerOutput:
+        """Drafts (speculative decoding), then the scheduler's batch."""
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if self.spec is not None:
             self.spec.preempted(out.preempted)
-        if not out.is_empty:
-            self.num_steps += 1
-            results = self._run_and_sample(out)
-            finished = [f for chunk, res in zip([c for c in out.chunks if c.needs_logits], results)
-                        if (f := self._append(chunk.req, res)) is not None]
-            copies = []
-            for chunk in out.chunks:  # a verification keeps what was appended (the last token + accepted drafts)
-                states = self.spec.settle(chunk.req, chunk.start, chunk.req.num_tokens - 1 - chunk.start) \
-                    if chunk.draft else None
-                if not chunk.draft:
-                    chunk.req.num_computed_tokens = chunk.start + chunk.num_tokens
-                copies.extend(self.manager.commit(chunk.req, states))
-            self.runner.copy_slots(copies)
-            self.manager.copies_applied()
-            if self.spec is not None:
-                self.spec.observe(out.chunks, self.runner.take_tapped())
-                self.spec.clear(self.scheduler.running)
-            for req, status in finished:
-                self._finish(req, status)
-        return self._collect_outputs()
+        return out
 
-    def _run_and_sample(self, out) -> list[list[SampleResult]]:
-        """Runs the step's forward -> per chunk that needs logits, the tokens it emits (one, or a verification's
-        accepted drafts and the token after them)."""
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> StepResult:
+        """Runs the scheduled batch (read, never changed) -> its `StepResult`: the forward, then every row sampled
+        and verified on the device and read back once (engine/step_sampling.py)."""
         slots = [self.manager.running_slot(c.req) for c in out.chunks]
-        chunks = [c for c in out.chunks if c.needs_logits]
-        sampled = [c.req for c in chunks]
-        masks = self._fill_grammar_masks(sampled)  # structured output: CPU work before the forward
+        sampled = [c for c in out.chunks if c.needs_logits]
+        masks = self._fill_grammar_masks([c.req for c in sampled])  # structured output: CPU work before the forward
         wanted = [prompt_logprobs.rows_wanted(c.req, c.start, c.num_tokens) for c in out.chunks]
         logits, prompt_logits = self.runner.execute_with_prompt_rows(out, slots, wanted)  # [rows, V], [rows_i, V]
         for chunk, chunk_logits in zip(out.chunks, prompt_logits):
             prompt_logprobs.record(chunk.req, chunk.start, chunk_logits, self.tokenizer)
-        firsts = list(itertools.accumulate([1 + len(c.draft) for c in chunks], initial=0))  # first row per chunk
-        heads = logits[firsts[:-1]] if any(c.draft for c in chunks) else logits  # [L, V] one row per chunk
-        if masks is not None:  # constrained requests never verify: their one row is their head row
-            self.grammar_backend().apply(heads, masks, [i for i, r in enumerate(sampled) if r.grammar])
-        plain = [i for i, c in enumerate(chunks) if not c.draft]
-        rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids if r.params.has_penalties else (),
-                          r.generator, self._suppressed(r)) for r in (sampled[i] for i in plain)]
-        picked = iter(self.sampler.sample(heads[plain] if len(plain) < len(chunks) else heads, rows))
-        return [self.spec.verify(c.req, c.draft, logits[firsts[i]: firsts[i + 1]]) if c.draft else [next(picked)]
-                for i, c in enumerate(chunks)]
+        if masks is not None:  # constrained requests never verify: their one row is their chunk's first
+            firsts = list(itertools.accumulate([1 + len(c.draft) for c in sampled], initial=0))[:-1]
+            heads = logits[firsts]  # [L, V] one row per sampled chunk, as the masks are
+            self.grammar_backend().apply(heads, masks, [i for i, c in enumerate(sampled) if c.req.grammar])
+            logits[firsts] = heads
+        result = self.step_sampler.sample(logits, sampled)
+        tokens = iter(result.tokens)
+        return StepResult([next(tokens) if c.needs_logits else None for c in out.chunks], result.verified,
+                          self.runner.take_tapped())
+
+    def update_from_output(self, out: SchedulerOutput, result: StepResult) -> None:
+        """Applies a step's result to the requests and caches, the one place that does: appended tokens (and the
+        stops they hit), `num_computed_tokens`, verification counters and settling, commits and snapshot copies,
+        the drafter's observations, finished requests."""
+        finished = []
+        for chunk, tokens in zip(out.chunks, result.tokens):
+            if tokens is not None and (f := self._append(chunk.req, tokens)) is not None:
+                finished.append(f)
+        if self.spec is not None:
+            for num_drafts, accepted in result.verified:
+                if num_drafts:
+                    self.spec.record(num_drafts, accepted)
+        copies = []
+        for chunk in out.chunks:
+            req = chunk.req
+            # a verification keeps what was appended (the last token + accepted drafts); other chunks all they ran
+            computed = req.num_tokens - 1 - chunk.start if chunk.draft else chunk.num_tokens
+            states = self.spec.settle(req, chunk.start, computed) if chunk.draft else None
+            req.num_computed_tokens = chunk.start + computed
+            copies.extend(self.manager.commit(req, states))
+        self.runner.copy_slots(copies)
+        self.manager.copies_applied()
+        if self.spec is not None:
+            self.spec.observe(out.chunks, result.tapped)
+            self.spec.clear(self.scheduler.running)
+        for req, status in finished:
+            self._finish(req, status)
 
     def _append(self, req: Request, results: list[SampleResult]) -> tuple[Request, RequestStatus] | None:
         """Appends the sampled tokens in order, up to one that finishes the request -> (req, how) when it did."""
@@ -344,11 +385,6 @@ class EngineCore:
             if reason is not None:
                 return req, RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
         return None
-
-    def _suppressed(self, req: Request) -> tuple[int, ...]:
-        if req.num_output_tokens >= req.params.min_tokens or req.grammar is not None:
-            return ()
-        return tuple(req.output.stop_ids)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.grammar is not None:  # structured output: release the matcher
@@ -439,13 +475,12 @@ class EngineCore:
         hasher = BlockHasher(self.plan.block_size, root_hash(self.fingerprint, state.cache_salt), media)
         req = Request(request_id=request_id, parent_id=request_id, index=0, prompt_token_ids=prompt, params=params,
                       max_tokens=max_tokens, arrival=self._arrivals, hasher=hasher, priority=priority,
-                      generator=self._make_generator(params, 0), export_on_finish=export_on_finish,
+                      seed=self._make_seed(params, 0) if state.sampling_seed is None else state.sampling_seed,
+                      export_on_finish=export_on_finish,
                       token_ids=prompt + list(state.output_token_ids), imported=state, cache_salt=state.cache_salt,
                       media=media)
-        if req.generator is not None and state.generator_state is not None:
-            req.generator.set_state(state.generator_state)
         req.num_cached_tokens = state.num_cached_tokens
-        req.output = OutputState(params, self.tokenizer, self.eos_token_ids)
+        req.output = self._output_state(params)
         req.output.prime(state.output_token_ids)
         self._attach_grammar(req, list(state.output_token_ids))
         self._arrivals += 1

@@ -3,7 +3,7 @@
 Contract (`EngineCore.exchange`; like the rest of `EngineCore`, called on the engine's thread only — `AsyncEngine`
 wraps what the worker services need):
 - `export_request(req)` -> the `RequestState` after `req`'s computed tokens (their KV, the running KDA state, the
-  full-block hashes, the sampler's generator state, the cache salt).
+  full-block hashes, the sampler's seed, the cache salt).
 - `export_cached_blocks(hashes)` -> serialised blocks by hash (hashes not cached here are left out);
   `import_cached_blocks(objects)` adds serialised blocks as free, cached blocks -> how many were added.
 - `export_snapshot(hash)` -> the serialised snapshot or None; `import_snapshot(data)` adds one -> False when the
@@ -88,12 +88,11 @@ class CacheExchange:
         computed = req.num_computed_tokens
         blocks = req.block_ids[: self.manager.blocks_for(computed)]
         state = self.runner.read_state(self.manager.running_slot(req))
-        gen_state = req.generator.get_state() if req.generator is not None else None
         return RequestState(prompt_token_ids=list(req.prompt_token_ids), output_token_ids=list(req.output_token_ids),
                             num_computed_tokens=computed, block_size=self.layout.block_size,
                             fingerprint=self.layout.fingerprint, kv=self.runner.read_blocks(blocks), state=state,
                             block_hashes=list(req.block_hashes[: computed // self.layout.block_size]),
-                            generator_state=gen_state, cache_salt=req.cache_salt,
+                            sampling_seed=req.seed, cache_salt=req.cache_salt,
                             num_cached_tokens=req.num_cached_tokens or 0)
 
     def export_cached_blocks(self, hashes: list[bytes]) -> dict[bytes, bytes]:

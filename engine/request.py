@@ -10,8 +10,11 @@ Contract:
   slot of the last accepted position instead of copying; 0 at admission).
 - `draft` (speculative decoding, engine/spec/): the drafter's proposal for the tokens after `token_ids`, set before
   a step and cleared after it; never part of `token_ids` until verification accepts it.
+- `seed` (sampled requests): the noise seed of engine/sampling.py; with the output position it fixes every random
+  number the sequence draws (sampling and verification), so it is all a handoff carries of the sampler.
 - A request with `n > 1` is `n` `Request`s (ids `"{i}_{parent}"`) under one `parent_id`.
-- Output state (`OutputState`) turns sampled ids into text deltas with `IncrementalDetokenizer`, matches stop
+- Output state (`OutputState`, with the tokenizer unless the engine's `detokenize` is off: ids only, no stop strings)
+  turns sampled ids into text deltas with `IncrementalDetokenizer`, matches stop
   strings on the text with `engine.formats.stop.StopMatcher` (the gateway's rule too: a stream holds back the last
   `max(len(stop)) - 1` characters so a stop string is never emitted) and stop token ids, and decides the finish
   reason.
@@ -28,8 +31,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import torch
 
 from engine.formats.stop import StopMatcher
 from engine.memory.hashing import BlockHasher
@@ -67,7 +68,7 @@ class Request:
     arrival: int  # admission order key (smaller = earlier)
     hasher: BlockHasher
     priority: int = 0  # smaller runs first
-    generator: torch.Generator | None = None
+    seed: int | None = None  # sampled requests: the noise seed of engine/sampling.py (None: greedy)
     output: "OutputState | None" = None
     export_on_finish: bool = False
     imported: RequestState | None = None  # carried KV + state, written at admission

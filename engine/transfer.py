@@ -24,7 +24,7 @@ Objects (layout tags):
   (fp32); meta: the hash of the prefix's last block for a snapshot, fingerprint.
 - `request_state/v1` (`RequestState`): a request in flight — token ids, how many are computed, the KV of those
   tokens (`kv [num_mla_layers, num_blocks, block_size, cache_dim]`, the last block possibly partial), the running
-  KDA state after them, the full-block hashes, the sampler's generator state and the cache salt. Importing it
+  KDA state after them, the full-block hashes, the sampler's seed and the cache salt. Importing it
   into another engine with the same fingerprint continues the request exactly where it was.
 
 Handoffs (prefill -> decode): `lean_handoff(state)` keeps only the KV after the last full block (the full blocks
@@ -214,7 +214,7 @@ class RequestState:
     kv: torch.Tensor  # [num_mla_layers, num_blocks, block_size, cache_dim]
     state: dict[str, torch.Tensor]  # {"conv", "recurrent"}; empty without KDA layers
     block_hashes: list[bytes] = field(default_factory=list)
-    generator_state: torch.Tensor | None = None  # uint8, torch.Generator.get_state()
+    sampling_seed: int | None = None  # the sampler's seed (engine/sampling.py: noise by seed and output position)
     cache_salt: str | None = None
     num_cached_tokens: int = 0
 
@@ -224,12 +224,11 @@ class RequestState:
 
     def to_bytes(self) -> bytes:
         tensors = {"kv": self.kv, **{f"state.{k}": v for k, v in self.state.items()}}
-        if self.generator_state is not None:
-            tensors["generator_state"] = self.generator_state
         meta = {"prompt_token_ids": self.prompt_token_ids, "output_token_ids": self.output_token_ids,
                 "num_computed_tokens": self.num_computed_tokens, "block_size": self.block_size,
                 "fingerprint": self.fingerprint.hex(), "block_hashes": [h.hex() for h in self.block_hashes],
-                "cache_salt": self.cache_salt, "num_cached_tokens": self.num_cached_tokens}
+                "cache_salt": self.cache_salt, "num_cached_tokens": self.num_cached_tokens,
+                "sampling_seed": self.sampling_seed}
         return pack(tensors, LAYOUT_REQUEST_STATE, meta)
 
     @classmethod
@@ -242,7 +241,7 @@ class RequestState:
                        fingerprint=bytes.fromhex(meta["fingerprint"]), kv=_need(tensors, "kv"),
                        state={k.removeprefix("state."): v for k, v in tensors.items() if k.startswith("state.")},
                        block_hashes=[bytes.fromhex(h) for h in meta["block_hashes"]],
-                       generator_state=tensors.get("generator_state"), cache_salt=meta.get("cache_salt"),
+                       sampling_seed=_optional_int(meta.get("sampling_seed")), cache_salt=meta.get("cache_salt"),
                        num_cached_tokens=int(meta.get("num_cached_tokens", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptObjectError(f"malformed request state: {exc}") from exc
@@ -339,3 +338,11 @@ def _need(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in tensors:
         raise CorruptObjectError(f"object lacks tensor {name!r}")
     return tensors[name]
+
+
+def _optional_int(value) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value

@@ -8,10 +8,8 @@ Contract (one `SpecDecoding` per `EngineCore` with a `speculative_config`; every
   verifying k positions at once would need k matcher states; they are few, and correct first).
 - The scheduler makes a verification of it (engine/scheduler.py), the runner computes it in one forward with logits
   at every position and the KDA state after each one in the group's scratch slots (engine/runner.py).
-- `verify(req, draft, rows)` applies the request's sampling to the target's logits at every position (the sampler's
-  own processing, engine/sampling.py: penalties over the output including the drafts before the position,
-  min_tokens, temperature, min_p, top_k, top_p) and accepts by engine/spec/accept.py -> the `SampleResult`s of the
-  a accepted drafts and the token after them (a + 1, logprobs from the raw logits as for any token).
+- Verification itself runs for all verifying rows of a step at once in engine/step_sampling.py (the sampler's own
+  processing at every position, then engine/spec/accept.py); `record(num_drafts, accepted)` counts each one.
 - `settle(req, start, kept)` after the engine appended `kept` of those tokens (fewer when one finished the
   request): `CacheManager.settle_verification` (the running slot becomes the kept position's, the blocks past it
   are freed) -> the states map for `CacheManager.commit`.
@@ -30,8 +28,6 @@ from collections.abc import Sequence
 import torch
 
 from engine.request import Request
-from engine.sampling import SampleResult, SampleRow, Sampler
-from engine.spec.accept import accept, accept_greedy
 from engine.spec.config import SpeculativeConfig
 from engine.spec.drafter import Draft, DraftQuery, Drafter
 
@@ -66,38 +62,15 @@ class SpecDecoding:
                 probs = draft.probs[:n] if draft.probs is not None else None
                 req.draft = Draft(tuple(int(t) for t in draft.tokens[:n]), probs)
 
-    # -- verification ----------------------------------------------------------------------------------------
+    # -- verification (engine/step_sampling.py verifies every row of a step at once) ----------------------------
 
-    def verify(self, req: Request, draft: tuple[int, ...], rows: torch.Tensor) -> list[SampleResult]:
-        """rows [1 + d, V]: the target's fp32 logits at the last token and each draft position."""
-        p = req.params
-        targets = [self._row(req, draft, i) for i in range(len(draft) + 1)]
-        if p.greedy:
-            if not p.logit_bias and all(not (t.output_token_ids or t.suppress_ids) for t in targets):
-                choice = rows.argmax(dim=-1).tolist()
-            else:
-                choice = [int(Sampler.target_logits(rows[i], t).argmax()) for i, t in enumerate(targets)]
-            a, token = accept_greedy(choice, draft)
-        else:
-            probs = torch.stack([torch.softmax(Sampler.target_logits(rows[i], t), dim=-1)
-                                 for i, t in enumerate(targets)])  # [1 + d, V]
-            q = req.draft.probs if req.draft is not None else None
-            q = q[: len(draft)].to(probs.device) if q is not None else None
-            a, token = accept(probs, q, draft, self.config.rejection_sample_method, req.generator)
+    def record(self, num_drafts: int, accepted: int) -> None:
+        """Counts one verification of `num_drafts` drafts of which the first `accepted` were accepted."""
         self.num_drafts += 1
-        self.num_draft_tokens += len(draft)
-        self.num_accepted_tokens += a
-        for i in range(a):
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
             self.accepted_per_pos[i] += 1
-        return [Sampler.result(rows[i], t, p) for i, t in enumerate(draft[:a] + (token,))]
-
-    @staticmethod
-    def _row(req: Request, draft: tuple[int, ...], i: int) -> SampleRow:
-        """The sampler's view of position i: the output so far plus the drafts before it."""
-        p = req.params
-        history = req.output_token_ids + list(draft[:i]) if p.has_penalties else ()
-        suppress = tuple(req.output.stop_ids) if req.num_output_tokens + i < p.min_tokens else ()
-        return SampleRow(p, req.prompt_token_ids, history, req.generator, suppress)
 
     # -- after the step --------------------------------------------------------------------------------------
 

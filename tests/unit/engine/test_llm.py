@@ -282,3 +282,19 @@ def test_abort_running_and_waiting_requests(linear_llm):
         engine.check_integrity()
     finally:
         engine.scheduler.max_num_seqs = 16
+
+
+def test_detokenize_off_streams_ids_only(tiny_linear_dir, linear_llm):
+    """`detokenize=False`: the same ids, no text, stop strings left to the caller (stop ids still apply)."""
+    prompt = ids(random_prompts(1, 20, 21, seed=5)[0])
+    [full] = linear_llm.generate(prompt, SamplingParams(max_tokens=20, **GREEDY))
+    stop = full.outputs[0].text[7:10]
+    ids_only = LLM(tiny_linear_dir, kv_cache_memory=4 << 20, max_num_seqs=4, enable_prefix_caching=False,
+                   detokenize=False)
+    [out] = ids_only.generate(prompt, SamplingParams(max_tokens=20, stop=[stop], logprobs=1, **GREEDY))
+    c = out.outputs[0]
+    assert c.token_ids == full.outputs[0].token_ids and c.text == "" and c.finish_reason == "length"
+    assert all(lp.decoded_token is None for pos in c.logprobs for lp in pos.values())
+    assert full.outputs[0].text != ""  # negative control: with detokenisation on there is text to lose
+    [stopped] = ids_only.generate(prompt, SamplingParams(max_tokens=20, stop_token_ids=[c.token_ids[4]], **GREEDY))
+    assert stopped.outputs[0].token_ids == c.token_ids[:5] and stopped.outputs[0].finish_reason == "stop"

@@ -1,4 +1,4 @@
-"""Sampler unit tests: filters, penalties, greedy, per-row generators, logprobs, min_tokens suppression."""
+"""Sampler unit tests: filters, penalties, greedy, per-row seeds, batched == alone, logprobs, min_tokens suppression."""
 
 from __future__ import annotations
 
@@ -8,12 +8,6 @@ import torch
 from engine.sampling import SampleRow, Sampler, SamplingParams, apply_filters, apply_penalties
 
 NEG = float("-inf")
-
-
-def gen(seed: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return g
 
 
 def test_top_k_top_p_min_p():
@@ -48,26 +42,56 @@ def test_greedy_and_fast_path():
     assert [r.token_id for r in Sampler().sample(logits, rows)] == [2, 2]
 
 
-def test_each_row_draws_only_from_its_generator():
+def test_each_row_draws_only_from_its_seed_and_position():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
     params = SamplingParams(temperature=1.0)
-    alone = Sampler().sample(logits[:1], [SampleRow(params, [], [], gen(7))])[0].token_id
-    rows = [SampleRow(params, [], [], gen(7)), SampleRow(params, [], [], gen(8)), SampleRow(params, [], [], gen(9))]
-    assert Sampler().sample(logits, rows)[0].token_id == alone
-    swapped = [SampleRow(params, [], [], gen(9)), SampleRow(params, [], [], gen(7))]
-    assert Sampler().sample(logits[[2, 0]], swapped)[1].token_id == alone
+
+    def draws(rows, x):
+        return [r.token_id for r in Sampler().sample(x, rows)]
+
+    alone = [draws([SampleRow(params, [], [], 7, position=n)], logits[:1])[0] for n in range(20)]
+    batched = [draws([SampleRow(params, [], [], 7, position=n), SampleRow(params, [], [], 8, position=3),
+                      SampleRow(SamplingParams(temperature=0), [], [], None)], logits)[0] for n in range(20)]
+    swapped = [draws([SampleRow(params, [], [], 9), SampleRow(params, [], [], 7, position=n)], logits[[2, 0]])[1]
+               for n in range(20)]
+    assert batched == alone and swapped == alone
+    other_seed = [draws([SampleRow(params, [], [], 8, position=n)], logits[:1])[0] for n in range(20)]
+    assert other_seed != alone  # negative control: the seed does matter
+    assert len(set(alone)) > 5  # and so does the position (the draws are not one token repeated)
 
 
 def test_sampling_follows_the_distribution():
-    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
-    g = gen(0)
-    counts = torch.zeros(3)
-    for _ in range(2000):
-        counts[Sampler().sample(logits, [SampleRow(SamplingParams(), [], [], g)])[0].token_id] += 1
-    assert torch.allclose(counts / 2000, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
+    target = torch.tensor([0.6, 0.25, 0.1, 0.05])
+    logits = torch.log(target)[None].expand(4000, -1)  # one row per draw: 4000 seeds, one batched call
+    rows = [SampleRow(SamplingParams(), [], [], seed) for seed in range(4000)]
+    counts = torch.bincount(torch.tensor([r.token_id for r in Sampler().sample(logits, rows)]), minlength=4)
+    assert torch.allclose(counts / 4000, target, atol=0.025)
+    positions = [SampleRow(SamplingParams(), [], [], 5, position=n) for n in range(4000)]  # one seed over positions
+    counts = torch.bincount(torch.tensor([r.token_id for r in Sampler().sample(logits, positions)]), minlength=4)
+    assert torch.allclose(counts / 4000, target, atol=0.025)
+    skewed = torch.tensor([0.25, 0.25, 0.25, 0.25])  # negative control: a wrong target fails the same tolerance
+    assert not torch.allclose(counts / 4000, skewed, atol=0.025)
     top1 = SamplingParams(top_k=1)
-    assert all(Sampler().sample(logits, [SampleRow(top1, [], [], g)])[0].token_id == 0 for _ in range(50))
+    assert all(r.token_id == 0 for r in Sampler().sample(logits[:50], [SampleRow(top1, [], [], s) for s in range(50)]))
+
+
+def test_batched_rows_equal_each_row_alone():
+    """Every row's params apply to that row only: one call over mixed rows == each row sampled by itself."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, 40)
+    rows = [SampleRow(SamplingParams(temperature=0.7, top_p=0.8, seed=1), [1, 2], [], 11, position=2),
+            SampleRow(SamplingParams(temperature=0), [3], [], None),
+            SampleRow(SamplingParams(temperature=1.3, top_k=5, repetition_penalty=1.5), [4, 5], [6, 6], 12),
+            SampleRow(SamplingParams(temperature=0.9, min_p=0.2, frequency_penalty=0.7, presence_penalty=-0.3,
+                                     logprobs=3), [7], [8, 9, 8], 13, position=9),
+            SampleRow(SamplingParams(temperature=0, presence_penalty=1.0, logprobs=0), [], [0, 0], None,
+                      suppress_ids=(1,)),
+            SampleRow(SamplingParams(temperature=1.0, min_tokens=3), [], [], 14, suppress_ids=(2, 3))]
+    together = Sampler().sample(logits, rows)
+    alone = [Sampler().sample(logits[i: i + 1], [row])[0] for i, row in enumerate(rows)]
+    assert together == alone
+    assert together != Sampler().sample(logits[[1, 0, 2, 3, 4, 5]], rows)  # negative control: rows do differ
 
 
 def test_logprobs_are_raw():

@@ -186,3 +186,17 @@ def test_lean_handoff_stitches_back_to_the_whole_state(engines, prompt):
         stitch_handoff(dataclasses.replace(lean, kv=lean.kv[:, :0]), [], layout)
     [out] = b.resume(whole, GREEDY)
     assert out.outputs[0].token_ids == a.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
+
+
+def test_an_unseeded_sampled_handoff_carries_its_seed(tiny_linear_dir, engines, prompt):
+    """The sampler's state is the sequence's seed (engine/sampling.py): an unseeded request drew one at admission,
+    the state carries it, and the importing engine continues exactly as the colocated run."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, ignore_eos=True)
+    args = dict(kv_cache_memory=4 << 20, max_num_seqs=4, snapshot_interval=32, num_snapshot_slots=8)
+    colocated = LLM(tiny_linear_dir, **args).generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+    state = handoff(LLM(tiny_linear_dir, **args), prompt, params)  # the same engine seed: the same request seed
+    assert state.sampling_seed is not None
+    b = engines[1]
+    assert b.resume(state, params)[0].outputs[0].token_ids == colocated.token_ids
+    other = dataclasses.replace(state, sampling_seed=state.sampling_seed + 1)  # negative control: another seed
+    assert b.resume(other, params)[0].outputs[0].token_ids != colocated.token_ids

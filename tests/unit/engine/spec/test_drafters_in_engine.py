@@ -11,7 +11,7 @@ import pytest
 from engine.llm import LLM
 from engine.model.checkpoint import make_checkpoint
 from engine.sampling import SamplingParams
-from engine.spec import decoding
+from engine import step_sampling
 from engine.structured import StructuredOutputParams
 from tests.unit.engine.conftest import CHECKPOINT_SEED, random_prompts
 
@@ -72,11 +72,11 @@ def test_negative_control_accepting_every_draft_diverges(tiny_k3_dir, monkeypatc
     prompts = random_prompts(2, 5, 30, seed=8)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     want = _ids(LLM(tiny_k3_dir, **ENGINE).generate(prompts, params))
-    monkeypatch.setattr(decoding, "accept_greedy", _accept_all)
+    monkeypatch.setattr(step_sampling, "accept_greedy_rows", _accept_all)
     spec = LLM(tiny_k3_dir, **ENGINE, speculative_config={"method": "mtp", "num_speculative_tokens": K})
     assert _ids(spec.generate(prompts, params)) != want
 
 
-def _accept_all(target_choice, draft) -> tuple[int, int]:
+def _accept_all(choice, draft, num_drafts):
     """A broken rule: every draft token is kept whatever the target chose (the bonus token is the target's)."""
-    return len(draft), int(target_choice[len(draft)])
+    return num_drafts, choice.gather(1, num_drafts[:, None])[:, 0]
