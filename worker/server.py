@@ -7,7 +7,8 @@ Contract:
   else need `config.mesh_token` when it is set: `telemetry.mesh_auth`), starts the side
   `/metrics` server when `config.metrics_port` is set, begins loading the model and returns `(server, port)` at
   once. `await server.ready()` waits for the load and raises what it raised.
-- Loading (`WorkerServer._load`): `config.torch_threads` set, the `AsyncEngine` created, a `CacheClient` opened when
+- Loading (`WorkerServer._load`): `config.torch_threads` set, the `AsyncEngine` created (ids only:
+  `detokenize=False`, the gateway detokenises and matches stop strings once for the mesh), a `CacheClient` opened when
   `config.cache_address` is set (trace context and `config.mesh_token` on its calls), the role's worker built
   (`make_worker`), the KV event stream started (worker/kv_events.py, `config.kv_events`), then SERVING.
 - Every worker also serves `KVEventService` (protos/kv_events.proto): the gateway's view of its prefix cache, and
@@ -26,6 +27,8 @@ Contract:
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import asyncio
 import logging
@@ -144,7 +147,8 @@ class WorkerServer:
 
             torch.set_num_threads(self.config.torch_threads)
         t0 = time.perf_counter()
-        self.engine = await AsyncEngine.create(self.config.engine)
+        # The gateway detokenises and matches stop strings for the mesh: the step thread streams ids only.
+        self.engine = await AsyncEngine.create(dataclasses.replace(self.config.engine, detokenize=False))
         if self.config.cache_address:
             self.cache = CacheClient(self.config.cache_address, timeout_s=self.config.cache_timeout_s,
                                      max_message_bytes=self.config.max_message_bytes,

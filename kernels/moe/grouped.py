@@ -6,7 +6,9 @@ adds nothing. The T·k (token, expert) assignments are sorted by expert id once 
 tokens stay in token order; out-of-range ones last); expert e's assignments are then the contiguous rows
 `[offset_e, offset_e + count_e)` of the sorted order. The gathered rows go through w1/w3 → act → w2 in `x.dtype`:
 - as `torch.nn.functional.grouped_mm` calls over all experts at once (fp32/bf16/fp16 where torch has it, on CPU),
-  else one matmul pair per non-empty expert (`bincount(...).tolist()` is then the only host sync);
+  else one matmul pair per non-empty expert (`bincount(...).tolist()` is then the only host sync; the
+  grouped_mm form reads nothing back: offsets stay on the device, and assignments off this rank sort last, past
+  the last offset, where `combine` masks them with `where`);
 - gate and up run as ONE matmul when `w1` and `w3` are the two halves of one `[E, 2I, D]` tensor
   (`gate_up_storage`, as `engine.model.moe.StackedExperts` lays them out), else as two.
 Each token's output is `Σ_k weight_k · out_k` in fp32: the rows are un-permuted with one gather and reduced by one
@@ -44,41 +46,33 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 
 @dataclass(frozen=True)
 class Assignments:
-    """The T·k (token, expert) pairs sorted by expert; only the first `num_valid` are on this rank's experts."""
+    """The T·k (token, expert) pairs sorted by expert; those on another rank's experts sort last (no host read:
+    how many are on this rank is never needed on the host)."""
 
     order: torch.Tensor  # [T*k] int64, sorted position -> flat assignment index
     counts: torch.Tensor  # [E] int64, assignments per local expert
-    num_valid: int
-    all_valid: bool
+    on_rank: torch.Tensor  # [T*k] bool, per flat assignment: its expert is on this rank
 
 
 def sort_assignments(topk_ids: torch.Tensor, num_experts: int) -> Assignments:
     flat_ids = topk_ids.reshape(-1)  # [T*k]
-    valid = (flat_ids >= 0) & (flat_ids < num_experts)
-    all_valid = bool(valid.all())
-    if not all_valid:
-        flat_ids = torch.where(valid, flat_ids, num_experts)  # sorted after every local expert
-    order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert, token order within an expert
-    counts = torch.bincount(flat_ids, minlength=num_experts + (0 if all_valid else 1))[:num_experts]  # [E]
-    num_valid = flat_ids.numel() if all_valid else int(counts.sum())
-    return Assignments(order, counts, num_valid, all_valid)
+    on_rank = (flat_ids >= 0) & (flat_ids < num_experts)
+    keyed = torch.where(on_rank, flat_ids, num_experts)  # sorted after every local expert
+    order = torch.argsort(keyed, stable=True)  # assignments grouped by expert, token order within an expert
+    counts = torch.bincount(keyed, minlength=num_experts + 1)[:num_experts]  # [E]
+    return Assignments(order, counts, on_rank)
 
 
 def combine(out: torch.Tensor, plan: Assignments, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """out [num_valid, D] expert outputs in sorted order -> [T, D] weighted sums (fp32, returned in `dtype`)."""
+    """out [T*k, D] expert outputs in sorted order (rows of assignments off this rank are never read: they may hold
+    anything) -> [T, D] weighted sums (fp32, returned in `dtype`)."""
     T, k = topk_weights.shape
     D = out.shape[-1]
-    weights = topk_weights.to(torch.float32)
-    if plan.num_valid == 0:
-        return torch.zeros(T, D, dtype=dtype, device=out.device)
     unsorted = torch.empty_like(plan.order)
     unsorted[plan.order] = torch.arange(plan.order.numel(), device=plan.order.device)  # sorted position of each
-    if not plan.all_valid:
-        on_rank = unsorted < plan.num_valid  # [T*k]
-        weights = weights * on_rank.view(T, k)
-        unsorted = unsorted.clamp_max(plan.num_valid - 1)  # any valid row: its weight is zero
-    per_choice = gathered(out, unsorted, "moe.per_choice").to(torch.float32).view(T, k, D)  # [T, k, D]
-    return torch.bmm(weights.view(T, 1, k), per_choice).view(T, D).to(dtype)
+    per_choice = fp32(gathered(out, unsorted, "moe.per_choice")).view(T, k, D)  # [T, k, D]
+    per_choice = torch.where(plan.on_rank.view(T, k, 1), per_choice, 0.0)  # `where`: garbage rows never leak
+    return cast(torch.bmm(fp32(topk_weights).view(T, 1, k), per_choice).view(T, D), dtype)
 
 
 def gate_up_storage(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
@@ -107,7 +101,7 @@ def moe_experts_grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2:
     if T <= DENSE_MAX_TOKENS:
         return moe_experts_every_expert(x, w1, w3, w2, topk_weights, topk_ids, act)
     plan = sort_assignments(topk_ids, w1.shape[0])
-    rows = gathered(x, plan.order[: plan.num_valid] // k, "moe.rows")  # [R, D] source token of each assignment
+    rows = gathered(x, plan.order // k, "moe.rows")  # [T*k, D] source token of each assignment, sorted
     if _grouped_mm is not None and x.dtype in GROUPED_MM_DTYPES and x.device.type == "cpu":
         out = _experts_grouped_mm(rows, w1, w3, w2, plan.counts, act)
     else:

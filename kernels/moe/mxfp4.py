@@ -92,7 +92,7 @@ def moe_experts_mxfp4(
     inter = w1.packed.shape[1]
     width, down_in = w2.packed.shape[1], 2 * w2.packed.shape[2]
     plan = sort_assignments(topk_ids, w1.packed.shape[0])
-    rows = gathered(x, plan.order[: plan.num_valid] // k, "moe.rows")  # [R, D]
+    rows = gathered(x, plan.order // k, "moe.rows")  # [T*k, D], sorted; rows off this rank come last, unused
     out = torch.empty(rows.shape[0], width, dtype=x.dtype, device=x.device)  # [R, D]
     start = 0
     for e, count in enumerate(plan.counts.tolist()):
