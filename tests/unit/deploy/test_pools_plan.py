@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from deploy.cli import build_parser
-from deploy.flags import launch_config_from
+from deploy.mesh_plan import launch_config_from
 from deploy.launcher import LaunchConfig, give_salt_secret, plan_services
 from gateway.tenancy import SALT_SECRET_ENV
 
