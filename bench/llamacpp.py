@@ -168,14 +168,14 @@ def _engine(config: dict):
     args = EngineArgs(model=config["model"], max_num_seqs=config["max_num_seqs"], block_size=block,
                       num_kv_blocks=blocks, enable_prefix_caching=False, kv_cache_memory=64 << 30)
     core = EngineCore(args)
-    _run(core, [random_prompt(16, seed=1)], 4)  # warm-up
+    run_requests(core, [random_prompt(16, seed=1)], 4)  # warm-up
     return core
 
 
 _REQUEST_IDS = itertools.count()
 
 
-def _run(core, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True) -> dict:
+def run_requests(core, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True) -> dict:
     """Runs `prompts` to completion; -> the tokens, the start, the moment every request had its first token, the end."""
     from engine.sampling import SamplingParams
 
@@ -204,7 +204,7 @@ def _threads(n: int) -> None:
 
 def _greedy(core, prompt_ids: list[int], tokens: int, threads: int) -> dict:
     _threads(threads)
-    out = _run(core, [prompt_ids], tokens, ignore_eos=False)["tokens"][0]
+    out = run_requests(core, [prompt_ids], tokens, ignore_eos=False)["tokens"][0]
     if len(out) < tokens and core.tokenizer.is_special(out[-1]):
         out = out[:-1]  # the stop token ended it; llama-simple does not print its end-of-generation token
     return {"ids": out, "bytes_hex": core.tokenizer.decode_bytes(prompt_ids + out).hex(),
@@ -213,20 +213,20 @@ def _greedy(core, prompt_ids: list[int], tokens: int, threads: int) -> dict:
 
 def _decode(core, prompt_len: int, tokens: int, threads: int, seed: int) -> dict:
     _threads(threads)
-    run = _run(core, [random_prompt(prompt_len, seed)], tokens + 1)
+    run = run_requests(core, [random_prompt(prompt_len, seed)], tokens + 1)
     seconds = run["end"] - run["all_first"]
     return {"tok_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens}
 
 
 def _prefill(core, prompt_len: int, threads: int, seed: int) -> dict:
     _threads(threads)
-    run = _run(core, [random_prompt(prompt_len, seed)], 1)
+    run = run_requests(core, [random_prompt(prompt_len, seed)], 1)
     return {"tok_s": prompt_len / (run["all_first"] - run["start"])}
 
 
 def _batch(core, n: int, prompt_len: int, tokens: int, threads: int, seed: int) -> dict:
     _threads(threads)
-    run = _run(core, [random_prompt(prompt_len, seed + i) for i in range(n)], tokens)
+    run = run_requests(core, [random_prompt(prompt_len, seed + i) for i in range(n)], tokens)
     generated = sum(len(t) for t in run["tokens"])
     return {"gen_tok_s": generated / (run["end"] - run["start"]),
             "decode_tok_s": (generated - n) / (run["end"] - run["all_first"])}
