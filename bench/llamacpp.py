@@ -384,6 +384,14 @@ def table(results: list[dict], labels: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def machine() -> dict:
+    """CPU model name and count, and the load average (the machines are shared: noisy)."""
+    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("model name")] if Path("/proc/cpuinfo").is_file() else []
+    return {"cpu": names[0] if names else platform.machine(), "cpus": os.cpu_count(),
+            "load_average_1min": os.getloadavg()[0]}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -408,13 +416,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker_main(json.loads(args.worker))
     bin_dir = tools.build_llama_cpp(jobs=args.build_jobs)
+    before = machine()
     results = [run_model(args, name, bin_dir) for name in args.models.split(",")]
+    facts = {**before, "load_average_1min_end": machine()["load_average_1min"],
+             "launcher_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     command = "python -m bench.llamacpp " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(f"\n{table(results, metric_labels(args))}\n\nreproduce: `{command}` on {platform.processor() or platform.machine()}, "
-          f"llama-cpp-python {tools.LLAMA_CPP_PYTHON_VERSION}'s llama.cpp")
+    print(f"\n{table(results, metric_labels(args))}\n\nreproduce: `{command}` (llama.cpp of llama-cpp-python "
+          f"{tools.LLAMA_CPP_PYTHON_VERSION}); {facts['cpu']}, {facts['cpus']} CPUs, load average "
+          f"{facts['load_average_1min']:.1f} -> {facts['load_average_1min_end']:.1f}; this launcher's peak RSS "
+          f"{facts['launcher_peak_rss'] / 2**20:.0f} MiB (a child's RSS counts the launcher's at its start)")
     if args.out:
-        args.out.write_text(json.dumps({"command": command, "args": {k: str(v) for k, v in vars(args).items()},
-                                        "models": results}, indent=2))
+        args.out.write_text(json.dumps({"command": command, "machine": facts,
+                                        "args": {k: str(v) for k, v in vars(args).items()}, "models": results},
+                                       indent=2))
     return 0
 
 

@@ -15,7 +15,8 @@ Contract:
 - `parse_llama_bench_jsonl` / `parse_batched_bench_jsonl`: the rows of `llama-bench -o jsonl` and
   `llama-batched-bench --output-format jsonl` (other lines are ignored).
 - `run_measured(cmd)`: runs a command, returns its stdout, stderr and peak RSS in bytes (`os.wait4`'s
-  `ru_maxrss`, this child only); a non-zero exit raises `RuntimeError` with the tail of stderr.
+  `ru_maxrss`, this child only); a non-zero exit raises `RuntimeError` with the tail of stderr. Linux starts a
+  child's `ru_maxrss` at its launcher's RSS when it forked (kept across exec), so launch from a small process.
 """
 
 from __future__ import annotations
