@@ -16,18 +16,21 @@ Usage: `python -m bench.llamacpp [--models small-linear-kda12,demo-k3] [--thread
   llama.cpp then kdamesh, metric by metric, so drift hits both; medians over `--reps`):
   - `decode`: batch-1 decode tok/s of `--decode-tokens` tokens from a 1-token prompt (`llama-bench -p 0 -n N`;
     kdamesh: one greedy request, EOS ignored, the tokens after the first over the time after the first).
-  - `decode@depth`: the same for `--depth-tokens` tokens after a `--depth`-token prompt (`llama-bench -d`).
+  - `decode@depth`: the same for `--depth-tokens` tokens after a `--depth`-token prompt (`llama-bench -d`; each
+    llama.cpp repetition is its own process and prefills the depth again, untimed; kdamesh's engine for this one
+    keeps prefix caching on, so the same prompt is prefilled once and later repetitions resume at its end).
   - `prefill`: prompt tok/s of a `--prefill-len` prompt (`llama-bench -p N -n 0`; kdamesh: the prompt over the
     time to its first token).
   - `batch`: `--batch` concurrent prompts of `--batch-prompt-len` tokens, `--batch-gen` tokens each
     (`llama-batched-bench -npp -ntg -npl`, its prompts not shared): generated tok/s over the whole run (prefill
     included: `pl*tg / (t_pp + t_tg)`), and over the decode phase only (its `speed_tg`; kdamesh: the tokens after
     each request's first over the time after the last first token).
-  - peak RSS: of the llama.cpp process (`os.wait4`) and of kdamesh's worker process (`ru_maxrss`), for the batch-1
-    runs and the batch run; kdamesh's includes its pre-touched KV pool (blocks + KDA state slots), sized to the
-    workload (`num_kv_blocks`, no prefix caching), printed apart.
-- kdamesh runs in worker processes (`--worker`, JSON lines on stdin/stdout: one engine for the batch-1 runs, one
-  with `--batch` sequences), so each one's RSS is its own.
+  - peak RSS: of the llama.cpp processes (`os.wait4`) and of kdamesh's worker processes (`ru_maxrss`), per kind
+    of run (batch-1 decode and prefill, decode at depth, the batch run); kdamesh's includes its pre-touched KV pool
+    (blocks + KDA state slots, snapshot slots for the depth engine), sized to the workload (`num_kv_blocks`),
+    printed apart.
+- kdamesh runs in worker processes (`--worker`, JSON lines on stdin/stdout), one engine per kind of run, so each
+  one's RSS is its own; the launcher never imports torch (a child's `ru_maxrss` starts at its launcher's RSS).
 Prints a markdown table and the reproducing command; `--out` writes the rows as JSON.
 """
 
@@ -61,6 +64,7 @@ text = preset_config("small-linear")
 kda = dict(text["linear_attn_config"], num_heads=text["num_attention_heads"])
 make_checkpoint("small-linear", {folder!r}, text_overrides={{"linear_attn_config": kda}})
 """
+RSS_KINDS = {"single": "batch-1 decode and prefill", "depth": "decode at depth", "batch": "batch run"}
 METRICS = ("decode", "decode@depth", "prefill", "batch")
 
 
@@ -110,8 +114,9 @@ def random_prompt(length: int, seed: int) -> list[int]:
 class KdameshWorker:
     """An `EngineCore` in its own process; `call(op, **kw)` sends one command and returns its JSON answer."""
 
-    def __init__(self, model_dir: Path, max_num_seqs: int, max_context: int):
-        config = {"model": str(model_dir), "max_num_seqs": max_num_seqs, "max_context": max_context}
+    def __init__(self, model_dir: Path, max_num_seqs: int, max_context: int, prefix_caching: bool = False):
+        config = {"model": str(model_dir), "max_num_seqs": max_num_seqs, "max_context": max_context,
+                  "prefix_caching": prefix_caching}
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.llamacpp", "--worker", json.dumps(config)],
                                      cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.info = self._read()
@@ -165,8 +170,10 @@ def _engine(config: dict):
     torch.manual_seed(0)
     block = 16
     blocks = config["max_num_seqs"] * math.ceil((config["max_context"] + block) / block)
+    caching = config["prefix_caching"]  # one snapshot slot per 1K tokens of context: the prompt end stays cached
     args = EngineArgs(model=config["model"], max_num_seqs=config["max_num_seqs"], block_size=block,
-                      num_kv_blocks=blocks, enable_prefix_caching=False, kv_cache_memory=64 << 30)
+                      num_kv_blocks=blocks, enable_prefix_caching=caching, kv_cache_memory=64 << 30,
+                      num_snapshot_slots=config["max_context"] // 1024 + 2 if caching else None)
     core = EngineCore(args)
     run_requests(core, [random_prompt(16, seed=1)], 4)  # warm-up
     return core
@@ -245,21 +252,21 @@ class LlamaCpp:
 
     def __init__(self, bin_dir: Path, gguf: Path):
         self.bin, self.gguf = bin_dir, gguf
-        self.peak_rss = {"single": 0, "batch": 0}
+        self.peak_rss = {"single": 0, "depth": 0, "batch": 0}
 
-    def _bench(self, threads: int, *flags: str) -> dict:
+    def _bench(self, kind: str, threads: int, *flags: str) -> dict:
         out, _, rss = tools.run_measured([str(self.bin / "llama-bench"), "-m", str(self.gguf), "-t", str(threads),
                                           "-r", "1", "-o", "jsonl", *flags])
-        self.peak_rss["single"] = max(self.peak_rss["single"], rss)
+        self.peak_rss[kind] = max(self.peak_rss[kind], rss)
         (row,) = tools.parse_llama_bench_jsonl(out)
         return row
 
     def decode(self, threads: int, tokens: int, depth: int = 0) -> dict:
-        row = self._bench(threads, "-p", "0", "-n", str(tokens), "-d", str(depth))
+        row = self._bench("depth" if depth else "single", threads, "-p", "0", "-n", str(tokens), "-d", str(depth))
         return {"tok_s": row["avg_ts"], "ms_per_token": 1e3 / row["avg_ts"]}
 
     def prefill(self, threads: int, prompt_len: int) -> dict:
-        return {"tok_s": self._bench(threads, "-p", str(prompt_len), "-n", "0")["avg_ts"]}
+        return {"tok_s": self._bench("single", threads, "-p", str(prompt_len), "-n", "0")["avg_ts"]}
 
     def batch(self, threads: int, n: int, prompt_len: int, tokens: int) -> dict:
         ctx = n * (prompt_len + tokens) + 16
@@ -295,7 +302,7 @@ def sanity(llama: LlamaCpp, worker: KdameshWorker, tokens: int, threads: int) ->
             "kdamesh_text": our_bytes.decode(errors="replace"), "llama_text": llama_bytes.decode(errors="replace")}
 
 
-def measure(args: argparse.Namespace, llama: LlamaCpp, single: KdameshWorker, batch: KdameshWorker,
+def measure(args: argparse.Namespace, llama: LlamaCpp, workers: dict[str, KdameshWorker],
             threads: int) -> dict[str, dict[str, list[dict]]]:
     """`--reps` interleaved repetitions of every metric; -> metric -> side -> one result per repetition."""
     samples = {m: {"llama.cpp": [], "kdamesh": []} for m in METRICS}
@@ -303,15 +310,15 @@ def measure(args: argparse.Namespace, llama: LlamaCpp, single: KdameshWorker, ba
         seed = 1000 * rep
         runs = {
             "decode": (lambda: llama.decode(threads, args.decode_tokens),
-                       lambda: single.call("decode", prompt_len=1, tokens=args.decode_tokens, threads=threads,
+                       lambda: workers["single"].call("decode", prompt_len=1, tokens=args.decode_tokens, threads=threads,
                                            seed=seed)),
             "decode@depth": (lambda: llama.decode(threads, args.depth_tokens, args.depth),
-                             lambda: single.call("decode", prompt_len=args.depth, tokens=args.depth_tokens,
-                                                 threads=threads, seed=seed)),
+                             lambda: workers["depth"].call("decode", prompt_len=args.depth,
+                                                           tokens=args.depth_tokens, threads=threads, seed=7)),
             "prefill": (lambda: llama.prefill(threads, args.prefill_len),
-                        lambda: single.call("prefill", prompt_len=args.prefill_len, threads=threads, seed=seed)),
+                        lambda: workers["single"].call("prefill", prompt_len=args.prefill_len, threads=threads, seed=seed)),
             "batch": (lambda: llama.batch(threads, args.batch, args.batch_prompt_len, args.batch_gen),
-                      lambda: batch.call("batch", n=args.batch, prompt_len=args.batch_prompt_len,
+                      lambda: workers["batch"].call("batch", n=args.batch, prompt_len=args.batch_prompt_len,
                                          tokens=args.batch_gen, threads=threads, seed=seed)),
         }
         for metric in METRICS:
@@ -346,14 +353,15 @@ def run_model(args: argparse.Namespace, name: str, bin_dir: Path) -> dict:
     for note in patches:
         print(f"  converter patched (a copy): {note}", flush=True)
     llama = LlamaCpp(bin_dir, gguf)
-    single = KdameshWorker(folder, 1, max(args.depth + args.depth_tokens, args.prefill_len, args.decode_tokens) + 8)
-    batch = KdameshWorker(folder, args.batch, args.batch_prompt_len + args.batch_gen + 8)
-    check = sanity(llama, single, args.sanity_tokens, max(args.threads))
+    workers = {"single": KdameshWorker(folder, 1, max(args.prefill_len, args.decode_tokens, 64) + 8),
+               "depth": KdameshWorker(folder, 1, args.depth + args.depth_tokens + 8, prefix_caching=True),
+               "batch": KdameshWorker(folder, args.batch, args.batch_prompt_len + args.batch_gen + 8)}
+    check = sanity(llama, workers["single"], args.sanity_tokens, max(args.threads))
     print(f"  sanity: greedy {'EQUAL' if check['equal'] else 'DIFFERENT'} over {check['tokens']} tokens "
           f"(prompt ids equal: {check['prompt_ids_equal']}, first differing byte: {check['first_differing_byte']})",
           flush=True)
-    per_threads = {t: summarize(measure(args, llama, single, batch, t)) for t in args.threads}
-    memory = {"single": single.close(), "batch": batch.close()}
+    per_threads = {t: summarize(measure(args, llama, workers, t)) for t in args.threads}
+    memory = {kind: worker.close() for kind, worker in workers.items()}
     return {"model": name, "gguf": str(gguf), "patches": patches, "sanity": check, "results": per_threads,
             "rss": {kind: {"kdamesh": memory[kind]["peak_rss"], "kdamesh_pool": memory[kind]["pool_bytes"],
                            "llama.cpp": llama.peak_rss[kind]} for kind in memory}}
@@ -378,7 +386,7 @@ def table(results: list[dict], labels: dict[str, str]) -> str:
     lines += ["", "| model | peak RSS | kdamesh (of it: KV pool) | llama.cpp |", "|---|---|---|---|"]
     for res in results:
         for kind, rss in res["rss"].items():
-            lines.append(f"| {res['model']} | {'batch-1 runs' if kind == 'single' else 'batch run'} | "
+            lines.append(f"| {res['model']} | {RSS_KINDS[kind]} | "
                          f"{rss['kdamesh'] / 2**20:.0f} MiB ({rss['kdamesh_pool'] / 2**20:.0f} MiB) | "
                          f"{rss['llama.cpp'] / 2**20:.0f} MiB |")
     return "\n".join(lines)
