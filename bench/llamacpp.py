@@ -269,7 +269,7 @@ class LlamaCpp:
         return {"tok_s": self._bench("single", threads, "-p", str(prompt_len), "-n", "0")["avg_ts"]}
 
     def batch(self, threads: int, n: int, prompt_len: int, tokens: int) -> dict:
-        ctx = n * (prompt_len + tokens) + 16
+        ctx = n * (prompt_len + tokens + 1)  # divisible by n: each sequence gets its share
         out, err, rss = tools.run_measured([str(self.bin / "llama-batched-bench"), "-m", str(self.gguf),
                                             "-t", str(threads), "-c", str(ctx), "-npp", str(prompt_len),
                                             "-ntg", str(tokens), "-npl", str(n), "--output-format", "jsonl"])
@@ -411,8 +411,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth-tokens", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--batch-prompt-len", type=int, default=128)
-    p.add_argument("--batch-gen", type=int, default=32)
+    p.add_argument("--batch-prompt-len", type=int, default=64)
+    p.add_argument("--batch-gen", type=int, default=16)
     p.add_argument("--sanity-tokens", type=int, default=32)
     p.add_argument("--build-jobs", type=int, default=2)
     p.add_argument("--out", type=Path)
