@@ -13,7 +13,8 @@ Usage: `python -m bench.llamacpp [--models small-linear-kda12,demo-k3] [--thread
 - Sanity first, per model: llama.cpp's greedy continuation (`llama-simple`, prompt ids from `llama-tokenize`) against
   kdamesh's greedy tokens from the same ids, compared as bytes; a difference is printed, not hidden.
 - Measurements (each side at the same thread count: `-t n` / `torch.set_num_threads(n)`; each repetition runs
-  llama.cpp then kdamesh, metric by metric, so drift hits both; medians over `--reps`):
+  both engines back to back, metric by metric, the first alternating, so drift hits both; medians over `--reps`
+  and the median of the per-repetition ratios):
   - `decode`: batch-1 decode tok/s of `--decode-tokens` tokens from a 1-token prompt (`llama-bench -p 0 -n N`;
     kdamesh: one greedy request, EOS ignored, the tokens after the first over the time after the first).
   - `decode@depth`: the same for `--depth-tokens` tokens after a `--depth`-token prompt (`llama-bench -d`; each
@@ -333,7 +334,8 @@ def measure(args: argparse.Namespace, llama: LlamaCpp, workers: dict[str, Kdames
 
 
 def summarize(samples: dict[str, dict[str, list[dict]]]) -> list[dict]:
-    """Median per metric and side, and the ratio kdamesh / llama.cpp (higher is better for kdamesh)."""
+    """Median per metric and side, their ratio kdamesh / llama.cpp (higher is better for kdamesh), and the median of
+    the per-repetition ratios (each pair ran back to back: steadier when the machine's load swings)."""
     rows = []
     for metric, sides in samples.items():
         for key in sides["kdamesh"][0]:
@@ -341,8 +343,10 @@ def summarize(samples: dict[str, dict[str, list[dict]]]) -> list[dict]:
                 continue
             ours = statistics.median(r[key] for r in sides["kdamesh"])
             theirs = statistics.median(r[key] for r in sides["llama.cpp"])
+            paired = statistics.median(a[key] / b[key] for a, b in zip(sides["kdamesh"], sides["llama.cpp"]))
             rows.append({"metric": metric if key == "tok_s" else f"{metric} {key}", "kdamesh": ours,
-                         "llama.cpp": theirs, "ratio": ours / theirs, "reps": len(sides["kdamesh"])})
+                         "llama.cpp": theirs, "ratio": ours / theirs, "paired_ratio": paired,
+                         "reps": len(sides["kdamesh"])})
     return rows
 
 
@@ -377,12 +381,13 @@ def metric_labels(args: argparse.Namespace) -> dict[str, str]:
 
 
 def table(results: list[dict], labels: dict[str, str]) -> str:
-    lines = ["| model | threads | metric | kdamesh | llama.cpp | kdamesh / llama.cpp |", "|---|---|---|---|---|---|"]
+    lines = ["| model | threads | metric | kdamesh | llama.cpp | kdamesh / llama.cpp | median of paired ratios |",
+             "|---|---|---|---|---|---|---|"]
     for res in results:
         for threads, rows in res["results"].items():
             for row in rows:
                 lines.append(f"| {res['model']} | {threads} | {labels[row['metric']]} | {row['kdamesh']:.1f} | "
-                             f"{row['llama.cpp']:.1f} | {row['ratio']:.2f}× |")
+                             f"{row['llama.cpp']:.1f} | {row['ratio']:.2f}× | {row['paired_ratio']:.2f}× |")
     lines += ["", "| model | peak RSS | kdamesh (of it: KV pool) | llama.cpp |", "|---|---|---|---|"]
     for res in results:
         for kind, rss in res["rss"].items():

@@ -141,6 +141,8 @@ def test_summary_takes_medians_and_divides_kdamesh_by_llama_cpp():
     assert (row["kdamesh"], row["llama.cpp"], row["reps"]) == (20.0, 40.0, 3)
     assert row["ratio"] == pytest.approx(0.5)
     assert row["ratio"] != pytest.approx(statistics_mean_ratio(samples))  # negative control: not a mean
+    assert row["paired_ratio"] == pytest.approx(0.4)  # median of 10/40, 30/1, 20/50
+    assert row["paired_ratio"] != pytest.approx(row["ratio"])  # negative control: not the ratio of medians
 
 
 def statistics_mean_ratio(samples) -> float:
