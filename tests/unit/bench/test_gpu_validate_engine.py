@@ -13,15 +13,26 @@ from engine.model.presets import preset_config
 
 def test_engine_decode_section_runs_on_cpu_with_dummy_weights():
     report = gv.Report("cpu")
-    gv.engine_checks(report, preset_config("tiny-k3"), (1, 3), 3, device="cpu", dtype="float32")
-    decode = [c for c in report.checks if c.name.startswith("engine decode")]
-    assert [c.name for c in decode] == ["engine decode tok/s batch 1", "engine decode tok/s batch 3"]
-    assert all(c.status == "pass" and c.ms > 0 and "tok/s per user" in c.note for c in decode)
-    (eager,) = [c for c in report.checks if "eager vs graph" in c.name]
+    gv.engine_checks(report, preset_config("tiny-k3"), (1, 3), 3, device="cpu", dtype="float32",
+                     eager_vs_graph=False)
+    assert [c.name for c in report.checks] == ["engine decode tok/s batch 1", "engine decode tok/s batch 3"]
+    assert all(c.status == "pass" and c.ms > 0 and "tok/s per user" in c.note for c in report.checks)
+
+
+def test_eager_vs_graph_passes_enforce_eager_or_says_the_field_is_missing():
+    report, calls = gv.Report("cpu"), []
+
+    def decode(**kw):
+        calls.append(kw)
+        return {"step_ms": 4.0 if kw["enforce_eager"] else 1.0}
+
+    gv.eager_vs_graph_check(report, decode, "cpu")
+    (check,) = report.checks
     if "enforce_eager" in EngineArgs.__dataclass_fields__:
-        assert eager.status == "pass" and "graph" in eager.note
+        assert calls == [{"enforce_eager": True}, {"enforce_eager": False}]
+        assert check.status == "pass" and "(4.00x)" in check.note
     else:  # this tree's engine has no such switch: reported, not faked
-        assert eager.status == "skipped" and "enforce_eager" in eager.note
+        assert calls == [] and check.status == "skipped" and "enforce_eager" in check.note
 
 
 def test_k3_shaped_config_keeps_the_released_layer_and_shrinks_depth_and_experts():
