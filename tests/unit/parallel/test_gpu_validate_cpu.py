@@ -19,7 +19,7 @@ def test_cpu_skipping_path_writes_both_summaries(tmp_path):
     gv.main(["--out", str(tmp_path / "gpu.json")])
     summary = json.loads((tmp_path / "gpu.json").read_text())
     assert {c["status"] for c in summary["checks"]} == {"skipped"}
-    assert "Could not run: 5 check(s)" in (tmp_path / "gpu.md").read_text()
+    assert "Could not run: 7 check(s)" in (tmp_path / "gpu.md").read_text()
 
 
 def test_checks_run_on_cpu_at_tiny_sizes():
