@@ -21,22 +21,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.common import report
+from bench.common import op_counter, report
 
 DEMO = Path(__file__).resolve().parents[1] / "deploy" / "models" / "demo-k3"
 PROMPT_LEN = 64
-
-
-class _OpCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def model_dir(name: str) -> Path:
@@ -72,7 +61,7 @@ def window(llm, steps: int) -> tuple[float, float]:
 
 
 def ops_per_step(llm) -> int:
-    with _OpCount() as counter:
+    with op_counter() as counter:
         llm.engine.step()
     return counter.count
 

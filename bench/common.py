@@ -34,3 +34,19 @@ def report(table: str, args: argparse.Namespace, rows: dict | list) -> int:
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
     return 0
+
+
+def op_counter():
+    """A dispatch mode counting the aten calls made under it (`.count`; what a GPU would launch, before fusion)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCount(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    return OpCount()

@@ -40,9 +40,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.common import model_folder, report
+from bench.common import model_folder, op_counter, report
 from engine.spec.drafter import Draft, Drafter
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
@@ -181,18 +180,6 @@ def verify_cost(folder: str, k: int, steps: int, repeats: int) -> dict:
             "verify_cpu_ms": 1000 * best["verify", 1], "cpu_ratio": best["verify", 1] / best["plain", 1]}
 
 
-class _OpCounter(TorchDispatchMode):
-    """Counts the aten calls made under it (what a GPU would launch, roughly)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def draft_cost(folder: str, spec_json: str, batch: int, steps: int, prompt_len: int = 128, accepted: int = 2) -> dict:
     """The drafter alone (no target step): `batch` requests that observed `prompt_len` positions, then per step one
     `propose` for all of them and each request's `observe` of `accepted + 1` positions (as after a verification
@@ -237,7 +224,7 @@ def draft_cost(folder: str, spec_json: str, batch: int, steps: int, prompt_len: 
         step(new_rows)
         wall.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
-    with _OpCounter() as ops:
+    with op_counter() as ops:
         step(inputs[-1])
     return {"method": config.method, "batch": batch, "draft_ms_per_step": 1000 * statistics.median(wall),
             "draft_cpu_ms_per_step": 1000 * statistics.median(cpu), "aten_calls_per_step": ops.count}

@@ -25,10 +25,10 @@ Torch-free (command lines import it).
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from engine.errors import EngineConfigError
+from engine.json_config import json_fields
 
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -49,23 +49,11 @@ class CompilationConfig:
             return value
         if value is None:
             return cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise EngineConfigError(f"compilation_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise EngineConfigError(f"compilation_config must be a JSON object, got {type(value).__name__}")
-        value = dict(value)
+        value = json_fields(value, "compilation_config", cls, aliases=("mode",))
         if "mode" in value:  # vLLM's newer name for `level`
             if "level" in value and value["level"] != value["mode"]:
                 raise EngineConfigError("compilation_config: `mode` and `level` disagree")
             value["level"] = value.pop("mode")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise EngineConfigError(f"compilation_config: unknown field(s) {unknown}; known: {sorted(known)} "
-                                    f"(and `mode`)")
         if isinstance(value.get("cudagraph_capture_sizes"), list):
             value["cudagraph_capture_sizes"] = tuple(value["cudagraph_capture_sizes"])
         return cls(**value)

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass, fields
 
 from engine.errors import EngineConfigError
+from engine.json_config import json_fields
 
 METHODS = ("ngram", "mtp", "dspark")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -48,17 +49,7 @@ class SpeculativeConfig:
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise EngineConfigError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise EngineConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise EngineConfigError(f"speculative_config: unknown field {unknown[0]!r} (supported: {sorted(known)})")
+        value = json_fields(value, "speculative_config", cls)
         for name in ("method", "num_speculative_tokens"):
             if name not in value:
                 raise EngineConfigError(f"speculative_config: {name!r} is required")
