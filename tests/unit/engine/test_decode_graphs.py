@@ -122,3 +122,26 @@ def test_compilation_config_fields():
         CompilationConfig.parse({"cudagraph_mode": "PIECEWISE_ALL"})
     with pytest.raises(EngineConfigError, match="level"):
         CompilationConfig.parse({"level": 7})
+
+
+def test_compiled_tensor_parallel_equals_tp1_eager(tiny_k3_dir):
+    """TP=2 with compiled decode steps (every rank runs the same bucket over its own heads) gives TP=1 eager's
+    greedy tokens, batched, with a prefix hit in the second round (negative control: the off-by-one test above)."""
+    shared = random_prompts(1, 24, 25, seed=17)[0]
+    prompts = [shared + [3], shared + [4, 5], shared + [6, 7, 8]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def rounds(llm):
+        first = llm.generate([{"prompt_token_ids": prompts[0]}], params)
+        rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
+        return [o.outputs[0].token_ids for o in first + rest]
+
+    want = rounds(LLM(tiny_k3_dir, kv_cache_memory=8 << 20, max_num_seqs=4, enforce_eager=True))
+    tp2 = LLM(tiny_k3_dir, kv_cache_memory=8 << 20, max_num_seqs=4, tensor_parallel_size=2,
+              compilation_config=COMPILED, collective_timeout_s=120.0)
+    try:
+        assert rounds(tp2) == want
+        assert tp2.engine.runner.runner.graphs.num_runs > 0
+        assert tp2.engine.manager.hit_tokens > 0
+    finally:
+        tp2.close()
