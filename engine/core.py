@@ -82,7 +82,7 @@ from engine.step_sampling import StepSampler
 from engine.spec.setup import open_spec_decoding
 from engine.stats import EngineStats, engine_stats, model_fingerprint
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.structured import GrammarBackend
+from engine.structured.requests import ConstrainedRequests
 from engine.vision.cache import DEFAULT_BUDGET_BYTES
 from engine.vision.feed import ImageInput, check_images, load_media
 from engine.transfer import CacheLayout, RequestState, check_request_state
@@ -153,8 +153,7 @@ class EngineCore:
         self._arrivals = 0
         self.phase_times = PhaseTimes()  # where finished requests spent their time here
         self.num_steps = 0
-        self._grammar_backend: GrammarBackend | None = None  # structured output: built on first use
-        self._num_constrained = 0  # unfinished requests with a grammar (0: the step skips all grammar work)
+        self.constrained = ConstrainedRequests(self.tokenizer, self.config.vocab_size)  # structured output
         logger.info("engine: %d KV blocks x %d tokens (%.1f MiB), %d running + %d snapshot KDA slots (%.1f MiB), "
                     "snapshot interval %d, max_model_len %d", self.plan.num_blocks, self.plan.block_size,
                     self.plan.kv_bytes / 2 ** 20, self.plan.num_running_slots, self.plan.num_snapshot_slots,
@@ -224,7 +223,7 @@ class EngineCore:
         text, ids, max_tokens = self.validate_prompt(prompt, params)
         points = hint_points(snapshot_hints, len(ids), self.plan.block_size)
         if params.structured is not None:  # structured output: compile now so a bad grammar queues nothing
-            self.grammar_backend().compile(params.structured)
+            self.constrained.backend().compile(params.structured)
         media = check_images(ids, media, self.media.pad_id if self.media.feeder else None, self.media.processor)
         hasher = BlockHasher(self.plan.block_size, root_hash(self.fingerprint, cache_salt), media)
         children = []
@@ -235,7 +234,7 @@ class EngineCore:
                           seed=self._make_seed(params, i), export_on_finish=export_on_finish,
                           cache_salt=cache_salt, media=media, snapshot_points=dict(points))
             req.output = self._output_state(params)
-            self._attach_grammar(req)
+            self.constrained.attach(req)
             self._arrivals += 1
             children.append(req)
         self._register(_Parent(request_id, text, ids, children))
@@ -249,43 +248,6 @@ class EngineCore:
         for req in parent.children:
             self._requests[req.request_id] = req
             self.scheduler.add(req)
-
-    # -- structured output (grammar-constrained decoding, engine/structured/) ----------------------------------
-
-    def grammar_backend(self) -> GrammarBackend:
-        if self._grammar_backend is None:
-            if self.tokenizer is None:
-                raise InvalidRequestError("structured output needs the model's tokenizer", param="response_format")
-            self._grammar_backend = GrammarBackend(self.tokenizer, self.config.vocab_size)
-        return self._grammar_backend
-
-    def _attach_grammar(self, req: Request, carried: list[int] = ()) -> None:
-        """Gives a structured request its matcher (advanced past `carried` output tokens); after the grammar ends
-        only its stop tokens may follow, and they always finish the sequence (even with `ignore_eos`)."""
-        if req.params.structured is None:
-            return
-        state = self.grammar_backend().new_state(req.params.structured, sorted(req.output.stop_ids))
-        for token in carried:
-            if not state.accept(token):
-                raise InvalidRequestError("the carried output does not follow the request's grammar",
-                                          param="response_format")
-        req.output.stop_ids |= set(state.stop_token_ids)
-        req.grammar = state
-        self._num_constrained += 1
-
-    def _fill_grammar_masks(self, sampled: list[Request]) -> torch.Tensor | None:
-        """Bitmask rows for the requests about to be sampled (None when none has a grammar)."""
-        if not self._num_constrained or all(r.grammar is None for r in sampled):
-            return None
-        left = [min(r.max_tokens - r.num_output_tokens, self.plan.max_model_len - r.num_tokens) for r in sampled]
-        return self.grammar_backend().fill([r.grammar for r in sampled], left)
-
-    def _advance_grammar(self, req: Request, token: int) -> bool:
-        """Moves the request's matcher past its sampled token; False when the grammar rejects it."""
-        if req.grammar is None or req.grammar.accept(token):
-            return True
-        logger.error("request %s: sampled token %d is outside its grammar; aborting it", req.request_id, token)
-        return False
 
     def _make_seed(self, params: SamplingParams, index: int) -> int | None:
         """A sampled sequence's noise seed (engine/sampling.py): the request's seed + its index, else a fresh one."""
@@ -330,7 +292,7 @@ class EngineCore:
         and verified on the device and read back once (engine/step_sampling.py)."""
         slots = [self.manager.running_slot(c.req) for c in out.chunks]
         sampled = [c for c in out.chunks if c.needs_logits]
-        masks = self._fill_grammar_masks([c.req for c in sampled])  # structured output: CPU work before the forward
+        masks = self.constrained.fill_masks([c.req for c in sampled], self.plan.max_model_len)  # structured output: CPU work before the forward
         wanted = [prompt_logprobs.rows_wanted(c.req, c.start, c.num_tokens) for c in out.chunks]
         logits, prompt_logits = self.runner.execute_with_prompt_rows(out, slots, wanted)  # [rows, V], [rows_i, V]
         for chunk, chunk_logits in zip(out.chunks, prompt_logits):
@@ -338,7 +300,7 @@ class EngineCore:
         if masks is not None:  # constrained requests never verify: their one row is their chunk's first
             firsts = list(itertools.accumulate([1 + len(c.draft) for c in sampled], initial=0))[:-1]
             heads = logits[firsts]  # [L, V] one row per sampled chunk, as the masks are
-            self.grammar_backend().apply(heads, masks, [i for i, c in enumerate(sampled) if c.req.grammar])
+            self.constrained.backend().apply(heads, masks, [i for i, c in enumerate(sampled) if c.req.grammar])
             logits[firsts] = heads
         result = self.step_sampler.sample(logits, sampled)
         tokens = iter(result.tokens)
@@ -376,7 +338,7 @@ class EngineCore:
     def _append(self, req: Request, results: list[SampleResult]) -> tuple[Request, RequestStatus] | None:
         """Appends the sampled tokens in order, up to one that finishes the request -> (req, how) when it did."""
         for result in results:
-            if not self._advance_grammar(req, result.token_id):
+            if not self.constrained.advance(req, result.token_id):
                 return req, RequestStatus.FINISHED_ABORTED
             req.append_token(result.token_id)
             reason = req.output.add_token(result, req.num_output_tokens, req.max_tokens,
@@ -387,9 +349,7 @@ class EngineCore:
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if req.grammar is not None:  # structured output: release the matcher
-            req.grammar = None
-            self._num_constrained -= 1
+        self.constrained.release(req)  # structured output: drop the matcher
         if self.spec is not None:
             self.spec.finished(req)
         if status is RequestStatus.FINISHED_ABORTED:
@@ -482,6 +442,6 @@ class EngineCore:
         req.num_cached_tokens = state.num_cached_tokens
         req.output = self._output_state(params)
         req.output.prime(state.output_token_ids)
-        self._attach_grammar(req, list(state.output_token_ids))
+        self.constrained.attach(req, list(state.output_token_ids))
         self._arrivals += 1
         self._register(_Parent(request_id, None, prompt, [req]))

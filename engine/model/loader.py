@@ -161,9 +161,8 @@ def checkpoint_layout(model: KimiForCausalLM) -> dict[str, TensorTarget]:
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str, ctx: RankContext = SINGLE,
                       experts_format: str = "dense", gemv_layout: bool = False) -> KimiForCausalLM:
-    """This rank's model with uninitialised storage in `dtype` (fp32 where the design keeps fp32; packed
-    MXFP4 experts stay uint8). `gemv_layout`: linear weights input-major (engine.model.fused.lay_out_for_gemv;
-    `load_model` asks for it on CPU, where decode's one-row products stream them faster)."""
+    """This rank's model with uninitialised storage in `dtype` (fp32 where the design keeps fp32; packed MXFP4 experts
+    stay uint8); `gemv_layout`: linear weights input-major (`lay_out_for_gemv`, what `load_model` asks on CPU)."""
     with torch.device("meta"):
         model = KimiForCausalLM(config, ctx, experts_format)
     model = model.to_empty(device=device)
@@ -188,8 +187,7 @@ def load_model(model_dir: str | Path, load_config: LoadConfig = LoadConfig(),
         files = checkpoint_files(Path(model_dir))
         header = read_header(files)
     experts_format = resolve_experts_format(load_config.experts_format, header, config)
-    model = build_empty_model(config, dtype, load_config.device, ctx, experts_format,
-                              gemv_layout=torch.device(load_config.device).type == "cpu")
+    model = build_empty_model(config, dtype, load_config.device, ctx, experts_format, load_config.device == "cpu")
     layout = checkpoint_layout(model)
     if header is None:
         plan = dummy_plan(layout, config)

@@ -12,7 +12,7 @@ ANY = None
 # path -> the first arguments its add_argument calls may have ("?": not a literal), ANY: the whole file.
 ALLOWED: dict[str, set[str] | None] = {
     "telemetry/options.py": {"?"},  # the generator: parser.add_argument(*flag.names, ...)
-    "deploy/flags.py": {"model"},  # `serve MODEL`: the positional stands for `--model`
+    "deploy/mesh_plan.py": {"model"},  # `serve MODEL`: the positional stands for `--model`
     # the top-level command line: the role switch, make-checkpoint (a generated checkpoint's preset, seed, dtype)
     # and train-demo (its TrainConfig fields, "?")
     "deploy/cli.py": {"--role", "--preset", "out_dir", "--seed", "--dtype", "--max-shard-mb", "--experts-format", "?",

@@ -119,7 +119,7 @@ def generate(llm, structured, temperature: float, max_tokens: int = 100, n: int 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=7, structured=structured,
                             skip_special_tokens=False, **kwargs)
     outs = llm.generate(prompts(llm, n), params, check_integrity=True)
-    assert llm.engine._num_constrained == 0  # every matcher was released
+    assert llm.engine.constrained.count == 0  # every matcher was released
     return [o.outputs[0] for o in outs]
 
 
@@ -228,7 +228,7 @@ def test_single_call_and_k3_encodings(llms):
 def test_masks(llms):
     """At the start of a K3 thinking-mode call only `<|close|>` is allowed; at the end only the stop tokens."""
     engine = llms["k3"].engine
-    backend = engine.grammar_backend()
+    backend = engine.constrained.backend()
     structured = StructuredOutputParams("tool_call", tools=(ToolSpec("person", PERSON),), mode="named",
                                         name="person", output_format="kimi_k3", starts_in_reasoning=True)
     state = backend.new_state(structured, engine.eos_token_ids)
@@ -285,7 +285,7 @@ def test_unconstrained_requests_unaffected(llms, model):
     assert [o.outputs[0].token_ids for o in mixed[2:]] == constrained_alone
     for out in mixed[2:]:
         validate(json.loads(out.outputs[0].text), PERSON)
-    assert llm.engine._num_constrained == 0
+    assert llm.engine.constrained.count == 0
 
 
 def test_n_abort_and_export_resume(llms):
@@ -293,11 +293,11 @@ def test_n_abort_and_export_resume(llms):
     engine = llm.engine
     structured = StructuredOutputParams("tool_call", tools=(ToolSpec("person", PERSON),), output_format="kimi_k2")
     engine.add_request("abort-me", prompts(llm, 1)[0], SamplingParams(n=3, max_tokens=50, structured=structured))
-    assert engine._num_constrained == 3
+    assert engine.constrained.count == 3
     engine.step()
     engine.abort("abort-me")
     engine.step()
-    assert engine._num_constrained == 0 and not engine.has_unfinished_requests()
+    assert engine.constrained.count == 0 and not engine.has_unfinished_requests()
 
     # like prefill (one token, exported) + decode (imported): the same tokens as one run, steered finish included
     for temperature, head_tokens in ((0.0, 1), (1.0, 1), (0.0, 10)):
