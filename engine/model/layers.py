@@ -126,9 +126,9 @@ class KDAMixer(nn.Module):
         return kda_gate_lower_bound(f, self.A_log, self.dt_bias, self.num_heads, self.kda.gate_lower_bound)
 
 
-def _verify_host(host) -> tuple[list[int], list[int]] | None:
+def _verify_host(host) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The verification ops' host copies `(cu_seqlens, out_slots)`, when the runner gave them."""
-    return (list(host.cu_seqlens), list(host.out_slots)) if host is not None and host.out_slots is not None else None
+    return (host.cu_seqlens, host.out_slots) if host is not None and host.out_slots is not None else None
 
 
 class _ConvWeight(nn.Module):
@@ -186,7 +186,7 @@ class MLAMixer(nn.Module):
                                             mla.softmax_scale, lora, cache.graph_key, self.layer_index)
         else:
             write_kv_cache(kv_cache, batch.slot_mapping, latent)
-            host = (list(batch.host.cu_seqlens), list(batch.host.seq_lens)) if batch.host else None
+            host = (batch.host.cu_seqlens, batch.host.seq_lens) if batch.host else None
             o_latent = get_kernel("mla_attention", x.device)(q_abs, kv_cache, batch.block_tables, batch.cu_seqlens,
                                                              batch.seq_lens, mla.softmax_scale, lora, host)
         o = torch.einsum("thl,hvl->thv", cast(o_latent, x.dtype), w_uv).reshape(t, h * mla.v_head_dim)

@@ -17,6 +17,8 @@ captured decode steps use the `mla_decode_graph` op instead (Triton, reads `seq_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from functools import cache
 
 import torch
@@ -72,7 +74,7 @@ def planner(device: torch.device) -> _Planner:
 
 def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float, v_dim: int,
-                        host: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+                        host: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
     """`host` (the torch op's host copy of cu_seqlens_q / seq_lens) is not needed here."""
     wrapper = planner(q.device).plan(q, kv_cache, block_tables, cu_seqlens_q, seq_lens, scale, v_dim)
     q_nope, q_pe = q[..., :v_dim], q[..., v_dim:]

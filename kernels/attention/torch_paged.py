@@ -24,6 +24,8 @@ above. The decode path reads nothing back to the host (it runs inside compiled a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 SCORE_TILE_ELEMS = 1 << 24  # fp32 scores per (query chunk x key chunk) tile: 64 MiB
@@ -109,7 +111,7 @@ def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
 def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float, v_dim: int,
-                        host: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+                        host: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
     """`host`: `(cu_seqlens_q, seq_lens)` as host ints (the runner has them) for the per-sequence path, so nothing
     is read back; None reads the tensors. Decode batches never read anything back."""
     T, H, _ = q.shape

@@ -16,6 +16,8 @@ not yet measured on a GPU, and there is no split-KV, so a small decode batch at 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -99,7 +101,7 @@ def _tile_table(cu_seqlens_q: torch.Tensor, block_m: int, num_tiles: int) -> tup
 
 def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float, v_dim: int,
-                        host: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+                        host: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
     """`host` (the torch op's host copy of cu_seqlens_q / seq_lens) is not needed here."""
     T, H, Dk = q.shape
     N = seq_lens.numel()

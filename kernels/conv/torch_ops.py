@@ -23,6 +23,8 @@ Contract (same math as `kernels.conv.naive.causal_conv1d_naive`; W = kernel widt
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -99,7 +101,7 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state_pool:
 
 def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor,
                          state_indices: torch.Tensor, cu_seqlens: torch.Tensor, out_slots: torch.Tensor,
-                         host: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+                         host: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
     """`host`: `(cu_seqlens, out_slots)` as host ints (the runner has them), so nothing is read back; None reads
     the tensors."""
     T, C = x.shape
