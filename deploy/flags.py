@@ -8,7 +8,7 @@ Contract:
   `launch_config_from(ns)` (there too) builds the `LaunchConfig` from them (a value an option object refuses raises
   its ValueError, naming it).
 - `VllmCompat` holds the `vllm serve` flags accepted at their no-op value only: `refusal(ns)` is the message naming
-  the first such flag set to something else (`--kv-cache-dtype` other than auto, `--gpu-memory-utilization` at all:
+  the first such flag set to something else (`--gpu-memory-utilization` at all:
   the KV cache is sized by `--kv-cache-memory`), a `--tensor-parallel-size` < 1 or a `--speculative-config` that
   does not parse (engine/spec/config.py: the message names the JSON field), else None. A refused flag is never
   silently accepted. The worker roles (deploy/serve.py) take the same flags.
@@ -31,8 +31,6 @@ PARSER_CHOICES = "'auto' (the model family's format), 'none', kimi_k3 or kimi_k2
 class VllmCompat:
     """`vllm serve` flags accepted at their no-op value only (`refusal`)."""
 
-    kv_cache_dtype: str = option("--kv-cache-dtype", default="auto",
-                                 help="auto only (the KV cache has the model's dtype)")
     gpu_memory_utilization: float | None = option("--gpu-memory-utilization", default=None, parse=float,
                                                   help="refused: size the KV cache with --kv-cache-memory")
     trust_remote_code: bool = option("--trust-remote-code", default=False, kind="switch",
@@ -51,8 +49,6 @@ def refusal(ns: argparse.Namespace) -> str | None:
             SpeculativeConfig.parse(ns.speculative_config)
         except EngineConfigError as e:
             return f"--speculative-config: {e}"
-    if ns.kv_cache_dtype != "auto":
-        return f"--kv-cache-dtype {ns.kv_cache_dtype}: only auto (the model's dtype) is built"
     if ns.gpu_memory_utilization is not None:
         return "--gpu-memory-utilization: not built; size the KV cache of each worker with --kv-cache-memory"
     return None

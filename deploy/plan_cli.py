@@ -1,6 +1,7 @@
 """`kdamesh plan MODEL_DIR`: per-rank weights, KV and state sizes, the concurrency that fits, handoff cost.
 
-Contract: `add_arguments(parser)` adds the flags (`--tensor-parallel-size`, `--enable-expert-parallel`, `--gpus`,
+Contract: `add_arguments(parser)` adds the flags (`--tensor-parallel-size`, `--enable-expert-parallel`,
+`--kv-cache-dtype`, `--gpus`,
 `--gpu-memory`, `--gpu-memory-utilization`, `--context-len`, `--link-gbps`, `--dtype`, `--experts-format`, `--json`)
 and the positional MODEL_DIR (a folder with `config.json`; no weights are read); `run(args)` prints the plan
 (engine/plan.py) and returns 0 when it fits, 1 when it does not; `main(argv)` parses and runs. A split that does not
@@ -26,7 +27,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = PlanArgs()
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="folder with config.json (weights are not read)")
-    add_options(parser, EngineArgs, only=("tensor_parallel_size", "enable_expert_parallel"))  # the workers' flags
+    add_options(parser, EngineArgs, only=("tensor_parallel_size", "enable_expert_parallel", "kv_cache_dtype"))
     parser.add_argument("--gpus", type=int, default=None, help="GPUs in all (default: one replica)")
     parser.add_argument("--gpu-memory", default="141GB", help="memory per GPU, e.g. 141GB (H200), 288GB (B300)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
@@ -41,7 +42,8 @@ def plan_args(args: argparse.Namespace) -> PlanArgs:
     return PlanArgs(tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
                     gpus=args.gpus, gpu_memory=parse_bytes(args.gpu_memory),
                     gpu_memory_utilization=args.gpu_memory_utilization, context_len=args.context_len,
-                    link_gbps=args.link_gbps, dtype_bytes=DTYPE_BYTES[args.dtype], experts_format=args.experts_format)
+                    link_gbps=args.link_gbps, dtype_bytes=DTYPE_BYTES[args.dtype], experts_format=args.experts_format,
+                    kv_cache_dtype=args.kv_cache_dtype)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -65,6 +65,13 @@ def parse_bytes(value: int | str, name: str = "kv_cache_memory") -> int:
         raise EngineConfigError(f"{name} {value!r} is not a byte count (e.g. 4096, 512MiB, 2GB)") from None
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is fp8_e4m3 (kernels/attention/fp8_latent.py)
+
+
+def is_fp8_kv(kv_cache_dtype: str) -> bool:
+    return kv_cache_dtype in ("fp8", "fp8_e4m3")
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     model: str = option("--model", help="checkpoint folder (config.json, *.safetensors, tokenizer)")
@@ -77,6 +84,9 @@ class EngineArgs:
     kv_cache_memory: int | str = option(  # bytes for both pools together
         "--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY, parse=byte_text,
         help="bytes for the KV block and KDA state pools together, per worker, e.g. 1GiB")
+    kv_cache_dtype: str = option(  # the MLA latents' storage; KDA states keep their own dtypes
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+        help="MLA latent cache: auto (the model dtype) or fp8 / fp8_e4m3 (e4m3 values with a per-token fp32 scale)")
     max_num_seqs: int = option("--max-num-seqs", default=64, parse=int)
     max_num_batched_tokens: int = option("--max-num-batched-tokens", default=2048, parse=int)
     max_forward_tokens: int | None = option(  # tokens per model forward within a step; None: 2048 on CPU (runner.py)
@@ -156,10 +166,16 @@ class EngineArgs:
             raise EngineConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.collective_timeout_s <= 0:
             raise EngineConfigError(f"collective_timeout_s must be positive, got {self.collective_timeout_s!r}")
-        if self.snapshot_policy not in SNAPSHOT_POLICIES:
-            raise EngineConfigError(f"snapshot_policy must be one of {SNAPSHOT_POLICIES}, got {self.snapshot_policy!r}")
+        self._check_choices()
         if self.snapshot_budget is not None and parse_bytes(self.snapshot_budget, "snapshot_budget") < 0:
             raise EngineConfigError(f"snapshot_budget must be >= 0, got {self.snapshot_budget!r}")
+
+    def _check_choices(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r} "
+                                    "(fp8_e5m2 and vLLM's fp8_ds_mla layout are not built)")
+        if self.snapshot_policy not in SNAPSHOT_POLICIES:
+            raise EngineConfigError(f"snapshot_policy must be one of {SNAPSHOT_POLICIES}, got {self.snapshot_policy!r}")
 
     def _resolve_compilation(self) -> None:
         if self.compilation_config is not None:  # None stays None (the defaults): a command line omits it
@@ -196,6 +212,7 @@ class CachePlan:
     bytes_per_token: int
     bytes_per_state: int
     snapshot_policy: str = "hybrid"  # engine/memory/policy.py
+    kv_cache_dtype: str = "auto"  # EngineArgs.kv_cache_dtype
 
     @property
     def snapshot_budget_bytes(self) -> int:
@@ -227,7 +244,7 @@ def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> Cache
     from engine.model.batch import bytes_per_state, bytes_per_token  # torch: the option classes above stay light
 
     bs = args.block_size
-    token_b = bytes_per_token(config, dtype_bytes)
+    token_b = bytes_per_token(config, dtype_bytes, args.kv_cache_dtype)
     state_b = bytes_per_state(config, dtype_bytes, tensor_parallel_size=args.tensor_parallel_size)  # one rank's heads
     budget = parse_bytes(args.kv_cache_memory)
     slots_per_request = 1 + args.num_speculative_tokens
@@ -263,4 +280,4 @@ def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> Cache
     return CachePlan(block_size=bs, num_blocks=int(num_blocks), slots_per_request=slots_per_request,
                      num_running_slots=running, num_snapshot_slots=int(snapshots), snapshot_interval=interval,
                      max_model_len=int(max_len), bytes_per_token=token_b, bytes_per_state=state_b,
-                     snapshot_policy=args.snapshot_policy)
+                     snapshot_policy=args.snapshot_policy, kv_cache_dtype=args.kv_cache_dtype)

@@ -80,7 +80,7 @@ from engine.parallel.executor import ExecutorConfig, open_executor
 from engine.sampling import SampleResult, SamplingParams
 from engine.step_sampling import StepSampler
 from engine.spec.setup import open_spec_decoding
-from engine.stats import EngineStats, engine_stats, model_fingerprint
+from engine.stats import EngineStats, cache_fingerprint, engine_stats, model_fingerprint
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured.requests import ConstrainedRequests
 from engine.vision.cache import DEFAULT_BUDGET_BYTES
@@ -131,8 +131,9 @@ class EngineCore:
             self.eos_token_ids = () if self.config.eos_token_id is None else (self.config.eos_token_id,)
         dtype_bytes = self.model.dtype.itemsize
         self.plan: CachePlan = plan_cache(args, self.config, dtype_bytes)
-        self.fingerprint = (hashlib.sha256(args.model_fingerprint.encode()).digest() if args.model_fingerprint else
-                            model_fingerprint(args.model, self.model.dtype, args.load_format, args.seed))
+        weights = (hashlib.sha256(args.model_fingerprint.encode()).digest() if args.model_fingerprint else
+                   model_fingerprint(args.model, self.model.dtype, args.load_format, args.seed))
+        self.fingerprint = cache_fingerprint(weights, args.kv_cache_dtype)
         self.manager = CacheManager(self.plan, has_kda=self.config.kda is not None)
         self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
         graphs = None if args.enforce_eager else GraphOptions(CompilationConfig.parse(args.compilation_config),

@@ -5,8 +5,8 @@ Contract:
   keeps resident, exactly as engine/model builds it (split parameters at 1/N, replicated ones whole, the fused
   projections' padding rows, fp32 where the model keeps fp32, packed MXFP4 experts at 17/32 byte per parameter).
   tests/unit/parallel/test_plan.py checks it against the storage of the models built for the tiny presets.
-- `kv_bytes_per_token(config, dtype_bytes)`: MLA latent bytes per token of context (replicated: every rank holds
-  them); `state_bytes_per_request(config, dtype_bytes, tp)`: one rank's KDA state slot (its H/N heads: conv window
+- `kv_bytes_per_token(config, dtype_bytes, kv_cache_dtype)`: MLA latent bytes per token of context (replicated:
+  every rank holds them; FP8 rows are one byte a value plus a 4-byte scale); `state_bytes_per_request(config, dtype_bytes, tp)`: one rank's KDA state slot (its H/N heads: conv window
   in the model dtype, recurrent state fp32). `CacheTensors.allocate` allocates exactly these.
 - `plan(config, PlanArgs)` -> `Plan`: per GPU usable memory = `gpu_memory * gpu_memory_utilization` minus the rank's
   weights (activations and CUDA graphs must fit in the remaining `1 - utilization`); a request at `context_len`
@@ -27,6 +27,7 @@ from engine.parallel.config import ParallelConfig, ParallelError
 FUSED_ROWS_MULTIPLE = 16  # engine.model.fused pads a FusedLinear's rows to this
 FUSED_GATE_UP_MAX = 1024  # engine.model.common: MLPs up to this intermediate (per rank) fuse gate/up
 FP32 = 4
+FP8_SCALE_BYTES = 4  # kernels.attention.fp8_latent.SCALE_BYTES: one fp32 scale per token row
 MXFP4_BYTES = 17 / 32  # a packed value (1/2 byte) plus one uint8 scale per 32
 
 
@@ -141,7 +142,11 @@ def rank_weight_bytes(config: ModelConfig, tp: int = 1, ep: bool = False, expert
     return WeightBytes(round(t.split), round(t.replicated), round(t.experts))
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+    """'fp8' / 'fp8_e4m3': one byte per latent value plus a per-token fp32 scale per layer
+    (kernels/attention/fp8_latent.py's rows); 'auto': the model dtype."""
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return len(config.mla_layer_ids) * (config.mla.cache_dim + FP8_SCALE_BYTES)
     return len(config.mla_layer_ids) * config.mla.cache_dim * dtype_bytes
 
 
@@ -165,6 +170,7 @@ class PlanArgs:
     link_gbps: float = 400.0  # prefill -> decode link, gigabits per second
     dtype_bytes: int = 2
     experts_format: str = "auto"  # auto: as the config declares (MXFP4 stays packed)
+    kv_cache_dtype: str = "auto"  # EngineArgs.kv_cache_dtype: auto (dtype_bytes) or fp8 rows
 
 
 @dataclass(frozen=True)
@@ -193,7 +199,8 @@ def plan(config: ModelConfig, args: PlanArgs) -> Plan:
     tp = args.tensor_parallel_size
     fmt = declared_experts_format(config) if args.experts_format == "auto" else args.experts_format
     weights = rank_weight_bytes(config, tp, args.enable_expert_parallel, fmt, args.dtype_bytes)
-    kv, state = kv_bytes_per_token(config, args.dtype_bytes), state_bytes_per_request(config, args.dtype_bytes, tp)
+    kv = kv_bytes_per_token(config, args.dtype_bytes, args.kv_cache_dtype)
+    state = state_bytes_per_request(config, args.dtype_bytes, tp)
     request = state + args.context_len * kv
     usable = int(args.gpu_memory * args.gpu_memory_utilization) - weights.total
     gpus = args.gpus or tp
@@ -221,7 +228,8 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"tensor-parallel {a.tensor_parallel_size}{' + expert-parallel' if a.enable_expert_parallel else ''}, "
         f"{p.replicas} replica(s) on {a.gpus or a.tensor_parallel_size} GPUs of {_gb(a.gpu_memory)}, "
-        f"experts {p.experts_format}, {a.dtype_bytes}-byte weights/KV",
+        f"experts {p.experts_format}, {a.dtype_bytes}-byte weights, "
+        f"{'FP8 (e4m3 + per-token scale)' if a.kv_cache_dtype != 'auto' else f'{a.dtype_bytes}-byte'} KV",
         f"weights per rank: {_gb(w.total)} (split {_gb(w.split)}, replicated {_gb(w.replicated)}, "
         f"routed experts {_gb(w.experts)})",
         f"KV per token (MLA latents, every rank): {p.kv_per_token} B; KDA state per request per rank: "

@@ -125,7 +125,7 @@ class ModelRunner:
         # One more block and slot than the engine manages: the scratch that padding rows of a decode bucket write.
         self.cache = CacheTensors.allocate(model.config, num_blocks=plan.num_blocks + 1, block_size=plan.block_size,
                                            num_slots=plan.num_slots + 1, dtype=model.dtype, device=self.device,
-                                           kda_heads=model.num_local_kda_heads)
+                                           kda_heads=model.num_local_kda_heads, kv_cache_dtype=plan.kv_cache_dtype)
         self.mla_layers = sorted(self.cache.kv)
         self.kda_layers = sorted(self.cache.recurrent)
         self._taps: tuple[int, ...] = ()

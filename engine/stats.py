@@ -71,6 +71,14 @@ def model_fingerprint(model_dir: str | Path, dtype: torch.dtype, load_format: st
     return h.digest()
 
 
+def cache_fingerprint(weights: bytes, kv_cache_dtype: str) -> bytes:
+    """The fingerprint cache keys use: the weights' and, for an FP8 latent cache, its storage (FP8 blocks, and the
+    KDA states computed over them, are never mixed with a model-dtype cache's)."""
+    if kv_cache_dtype == "auto":
+        return weights
+    return hashlib.sha256(weights + b"|kv_cache_dtype=fp8_e4m3").digest()  # 'fp8' and 'fp8_e4m3' are one format
+
+
 def engine_stats(manager, scheduler, phase_times, plan, spec) -> EngineStats:
     """The `EngineStats` of an engine's parts now (`spec`: its `engine.spec.decoding.SpecDecoding` or None)."""
     pool, states = manager.block_pool, manager.state_pool

@@ -34,13 +34,14 @@ def torch_threads(n: int) -> Iterator[None]:
 
 
 class SequenceDriver:
-    def __init__(self, model: KimiForCausalLM, max_seqs: int = 4, max_len: int = 512, block_size: int = 16):
+    def __init__(self, model: KimiForCausalLM, max_seqs: int = 4, max_len: int = 512, block_size: int = 16,
+                 kv_cache_dtype: str = "auto"):
         self.model = model
         self.block_size = block_size
         self.blocks_per_seq = -(-max_len // block_size)
         self.cache = CacheTensors.allocate(model.config, num_blocks=max_seqs * self.blocks_per_seq,
                                            block_size=block_size, num_slots=max_seqs, dtype=model.dtype,
-                                           device=model.device)
+                                           device=model.device, kv_cache_dtype=kv_cache_dtype)
         self.lengths = [0] * max_seqs
 
     def block_table(self, seq: int) -> torch.Tensor:

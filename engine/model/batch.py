@@ -30,6 +30,7 @@ import torch
 
 from engine.model.config import ModelConfig
 from engine.plan import kv_bytes_per_token, state_bytes_per_request
+from kernels.attention.fp8_latent import allocate_latent_cache
 
 
 @dataclass(frozen=True)
@@ -87,17 +88,19 @@ class CacheTensors:
     """Per-layer cache storage, indexed by the model's layer index."""
 
     block_size: int
-    kv: dict[int, torch.Tensor]  # MLA layer -> [num_blocks, block_size, kv_lora + rope]
+    kv: dict[int, torch.Tensor]  # MLA layer -> [num_blocks, block_size, kv_lora + rope] (FP8: uint8, + 4 scale bytes)
     conv: dict[int, torch.Tensor]  # KDA layer -> [num_slots, 3*H*D, conv_kernel - 1]
     recurrent: dict[int, torch.Tensor]  # KDA layer -> [num_slots, H, D, D] fp32
     graph_key: int = 0  # kernels.graph_ops.register_cache's key, set by the decode graphs that trace these caches
 
     @classmethod
     def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", kda_heads: int | None = None
-                 ) -> "CacheTensors":
-        """`kda_heads`: the KDA heads of this rank's slots (None: all of the model's)."""
-        kv = {i: torch.zeros(num_blocks, block_size, config.mla.cache_dim, dtype=dtype, device=device)
+                 dtype: torch.dtype, device: torch.device | str = "cpu", kda_heads: int | None = None,
+                 kv_cache_dtype: str = "auto") -> "CacheTensors":
+        """`kda_heads`: the KDA heads of this rank's slots (None: all of the model's). `kv_cache_dtype` 'fp8' /
+        'fp8_e4m3': the MLA latents as FP8 rows (kernels/attention/fp8_latent.py); 'auto': `dtype`."""
+        fp8 = kv_cache_dtype in ("fp8", "fp8_e4m3")
+        kv = {i: allocate_latent_cache(num_blocks, block_size, config.mla.cache_dim, fp8, dtype, device)
               for i in config.mla_layer_ids}
         conv, recurrent = {}, {}
         if config.kda is not None:
@@ -120,9 +123,9 @@ class CacheTensors:
             t[dst].copy_(t[src])
 
 
-def bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+def bytes_per_token(config: ModelConfig, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
     """MLA cache bytes one token of context costs across all layers."""
-    return kv_bytes_per_token(config, dtype_bytes)
+    return kv_bytes_per_token(config, dtype_bytes, kv_cache_dtype)
 
 
 def bytes_per_state(config: ModelConfig, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:

@@ -34,6 +34,7 @@ from engine.parallel.comm import SINGLE, RankContext
 from kernels import get_kernel, graph_ops
 from kernels.casting import cast, fp32
 from kernels.attention.torch_paged import write_kv_cache
+from kernels.attention.fp8_latent import is_fp8_cache
 from kernels.kda.gate import kda_gate_lower_bound, kda_gate_softplus
 from kernels.norm.rms_norm import gated_rms_norm, l2_normalize
 
@@ -179,8 +180,9 @@ class MLAMixer(nn.Module):
         w_kv = self.kv_b_proj.weight.reshape(h, nope + mla.v_head_dim, lora)  # [H, nope+v, lora]
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]  # [H, nope, lora], [H, v, lora]
         q_latent = torch.einsum("thn,hnl->thl", q[..., :nope], w_uk)  # [T, H, lora]
-        q_abs = cast(torch.cat([q_latent, q[..., nope:]], dim=-1), kv_cache.dtype)  # [T, H, lora+rope]
-        latent = cast(latent, kv_cache.dtype)
+        cache_dtype = x.dtype if is_fp8_cache(kv_cache) else kv_cache.dtype  # FP8 rows: quantised on write
+        q_abs = cast(torch.cat([q_latent, q[..., nope:]], dim=-1), cache_dtype)  # [T, H, lora+rope]
+        latent = cast(latent, cache_dtype)
         if batch.traced:  # the latent write and the attention as one op (kernels/graph_ops.py)
             o_latent = graph_ops.mla_decode(q_abs, latent, batch.slot_mapping, batch.block_tables, batch.seq_lens,
                                             mla.softmax_scale, lora, cache.graph_key, self.layer_index)

@@ -13,15 +13,23 @@ wrapper is planned once per step for all MLA layers: every layer of a step passe
 objects and their in-place versions are unchanged (the planner holds them, so their ids cannot be reused by a
 later step's tensors). The plan builds the CSR page list with one boolean-mask index (a host sync), once per step;
 captured decode steps use the `mla_decode_graph` op instead (Triton, reads `seq_lens` on the device).
+
+An FP8 latent cache (per-token scales, kernels/attention/fp8_latent.py) is not a layout FlashInfer's MLA wrapper
+reads: those calls go to the Triton kernel, with one warning.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import logging
 from functools import cache
 
 import torch
+
+from kernels.attention.fp8_latent import is_fp8_cache
+
+log = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -76,7 +84,18 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
                         seq_lens: torch.Tensor, scale: float, v_dim: int,
                         host: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
     """`host` (the torch op's host copy of cu_seqlens_q / seq_lens) is not needed here."""
+    if is_fp8_cache(kv_cache):
+        return _fp8_fallback()(q, kv_cache, block_tables, cu_seqlens_q, seq_lens, scale, v_dim)
     wrapper = planner(q.device).plan(q, kv_cache, block_tables, cu_seqlens_q, seq_lens, scale, v_dim)
     q_nope, q_pe = q[..., :v_dim], q[..., v_dim:]
     ckv, kpe = kv_cache[..., :v_dim], kv_cache[..., v_dim:]
     return wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=False)
+
+
+@cache
+def _fp8_fallback():
+    log.warning("flashinfer MLA does not read kdamesh's FP8 latent rows (per-token scales): FP8 caches use the "
+                "Triton MLA kernel")
+    from kernels.attention.triton_paged import mla_paged_attention as triton_mla  # noqa: PLC0415 - on use
+
+    return triton_mla

@@ -9,11 +9,15 @@ Contract:
 - The queries of sequence n (`q[cu_seqlens_q[n]:cu_seqlens_q[n+1]]`) are its LAST q_len positions
   `seq_lens[n]-q_len .. seq_lens[n]-1` (their latents are already in the cache); causal: position p attends 0..p.
 - Scores and softmax in fp32; `o` in `q.dtype`. Cache entries past `seq_lens[n]` are never read.
+- An FP8 cache (uint8 rows, `kernels.attention.fp8_latent`) holds `Dk` e4m3 values and a scale per entry; its
+  entries are dequantised before use.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.attention.fp8_latent import as_fp32_rows
 
 
 def gather_sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -35,7 +39,7 @@ def mla_paged_attention_naive(q: torch.Tensor, kv_cache: torch.Tensor, block_tab
         q_len = end - start
         if q_len == 0:
             continue
-        kv = gather_sequence_kv(kv_cache, block_tables[n], seq_len).to(torch.float32)  # [S, Dk]
+        kv = as_fp32_rows(gather_sequence_kv(kv_cache, block_tables[n], seq_len))  # [S, Dk] fp32
         qn = q[start:end].to(torch.float32)  # [L, H, Dk]
         scores = torch.einsum("lhd,sd->lhs", qn, kv) * scale  # [L, H, S]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [L]

@@ -20,6 +20,9 @@ above. The decode path reads nothing back to the host (it runs inside compiled a
 
 `write_kv_cache(kv_cache, slot_mapping [T] int64, latent [T, Dk])` writes token t's latent to flat slot
 `slot_mapping[t] = block * block_size + offset` in place (valid, distinct slots; padding rows write a scratch block).
+
+An FP8 cache (`kernels.attention.fp8_latent`: uint8 rows of e4m3 values and a per-token scale) is read the same
+way: gathered rows are dequantised to fp32 where the model-dtype path casts them, and `write_kv_cache` quantises.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from kernels.attention.fp8_latent import as_fp32_rows, is_fp8_cache, quantize_rows
 
 SCORE_TILE_ELEMS = 1 << 24  # fp32 scores per (query chunk x key chunk) tile: 64 MiB
 KEY_CHUNK = 4096  # key positions per inner step (rounded down to whole blocks)
@@ -37,7 +42,7 @@ def _gather_keys(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, 
     """Cache entries of positions [start, end) of one sequence as fp32 [end - start, Dk]; `start` is block-aligned."""
     block_size = kv_cache.shape[1]
     blocks = block_table[start // block_size : -(-end // block_size)].to(torch.int64)
-    return kv_cache[blocks].reshape(-1, kv_cache.shape[2])[: end - start].to(torch.float32)
+    return as_fp32_rows(kv_cache[blocks].reshape(-1, kv_cache.shape[2])[: end - start])
 
 
 def _attend_chunk(
@@ -98,8 +103,8 @@ def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     block_size = kv_cache.shape[1]
     num_blocks = block_tables.shape[1]
     tables = block_tables.to(torch.int64).clamp(min=0)  # [N, nb]; unused entries may be -1
-    kv = kv_cache.index_select(0, tables.reshape(-1)).view(N, num_blocks * block_size, Dk)  # [N, S, Dk]
-    kv = kv.to(torch.float32)
+    rows = kv_cache.index_select(0, tables.reshape(-1))  # [N * nb, block_size, row]
+    kv = as_fp32_rows(rows.view(N, num_blocks * block_size, rows.shape[-1]))  # [N, S, Dk] fp32
     past = torch.arange(kv.shape[1], device=q.device) >= seq_lens.to(torch.int64)[:, None]  # [N, S]
     kv.masked_fill_(past[:, :, None], 0.0)
     scores = torch.bmm(q.to(torch.float32), kv.transpose(1, 2)).mul_(scale)  # [N, H, S]
@@ -135,5 +140,6 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 def write_kv_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor) -> None:
     """Writes latent [T, Dk] into kv_cache [num_blocks, block_size, Dk] at flat slots slot_mapping [T] (in place).
     Slots must be valid and distinct (padding rows of a bucketed step write to a scratch block): no host read."""
-    flat = kv_cache.view(-1, kv_cache.shape[-1])  # [num_blocks * block_size, Dk]; needs a contiguous cache
-    flat.index_copy_(0, slot_mapping.to(torch.int64), latent.to(flat.dtype))
+    flat = kv_cache.view(-1, kv_cache.shape[-1])  # [num_blocks * block_size, row]; needs a contiguous cache
+    rows = quantize_rows(latent) if is_fp8_cache(kv_cache) else latent.to(flat.dtype)  # [T, row]
+    flat.index_copy_(0, slot_mapping.to(torch.int64), rows)

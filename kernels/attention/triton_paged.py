@@ -8,7 +8,9 @@ BLOCK_H heads, i.e. BLOCK_M·BLOCK_H query rows that all share the same keys (MQ
 per program. The program walks the sequence's block table BLOCK_N positions at a time with an online softmax
 (fp32), reading only positions below the tile's last query position + 1 (never past `seq_lens[n]`). The tile table
 is built on the device from `cu_seqlens_q` with an upper bound on the tile count, so there is no host sync.
-Queries and cache normally share a dtype; if they differ the cache is cast to the query dtype inside the kernel. Dots
+Queries and cache normally share a dtype; if they differ the cache is cast to the query dtype inside the kernel. An
+FP8 cache (`kernels.attention.fp8_latent`: uint8 rows of e4m3 values and a per-token fp32 scale) is read through
+an fp8 view and an fp32 view of the same rows and dequantised per loaded tile (fp32, then the dot's dtype). Dots
 take bf16/fp16 operands on GPUs (fp32 accumulation) and fp32 operands (exact, `input_precision="ieee"`, no TF32) for
 fp32 inputs and under the CPU interpreter (whose bf16 `tl.dot` is wrong). Untuned: block sizes are first guesses,
 not yet measured on a GPU, and there is no split-KV, so a small decode batch at long context uses few programs.
@@ -22,17 +24,27 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention.fp8_latent import is_fp8_cache
+
 BLOCK_N = 32  # keys per inner step
 ROWS = 32  # query rows (tokens x heads) per program
 
 
 @triton.jit
+def _fp8_dequantise(c, kr, scale_ptr, row, width, k_ok):
+    """An FP8 tile times each key's scale: the fp32 after the row's `width` e4m3 values (`row`: the row's byte
+    offset; rows are 4-byte aligned, so the scale is fp32 element (row + width) / 4)."""
+    sc = tl.load(scale_ptr + (row + width) // 4, mask=k_ok, other=0.0)  # [BN]
+    return c.to(tl.float32) * sc[:, None], kr.to(tl.float32) * sc[:, None]
+
+
+@triton.jit
 def _mla_paged_kernel(
-    q_ptr, kv_ptr, bt_ptr, cu_q_ptr, seq_lens_ptr, tile_seq_ptr, tile_start_ptr, o_ptr,
+    q_ptr, kv_ptr, scale_ptr, bt_ptr, cu_q_ptr, seq_lens_ptr, tile_seq_ptr, tile_start_ptr, o_ptr,
     scale, H, V, R, block_size,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_bt, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, DOT_FP32: tl.constexpr, FP8: tl.constexpr,
 ):
     g = tl.program_id(0)
     hb = tl.program_id(1)
@@ -68,6 +80,9 @@ def _mla_paged_kernel(
         entry = kv_ptr + blk * stride_kb + (kp % block_size).to(tl.int64) * stride_ks  # [BN]
         c = tl.load(entry[:, None] + dv[None, :], mask=k_ok[:, None] & (dv < V)[None, :], other=0.0)
         kr = tl.load(entry[:, None] + V + dr[None, :], mask=k_ok[:, None] & (dr < R)[None, :], other=0.0)
+        if FP8:
+            c, kr = _fp8_dequantise(c, kr, scale_ptr, blk * stride_kb + (kp % block_size).to(tl.int64) * stride_ks,
+                                    V + R, k_ok)
         c = c.to(q_c.dtype)
         s = tl.dot(q_c, tl.trans(c), input_precision="ieee")
         s += tl.dot(q_r, tl.trans(kr.to(q_r.dtype)), input_precision="ieee")  # [ROWS, BN] fp32
@@ -110,6 +125,9 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         return out
     if q.stride(2) != 1 or kv_cache.stride(2) != 1:
         raise ValueError("q and kv_cache must be contiguous in their last dim")
+    fp8 = is_fp8_cache(kv_cache)
+    values = kv_cache.view(torch.float8_e4m3fn) if fp8 else kv_cache  # FP8 rows: e4m3 values ...
+    scales = kv_cache.view(torch.float32) if fp8 else kv_cache  # ... and their fp32 scales, same storage
     decode_only = T == N  # typically one query per sequence: tile by heads only (any tiling is correct)
     block_h = max(16, min(ROWS, triton.next_power_of_2(H))) if decode_only else min(16, triton.next_power_of_2(H))
     block_m = 1 if decode_only else max(1, ROWS // block_h)
@@ -118,7 +136,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     block_tables = block_tables.to(torch.int32).contiguous()
     grid = (num_tiles, triton.cdiv(H, block_h))
     _mla_paged_kernel[grid](
-        q, kv_cache, block_tables, cu_seqlens_q.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
+        q, values, scales, block_tables, cu_seqlens_q.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
         tile_seq, tile_start, out,
         scale, H, v_dim, Dk - v_dim, kv_cache.shape[1],
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
@@ -126,6 +144,7 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
         BLOCK_DV=max(16, triton.next_power_of_2(v_dim)), BLOCK_DR=max(16, triton.next_power_of_2(Dk - v_dim)),
         DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",  # the CPU interpreter mis-multiplies bf16 dots
+        FP8=fp8,
         num_warps=8 if v_dim >= 256 else 4,
     )
     return out

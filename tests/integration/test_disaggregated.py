@@ -89,6 +89,15 @@ def test_disaggregated_equals_colocated_memory_backend(tiny_k3):
     run(main())
 
 
+def test_disaggregated_fp8_cache_equals_colocated_fp8(tiny_k3):
+    """`--kv-cache-dtype fp8` on both workers: the FP8 latent rows travel as they are (handoffs, blocks, snapshots)."""
+    async def main():
+        async with Mesh(tiny_k3, engine={"kv_cache_dtype": "fp8"}) as mesh:
+            assert mesh.decode_server.engine.core.plan.kv_cache_dtype == "fp8"
+            await _suite_with_remote_reuse(mesh)
+    run(main())
+
+
 def test_disaggregated_equals_colocated_redis_backend(tiny_k3, private_redis):
     async def main():
         async with Mesh(tiny_k3, backend=private_redis.url) as mesh:

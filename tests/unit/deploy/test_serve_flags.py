@@ -19,7 +19,7 @@ SEED = ["--tensor-parallel-size", "1", "--trust-remote-code", "--load-format", "
         "--reasoning-parser", "kimi_k3", "--port", "8123"]
 REFUSED = {"--tensor-parallel-size": ["--tensor-parallel-size", "0"],
            "--speculative-config": ["--speculative-config", '{"method": "mtp"}'],
-           "--kv-cache-dtype": ["--kv-cache-dtype", "fp8"],
+           "--kv-cache-dtype": ["--kv-cache-dtype", "fp8_e5m2"],  # fp8 / fp8_e4m3 are built (test below)
            "--gpu-memory-utilization": ["--gpu-memory-utilization", "0.9"]}
 
 
@@ -111,6 +111,17 @@ def test_snapshot_flags_reach_both_workers(tmp_path):
     unset = {s.role: s for s in plan_services(launch_config_from(_mesh([str(tmp_path)]), "info", "text", "none"),
                                               str(tmp_path))}
     assert not any(a.startswith("--snapshot") for a in unset["decode"].argv)
+
+
+def test_fp8_kv_cache_reaches_both_workers(tmp_path):
+    ns = _mesh([str(tmp_path), "--kv-cache-dtype", "fp8"])
+    config = launch_config_from(ns, "info", "text", "none")
+    assert config.engine.kv_cache_dtype == "fp8"
+    services = {s.role: s for s in plan_services(config, str(tmp_path))}
+    for role in ("prefill", "decode"):
+        argv = services[role].argv
+        assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8"
+        assert role_parser(role).parse_args(argv).kv_cache_dtype == "fp8"
 
 
 def test_busy_ports_names_a_port_something_listens_on():
