@@ -8,7 +8,8 @@ Contract (docs/architecture.md, "The mesh", step 3):
 - Handoff path (`handoff` set): one `BatchGet` fetches the handoff object (an `engine.transfer.RequestState` after
   all N prompt tokens, sampled token N+1 carried as its output) together with the prompt's full KV blocks, which the
   lean handoff names by hash (the worker computes the hashes from the prompt, its model fingerprint and the tenant
-  salt, and checks them against the handoff's). The state is verified (prompt, first token, token count, block
+  salt, and checks them against the handoff's); a handoff stored as a manifest and parts (worker/handoff_parts.py)
+  takes a second `BatchGet` for its parts, checked against the manifest's size and sha256. The state is verified (prompt, first token, token count, block
   hashes here; fingerprint, block size and shapes by `engine.transfer.stitch_handoff`, which also puts the full
   blocks back into a lean handoff) before anything is streamed; then the first token is streamed at once, the handoff is
   removed from the cache service (claimed), and the engine continues with continuous batching from token N+1.
@@ -52,6 +53,7 @@ from engine.transfer import (CorruptObjectError, MissingBlockError, ModelMismatc
 from protos import common_pb2, decode_pb2
 from telemetry import tracing
 from worker.codec import FINISH_REASONS, GenerationJob, output_chunk, prompt_logprobs_to_proto
+from worker.handoff_parts import PartsError, join_parts, part_keys, read_manifest
 from worker.offload import SnapshotPublisher
 from worker.prefix import PrefixCounters, RemotePrefix
 from worker.tenancy import engine_cache_salt, prompt_block_hashes
@@ -90,6 +92,7 @@ class DecodeCounters(PrefixCounters):
     local_requests: int = 0
     failure_reasons: dict[str, int] = field(default_factory=dict)
     handoff_bytes: int = 0  # handoff objects and blocks fetched from the cache service
+    handoff_parts: int = 0  # parts of handoffs that came as a manifest and parts (worker/handoff_parts.py)
     handoff_seconds: float = 0.0  # wall time of those fetches
 
 
@@ -253,16 +256,36 @@ class DecodeWorker:
             try:
                 if got[0].status != Status.FOUND:
                     raise _LoadFailure(got[0].status.name.lower(), got[0].message or "handoff not found")
-                self._claim(key)
+                data = await self._whole_handoff(key, got[0].data, span)
                 blocks = [r.data if r.status == Status.FOUND else None for r in got[1:]]
-                return await asyncio.to_thread(self._assemble, job, handoff, got[0].data, hashes, blocks)
+                return await asyncio.to_thread(self._assemble, job, handoff, data, hashes, blocks)
             except _LoadFailure as exc:
                 tracing.mark_error(span, exc.reason, str(exc))
                 raise
 
-    def _claim(self, key: common_pb2.ObjectKey) -> None:
+    async def _whole_handoff(self, key: common_pb2.ObjectKey, data: bytes, span) -> bytes:
+        """The handoff's bytes — fetched part by part when `data` is a manifest (worker/handoff_parts.py) — claimed."""
+        try:
+            manifest = read_manifest(data)
+        except PartsError as exc:
+            raise _LoadFailure("corrupt", str(exc)) from None
+        if manifest is None:
+            self._claim([key])
+            return data
+        keys = part_keys(key, manifest)
+        got, nbytes, seconds = await timed_get(self.cache, keys, span)
+        self.counters.handoff_bytes += nbytes
+        self.counters.handoff_seconds += seconds
+        self.counters.handoff_parts += manifest.parts
+        self._claim([key, *keys])
+        try:
+            return join_parts(manifest, [r.data if r.status == Status.FOUND else None for r in got])
+        except PartsError as exc:
+            raise _LoadFailure("missing_part" if "missing" in str(exc) else "corrupt", str(exc)) from None
+
+    def _claim(self, keys: list[common_pb2.ObjectKey]) -> None:
         """Removes the handoff from the cache service (in the background: nobody else may use it)."""
-        task = asyncio.create_task(self.cache.remove([key]))
+        task = asyncio.create_task(self.cache.remove(keys))
         self._claims.add(task)
         task.add_done_callback(self._claims.discard)
 

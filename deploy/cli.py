@@ -86,10 +86,19 @@ def _serve(args: argparse.Namespace) -> int:
     return run_role(args.role, args.role_args, log_level=args.log_level)
 
 
+def _one_machine(ns: argparse.Namespace) -> str | None:
+    """The local mesh is one machine: a rank group over several is started per worker role."""
+    if getattr(ns, "nnodes", 1) != 1 or getattr(ns, "node_rank", 0) != 0:
+        return ("--nnodes/--node-rank: `kdamesh up` runs on one machine; start a rank group over several machines "
+                "per worker (kdamesh serve --role decode --nnodes N --node-rank 0 --master-addr ... on rank 0's "
+                "machine, python -m engine.parallel.node --node-rank K on the others; docs/deployment.md)")
+    return None
+
+
 def _refuse(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     """argparse's error (exit 2) naming a flag whose feature is not built yet, or whose value an option object
     refuses (the gateway's image URL flags, the engine's options, the replica counts)."""
-    message = refusal(ns)
+    message = refusal(ns) or _one_machine(ns)
     if message is None:
         try:
             launch_config_from(ns, "INFO", "text", "none")

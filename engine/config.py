@@ -110,6 +110,14 @@ class EngineArgs:
     enable_expert_parallel: bool = option(  # split the routed experts by expert across those ranks
         "--enable-expert-parallel", default=False, kind="switch", help="split the routed experts by expert")
     collective_timeout_s: float = 60.0  # a rank collective waiting longer fails the engine (a hung or lost rank)
+    nnodes: int = option(  # machines the tensor-parallel group spans (engine/parallel/node.py)
+        "--nnodes", default=1, parse=int, help="machines the rank group spans; node 0 runs the engine")
+    node_rank: int = option(  # this machine's index: 0 runs the engine, others `python -m engine.parallel.node`
+        "--node-rank", default=0, parse=int, help="this machine's index in the rank group (0: the engine's)")
+    master_addr: str | None = option(  # the TCP rendezvous (rank 0's machine) when nnodes > 1
+        "--master-addr", default=None, help="rank 0's machine, for a rank group over several machines")
+    master_port: int | None = option("--master-port", default=None, parse=int,
+                                     help="the TCP rendezvous port on --master-addr")
     snapshot_policy: str = option(  # "hybrid": hints, junctions, turn ends too; "periodic": prompt ends + interval
         "--snapshot-policy", default="hybrid", choices=SNAPSHOT_POLICIES,
         help="where KDA state snapshots are taken (engine/memory/policy.py)")

@@ -76,7 +76,7 @@ from engine.outputs import RequestOutput
 from engine.phase_times import PhaseTimes
 from engine.request import OutputState, Request, RequestStatus
 from engine.runner import GraphOptions
-from engine.parallel.executor import ExecutorConfig, open_executor
+from engine.parallel.executor import executor_config, open_executor
 from engine.sampling import SampleResult, SamplingParams
 from engine.step_sampling import StepSampler
 from engine.spec.setup import open_spec_decoding
@@ -117,8 +117,7 @@ class EngineCore:
 
         self.args = args
         load_config = LoadConfig(load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed)
-        self.executor = open_executor(ExecutorConfig(args.tensor_parallel_size, args.enable_expert_parallel,
-                                                     args.collective_timeout_s), args.model, load_config)
+        self.executor = open_executor(executor_config(args), args.model, load_config)
         self.model = self.executor.model
         self.config = self.model.config
         self.media = load_media(args.model, load_config, self.config.media_placeholder_token_id, DEFAULT_BUDGET_BYTES)

@@ -87,7 +87,8 @@ class SlotInit:
     src: int | None = None
     blocks: tuple[int, ...] = ()
     kv: torch.Tensor | None = None  # [num_mla_layers, n, block_size, cache_dim]
-    state: dict[str, torch.Tensor] | None = None  # the TP-independent layout
+    state: dict[str, torch.Tensor] | None = None  # the TP-independent layout (or this rank's heads: state_is_local)
+    state_is_local: bool = False  # `state` is already this rank's slice (the rank group sent each rank its heads)
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ class ModelRunner:
                 self.cache.copy_slot(init.src, init.dst)
             else:
                 self.write_blocks(list(init.blocks), init.kv)
-                self.write_state(init.dst, init.state)
+                self.write_state(init.dst, init.state, init.state_is_local)
         from engine.spec.capture import forward_with_taps
 
         if step.decode is not None:
@@ -295,8 +296,9 @@ class ModelRunner:
                  "recurrent": torch.stack([self.cache.recurrent[i][slot] for i in self.kda_layers])}
         return {k: v.cpu() for k, v in all_gather_state(self.ctx, local).items()}
 
-    def write_state(self, slot: int, state: dict[str, torch.Tensor]) -> None:
-        if self.ctx.size > 1 and state:
+    def write_state(self, slot: int, state: dict[str, torch.Tensor], local: bool = False) -> None:
+        """`state`: the TP-independent layout, or (`local`) this rank's heads already."""
+        if self.ctx.size > 1 and state and not local:
             state = scatter_state(state, self.ctx.size, self.ctx.rank)
         for layer, i in enumerate(self.kda_layers):
             self.cache.conv[i][slot].copy_(state["conv"][layer])

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import EngineArgs
+from telemetry.units import byte_size
 from telemetry.options import (address_option, cache_address_option, grace_option, load_remote_prefix_option,
                                metrics_port_option, option, section, served_model_name_option, torch_threads_option)
 from worker.kv_events import KVEventConfig
@@ -29,6 +30,10 @@ class PrefillServiceConfig:
     handoff_full_kv: bool = option("--handoff-full-kv", default=False, kind="switch",
                                    help="put every KV block in the handoff (default: the tail block; full blocks are "
                                         "shared)")
+    # A handoff bigger than this is stored as parts of at most this many bytes (worker/handoff_parts.py); keep it at
+    # or below the cache service's --max-object-bytes.
+    handoff_part_bytes: int = option("--handoff-part-bytes", default=256 << 20, parse=byte_size,
+                                     help="largest handoff object; a bigger handoff goes as parts (default 256MiB)")
     # Load cached prefixes (blocks + snapshots) from the cache service when it holds more than the local cache.
     load_remote_prefix: bool = load_remote_prefix_option()
     # Deadline of each cache service call (seconds); gRPC message limit both ways (bytes).
@@ -44,6 +49,10 @@ class PrefillServiceConfig:
     mesh_token: str | None = field(default=None, repr=False)
     # The KV event stream to the gateways (worker/kv_events.py): drain period, heartbeat, subscriber queue.
     kv_events: KVEventConfig = KVEventConfig()
+
+    def __post_init__(self) -> None:
+        if self.handoff_part_bytes <= 0:
+            raise ValueError(f"--handoff-part-bytes must be positive, got {self.handoff_part_bytes}")
 
     @property
     def model_name(self) -> str:

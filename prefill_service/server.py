@@ -121,6 +121,7 @@ class PrefillServer(WorkerServer):
 
     def make_worker(self) -> PrefillWorker:
         return PrefillWorker(self.engine, self.cache, handoff_full_kv=self.config.handoff_full_kv,
+                             handoff_part_bytes=self.config.handoff_part_bytes,
                              load_remote_prefix=self.config.load_remote_prefix,
                              tracer=tracing.get_tracer("kdamesh.prefill", self.tracer_provider))
 

@@ -18,7 +18,8 @@ Contract (docs/architecture.md, "The mesh", step 2, and "Exactly-once handoff"):
   state after the whole prompt and, by default, only the KV of the tail partial block (`transfer.lean_handoff`:
   `kv` holds the last `ceil(N/bs) - N//bs` blocks); the full blocks travel as ordinary content-addressed
   `KV_BLOCK` objects named by `block_hashes`, which decode fetches with the handoff. `handoff_full_kv=True` puts
-  every block in the handoff.
+  every block in the handoff. A handoff bigger than `handoff_part_bytes` is stored as a manifest and parts
+  (worker/handoff_parts.py), so no object exceeds the cache service's object cap.
 - When the first token already ends the output (EOS / stop token / stop string, or `max_tokens == 1`) no handoff is
   published and `finish_reason` is set.
 - KDA state snapshots the engine took at this prompt's block boundaries are published after the response, in the
@@ -59,6 +60,7 @@ from worker.codec import GenerationJob
 from worker.offload import SnapshotPublisher
 from worker.prefix import PrefixCounters, RemotePrefix
 from worker.tenancy import engine_cache_salt, prompt_block_hashes
+from worker.handoff_parts import split_handoff
 from worker.transfers import timed_put
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,7 @@ class PrefillCounters(PrefixCounters):
     publish_failures: int = 0  # objects the cache service did not store
     # transfers to the cache service: payload bytes, and the wall time of the calls (seconds)
     published_bytes: int = 0  # blocks, handoffs and snapshots put
+    handoff_parts: int = 0  # parts of handoffs bigger than --handoff-part-bytes (worker/handoff_parts.py)
     publish_seconds: float = 0.0
 
 
@@ -121,11 +124,12 @@ class PrefillWorker:
     """Runs prefills on an `AsyncEngine` and hands them off through a `CacheClient` (see the module docstring)."""
 
     def __init__(self, engine: AsyncEngine, cache: CacheClient, *, handoff_full_kv: bool = False,
-                 load_remote_prefix: bool = True, tracer: Tracer | None = None):
+                 load_remote_prefix: bool = True, tracer: Tracer | None = None, handoff_part_bytes: int = 256 << 20):
         self.engine = engine
         self.tracer = tracer if tracer is not None else tracing.get_tracer("kdamesh.prefill")
         self.cache = cache
         self.handoff_full_kv = handoff_full_kv
+        self.handoff_part_bytes = handoff_part_bytes  # a bigger handoff goes as parts (worker/handoff_parts.py)
         self.load_remote_prefix = load_remote_prefix
         self.layout = engine.layout
         self.fingerprint: bytes = self.layout.fingerprint
@@ -221,7 +225,7 @@ class PrefillWorker:
             handoff = b""
             if with_handoff:
                 handoff = (state if self.handoff_full_kv else lean_handoff(state)).to_bytes()
-                objects.append(PutObject(handoff_key, handoff, handoff_ttl_s))
+                objects.extend(split_handoff(handoff_key, handoff, self.handoff_part_bytes, handoff_ttl_s))
             return objects, handoff
 
         with tracing.child_span(self.tracer, "handoff.publish", {"kdamesh.handoff": with_handoff}) as span:
@@ -233,14 +237,16 @@ class PrefillWorker:
             self.counters.published_bytes += nbytes
             self.counters.publish_seconds += seconds
             stored = sum(1 for r in results[:len(missing)] if r.status == Status.STORED)
+            self.counters.handoff_parts += max(0, len(objects) - len(missing) - 1)
             self.counters.published_blocks += stored
             self.counters.publish_failures += len(missing) - stored
             span.set_attribute("kdamesh.blocks_stored", stored)
             if with_handoff:
-                last = results[-1] if results else None
-                if last is None or last.status != Status.STORED:
+                handoff_results = results[len(missing):]  # the handoff, or its manifest and parts
+                refused = [r for r in handoff_results if r.status != Status.STORED]
+                if refused or not handoff_results:
                     self.counters.publish_failures += 1
-                    why = f"{last.status.name}: {last.message}" if last else "no answer"
+                    why = f"{refused[0].status.name}: {refused[0].message}" if refused else "no answer"
                     raise HandoffPublishError(f"the cache service did not store the handoff ({why})")
             elif stored < len(missing):
                 tracing.mark_error(span, "blocks_not_stored", f"{len(missing) - stored} blocks not stored")

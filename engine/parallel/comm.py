@@ -3,8 +3,9 @@
 Contract:
 - `Communicator` is what the layers need: `all_reduce(x)` (sum over ranks; returns the reduced tensor, which may be
   `x` itself reduced in place — callers never reuse `x`), `all_gather(x, dim)` (the ranks' tensors concatenated along
-  `dim` in rank order), `broadcast_object(obj, src)` (for the step a rank-0 scheduler sends in phase 2) and
-  `barrier()`. Every rank must call the same collectives in the same order with tensors of the same shape.
+  `dim` in rank order), `broadcast_object(obj, src)` (start-up only: the step path sends tensors,
+  engine/parallel/channel.py) and `barrier()`; `TorchDistributed` also has `broadcast(x, src)` and
+  `scatter(out, parts, src)` (in place) for the command channel. Every rank must call the same collectives in the same order with tensors of the same shape.
 - `SingleProcess` is the identity (one rank); `TorchDistributed(group)` runs them with `torch.distributed` on a
   process group (gloo on CPU, NCCL on CUDA; see engine/parallel/launch.py).
 - `RankContext(config, comm)` is what layers are built with: the `ParallelConfig` decides which slices a rank holds
@@ -83,6 +84,18 @@ class TorchDistributed:
 
     def barrier(self) -> None:
         self._dist.barrier(group=self.group)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> None:
+        """`x` (contiguous) becomes rank `src`'s on every rank, in place."""
+        self._dist.broadcast(x, src=self._global(src), group=self.group)
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else self._dist.get_global_rank(self.group, rank)
+
+    def scatter(self, out: torch.Tensor, parts: list[torch.Tensor] | None, src: int = 0) -> None:
+        """Rank r's `out` receives `parts[r]` (given on `src` only; equal shapes), in place."""
+        self._dist.scatter(out, parts if self.rank == src else None,
+                           src=self._global(src), group=self.group)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ Contract:
 - Then it has the runner's interface: `execute(out, running_slots)` (fp32 logits `[L, V]`, full vocabulary, on rank
   0 only: sampling happens here), `copy_slots`, `read_blocks`, `write_blocks`, `read_state`, `write_state` (the
   TP-independent layout: all heads), `block_shape`, `state_shapes`, `device`. In a rank group each call that touches
-  the cache is a command rank 0 broadcasts (`broadcast_object`) before running it itself, so every rank executes the
+  the cache is a command rank 0 sends (engine/parallel/channel.py: tensor payloads, never a pickled tensor; a KDA
+  state goes to each rank as its own heads only) before running it itself, so every rank executes the
   same commands, and so the same collectives, in the same order: `run_step` (the `RankStep` rank 0 planned),
   `copy_slots`, `read_state` (an all-gather), `write_state` / `write_blocks` (each rank keeps its heads), `shutdown`.
   MLA blocks are replicated, so `read_blocks` reads rank 0's copy and sends no command.
@@ -32,7 +33,7 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,13 @@ from typing import Any
 import torch
 
 from engine.model.loader import LoadConfig, load_model
+from engine.parallel.channel import CommandChannel, Sharded
 from engine.parallel.comm import SINGLE, RankContext, TorchDistributed
 from engine.parallel.config import ParallelConfig
-from engine.parallel.launch import init_rank
-from engine.runner import ModelRunner
+from engine.parallel.config import ParallelError
+from engine.parallel.launch import Rendezvous, init_rank
+from engine.parallel.state import scatter_state
+from engine.runner import ModelRunner, RankStep
 
 
 class RankFailedError(RuntimeError):
@@ -59,26 +63,53 @@ class ExecutorConfig:
     join_timeout_s: float = 10.0  # how long `close()` waits for the ranks to exit before killing them
     threads_per_rank: int = 1  # torch intra-op threads in each spawned rank
     backend: str | None = None  # None: NCCL with CUDA, else gloo
+    nnodes: int = 1  # machines the group spans; each runs tensor_parallel_size / nnodes ranks
+    node_rank: int = 0  # this machine's index; node 0 hosts rank 0 (the engine)
+    master_addr: str | None = None  # rank 0's machine (the TCP rendezvous), needed when nnodes > 1
+    master_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ParallelError(f"node_rank {self.node_rank} must be in [0, nnodes {self.nnodes})")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ParallelError(f"--tensor-parallel-size {self.tensor_parallel_size} is not divisible by "
+                                f"--nnodes {self.nnodes}")
+        if self.nnodes > 1 and (self.master_addr is None or self.master_port is None):
+            raise ParallelError("--nnodes > 1 needs --master-addr and --master-port (rank 0's machine)")
 
     def parallel(self, rank: int) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, rank, self.enable_expert_parallel)
 
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
-def _join(config: ExecutorConfig, rendezvous: str, rank: int) -> TorchDistributed:
+    def node_ranks(self) -> range:
+        """The ranks this machine runs (rank r on machine r // ranks_per_node, device index r % ranks_per_node)."""
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
+
+    def rendezvous(self, workdir: str) -> Rendezvous:
+        if self.nnodes > 1:
+            return Rendezvous(master_addr=self.master_addr, master_port=self.master_port)
+        return Rendezvous(file=str(Path(workdir) / "rendezvous"))
+
+
+def _join(config: ExecutorConfig, rendezvous: Rendezvous, rank: int) -> TorchDistributed:
     """Joins the group (waiting up to `start_timeout_s` for every rank to start), then opens the group the model's
     collectives run on, whose operations time out after `collective_timeout_s`."""
     import torch.distributed as dist
 
-    init_rank(rendezvous, config.tensor_parallel_size, rank, config.backend, config.start_timeout_s)
+    init_rank(rendezvous, config.tensor_parallel_size, rank, config.backend, config.start_timeout_s,
+              local_rank=rank % config.ranks_per_node)
     group = dist.new_group(list(range(config.tensor_parallel_size)),
                            timeout=timedelta(seconds=config.collective_timeout_s))
     return TorchDistributed(group)
 
 
-def _rank_load(load: LoadConfig, rank: int) -> LoadConfig:
+def _rank_load(load: LoadConfig, local_rank: int) -> LoadConfig:
+    """`local_rank`: the rank's device index on its machine."""
     if load.device.startswith("cuda"):
-        return LoadConfig(load_format=load.load_format, dtype=load.dtype, device=f"cuda:{rank}", seed=load.seed,
-                          experts_format=load.experts_format)
+        return replace(load, device=f"cuda:{local_rank}")
     return load
 
 
@@ -159,23 +190,36 @@ def _apply(runner: ModelRunner, comm: TorchDistributed, name: str, args: tuple) 
     return comm.barrier() if name == "ping" else getattr(runner, name)(*args)
 
 
-def _rank_main(config: ExecutorConfig, rank: int, model_dir: str, load: LoadConfig, rendezvous: str) -> None:
+def _rank_main(config: ExecutorConfig, rank: int, model_dir: str, load: LoadConfig, rendezvous: Rendezvous) -> None:
     """Ranks 1..N-1: join the group, load this rank's slices, then execute rank 0's commands until `shutdown`."""
     import torch.distributed as dist
 
     torch.set_num_threads(config.threads_per_rank)
     comm = _join(config, rendezvous, rank)
     try:
-        model = load_model(model_dir, _rank_load(load, rank), RankContext(config.parallel(rank), comm))
+        model = load_model(model_dir, _rank_load(load, rank % config.ranks_per_node),
+                           RankContext(config.parallel(rank), comm))
         plan, max_forward_tokens, graphs = TorchDistributed().broadcast_object(None)  # the start group
         runner = ModelRunner(model, plan, max_forward_tokens, graphs=graphs)
+        channel = CommandChannel(comm, model.device)
         while True:
-            name, args = comm.broadcast_object(None)
+            name, args = channel.receive()
             if name == "shutdown":
                 return
             _apply(runner, comm, name, args)
     finally:
         dist.destroy_process_group()
+
+
+def spawn_ranks(config: ExecutorConfig, ranks: range, model_dir: str, load: LoadConfig,
+                rendezvous: Rendezvous) -> list[mp.Process]:
+    """Starts these ranks as processes of this machine (`spawn`), each `_rank_main`."""
+    spawn = mp.get_context("spawn")
+    procs = [spawn.Process(target=_rank_main, args=(config, r, model_dir, load, rendezvous), daemon=True,
+                           name=f"kdamesh-rank{r}") for r in ranks]
+    for p in procs:
+        p.start()
+    return procs
 
 
 class RankGroupExecutor(LocalExecutor):
@@ -189,12 +233,10 @@ class RankGroupExecutor(LocalExecutor):
         self.config = config
         self._failed: BaseException | None = None
         self._workdir = tempfile.mkdtemp(prefix="kdamesh-tp-")
-        rendezvous = str(Path(self._workdir) / "rendezvous")
-        spawn = mp.get_context("spawn")
-        self._procs = [spawn.Process(target=_rank_main, args=(config, r, model_dir, load, rendezvous), daemon=True,
-                                     name=f"kdamesh-rank{r}") for r in range(1, config.tensor_parallel_size)]
-        for p in self._procs:
-            p.start()
+        if config.node_rank != 0:
+            raise RankFailedError("node_rank > 0 hosts ranks only (python -m engine.parallel.node), not an engine")
+        rendezvous = config.rendezvous(self._workdir)
+        self._procs = spawn_ranks(config, config.node_ranks()[1:], model_dir, load, rendezvous)
         self.rank_pids = [p.pid for p in self._procs]
         self._lock = threading.Lock()  # one command at a time: the step thread's and the heartbeat's
         self._last = time.monotonic()  # when the latest command was sent
@@ -202,6 +244,7 @@ class RankGroupExecutor(LocalExecutor):
         try:
             self.comm = _join(config, rendezvous, 0)
             super().__init__(model_dir, _rank_load(load, 0), RankContext(config.parallel(0), self.comm))
+            self.channel = CommandChannel(self.comm, self.model.device)
         except BaseException:
             self._kill()
             raise
@@ -239,7 +282,7 @@ class RankGroupExecutor(LocalExecutor):
             self.check_ranks()
             self._last = time.monotonic()
             try:
-                self.comm.broadcast_object((name, args))
+                name, args = self.channel.send((name, _shard_states(name, args, self.comm.size)))
                 return _apply(self.runner, self.comm, name, args)
             except Exception as exc:  # a lost peer or a collective past its timeout
                 self._failed = exc
@@ -253,7 +296,7 @@ class RankGroupExecutor(LocalExecutor):
         with self._lock:
             if self._failed is None and all(p.is_alive() for p in self._procs):
                 try:
-                    self.comm.broadcast_object(("shutdown", ()))
+                    self.channel.send(("shutdown", ()))
                 except Exception as exc:  # noqa: BLE001 - the ranks are killed below anyway
                     self._failed = exc
         for p in self._procs:
@@ -268,6 +311,34 @@ class RankGroupExecutor(LocalExecutor):
                 p.kill()
             p.join(self.config.join_timeout_s)
         shutil.rmtree(self._workdir, ignore_errors=True)
+
+
+def _sharded_state(state: dict[str, torch.Tensor] | None, size: int) -> dict[str, Sharded] | None:
+    """A TP-independent KDA state as each rank's own heads (`Sharded`): a rank receives only its slice."""
+    if not state:
+        return state
+    parts = [scatter_state(state, size, r) for r in range(size)]
+    return {name: Sharded(tuple(p[name] for p in parts)) for name in state}
+
+
+def _shard_states(name: str, args: tuple, size: int) -> tuple:
+    """The command's KDA states sent as per-rank slices (`write_state`, a step's state loads), marked local."""
+    if name == "write_state":
+        slot, state = args
+        return slot, _sharded_state(state, size), True
+    if name == "run_step" and any(i.state for i in args[0].inits):
+        step: RankStep = args[0]
+        inits = [replace(i, state=_sharded_state(i.state, size), state_is_local=True) if i.state else i
+                 for i in step.inits]
+        return (replace(step, inits=inits),)
+    return args
+
+
+def executor_config(args) -> ExecutorConfig:
+    """The rank group an engine's options (`EngineArgs`) describe: the one rule, for the engine and every node."""
+    return ExecutorConfig(args.tensor_parallel_size, args.enable_expert_parallel, args.collective_timeout_s,
+                          nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                          master_port=args.master_port)
 
 
 def open_executor(config: ExecutorConfig, model_dir: str, load: LoadConfig) -> LocalExecutor:

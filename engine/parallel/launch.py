@@ -1,10 +1,11 @@
 """Process groups for tensor-parallel ranks, and a helper that runs a function on N local rank processes.
 
 Contract:
-- `init_rank(rendezvous_file, world_size, rank, backend)` joins a `torch.distributed` group through a `FileStore`
-  at `rendezvous_file` (every rank passes the same path; the file must not exist before the first rank starts) and
-  returns its `TorchDistributed`. `backend` None: NCCL when CUDA is available, else gloo. On CUDA rank r uses device
-  `cuda:r` (local ranks only).
+- `init_rank(rendezvous, world_size, rank, backend, timeout_s, local_rank)` joins a `torch.distributed` group and
+  returns its `TorchDistributed`. `rendezvous`: a `Rendezvous` — a `FileStore` path (every rank passes the same
+  path; the file must not exist before the first rank starts), or `master_addr:master_port`, a `TCPStore` rank 0
+  serves, for ranks on several machines — or a bare path. `backend` None: NCCL when CUDA is available, else gloo.
+  On CUDA a rank uses device `cuda:{local_rank}` (its index on its machine; default the rank).
 - `run_ranks(fn, world_size, args, backend, timeout_s)` starts `world_size` processes (multiprocessing `spawn`),
   each calls `fn(comm, rank, *args)` after `init_rank`, and returns the list of the ranks' return values in rank
   order (they travel through `torch.save` files, so tensors are fine). A rank that raises fails the whole call with
@@ -20,6 +21,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,15 +31,37 @@ import torch
 from engine.parallel.comm import TorchDistributed
 
 
-def init_rank(rendezvous_file: str | Path, world_size: int, rank: int, backend: str | None = None,
-              timeout_s: float = 120.0) -> TorchDistributed:
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a group's ranks meet: a `FileStore` at `file` (one machine), or a `TCPStore` served by rank 0's process
+    at `master_addr:master_port` (ranks on several machines, as `torchrun` does)."""
+
+    file: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    def store(self, world_size: int, rank: int, timeout_s: float):
+        import torch.distributed as dist
+
+        if self.master_addr is None:
+            return dist.FileStore(str(self.file), world_size)
+        return dist.TCPStore(self.master_addr, int(self.master_port), world_size, is_master=rank == 0,
+                             timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def init_rank(rendezvous: Rendezvous | str | Path, world_size: int, rank: int, backend: str | None = None,
+              timeout_s: float = 120.0, local_rank: int | None = None) -> TorchDistributed:
+    """`rendezvous`: a `Rendezvous`, or a FileStore path. `local_rank`: this rank's device index on its machine
+    (default `rank`: every rank on one machine)."""
     import torch.distributed as dist
 
+    if not isinstance(rendezvous, Rendezvous):
+        rendezvous = Rendezvous(file=str(rendezvous))
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(rank)
-    store = dist.FileStore(str(rendezvous_file), world_size)
+        torch.cuda.set_device(rank if local_rank is None else local_rank)
+    store = rendezvous.store(world_size, rank, timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     return TorchDistributed()

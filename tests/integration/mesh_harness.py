@@ -136,7 +136,8 @@ class Mesh:
                  handoff_ttl_s: float = 30.0, handoff_full_kv: bool = False, with_prefill: bool = True,
                  cache_address: str | None = None, redis_key_prefix: str = "kdamesh:",
                  cache_data_plane: bool = True, prefill_tp: int = 1, decode_tp: int = 1,
-                 load_remote_prefix: bool = True):
+                 load_remote_prefix: bool = True, max_object_bytes: int = 1 << 30,
+                 handoff_part_bytes: int = 256 << 20):
         self.model_dir = model_dir
         self.backend = backend
         self.engine_overrides = engine or {}
@@ -150,6 +151,8 @@ class Mesh:
         self.redis_key_prefix = redis_key_prefix
         self.cache_data_plane = cache_data_plane  # False: the workers' payloads travel over gRPC (BatchPut/BatchGet)
         self.load_remote_prefix = load_remote_prefix  # False: the workers import no prefixes from the cache service
+        self.max_object_bytes = max_object_bytes  # the cache service's object cap
+        self.handoff_part_bytes = handoff_part_bytes  # prefill: a bigger handoff goes as parts
         self.cache_server = self.prefill_server = self.decode_server = None
         self._channels: list[grpc.aio.Channel] = []
 
@@ -157,13 +160,15 @@ class Mesh:
         if self.cache_address is None:
             self.cache_server, port = await serve_cache(CacheServiceConfig(
                 address="127.0.0.1:0", backend=self.backend, handoff_ttl_s=self.handoff_ttl_s,
-                redis_key_prefix=self.redis_key_prefix, data_plane=self.cache_data_plane))
+                redis_key_prefix=self.redis_key_prefix, data_plane=self.cache_data_plane,
+                max_object_bytes=self.max_object_bytes))
             self.cache_address = f"127.0.0.1:{port}"
         starts = []
         if self.with_prefill:
             self.prefill_server, pport = await serve_prefill(PrefillServiceConfig(
                 engine=self._engine("prefill", self.engine_overrides), cache_address=self.cache_address,
                 address="127.0.0.1:0", handoff_full_kv=self.handoff_full_kv, cache_timeout_s=5.0,
+                handoff_part_bytes=self.handoff_part_bytes,
                 load_remote_prefix=self.load_remote_prefix))
             self.prefill_address = f"127.0.0.1:{pport}"
             starts.append(self.prefill_server.ready())

@@ -60,16 +60,24 @@ def reference(model_dir):
     return tokens, cached, exported[0].exported, resumed
 
 
-def test_tp2_with_prefix_hits_equals_tp1(model_dir, reference):
+def test_tp2_with_prefix_hits_equals_tp1(model_dir, reference, monkeypatch):
+    """Also: after start-up no command goes through `broadcast_object_list` (tensor payloads only, see
+    engine/parallel/channel.py) — steps, prefix hits, slot copies and a state import included."""
+    import torch.distributed as dist
+
     tokens, cached, state, resumed = reference
     assert cached > 0
     llm = LLM(model_dir, tensor_parallel_size=2, **ARGS)
+    pickled = []
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda *a, **k: pickled.append(a))
     try:
         got, got_cached = _rounds(llm)
         assert got == tokens and got_cached == cached
         assert _tokens(llm.resume([state], GREEDY)) == resumed  # a TP=1 export continues at TP=2
         back = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), export=True)
+        assert not pickled and llm.engine.executor.channel.commands > 10
     finally:
+        monkeypatch.undo()
         llm.close()
     assert not any(_alive(pid) for pid in llm.engine.executor.rank_pids)
     one = LLM(model_dir, **ARGS)
