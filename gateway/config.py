@@ -177,6 +177,11 @@ class GatewayConfig:
     discovery_startup_timeout_s: float = option(
         "--discovery-startup-timeout-s", default=300.0, parse=float,
         help="dns: worker pools: seconds to wait at start-up for the first address of each pool")
+    # The Responses API's in-memory store (gateway/responses/store.py): responses kept for previous_response_id and
+    # GET /v1/responses/{id}; 0: off (store: true is refused).
+    responses_store_size: int = option("--responses-store-size", default=1024, parse=int,
+                                       help="Responses API responses kept in memory for previous_response_id and "
+                                            "GET /v1/responses/{id} (least recently used dropped); 0: no store")
     # The HTTP server (deploy/serve.py runs it): no access-log line per request; its log level (None: --log-level).
     disable_log_requests: bool = option("--disable-log-requests", default=False, kind="switch",
                                         help="no access-log line per request")
@@ -203,6 +208,8 @@ class GatewayConfig:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         if self.health_check_interval_s <= 0:
             raise ValueError("health_check_interval_s must be positive")
         pool_target(self.decode_addresses, "--decode-workers")  # a dns: target alone in its pool (ValueError)
