@@ -10,11 +10,14 @@ Contract:
 - Served: `system` (a string or text blocks), `messages` (text, image — base64 or URL —, tool_use / tool_result,
   thinking), `max_tokens`, `stop_sequences`, `temperature` (0..1), `top_p`, `top_k`, custom `tools`
   (`input_schema`), `tool_choice` (auto / any / tool / none, `disable_parallel_tool_use`), `thinking` (enabled /
-  adaptive: the model thinks; disabled: it does not; absent: the model's default — K3 thinks), `metadata.user_id`,
-  `stream`. `thinking.budget_tokens` is checked as Anthropic does (at least 1024, below `max_tokens`); the model's
-  thinking is bounded by `max_tokens` only.
+  adaptive: the model thinks; disabled: it does not; absent: the model's default — K3 thinks; `display: "omitted"`
+  returns thinking blocks without their text), `output_config.effort` (K3's `thinking_effort`: low → low,
+  medium / high → high, xhigh / max → max), `output_config.format` (or the older `output_format`: a JSON schema the
+  engine's grammar enforces), `metadata.user_id`, `stream`. `thinking.budget_tokens` is checked as Anthropic does
+  (at least 1024, below `max_tokens`); the model's thinking is bounded by `max_tokens` only. `cache_control` is
+  accepted (prefix caching is automatic here).
 - Refused with 400 when set: server tools (tool types other than `custom`), `mcp_servers`, `container`,
-  `context_management`, `output_format`.
+  `context_management`, `speed: "fast"`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
                429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
 MIN_THINKING_BUDGET = 1024
-REFUSED = ("mcp_servers", "container", "context_management", "output_format")
+REFUSED = ("mcp_servers", "container", "context_management")
+EFFORTS = {"low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}  # -> K3 thinking_effort
 
 
 def error_type(status: int) -> str:
@@ -62,7 +66,17 @@ class ToolChoice(RequestModel):
 class ThinkingConfig(RequestModel):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    display: Any = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class JsonOutputFormat(RequestModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(RequestModel):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JsonOutputFormat | None = None
 
 
 class Metadata(RequestModel):
@@ -76,6 +90,11 @@ class CountTokensRequest(RequestModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+
+    @property
+    def omits_thinking(self) -> bool:
+        return self.thinking is not None and self.thinking.display == "omitted"
 
     def custom_tools(self) -> list[CustomTool]:
         out = []
@@ -106,15 +125,23 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, ge=1, le=(1 << 31) - 1)
     metadata: Metadata | None = None
     service_tier: str | None = None
+    speed: Literal["standard", "fast"] | None = None
+    cache_control: Any = None  # accepted: prefix caching is automatic here
+    output_format: JsonOutputFormat | None = None  # the older name of output_config.format
     mcp_servers: Any = None
     container: Any = None
     context_management: Any = None
-    output_format: Any = None
+
+    def output_schema(self) -> dict | None:
+        fmt = self.output_config.format if self.output_config and self.output_config.format else self.output_format
+        return fmt.schema_ if fmt is not None else None
 
     def check(self) -> None:
         for name in REFUSED:
             if getattr(self, name) is not None:
                 raise ApiError(400, f"'{name}' is not supported by this server", param=name)
+        if self.speed == "fast":
+            raise ApiError(400, "'speed': 'fast' is not supported by this server", param="speed")
         thinking = self.thinking
         if thinking is not None and thinking.type == "enabled":
             budget = thinking.budget_tokens

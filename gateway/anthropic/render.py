@@ -3,7 +3,7 @@
 Contract:
 - `MessageRendering(run)` renders one run (`rendering()` → `gateway.rest_translated.Rendering`). Content blocks
   follow the run's blocks (gateway/output_blocks.py) in order: reasoning → `thinking` (`signature` empty: nothing
-  is signed here), text → `text`, a tool call → `tool_use` (`id` the call id, `input` the parsed arguments).
+  is signed here; with `omit_thinking` — `thinking.display: "omitted"` — its text is left out, streamed or not), text → `text`, a tool call → `tool_use` (`id` the call id, `input` the parsed arguments).
 - `stop_reason`: a tool call turn "tool_use", the token limit "max_tokens", a stop sequence "stop_sequence" (with
   `stop_sequence`), another stop "end_turn"; a run the mesh ended without a finish has none (null). `usage`:
   `input_tokens` are the prompt tokens not read from the prefix cache, `cache_read_input_tokens` those read,
@@ -54,8 +54,9 @@ def content_block(block: Block, empty: bool = False) -> dict:
 
 
 class MessageRendering:
-    def __init__(self, run: ChatRun):
+    def __init__(self, run: ChatRun, omit_thinking: bool = False):
         self.run = run
+        self.omit_thinking = omit_thinking  # thinking.display "omitted": thinking blocks without their text
         self.id = message_id(run)
         self.splitter = BlockSplitter()
         self.finish: str | None = None
@@ -95,20 +96,26 @@ class MessageRendering:
         async for event in run.events():
             self._take(event)
         self.splitter.close()
-        return self.message([content_block(b) for b in self.splitter.blocks], final=True)
+        blocks = self.splitter.blocks
+        return self.message([content_block(b, empty=self.omit_thinking and b.kind == REASONING) for b in blocks],
+                            final=True)
 
     async def stream(self, run: ChatRun, events: AsyncIterator[ChatEvent]) -> AsyncIterator[str]:
         yield sse_event("message_start", {"type": "message_start", "message": self.message([], final=False)})
         yield sse_event("ping", {"type": "ping"})
         async for event in events:
             for block_event in self._take(event):
-                yield _block_event(block_event)
+                if self._shown(block_event):
+                    yield _block_event(block_event)
         for block_event in self.splitter.close():
             yield _block_event(block_event)
         stop_reason, stop_sequence = self.stop_reason()
         yield sse_event("message_delta", {"type": "message_delta", "usage": self.usage(),
                                           "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}})
         yield sse_event("message_stop", {"type": "message_stop"})
+
+    def _shown(self, event: BlockEvent) -> bool:
+        return not (self.omit_thinking and event.type == "delta" and event.block.kind == REASONING)
 
     def error_event(self, exc: ApiError) -> str:
         return sse_event("error", error_body(exc, self.run.id))

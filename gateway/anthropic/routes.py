@@ -56,7 +56,7 @@ async def messages(request: Request):
             run = core.chat(principal, await core.plan_chat(parse_chat(body, core.served)), trace=trace)
         except ApiError as exc:
             raise _renamed(exc) from None
-        return run, MessageRendering(run).rendering()
+        return run, MessageRendering(run, omit_thinking=parsed.omits_thinking).rendering()
 
     return await respond_translated(request, "messages", authorization(request), start, anthropic_error)
 

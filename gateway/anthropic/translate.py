@@ -10,7 +10,8 @@ Contract:
 - `chat_body(request, messages)`: the `/v1/chat/completions` body — tools as functions (`input_schema` →
   `parameters`), `tool_choice` auto → "auto", any → "required", tool → named, none → "none",
   `disable_parallel_tool_use` → `parallel_tool_calls: false`, `stop_sequences` → `stop`, `thinking` →
-  `chat_template_kwargs.thinking`, `metadata.user_id` → `user`. `chat_param(param)` maps a chat field named in an
+  `chat_template_kwargs.thinking`, `output_config.effort` → `chat_template_kwargs.thinking_effort`, the output
+  JSON schema → `response_format` json_schema, `metadata.user_id` → `user`. `chat_param(param)` maps a chat field named in an
   error back to the Messages field.
 """
 
@@ -19,10 +20,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
+from gateway.anthropic.protocol import EFFORTS, CountTokensRequest, MessagesRequest
 from gateway.protocol import ApiError
 
-CHAT_TO_MESSAGES = {"stop": "stop_sequences", "chat_template_kwargs": "thinking"}
+CHAT_TO_MESSAGES = {"stop": "stop_sequences", "chat_template_kwargs": "thinking", "response_format": "output_config"}
 
 
 def chat_param(param: str | None) -> str | None:
@@ -156,9 +157,13 @@ def tools_and_choice(request: CountTokensRequest) -> dict:
 
 
 def thinking_kwargs(request: CountTokensRequest) -> dict:
-    if request.thinking is None:
-        return {}
-    return {"chat_template_kwargs": {"thinking": request.thinking.type != "disabled"}}
+    kwargs = {}
+    if request.thinking is not None:
+        kwargs["thinking"] = request.thinking.type != "disabled"
+    effort = request.output_config.effort if request.output_config else None
+    if effort is not None:
+        kwargs["thinking_effort"] = EFFORTS[effort]
+    return {"chat_template_kwargs": kwargs} if kwargs else {}
 
 
 def chat_body(request: MessagesRequest, messages: list[dict]) -> dict:
@@ -167,4 +172,7 @@ def chat_body(request: MessagesRequest, messages: list[dict]) -> dict:
     optional = {"stop": request.stop_sequences, "temperature": request.temperature, "top_p": request.top_p,
                 "top_k": request.top_k, "user": request.metadata.user_id if request.metadata else None}
     body.update({k: v for k, v in optional.items() if v is not None})
+    schema = request.output_schema()
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
     return body
