@@ -19,6 +19,8 @@ Contract:
   `--max-sequences-per-request` (n × prompts), `--max-prompt-tokens`.
 - `media_fetch()` is the image URL policy (gateway/media_fetch.py): `--allowed-media-domains`,
   `--allowed-local-media-path` (both unset: only data: URLs), `--media-fetch-timeout-s`.
+- `responses_store_size` (`--responses-store-size`): how many Responses API responses the gateway keeps in memory
+  (gateway/responses/store.py); 0 turns the store off.
 - `public_docs` / `public_metrics`: with API keys configured, `/openapi.json`, `/docs`, `/redoc` (and `/metrics`)
   need a key too unless these open them.
 """
