@@ -187,3 +187,4 @@ def test_bad_input_in_the_anthropic_envelope(tiny_k3):
             _check_envelope(reply, 429, "rate_limit_error")
             assert reply.headers["retry-after"]
     run(main(), timeout_s=120)
+

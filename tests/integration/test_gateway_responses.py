@@ -2,17 +2,20 @@
 in-process tiny-k3 mesh: reasoning items equal to the chat path's reasoning, streaming events in the order the
 client's stream helper checks, function tools (forced: arguments valid against the schema), `previous_response_id`
 with a `function_call_output` (the prompt equals the chat request with the whole history), the store (retrieve,
-delete, other tenants see nothing), `reasoning.effort` and `text.format`; bad input in the OpenAI error envelope."""
+delete, other tenants see nothing), `reasoning.effort` and `text.format`; bad input in the OpenAI error envelope; a
+client that leaves a stream (here or on /v1/messages) cancels its request."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
-from tests.integration.gateway_harness import checkpoint_fixture, run, running_gateway, sse_events
+from tests.integration.gateway_harness import (check_released, checkpoint_fixture, run, running_gateway, sse_events,
+                                              wait_idle)
 from tests.integration.mesh_harness import Mesh
 from tests.integration.test_gateway_openai import QUESTION, WEATHER
 
@@ -175,4 +178,28 @@ def test_bad_input_in_the_openai_envelope(tiny_k3):
                 sse_events(reply.text)
             await alpha.close()
             await beta.close()
+    run(main(), timeout_s=120)
+
+
+def test_a_client_that_leaves_a_stream_cancels_its_request(tiny_k3):
+    """Both translated APIs: dropping the stream aborts the mesh request and releases the tenant's slot."""
+    async def main():
+        async with Mesh(tiny_k3) as mesh, running_gateway(mesh, tiny_k3) as gw:
+            engine = mesh.decode_server.engine
+            bodies = {"/v1/messages": {"model": MODEL, "messages": [{"role": "user", "content": ASK}], "max_tokens": 4000, "stream": True},
+                      "/v1/responses": {"model": MODEL, "input": ASK, "max_output_tokens": 4000, "stream": True}}
+            for path, body in bodies.items():
+                async with httpx.AsyncClient(base_url=gw.base_url, timeout=30) as http:
+                    async with http.stream("POST", path, json=body) as reply:
+                        seen = 0
+                        async for line in reply.aiter_lines():
+                            seen += line.startswith("data: ")
+                            if seen >= 6:
+                                break
+                        assert (await engine.stats()).num_running == 1  # still generating when the client leaves
+                steps = engine.core.num_steps
+                await wait_idle(engine, timeout_s=5)
+                assert engine.core.num_steps - steps < 1000, f"{path}: decode kept generating after the client left"
+            await check_released(mesh, engine)
+            assert gw.core.limiter.active("anonymous") == 0
     run(main(), timeout_s=120)
