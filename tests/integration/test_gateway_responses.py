@@ -145,7 +145,8 @@ BAD = [  # (body changes, status, param)
 
 def test_bad_input_in_the_openai_envelope(tiny_k3):
     async def main():
-        async with Mesh(tiny_k3) as mesh, running_gateway(mesh, tiny_k3, api_keys="ka=alpha,kb=beta") as gw:
+        async with Mesh(tiny_k3) as mesh, running_gateway(mesh, tiny_k3, api_keys="ka=alpha,kb=beta",
+                                                          tenant_rpm=3) as gw:
             headers = {"Authorization": "Bearer ka"}
             for change, status, param in BAD:
                 reply = await gw.http.post("/v1/responses", headers=headers,
@@ -176,6 +177,17 @@ def test_bad_input_in_the_openai_envelope(tiny_k3):
             assert [p["type"] for p in payloads] == names
             with pytest.raises(AssertionError):  # negative control: no chat-style [DONE] ends this stream
                 sse_events(reply.text)
+
+            too_big = await gw.http.post("/v1/responses", headers={**headers, "content-type": "application/json"},
+                                         content=b" " * ((32 << 20) + 1))
+            assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "request_too_large"
+            for _ in range(4):  # alpha's third request in the minute is its last
+                limited = await gw.http.post("/v1/responses", headers=headers,
+                                             json={"model": MODEL, "input": ASK, "max_output_tokens": 1})
+                if limited.status_code == 429:
+                    break
+            assert limited.status_code == 429 and limited.headers["retry-after"]
+            assert limited.json()["error"]["type"] == "rate_limit_error"
             await alpha.close()
             await beta.close()
     run(main(), timeout_s=120)
