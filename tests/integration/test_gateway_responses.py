@@ -7,6 +7,7 @@ client that leaves a stream (here or on /v1/messages) cancels its request."""
 
 from __future__ import annotations
 
+import base64
 import json
 
 import httpx
@@ -18,10 +19,12 @@ from tests.integration.gateway_harness import (check_released, checkpoint_fixtur
                                               wait_idle)
 from tests.integration.mesh_harness import Mesh
 from tests.integration.test_gateway_openai import QUESTION, WEATHER
+from tests.unit.vision.images import encode, make_image
 
 MODEL = "tiny-k3"
 INSTRUCTIONS, ASK = QUESTION[0]["content"], QUESTION[1]["content"]
 FUNCTION = {"type": "function", **WEATHER["function"]}  # the Responses API's flat function tool
+IMAGE = base64.b64encode(encode(make_image("RGB", 224, 168, 1))).decode()  # 48 feature rows
 
 tiny_k3 = checkpoint_fixture("tiny-k3", MODEL, seed=3)
 
@@ -112,6 +115,14 @@ async def _effort_and_format(client) -> None:
                                                             "schema": schema}})
     assert shaped.status == "completed"
     jsonschema.validate(json.loads(shaped.output_text), schema)
+
+    # An image: the prompt the chat path makes of the same image part (its feature rows included).
+    url = "data:image/png;base64," + IMAGE
+    seen = await client.responses.create(model=MODEL, max_output_tokens=2, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": url}]}])
+    chat = await client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]}])
+    assert seen.usage.input_tokens == chat.usage.prompt_tokens > plain.usage.input_tokens + 48
 
 
 def test_responses_through_the_openai_client(tiny_k3):
