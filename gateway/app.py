@@ -29,7 +29,7 @@ Contract:
 - `POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`: the OpenAI Responses API (gateway/responses/), and
   `POST /v1/messages`, `POST /v1/messages/count_tokens`: the Anthropic Messages API (gateway/anthropic/, its own
   error envelope, `x-api-key`), both translated onto the chat path; the store of `store: true` responses is
-  `app.state.responses` (`--responses-store-size`).
+  `app.state.responses` (`--responses-store-size`, `--responses-store-mib`).
 - `GET /openapi.json` documents every endpoint, with the request body schema of each POST endpoint (the pydantic
   models that validate them, `BODIES`: `gateway.protocol.REQUEST_BODIES` and the translated APIs').
 - Errors use the OpenAI envelope `{"error": {"message", "type", "param", "code"}}`: a body not declared
@@ -122,7 +122,7 @@ def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer:
     app = FastAPI(title="kdamesh gateway", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None,
                   **_FASTAPI_TELEMETRY)
     app.state.core, app.state.shutdown = core, shutdown
-    app.state.responses = ResponseStore(config.responses_store_size)
+    app.state.responses = ResponseStore(config.responses_store_size, config.responses_store_mib << 20)
     _add_error_handlers(app)
     for method, path, handler in ROUTES:
         body = _request_body(BODIES[path]) if path in BODIES and method == "POST" else None

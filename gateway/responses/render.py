@@ -48,7 +48,7 @@ class ResponseRendering:
         self.request, self.run, self.store, self.tenant = request, run, store, tenant
         self.conversation = conversation  # the chat messages of the request, without the instructions
         self.id = response_id(run)
-        self.created_at = time.time()
+        self.created_at = int(time.time())
         self.splitter = BlockSplitter()
         self.finish: str | None = None
         self.sequence = 0
@@ -77,7 +77,7 @@ class ResponseRendering:
         tool_choice = request.tool_choice.model_dump() if hasattr(request.tool_choice, "model_dump") else (
             request.tool_choice or "auto")
         body = {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-                "completed_at": time.time() if status != "in_progress" else None, "error": None,
+                "completed_at": int(time.time()) if status != "in_progress" else None, "error": None,
                 "incomplete_details": None, "instructions": request.instructions,
                 "max_output_tokens": request.max_output_tokens, "model": self.run.model,
                 "output": [self.item(b) for b in blocks],

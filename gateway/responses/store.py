@@ -2,9 +2,11 @@
 `GET` / `DELETE /v1/responses/{id}`).
 
 Contract:
-- `ResponseStore(max_items)` keeps at most `max_items` responses (`--responses-store-size`), the least recently
-  stored or read one dropped first; 0 stores nothing (`enabled` False). It lives in the gateway process: replicas
-  do not share it, and a restart empties it.
+- `ResponseStore(max_items, max_bytes)` keeps at most `max_items` responses (`--responses-store-size`) of at most
+  `max_bytes` together (`--responses-store-mib`; an entry's size is its JSON text: conversations may hold images),
+  the least recently stored or read ones dropped first; one entry larger than `max_bytes` is not kept. 0 items
+  stores nothing (`enabled` False). It lives in the gateway process: replicas do not share it, and a restart
+  empties it.
 - Each entry belongs to the tenant that created it: `get` / `delete` of another tenant's id answer as for an unknown
   id (None / False), so ids never reveal other tenants' responses.
 - `put(tenant, body, conversation)`: `body` is the response as the API returned it, `conversation` the chat
@@ -15,6 +17,7 @@ Contract:
 from __future__ import annotations
 
 import copy
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -24,13 +27,15 @@ class StoredResponse:
     tenant: str
     body: dict
     conversation: list[dict]
+    size: int = 0  # bytes of its JSON text
 
 
 class ResponseStore:
-    def __init__(self, max_items: int):
-        if max_items < 0:
-            raise ValueError(f"max_items must be >= 0, got {max_items}")
-        self.max_items = max_items
+    def __init__(self, max_items: int, max_bytes: int = 256 << 20):
+        if max_items < 0 or max_bytes < 0:
+            raise ValueError(f"max_items and max_bytes must be >= 0, got {max_items}, {max_bytes}")
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self.bytes = 0  # held now
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
 
     @property
@@ -40,24 +45,33 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, tenant: str, body: dict, conversation: list[dict]) -> None:
-        if not self.enabled:
-            return
-        self._items[body["id"]] = StoredResponse(tenant, copy.deepcopy(body), copy.deepcopy(conversation))
-        self._items.move_to_end(body["id"])
-        while len(self._items) > self.max_items:
-            self._items.popitem(last=False)
+    def put(self, tenant: str, body: dict, conversation: list[dict]) -> bool:
+        """Keeps the response; False when it is not kept (the store is off, or the entry alone is over budget)."""
+        size = len(json.dumps([body, conversation], ensure_ascii=False).encode())
+        if not self.enabled or size > self.max_bytes:
+            return False
+        self._drop(body["id"])
+        self._items[body["id"]] = StoredResponse(tenant, copy.deepcopy(body), copy.deepcopy(conversation), size)
+        self.bytes += size
+        while len(self._items) > self.max_items or self.bytes > self.max_bytes:
+            self._drop(next(iter(self._items)))
+        return True
+
+    def _drop(self, response_id: str) -> None:
+        entry = self._items.pop(response_id, None)
+        if entry is not None:
+            self.bytes -= entry.size
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         entry = self._items.get(response_id)
         if entry is None or entry.tenant != tenant:
             return None
         self._items.move_to_end(response_id)
-        return StoredResponse(entry.tenant, copy.deepcopy(entry.body), copy.deepcopy(entry.conversation))
+        return StoredResponse(entry.tenant, copy.deepcopy(entry.body), copy.deepcopy(entry.conversation), entry.size)
 
     def delete(self, tenant: str, response_id: str) -> bool:
         entry = self._items.get(response_id)
         if entry is None or entry.tenant != tenant:
             return False
-        del self._items[response_id]
+        self._drop(response_id)
         return True

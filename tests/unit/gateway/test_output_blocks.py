@@ -69,3 +69,16 @@ def test_the_store_is_bounded_and_per_tenant():
     assert not off.enabled and off.get("alpha", "x") is None
     with pytest.raises(ValueError):
         ResponseStore(-1)
+
+
+def test_the_store_is_bounded_in_bytes():
+    image = "data:image/png;base64," + "A" * 1000  # conversations may hold images
+    store = ResponseStore(100, max_bytes=2500)
+    assert store.put("t", {"id": "a"}, [{"role": "user", "content": image}])
+    assert store.put("t", {"id": "b"}, [{"role": "user", "content": image}])
+    assert store.put("t", {"id": "c"}, [{"role": "user", "content": image}])  # "a" goes to make room
+    assert store.get("t", "a") is None and store.get("t", "b") and store.bytes <= 2500
+    assert not store.put("t", {"id": "huge"}, [{"role": "user", "content": image * 3}])  # alone over the budget
+    assert store.get("t", "huge") is None
+    store.put("t", {"id": "b"}, [])  # replacing an entry frees its bytes
+    assert store.delete("t", "b") and store.delete("t", "c") and store.bytes == 0 and len(store) == 0
