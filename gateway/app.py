@@ -26,8 +26,12 @@ Contract:
 - `POST /tokenize` (`prompt`, or chat `messages`) -> `{"tokens", "count", "max_model_len"}`;
   `POST /detokenize` (`tokens`) -> `{"prompt"}` (vLLM's shapes); `GET /tokenizer_info` (the tokenizer's config,
   gateway/info.py) and `GET /version` (`{"version"}`, no API key needed), as vLLM.
+- `POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`: the OpenAI Responses API (gateway/responses/), and
+  `POST /v1/messages`, `POST /v1/messages/count_tokens`: the Anthropic Messages API (gateway/anthropic/, its own
+  error envelope, `x-api-key`), both translated onto the chat path; the store of `store: true` responses is
+  `app.state.responses` (`--responses-store-size`, `--responses-store-mib`).
 - `GET /openapi.json` documents every endpoint, with the request body schema of each POST endpoint (the pydantic
-  models that validate them, `gateway.protocol.REQUEST_BODIES`).
+  models that validate them, `BODIES`: `gateway.protocol.REQUEST_BODIES` and the translated APIs').
 - Errors use the OpenAI envelope `{"error": {"message", "type", "param", "code"}}`: a body not declared
   `application/json` 415, malformed JSON (or nested deeper than 64) or fields 400 (strict JSON types; numbers in
   the ranges of the mesh's fields), a request over a per-request cap 400 (prompts, n × prompts) or 413 (prompt
@@ -58,10 +62,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.tokenizer import KimiTokenizer
 from gateway import rest_routes
+from gateway.anthropic import routes as anthropic_routes
+from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
 from gateway.config import MODES, GatewayConfig  # noqa: F401  (re-exported: deploy/serve.py, tests)
 from gateway.core import GatewayCore
 from gateway.mesh_client import MeshClient
 from gateway.protocol import REQUEST_BODIES, ApiError
+from gateway.responses import routes as responses_routes
+from gateway.responses.protocol import ResponsesRequest
+from gateway.responses.store import ResponseStore
 from gateway.rest_guard import ContainErrors
 from gateway.rest_io import ShutdownClock
 from gateway.rest_routes import error_response
@@ -82,7 +91,15 @@ ROUTES = (("GET", "/health", rest_routes.health), ("GET", "/metrics", rest_route
           ("POST", "/v1/chat/completions", rest_routes.chat_completions),
           ("POST", "/v1/completions", rest_routes.completions), ("POST", "/tokenize", rest_routes.tokenize),
           ("POST", "/detokenize", rest_routes.detokenize), ("GET", "/version", rest_routes.version),
-          ("GET", "/tokenizer_info", rest_routes.tokenizer_info))
+          ("GET", "/tokenizer_info", rest_routes.tokenizer_info),
+          ("POST", "/v1/responses", responses_routes.create_response),
+          ("GET", "/v1/responses/{response_id}", responses_routes.get_response),
+          ("DELETE", "/v1/responses/{response_id}", responses_routes.delete_response),
+          ("POST", "/v1/messages", anthropic_routes.messages),
+          ("POST", "/v1/messages/count_tokens", anthropic_routes.count_tokens))
+# The request body models of every POST route (the OpenAI ones, gateway.protocol, and the translated APIs').
+BODIES = {**REQUEST_BODIES, "/v1/responses": (ResponsesRequest,), "/v1/messages": (MessagesRequest,),
+          "/v1/messages/count_tokens": (CountTokensRequest,)}
 
 
 def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer: KimiTokenizer | None = None,
@@ -105,9 +122,10 @@ def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer:
     app = FastAPI(title="kdamesh gateway", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None,
                   **_FASTAPI_TELEMETRY)
     app.state.core, app.state.shutdown = core, shutdown
+    app.state.responses = ResponseStore(config.responses_store_size, config.responses_store_mib << 20)
     _add_error_handlers(app)
     for method, path, handler in ROUTES:
-        body = _request_body(REQUEST_BODIES[path]) if path in REQUEST_BODIES else None
+        body = _request_body(BODIES[path]) if path in BODIES and method == "POST" else None
         app.add_api_route(path, handler, methods=[method], openapi_extra=body, include_in_schema=path not in DOCS)
     app.openapi = lambda: _openapi(app)
     return app
@@ -137,7 +155,7 @@ def _openapi(app: FastAPI) -> dict:
     """FastAPI's schema of the routes, plus the request body models under `components.schemas`."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        models = sorted({m for bodies in REQUEST_BODIES.values() for m in bodies}, key=lambda m: m.__name__)
+        models = sorted({m for bodies in BODIES.values() for m in bodies}, key=lambda m: m.__name__)
         _, definitions = models_json_schema([(m, "validation") for m in models], ref_template=SCHEMA_REF)
         schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions.get("$defs", {}))
         app.openapi_schema = schema

@@ -19,6 +19,9 @@ Contract:
   `--max-sequences-per-request` (n × prompts), `--max-prompt-tokens`.
 - `media_fetch()` is the image URL policy (gateway/media_fetch.py): `--allowed-media-domains`,
   `--allowed-local-media-path` (both unset: only data: URLs), `--media-fetch-timeout-s`.
+- `responses_store_size` (`--responses-store-size`), `responses_store_mib` (`--responses-store-mib`): how many
+  Responses API responses the gateway keeps in memory, in how many MiB (gateway/responses/store.py); 0 responses
+  turns the store off.
 - `public_docs` / `public_metrics`: with API keys configured, `/openapi.json`, `/docs`, `/redoc` (and `/metrics`)
   need a key too unless these open them.
 """
@@ -177,6 +180,13 @@ class GatewayConfig:
     discovery_startup_timeout_s: float = option(
         "--discovery-startup-timeout-s", default=300.0, parse=float,
         help="dns: worker pools: seconds to wait at start-up for the first address of each pool")
+    # The Responses API's in-memory store (gateway/responses/store.py): responses kept for previous_response_id and
+    # GET /v1/responses/{id}; 0: off (store: true is refused).
+    responses_store_size: int = option("--responses-store-size", default=1024, parse=int,
+                                       help="Responses API responses kept in memory for previous_response_id and "
+                                            "GET /v1/responses/{id} (least recently used dropped); 0: no store")
+    responses_store_mib: int = option("--responses-store-mib", default=256, parse=int,
+                                      help="memory the Responses API store may hold, MiB (its entries' JSON text)")
     # The HTTP server (deploy/serve.py runs it): no access-log line per request; its log level (None: --log-level).
     disable_log_requests: bool = option("--disable-log-requests", default=False, kind="switch",
                                         help="no access-log line per request")
@@ -203,6 +213,8 @@ class GatewayConfig:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.responses_store_size < 0 or self.responses_store_mib < 0:
+            raise ValueError("--responses-store-size and --responses-store-mib must be >= 0")
         if self.health_check_interval_s <= 0:
             raise ValueError("health_check_interval_s must be positive")
         pool_target(self.decode_addresses, "--decode-workers")  # a dns: target alone in its pool (ValueError)

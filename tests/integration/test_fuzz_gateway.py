@@ -90,6 +90,22 @@ RAW = {
                   b'{"prompt": "a", "add_special_tokens": "yes"}'],
     "/detokenize": [b'{"tokens": [1e3]}', b'{"tokens": [99999999999999999999]}', b'{"tokens": "1,2"}',
                     b'{"tokens": [[1]]}'],
+    "/v1/responses": [b"{", b'{"model": "tiny-k3", "input": [5]}', b'{"model": "tiny-k3", "input": [{"type": 5}]}',
+                      b'{"model": "tiny-k3", "input": [{"role": "user", "content": [null]}]}',
+                      b'{"model": "tiny-k3", "input": [{"type": "function_call_output", "output": 5}]}',
+                      b'{"model": "tiny-k3", "input": [{"type": "reasoning", "content": "x"}]}',
+                      b'{"model": "tiny-k3", "input": "x", "tools": [{"type": "function"}]}',
+                      b'{"model": "tiny-k3", "input": "x", "previous_response_id": 5}'],
+    "/v1/messages": [b"[]", b'{"model": "tiny-k3", "max_tokens": 2, "messages": [{"role": "user", "content": 5}]}',
+                     b'{"model": "tiny-k3", "max_tokens": 2, "messages": [{"role": "user", "content": [5]}]}',
+                     b'{"model": "tiny-k3", "max_tokens": 2, "messages": [{"role": "assistant", "content": [{}]}]}',
+                     b'{"model": "tiny-k3", "max_tokens": 2, "system": [5], "messages": [{"role": "user"}]}',
+                     b'{"model": "tiny-k3", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": '
+                     b'"image", "source": {"type": "base64", "media_type": "image/png", "data": "!!"}}]}]}',
+                     b'{"model": "tiny-k3", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": '
+                     b'"tool_result", "tool_use_id": "x", "content": [5]}]}]}'],
+    "/v1/messages/count_tokens": [b'{"model": "tiny-k3", "messages": [{"role": "user", "content": [{}]}]}',
+                                  b'{"model": "tiny-k3", "messages": "x"}'],
 }
 # a good body under other content types
 CONTENT_TYPES = ["text/plain", "application/x-www-form-urlencoded", None, "multipart/form-data; boundary=x",
@@ -128,26 +144,34 @@ def test_the_malformed_request_table_never_gets_a_5xx_and_keeps_the_connection(t
 
 # -- schemathesis: requests generated from the served OpenAPI spec -------------------------------------------------
 
-# examples per operation and generation mode; every POST operation gets both modes (4 x (150 + 350) = 2,000 cases)
+# examples per operation and generation mode; every POST operation gets both modes: 4 x (150 + 350) for chat,
+# completions, tokenize and detokenize, 3 x (60 + 140) for the translated APIs (responses, messages, count_tokens,
+# which reach the same chat path): 2,600 cases
 SPEC_EXAMPLES = {GenerationMode.POSITIVE: 150, GenerationMode.NEGATIVE: 350}
+TRANSLATED = ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
+TRANSLATED_EXAMPLES = {GenerationMode.POSITIVE: 60, GenerationMode.NEGATIVE: 140}
 GET_EXAMPLES = 15
 
 
 def _bounded(case, mode: GenerationMode) -> None:
     """Keeps a generated request cheap without changing whether it is valid: a valid `max_tokens` (or
-    `max_completion_tokens`) becomes at most 4, a valid `n` at most 2, and a chat request without a limit gets 4;
-    a valid request names the served model (so it gets past the model check)."""
+    `max_completion_tokens`, or the Responses API's `max_output_tokens`) becomes at most 4, a valid `n` at most 2,
+    and a chat request without a limit gets 4; a valid request names the served model (so it gets past the model
+    check)."""
     body = case.body
     if not isinstance(body, dict):
         return
     if mode == GenerationMode.POSITIVE and isinstance(body.get("model"), str):
         body["model"] = MODEL
-    for field, cap, top in (("max_tokens", 4, UINT32_MAX), ("max_completion_tokens", 4, UINT32_MAX), ("n", 2, 128)):
+    for field, cap, top in (("max_tokens", 4, UINT32_MAX), ("max_completion_tokens", 4, UINT32_MAX),
+                            ("max_output_tokens", 4, UINT32_MAX), ("n", 2, 128)):
         value = body.get(field)
         if type(value) is int and 1 <= value <= top:
             body[field] = min(value, cap)
     if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 4
+    if "input" in body and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = 4
 
 
 def _fuzz_operation(operation, base_url: str, session, mode: GenerationMode, examples: int, seen: list) -> None:
@@ -169,20 +193,22 @@ def _fuzz_spec(base_url: str, spec: dict) -> list[int]:
     with requests.Session() as session:
         for result in schema.get_all_operations():
             operation = result.ok()
-            modes = SPEC_EXAMPLES if operation.method.upper() == "POST" else {GenerationMode.POSITIVE: GET_EXAMPLES}
+            modes = {GenerationMode.POSITIVE: GET_EXAMPLES} if operation.method.upper() != "POST" else (
+                TRANSLATED_EXAMPLES if operation.path in TRANSLATED else SPEC_EXAMPLES)
             for mode, examples in modes.items():
                 _fuzz_operation(operation, base_url, session, mode, examples, seen)
     return seen
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_schemathesis_over_the_served_spec_never_gets_a_5xx(tiny_k3):
     async def main():
         async with Mesh(tiny_k3, engine={"max_model_len": 512}) as mesh, \
                 running_gateway(mesh, tiny_k3, max_model_len=256) as gw:
             spec = (await gw.http.get("/openapi.json")).json()
             seen = await asyncio.to_thread(_fuzz_spec, gw.base_url, spec)
-        assert len(seen) >= 2000 and max(seen) < 500
+        assert len(seen) >= 2600 and max(seen) < 500
         assert any(s == 200 for s in seen) and any(400 <= s < 500 for s in seen)  # both kinds reached the gateway
 
-    run(main(), timeout_s=300)
+    run(main(), timeout_s=570)

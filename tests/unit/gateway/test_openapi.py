@@ -22,9 +22,16 @@ EXPECTED = {
     "/tokenize": [{"model", "prompt", "add_special_tokens", "return_token_strs"},
                   {"model", "messages", "add_generation_prompt", "tools", "chat_template_kwargs"}],
     "/detokenize": [{"model", "tokens"}],
+    "/v1/responses": [{"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature",
+                       "stream", "store", "previous_response_id", "reasoning", "text"}],
+    "/v1/messages": [{"model", "messages", "max_tokens", "system", "tools", "tool_choice", "thinking",
+                      "stop_sequences", "stream", "output_config"}],
+    "/v1/messages/count_tokens": [{"model", "messages", "system", "tools", "thinking"}],
 }
 REQUIRED = {"/v1/chat/completions": [{"model", "messages"}], "/v1/completions": [{"model", "prompt"}],
-            "/tokenize": [{"prompt"}, {"messages"}], "/detokenize": [{"tokens"}]}
+            "/tokenize": [{"prompt"}, {"messages"}], "/detokenize": [{"tokens"}],
+            "/v1/responses": [{"model", "input"}], "/v1/messages": [{"model", "messages", "max_tokens"}],
+            "/v1/messages/count_tokens": [{"model", "messages"}]}
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +80,7 @@ def test_nested_schemas_resolve_and_carry_the_limits(spec):
         _resolve(spec, {"$ref": ref.split('"', 1)[0]})
     prompt = _body_schemas(spec, "/v1/completions")[0]["properties"]["prompt"]
     assert {"string", "array"} == {alt["type"] for alt in prompt["anyOf"]}
+
+
+def test_the_stored_responses_routes_are_listed(spec):
+    assert {"get", "delete"} <= set(spec["paths"]["/v1/responses/{response_id}"])
