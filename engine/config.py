@@ -100,6 +100,8 @@ class EngineArgs:
     enable_expert_parallel: bool = option(  # split the routed experts by expert across those ranks
         "--enable-expert-parallel", default=False, kind="switch", help="split the routed experts by expert")
     collective_timeout_s: float = 60.0  # a rank collective waiting longer fails the engine (a hung or lost rank)
+    # a request whose grammar takes longer to compile gets a 400 naming its schema (engine/async_engine.py)
+    grammar_compile_timeout_s: float = 30.0
     snapshot_policy: str = option(  # "hybrid": hints, junctions, turn ends too; "periodic": prompt ends + interval
         "--snapshot-policy", default="hybrid", choices=SNAPSHOT_POLICIES,
         help="where KDA state snapshots are taken (engine/memory/policy.py)")
@@ -154,12 +156,16 @@ class EngineArgs:
         self._resolve_compilation()
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise EngineConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
-        if self.collective_timeout_s <= 0:
-            raise EngineConfigError(f"collective_timeout_s must be positive, got {self.collective_timeout_s!r}")
+        self._check_timeouts()
         if self.snapshot_policy not in SNAPSHOT_POLICIES:
             raise EngineConfigError(f"snapshot_policy must be one of {SNAPSHOT_POLICIES}, got {self.snapshot_policy!r}")
         if self.snapshot_budget is not None and parse_bytes(self.snapshot_budget, "snapshot_budget") < 0:
             raise EngineConfigError(f"snapshot_budget must be >= 0, got {self.snapshot_budget!r}")
+
+    def _check_timeouts(self) -> None:
+        for name in ("collective_timeout_s", "grammar_compile_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise EngineConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
 
     def _resolve_compilation(self) -> None:
         if self.compilation_config is not None:  # None stays None (the defaults): a command line omits it
