@@ -14,7 +14,8 @@ Contract:
   (off the step thread, the other requests keep stepping) for its grammar — compiled on a compile thread with the
   engine's grammar cache (engine/structured/requests.py `compile_async`), within `args.grammar_compile_timeout_s`
   (past it: `InvalidRequestError` naming the schema or tools, a 400) — and for its images, decoded, checked and
-  encoded on a media thread (engine/vision/feed.py `MediaSetup.encode_ahead`). Both also end at the request's
+  encoded on a media thread (engine/vision/feed.py `MediaSetup.encode_ahead`); both kinds of thread run at the
+  lowest CPU priority (engine/background.py), so the step thread keeps its core. Both also end at the request's
   `deadline` (`RequestTimeoutError`). `await warm_up()` builds the grammar backend off the step thread (a worker
   does it before it reports SERVING).
 - `abort(request_id)` ends a request from anywhere; its stream finishes with `finish_reason == "abort"`.
@@ -50,6 +51,7 @@ from typing import Any
 
 from collections.abc import Sequence
 
+from engine.background import background_executor
 from engine.config import EngineArgs
 from engine.core import EngineCore, EngineStats, PromptInput
 from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
@@ -132,7 +134,7 @@ class AsyncEngine:
         self._stats: EngineStats = core.stats()  # replaced (never changed) by the step thread
         self._export_sink: Callable[[list[SnapshotExport]], None] | None = None
         self._hit_rate_log = _HitRateLog(self._stats)
-        self._media_pool = concurrent.futures.ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="kdamesh-media")
+        self._media_pool = background_executor(MEDIA_THREADS, "kdamesh-media")  # lowest CPU priority
         self._thread = threading.Thread(target=self._run, name="kdamesh-engine-step", daemon=True)
         self._thread.start()
 

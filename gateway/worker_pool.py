@@ -237,7 +237,7 @@ class WorkerPool:
             else:
                 router.mark_unhealthy(address)
                 self.info.pop(address, None)
-                log.warning("mesh worker %s failed its health check; routing around it", address)
+                log.warning("mesh worker %s failed its health check (%s); routing around it", address, answer)
             if self.on_health_change is not None:
                 self.on_health_change(address, ok)
         await self.refresh_info(timeout_s)

@@ -6,7 +6,8 @@ Contract:
   `InvalidRequestError`. `warm()` builds it now (what a worker does before it reports SERVING, so the first
   structured request neither imports xgrammar nor builds the vocabulary on the step thread).
 - `compile_async(params)` -> a `concurrent.futures.Future` of the compiled grammar, compiled on one of
-  `COMPILE_THREADS` compile threads (the backend built there first when needed), so the step thread never compiles:
+  `COMPILE_THREADS` compile threads at the lowest CPU priority (engine/background.py; the backend built there first
+  when needed), so the step thread never compiles:
   `AsyncEngine` awaits it before the request reaches the engine (a request waits for its grammar, the others keep
   stepping). Requests for one grammar share one compile (by `StructuredOutputParams.key`) and the backend's LRU
   cache keeps the result; a grammar that cannot be built fails the future with `InvalidRequestError`. A compile
@@ -30,6 +31,7 @@ import threading
 
 import torch
 
+from engine.background import background_executor
 from engine.errors import InvalidRequestError
 from engine.structured.backend import GrammarBackend
 from engine.structured.params import StructuredOutputParams
@@ -46,7 +48,7 @@ class ConstrainedRequests:
         self._build_lock = threading.Lock()
         self._lock = threading.Lock()
         self._compiling: dict[str, concurrent.futures.Future] = {}  # key -> the compile in progress
-        self._executor = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kdamesh-grammar")
+        self._executor = background_executor(COMPILE_THREADS, "kdamesh-grammar")  # lowest CPU priority
         self.count = 0  # unfinished requests with a grammar
 
     def backend(self) -> GrammarBackend:
