@@ -8,8 +8,8 @@ Contract:
   `MediaSetup.encode_ahead` returned (it carries `config`) was decoded and checked there: only its span is checked.
 - `MediaSetup.encode_ahead(images)` is the heavy part done OFF the step thread (`AsyncEngine` runs it on a media
   thread before the request reaches the engine): each image decoded once (the decode limits of
-  engine/vision/processor.py), checked against its span length, preprocessed and run through the encoder, its rows
-  carried on the returned `ImageInput.rows`; `prepare` then only stores them in the encoder cache, so a step never
+  engine/vision/processor.py), checked against its span length and — unless the encoder cache holds it —
+  preprocessed and run through the encoder, its rows carried on the returned `ImageInput.rows`; `prepare` then only stores them in the encoder cache, so a step never
   decodes or encodes that image. Raises `InvalidRequestError` as `check_images` does.
 - `check_images(token_ids, images, pad_id, config)` -> the images, each carrying the config; raises
   `InvalidRequestError` (param `messages`) when a span leaves the prompt, overlaps another, covers a token other
@@ -117,8 +117,11 @@ class MediaFeeder:
         return list(seen.values())
 
     def encode(self, image: ImageInput, n: int, config: ProcessorConfig) -> ImageInput:
-        """One image decoded, checked, preprocessed and encoded (any thread: it touches no cache)."""
+        """One image decoded, checked, preprocessed and encoded (any thread: it only asks the cache whether it holds
+        the image, and then neither preprocesses nor encodes it)."""
         checked, decoded = _checked(image, n, config)
+        if image.hash in self.cache:  # seen before: the step finds its rows (or, evicted meanwhile, encodes it)
+            return checked
         pixel_values, grid_thws = to_tensors([preprocess(decoded, config)])  # [L, 3, p, p], [1, 3]
         rows = self.encoder(pixel_values.to(self.encoder.dtype), grid_thws)  # [length, E]
         return dataclasses.replace(checked, rows=rows)

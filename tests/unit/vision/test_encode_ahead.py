@@ -3,7 +3,8 @@ by `AsyncEngine` on its media threads), and the decode limits reach the gateway'
 
 - Through `AsyncEngine` an image prompt gives the same greedy tokens as `EngineCore` encoding it inside a step, and
   the step thread encodes nothing (`MediaFeeder.num_encoded` stays 0; the in-step engine's counts the image: the
-  negative control). A bad image is the `InvalidRequestError` admission gave before, and the engine keeps serving.
+  negative control); the same image again is not encoded again (the encoder cache). A bad image is the
+  `InvalidRequestError` admission gave before, and the engine keeps serving.
 - gateway/media.py: an image over `max_decoded_bytes` is 413 `too_many_decoded_bytes`, one slower to decode than
   `max_decode_s` 400 `too_slow`; the default limits pass both (negative control).
 """
@@ -46,15 +47,18 @@ def test_async_engine_encodes_off_the_step_thread(tiny_dir):
     async def main():
         args = EngineArgs(model=str(tiny_dir), dtype="float32", block_size=4, num_kv_blocks=256)
         async with await AsyncEngine.create(args) as engine:
+            runs = []
+            engine.core.media.feeder.encoder.register_forward_hook(lambda *_: runs.append(1))
             got = await _tokens(engine, "ahead", ids, media)
             with pytest.raises(InvalidRequestError) as refused:
                 await _tokens(engine, "bad", ids, bad)
             after = await _tokens(engine, "after", ids, media)
-            return got, after, refused.value, engine.core.media.feeder.num_encoded
+            return got, after, refused.value, engine.core.media.feeder.num_encoded, len(runs)
 
-    got, after, refused, encoded_in_steps = asyncio.run(main())
+    got, after, refused, encoded_in_steps, encoder_runs = asyncio.run(main())
     assert got == expected and after == expected
     assert encoded_in_steps == 0  # every image reached the step encoded
+    assert encoder_runs == 1  # the same image again: its rows come from the encoder cache
     assert "image 0" in str(refused) and refused.param == "messages"
 
 
