@@ -42,9 +42,8 @@ from decode_service.config import DecodeServiceConfig  # noqa: F401 (re-exported
 from protos import common_pb2, decode_pb2, decode_pb2_grpc
 from telemetry import tracing
 from telemetry.metrics import CounterSample, RequestTimer, WorkerMetrics
-from worker.codec import generation_from_proto
 from worker.server import WorkerServer, offload_samples, start_worker_server, transfer_samples
-from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
+from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, decode_job
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +89,7 @@ class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServiceServicer):
         self._enter(call, request.generation.request_id)
         try:
             handoff = handoff_from_proto(request)
-            job = generation_from_proto(request.generation, call_deadline(context))
+            job = await decode_job(request, context)
             async for chunk in worker.decode(job, handoff):
                 if chunk.finish_reason == common_pb2.FINISH_REASON_ABORT and call in self._aborted:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker shut down before this request "

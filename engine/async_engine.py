@@ -10,6 +10,14 @@ Contract:
   — `break`, an exception, task cancellation — aborts the request. Every wait has a deadline: `wait_timeout_s`
   per output (and an optional absolute `deadline`, `time.monotonic()` seconds); passing it aborts the request and
   raises `RequestTimeoutError`.
+- Nothing heavy runs on the step thread: before a request reaches the engine, `generate` / `import_request` wait
+  (off the step thread, the other requests keep stepping) for its grammar — compiled on a compile thread with the
+  engine's grammar cache (engine/structured/requests.py `compile_async`), within `args.grammar_compile_timeout_s`
+  (past it: `InvalidRequestError` naming the schema or tools, a 400) — and for its images, decoded, checked and
+  encoded on a media thread (engine/vision/feed.py `MediaSetup.encode_ahead`); both kinds of thread run at the
+  lowest CPU priority (engine/background.py), so the step thread keeps its core. Both also end at the request's
+  `deadline` (`RequestTimeoutError`). `await warm_up()` builds the grammar backend off the step thread (a worker
+  does it before it reports SERVING).
 - `abort(request_id)` ends a request from anywhere; its stream finishes with `finish_reason == "abort"`.
 - If the step loop fails, every stream and later call raises `EngineDeadError`. `is_healthy` is False then, and
   as soon as a rank process of a tensor-parallel engine is gone.
@@ -43,6 +51,7 @@ from typing import Any
 
 from collections.abc import Sequence
 
+from engine.background import background_executor
 from engine.config import EngineArgs
 from engine.core import EngineCore, EngineStats, PromptInput
 from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
@@ -56,6 +65,7 @@ from engine.transfer import CacheLayout, RequestState
 logger = logging.getLogger(__name__)
 
 DEFAULT_WAIT_TIMEOUT_S = 300.0
+MEDIA_THREADS = 2  # images decoded and encoded at once, off the step thread
 IDLE_POLL_S = 0.05
 LOG_STATS_INTERVAL_S = 10.0
 
@@ -124,6 +134,7 @@ class AsyncEngine:
         self._stats: EngineStats = core.stats()  # replaced (never changed) by the step thread
         self._export_sink: Callable[[list[SnapshotExport]], None] | None = None
         self._hit_rate_log = _HitRateLog(self._stats)
+        self._media_pool = background_executor(MEDIA_THREADS, "kdamesh-media")  # lowest CPU priority
         self._thread = threading.Thread(target=self._run, name="kdamesh-engine-step", daemon=True)
         self._thread.start()
 
@@ -142,6 +153,8 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         await asyncio.to_thread(self._thread.join)
+        self._media_pool.shutdown(wait=False, cancel_futures=True)
+        self.core.constrained.close()
         await asyncio.to_thread(self.core.close)  # the model's rank processes (tensor parallelism)
 
     @property
@@ -278,6 +291,39 @@ class AsyncEngine:
         self._export_sink = sink
         self._wakeup.set()
 
+    # -- off the step thread: grammars and images ---------------------------------------------------------------
+
+    async def warm_up(self) -> None:
+        """Builds the grammar backend (imports xgrammar, reads the vocabulary) off the step thread."""
+        await asyncio.to_thread(self.core.constrained.warm)
+
+    async def _ready(self, params: SamplingParams, media: tuple, deadline: float | None) -> tuple:
+        """Waits for the request's grammar and encodes its images, off the step thread -> the encoded images."""
+        if isinstance(params, SamplingParams) and params.structured is not None:
+            compiling = self.core.constrained.compile_async(params.structured)
+            limit = self.core.args.grammar_compile_timeout_s
+            await self._off_thread(compiling, limit, deadline, lambda: InvalidRequestError(
+                f"structured output: the grammar of {_grammar_name(params.structured)} did not compile within "
+                f"{limit:g} s", param="tools" if params.structured.kind == "tool_call" else "response_format"))
+        if media:
+            media = await self._off_thread(self._media_pool.submit(self.core.media.encode_ahead, media), None,
+                                           deadline, None)
+        return media
+
+    async def _off_thread(self, future: concurrent.futures.Future, limit: float | None, deadline: float | None,
+                          too_slow: Callable[[], Exception] | None) -> Any:
+        """`future`'s result within `limit` (then `too_slow()`) and the request's deadline (`RequestTimeoutError`).
+        The future is shared (one compile serves every request of a grammar): giving up never cancels it."""
+        left = self.wait_timeout_s if deadline is None else deadline - time.monotonic()
+        timeout = left if limit is None else min(limit, left)
+        try:
+            async with asyncio.timeout(max(timeout, 0.0)):
+                return await asyncio.shield(asyncio.wrap_future(future))
+        except TimeoutError:
+            if too_slow is not None and limit is not None and limit <= left:
+                raise too_slow() from None
+            raise RequestTimeoutError("the request's grammar or images were not ready before its deadline") from None
+
     # -- streams ---------------------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
@@ -285,6 +331,8 @@ class AsyncEngine:
                        deadline: float | None = None, media: tuple = (),
                        snapshot_hints: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
         """`snapshot_hints`: prompt token positions to snapshot the KDA state at (`EngineCore.add_request`)."""
+        self._check_alive()
+        media = await self._ready(params, media, deadline)
         add = lambda: self.core.add_request(request_id, prompt, params, priority=priority,  # noqa: E731
                                             cache_salt=cache_salt, export_on_finish=export_on_finish, media=media,
                                             snapshot_hints=tuple(snapshot_hints))
@@ -295,6 +343,8 @@ class AsyncEngine:
                              priority: int = 0, deadline: float | None = None,
                              media: tuple = ()) -> AsyncIterator[RequestOutput]:
         """Continues a request exported by another engine (see `EngineCore.import_request`), streaming deltas."""
+        self._check_alive()
+        media = await self._ready(params, media, deadline)
         add = lambda: self.core.import_request(request_id, state, params, priority=priority,  # noqa: E731
                                                media=media)
         async for out in self._stream(request_id, add, deadline):
@@ -347,3 +397,13 @@ class AsyncEngine:
         with self._lock:
             self._commands.append((lambda: self.core.abort(request_id), future))
         self._wakeup.set()
+
+
+def _grammar_name(structured) -> str:
+    """What a 400 names: the schema (its title, when it has one) or the tools."""
+    if structured.kind == "tool_call":
+        return "tools " + ", ".join(repr(t.name) for t in structured.allowed_tools)
+    if structured.kind == "json_schema":
+        title = structured.schema.get("title") if isinstance(structured.schema, dict) else None
+        return "response_format.json_schema" + (f" {title!r}" if isinstance(title, str) else "")
+    return "response_format json_object"

@@ -118,6 +118,8 @@ class EngineArgs:
         "--master-addr", default=None, help="rank 0's machine, for a rank group over several machines")
     master_port: int | None = option("--master-port", default=None, parse=int,
                                      help="the TCP rendezvous port on --master-addr")
+    # a request whose grammar takes longer to compile gets a 400 naming its schema (engine/async_engine.py)
+    grammar_compile_timeout_s: float = 30.0
     snapshot_policy: str = option(  # "hybrid": hints, junctions, turn ends too; "periodic": prompt ends + interval
         "--snapshot-policy", default="hybrid", choices=SNAPSHOT_POLICIES,
         help="where KDA state snapshots are taken (engine/memory/policy.py)")
@@ -172,11 +174,15 @@ class EngineArgs:
         self._resolve_compilation()
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise EngineConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
-        if self.collective_timeout_s <= 0:
-            raise EngineConfigError(f"collective_timeout_s must be positive, got {self.collective_timeout_s!r}")
+        self._check_timeouts()
         self._check_choices()
         if self.snapshot_budget is not None and parse_bytes(self.snapshot_budget, "snapshot_budget") < 0:
             raise EngineConfigError(f"snapshot_budget must be >= 0, got {self.snapshot_budget!r}")
+
+    def _check_timeouts(self) -> None:
+        for name in ("collective_timeout_s", "grammar_compile_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise EngineConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
 
     def _check_choices(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -12,8 +12,9 @@ Contract:
   fetched — or refused, naming `--allowed-media-domains` / `--allowed-local-media-path` — by
   gateway/media_fetch.py before planning; a URL it holds no bytes for is 400 `media_url_not_allowed`). Fetched
   bytes pass the same checks as a data URL's. A bad image is an `ApiError` (param `messages`) whose message starts
-  with the part (`messages[i].content[j]: ...`): 413 for too many bytes or pixels, 400 for everything else
-  (`ImageInputError.reason` is the error `code`).
+  with the part (`messages[i].content[j]: ...`): 413 for too many bytes, pixels or decoded bytes
+  (`ProcessorConfig.max_decoded_bytes`), 400 for everything else, `too_slow` included (decoding took longer than
+  `max_decode_s`); `ImageInputError.reason` is the error `code`.
 - `expand(token_ids, images, pad_id)` -> (the prompt with each image's pad expanded to its feature rows, one
   `common_pb2.MediaItem` per image: sha256 of its bytes, token offset, feature rows, bytes, MIME type).
 Torch-free: it uses only the processor's numpy / Pillow side.
@@ -32,7 +33,7 @@ from engine.vision.processor import (ImageInputError, ProcessorConfig, decode_im
 from gateway.protocol import ApiError
 from protos import common_pb2
 
-TOO_LARGE = ("too_many_bytes", "too_many_pixels")
+TOO_LARGE = ("too_many_bytes", "too_many_pixels", "too_many_decoded_bytes")
 MIME_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WEBP": "image/webp",
               "BMP": "image/bmp", "TIFF": "image/tiff"}
 DEFAULT_MAX_IMAGES = 16

@@ -66,6 +66,9 @@ class RouterConfig:
     transfer_weight: float = 0.125
     # A worker whose event stream said nothing for this long (seconds) counts as holding nothing (heartbeats: 0.5 s).
     stale_after_s: float = 3.0
+    # A connected worker whose health answer is late is busy, not dead: it stays in the pool until it has not
+    # answered for this long (seconds; gateway/worker_pool.py `health_verdict`).
+    busy_grace_s: float = 30.0
 
     def __post_init__(self):
         if not 0 <= self.transfer_weight <= 1:
@@ -73,8 +76,9 @@ class RouterConfig:
         if self.load_weight < 0 or self.kv_usage_weight < 0:
             raise ValueError(f"load_weight and kv_usage_weight must be >= 0, got {self.load_weight}, "
                              f"{self.kv_usage_weight}")
-        if self.stale_after_s <= 0:
-            raise ValueError(f"stale_after_s must be positive, got {self.stale_after_s}")
+        if self.stale_after_s <= 0 or self.busy_grace_s < 0:
+            raise ValueError(f"stale_after_s must be positive and busy_grace_s >= 0, got {self.stale_after_s}, "
+                             f"{self.busy_grace_s}")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,11 @@ Contract:
 - Health: `check_health()` asks every worker's gRPC health service once and marks it healthy or unhealthy in its
   router (an unhealthy worker gets no new requests until it passes again); `run_health_checks(interval_s)` does that
   until cancelled (the gateway runs it as a background task). `on_health_change(address, healthy)` is called on
-  every transition.
+  every transition. Busy is not dead (`health_verdict`): SERVING is healthy; NOT_SERVING (its engine failed, or
+  it drains) and no connection (UNAVAILABLE, or a deadline on a channel that is not connected) are unhealthy at
+  once; a deadline on a connected channel is a busy worker, which keeps its standing until it has not answered
+  SERVING for `RouterConfig.busy_grace_s` (a worker stepping a long batch stays in the pool; one that never answers
+  again leaves it). `busy` counts the late answers of each worker.
 - Worker facts (protos/worker.proto `WorkerInfoService.Info`): `refresh_info()` asks every worker whose facts are
   not known (a new, or newly healthy, worker; bounded by `timeout_s`, a worker that does not answer stays unknown);
   `check_health` calls it after each round, `set_worker_addresses` after adding workers. `info` maps address ->
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -47,6 +52,19 @@ MAX_MESSAGE_BYTES = 16 << 20
 # A worker removed from its pool (service discovery) keeps its channel this long for the calls it still serves (s).
 RETIRED_CHANNEL_GRACE_S = 600.0
 ROLE_STUBS = {"decode": decode_pb2_grpc.DecodeServiceStub, "prefill": prefill_pb2_grpc.PrefillServiceStub}
+
+
+SERVING, NOT_SERVING, LATE, UNREACHABLE = "serving", "not_serving", "late", "unreachable"  # health answers
+
+
+def health_verdict(answer: str, healthy: bool, since_serving_s: float, busy_grace_s: float) -> bool:
+    """Whether a worker counts as healthy after one health `answer` (see the module docstring): `healthy` is its
+    standing before, `since_serving_s` how long ago it last answered SERVING."""
+    if answer == SERVING:
+        return True
+    if answer == LATE:
+        return healthy and since_serving_s <= busy_grace_s
+    return False
 
 
 class WorkerChannel:
@@ -89,6 +107,8 @@ class WorkerPool:
         self.subscriber_config = subscriber_config or SubscriberConfig(stale_after_s=router_config.stale_after_s)
         self.subscribers: dict[str, KVEventSubscriber] = {}
         self._events_started = False
+        self._serving_at: dict[str, float] = {}  # address -> when it last answered SERVING (time.monotonic())
+        self.busy: dict[str, int] = {}  # address -> health answers that came late on a connected channel
 
     def _members(self) -> dict[str, WorkerChannel]:
         return {**self.decoders, **self.prefillers}
@@ -168,6 +188,7 @@ class WorkerPool:
             if subscriber is not None:
                 await subscriber.stop()
             self.info.pop(address, None)
+            self._serving_at.pop(address, None)
             self._retire(workers.pop(address))
         if added:
             await self.refresh_info()  # a new worker's limit counts before the next health round
@@ -183,25 +204,31 @@ class WorkerPool:
 
     async def health(self, timeout_s: float = 1.0) -> dict[str, bool]:
         """address -> whether the worker reports SERVING."""
-        async def check(w: WorkerChannel) -> bool:
+        return {address: answer == SERVING for address, answer in (await self._answers(timeout_s)).items()}
+
+    async def _answers(self, timeout_s: float) -> dict[str, str]:
+        """address -> its health answer (`SERVING`, `NOT_SERVING`, `LATE`, `UNREACHABLE`)."""
+        async def check(w: WorkerChannel) -> str:
             try:
                 r = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-            except grpc.aio.AioRpcError:
-                return False
-            return r.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.aio.AioRpcError as exc:
+                connected = w.channel.get_state() == grpc.ChannelConnectivity.READY
+                return LATE if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and connected else UNREACHABLE
+            return SERVING if r.status == health_pb2.HealthCheckResponse.SERVING else NOT_SERVING
 
         workers = list(self._members().values())
-        results = await asyncio.gather(*(check(w) for w in workers))
-        return {w.address: ok for w, ok in zip(workers, results)}
+        answers = await asyncio.gather(*(check(w) for w in workers))
+        return {w.address: answer for w, answer in zip(workers, answers)}
 
     async def check_health(self, timeout_s: float = 1.0) -> dict[str, bool]:
         """Asks every worker once and updates the routers, then the facts of workers not known yet; returns
         address -> healthy."""
-        results = await self.health(timeout_s)
-        for address, ok in results.items():
+        results = {}
+        for address, answer in (await self._answers(timeout_s)).items():
             router = self.router_of(address)
             if address not in self._members():
                 continue  # removed from its pool while being checked
+            results[address] = ok = self._verdict(address, answer, router.is_healthy(address))
             if router.is_healthy(address) == ok:
                 continue
             if ok:
@@ -210,11 +237,22 @@ class WorkerPool:
             else:
                 router.mark_unhealthy(address)
                 self.info.pop(address, None)
-                log.warning("mesh worker %s failed its health check; routing around it", address)
+                log.warning("mesh worker %s failed its health check (%s); routing around it", address, answer)
             if self.on_health_change is not None:
                 self.on_health_change(address, ok)
         await self.refresh_info(timeout_s)
         return results
+
+    def _verdict(self, address: str, answer: str, healthy: bool) -> bool:
+        now = time.monotonic()
+        self._serving_at.setdefault(address, now)  # a worker never SERVING counts from its first check
+        if answer == SERVING:
+            self._serving_at[address] = now
+        elif answer == LATE:
+            self.busy[address] = self.busy.get(address, 0) + 1
+            log.info("mesh worker %s answered its health check late (busy); it stays in the pool", address)
+        since = now - self._serving_at.get(address, now)
+        return health_verdict(answer, healthy, since, self._router_config.busy_grace_s)
 
     async def run_health_checks(self, interval_s: float, timeout_s: float = 1.0) -> None:
         """`check_health` every `interval_s` seconds until cancelled."""

@@ -36,9 +36,9 @@ from prefill_service.config import PrefillServiceConfig  # noqa: F401 (re-export
 from protos import prefill_pb2, prefill_pb2_grpc
 from telemetry import tracing
 from telemetry.metrics import CounterSample, RequestTimer
-from worker.codec import FINISH_REASONS, generation_from_proto, logprob_to_proto, prompt_logprobs_to_proto
+from worker.codec import FINISH_REASONS, logprob_to_proto, prompt_logprobs_to_proto
 from worker.server import WorkerServer, offload_samples, start_worker_server, transfer_samples
-from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, call_deadline
+from worker.servicer import ENGINE_ERROR_STATUSES, WorkerServicer, decode_job
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class PrefillServicer(WorkerServicer, prefill_pb2_grpc.PrefillServiceServicer):
         timer = RequestTimer()
         worker: PrefillWorker = await self.admit(request.generation, context)
         try:
-            job = generation_from_proto(request.generation, call_deadline(context))
+            job = await decode_job(request, context)
             params = job.params
             result = await worker.prefill(job, request.handoff_ttl_ms / 1000 if request.handoff_ttl_ms else None)
         except self.handled_errors as exc:

@@ -8,12 +8,16 @@ Contract:
   `/metrics` server when `config.metrics_port` is set, begins loading the model and returns `(server, port)` at
   once. `await server.ready()` waits for the load and raises what it raised.
 - Loading (`WorkerServer._load`): `config.torch_threads` set, the `AsyncEngine` created (ids only:
-  `detokenize=False`, the gateway detokenises and matches stop strings once for the mesh), a `CacheClient` opened when
+  `detokenize=False`, the gateway detokenises and matches stop strings once for the mesh) and warmed up (its grammar
+  backend built, so the first structured request does not import xgrammar), a `CacheClient` opened when
   `config.cache_address` is set (trace context and `config.mesh_token` on its calls), the role's worker built
   (`make_worker`), the KV event stream started (worker/kv_events.py, `config.kv_events`), then SERVING.
 - Every worker also serves `KVEventService` (protos/kv_events.proto): the gateway's view of its prefix cache, and
   `WorkerInfoService` (protos/worker.proto, worker/info.py): its engine's context length, block size, speculation
   and parallel layout, set once the model is loaded.
+  Health is served on the gRPC event loop, never behind the step thread, and nothing heavy runs on that loop or on
+  the step thread (a request's structured-output spec is decoded on a thread, worker/servicer.py `decode_job`; its
+  grammar and images are prepared off the step thread by `AsyncEngine`), so a worker busy stepping answers in time.
   Health turns NOT_SERVING when the engine fails (`AsyncEngine.is_healthy`: its step loop died or, under tensor
   parallelism, a rank process is gone; checked every `ENGINE_WATCH_S`).
 - `stop(grace)`: NOT_SERVING first, new calls refused (`servicer.stopping`), a load in progress cancelled, the KV
@@ -149,6 +153,7 @@ class WorkerServer:
         t0 = time.perf_counter()
         # The gateway detokenises and matches stop strings for the mesh: the step thread streams ids only.
         self.engine = await AsyncEngine.create(dataclasses.replace(self.config.engine, detokenize=False))
+        await self.engine.warm_up()  # the grammar backend, off the step thread, before SERVING
         if self.config.cache_address:
             self.cache = CacheClient(self.config.cache_address, timeout_s=self.config.cache_timeout_s,
                                      max_message_bytes=self.config.max_message_bytes,

@@ -8,24 +8,38 @@ Contract:
 - `fail(context, exc)` ends the call with the status `error_statuses` gives `exc`'s class (first match):
   INVALID_ARGUMENT for `InvalidRequestError`, DEADLINE_EXCEEDED for `RequestTimeoutError`, UNAVAILABLE for
   `EngineDeadError`, plus what a role adds; `handled_errors` is the tuple to catch for it.
+- `await decode_job(request, context)`: the request's `generation` decoded (`worker.codec.generation_from_proto`,
+  with the call's deadline) on a thread at the lowest CPU priority — a structured-output spec is checked there (xgrammar's schema converter
+  may take seconds for a large schema), never on the event loop that answers health.
 - `call_deadline(context)` is the call's gRPC deadline as a `time.monotonic()` instant (None: no deadline), the
   form engine requests take.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import NoReturn
 
 import grpc
 
+from engine.background import background_executor
 from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
 from telemetry.context import bind_request_id, current_request_id
 from telemetry.metrics import WorkerMetrics
+from worker.codec import GenerationJob, generation_from_proto
 
 ENGINE_ERROR_STATUSES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT), (RequestTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE))
+
+
+_DECODE_POOL = background_executor(2, "kdamesh-decode-job")
+
+
+async def decode_job(request, context) -> GenerationJob:
+    return await asyncio.get_running_loop().run_in_executor(_DECODE_POOL, generation_from_proto, request.generation,
+                                                            call_deadline(context))
 
 
 def call_deadline(context) -> float | None:

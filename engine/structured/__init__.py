@@ -5,11 +5,14 @@ The package follows the seams of the work:
 - `schema`: JSON Schema checks and rewrites (the JSON-safe string patterns, K3's per-argument encoding plan);
 - `grammar`: the xgrammar structural tag of a request, in the bare, K3 (XTML) or K2 syntax;
 - `budget`: finishing within max_tokens (the steered way to the end) and the per-sequence `GrammarState`;
-- `backend`: `GrammarBackend`, one per engine — compiler, grammar cache, matchers and logits masks.
+- `backend`: `GrammarBackend`, one per engine — compiler, grammar cache, matchers and logits masks;
+- `requests`: `ConstrainedRequests`, the engine's bookkeeping of constrained requests and its compile threads.
 
-How the engine uses it (engine/core.py): `add_request` compiles the grammar (cached) and gives each sequence a
-matcher; each step fills the bitmasks of the constrained rows before the forward, masks their logits rows and
-advances each matcher with its sampled token. The gateway builds these parameters from OpenAI requests on its side
+How the engine uses it (engine/core.py): `AsyncEngine` first waits for the grammar, compiled on a compile thread
+(`requests.ConstrainedRequests.compile_async`), so the step thread never compiles; `add_request` then finds it in
+the cache (the synchronous `LLM` compiles it there) and gives each sequence a matcher; each step fills the bitmasks
+of the constrained rows before the forward, masks their logits rows and advances each matcher with its sampled
+token. The gateway builds these parameters from OpenAI requests on its side
 (gateway/plan.py) and sends them as `common.StructuredOutput`; worker/codec.py turns that into
 `StructuredOutputParams`.
 """

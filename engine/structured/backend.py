@@ -1,11 +1,13 @@
 """The grammar backend of one engine: xgrammar compiler and cache, per-sequence matchers, logits masks.
 
 Contract:
-- `GrammarBackend(tokenizer, vocab_size)` (one per engine, built lazily on the first structured request — xgrammar
-  is imported only then) compiles grammars (engine/structured/grammar.py) for one tokenizer with an LRU cache of
-  `GRAMMAR_CACHE_SIZE` keyed by `StructuredOutputParams.key`; a grammar that cannot be built raises
-  `InvalidRequestError`. `new_state(params, stop_token_ids)` makes one `GrammarState` (matcher) per sequence: after
-  the grammar completes only those stop tokens are allowed.
+- `GrammarBackend(tokenizer, vocab_size)` (one per engine, built on first use or by a worker before it serves —
+  xgrammar is imported only then) compiles grammars (engine/structured/grammar.py) for one tokenizer with an LRU
+  cache of `GRAMMAR_CACHE_SIZE` keyed by `StructuredOutputParams.key` (the canonical JSON of the schema or tools and
+  the options), shared by all requests; a grammar that cannot be built raises `InvalidRequestError`. `compile` is
+  thread-safe (engine/structured/requests.py runs it on compile threads); `is_cached(params)` says whether it would
+  return at once. `new_state(params, stop_token_ids)` makes one `GrammarState` (matcher) per sequence: after the
+  grammar completes only those stop tokens are allowed.
 - `fill(states, tokens_left) -> bitmask` [len(states), ceil(V/32)] int32 (CPU): row i allows what `states[i]`
   allows (all when None), narrowed by `BudgetSteering.fit` so the sequence still ends within `tokens_left[i]`
   (engine/structured/budget.py). `apply(logits, bitmask, rows)` sets the disallowed entries of `logits[rows]` to
@@ -57,6 +59,10 @@ class GrammarBackend:
         text = {c: tokenizer.token_to_id(c) for c in '"]},0{['}
         self._steering = BudgetSteering(xgr, vocab, self.eos_token_ids, self.marker_ids,
                                         {c: t for c, t in text.items() if t is not None})
+
+    def is_cached(self, params: StructuredOutputParams) -> bool:
+        with self._lock:
+            return params.key in self._cache
 
     def compile(self, params: StructuredOutputParams):
         """The compiled grammar (cached by `params.key`); InvalidRequestError when it cannot be built."""

@@ -4,8 +4,14 @@ Contract:
 - `ImageInput(offset, length, hash, data)` is a `MediaSpan` (so `BlockHasher` mixes `hash` into every block the
   span overlaps) plus the encoded image bytes.
 - `check_images` decodes each image fully (so a corrupt file fails admission, not a step) but preprocesses
-  nothing: the runner resizes and normalises an image only when the encoder cache misses it.
-- `check_images(token_ids, images, pad_id, config)` -> the images with their preprocessed pixels; raises
+  nothing: the runner resizes and normalises an image only when the encoder cache misses it. An image
+  `MediaSetup.encode_ahead` returned (it carries `config`) was decoded and checked there: only its span is checked.
+- `MediaSetup.encode_ahead(images)` is the heavy part done OFF the step thread (`AsyncEngine` runs it on a media
+  thread before the request reaches the engine): each image decoded once (the decode limits of
+  engine/vision/processor.py), checked against its span length and — unless the encoder cache holds it —
+  preprocessed and run through the encoder, its rows carried on the returned `ImageInput.rows`; `prepare` then only stores them in the encoder cache, so a step never
+  decodes or encodes that image. Raises `InvalidRequestError` as `check_images` does.
+- `check_images(token_ids, images, pad_id, config)` -> the images, each carrying the config; raises
   `InvalidRequestError` (param `messages`) when a span leaves the prompt, overlaps another, covers a token other
   than `pad_id`, when a pad token lies (with images, or without any for a model that takes them) outside every span, when an image has no bytes or does not decode
   (`ImageInputError`'s message), or when its feature rows differ from its span length.
@@ -19,6 +25,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,7 +42,8 @@ from engine.vision.processor import (ImageInputError, ProcessorConfig, decode_im
 @dataclass(frozen=True)
 class ImageInput(MediaSpan):
     data: bytes = b""
-    config: ProcessorConfig | None = field(default=None, compare=False, repr=False)  # set by check_images
+    config: ProcessorConfig | None = field(default=None, compare=False, repr=False)  # set once checked
+    rows: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [length, E], by encode_ahead
 
 
 def check_images(token_ids: Sequence[int], images: Sequence[ImageInput], pad_id: int | None,
@@ -48,7 +56,8 @@ def check_images(token_ids: Sequence[int], images: Sequence[ImageInput], pad_id:
     if pad_id is None:
         raise InvalidRequestError("this model takes no images", param="messages")
     _check_spans(token_ids, images, pad_id)
-    return tuple(_checked(image, n, config) for n, image in enumerate(images))
+    return tuple(image if image.config is not None else _checked(image, n, config)[0]
+                 for n, image in enumerate(images))
 
 
 def _check_spans(token_ids: Sequence[int], images: Sequence[ImageInput], pad_id: int) -> None:
@@ -66,18 +75,19 @@ def _check_spans(token_ids: Sequence[int], images: Sequence[ImageInput], pad_id:
         raise InvalidRequestError("the prompt has media pad tokens outside every image", param="messages")
 
 
-def _checked(image: ImageInput, n: int, config: ProcessorConfig) -> ImageInput:
+def _checked(image: ImageInput, n: int, config: ProcessorConfig):
+    """-> (the image carrying `config`, its decoded PIL image)."""
     if not image.data:
         raise InvalidRequestError(f"image {n} has no data", param="messages")
     try:
-        size = decode_image(image.data, config).size
+        decoded = decode_image(image.data, config)
     except ImageInputError as exc:
         raise InvalidRequestError(f"image {n}: {exc}", param="messages") from None
-    rows = plan_resize(*size, config).feature_rows
+    rows = plan_resize(*decoded.size, config).feature_rows
     if rows != image.length:
         raise InvalidRequestError(f"image {n} has {rows} feature rows; its span has {image.length} pad tokens",
                                   param="messages")
-    return ImageInput(image.offset, image.length, image.hash, image.data, config)
+    return ImageInput(image.offset, image.length, image.hash, image.data, config), decoded
 
 
 def _pixels(images: Sequence[ImageInput]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,8 +116,21 @@ class MediaFeeder:
                     seen.setdefault(image.hash, image)
         return list(seen.values())
 
+    def encode(self, image: ImageInput, n: int, config: ProcessorConfig) -> ImageInput:
+        """One image decoded, checked, preprocessed and encoded (any thread: it only asks the cache whether it holds
+        the image, and then neither preprocesses nor encodes it)."""
+        checked, decoded = _checked(image, n, config)
+        if image.hash in self.cache:  # seen before: the step finds its rows (or, evicted meanwhile, encodes it)
+            return checked
+        pixel_values, grid_thws = to_tensors([preprocess(decoded, config)])  # [L, 3, p, p], [1, 3]
+        rows = self.encoder(pixel_values.to(self.encoder.dtype), grid_thws)  # [length, E]
+        return dataclasses.replace(checked, rows=rows)
+
     def prepare(self, pieces) -> None:
         todo = [image for image in self._touched(pieces) if image.hash not in self.cache]
+        for image in [image for image in todo if image.rows is not None]:  # encoded ahead, off the step thread
+            self.cache.put(image.hash, image.rows)
+        todo = [image for image in todo if image.rows is None]
         if not todo:
             return
         pixel_values, grid_thws = _pixels(todo)  # [ΣL, 3, p, p], [N, 3]
@@ -136,6 +159,8 @@ class MediaFeeder:
 
     def _rows(self, image: ImageInput) -> torch.Tensor:
         rows = self.cache.get(image.hash)
+        if rows is None:
+            rows = image.rows
         if rows is None:  # evicted since `prepare` (a budget below one step's images): encode it alone
             pixel_values, grid_thws = _pixels([image])
             rows = self.encoder(pixel_values.to(self.encoder.dtype), grid_thws)  # [rows, E]
@@ -150,6 +175,12 @@ class MediaSetup:
     feeder: MediaFeeder | None
     processor: ProcessorConfig
     pad_id: int | None
+
+    def encode_ahead(self, images: Sequence[ImageInput]) -> tuple[ImageInput, ...]:
+        """The images decoded, checked and encoded (see the module docstring); as given for a text-only model."""
+        if self.feeder is None:
+            return tuple(images)  # the engine refuses them (`check_images`)
+        return tuple(self.feeder.encode(image, n, self.processor) for n, image in enumerate(images))
 
 
 def load_media(model_dir, load_config, pad_id: int | None, cache_bytes: int) -> MediaSetup:

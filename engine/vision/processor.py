@@ -6,8 +6,11 @@ Contract:
   reads it (released defaults when the file is absent). `media_proc_cfg()` writes the released form back.
 - `decode_image(data, config)`: raw bytes, a base64 `data:` URL or a PIL image -> a decoded PIL image (first frame,
   original mode; no EXIF rotation, as the official code). Every bad input raises `ImageInputError` with a `reason`
-  (`not_an_image`, `truncated`, `bad_dimensions`, `too_many_pixels`, `too_many_bytes`) and a message; sizes are
-  checked from the header, before any pixel is decoded.
+  (`not_an_image`, `truncated`, `bad_dimensions`, `too_many_pixels`, `too_many_bytes`, `too_many_decoded_bytes`,
+  `too_slow`) and a message; sizes and the decoded bytes (`decoded_bytes`: the pixels in Pillow's layout plus their
+  RGB conversion, against `max_decoded_bytes`) are checked from the header, before any pixel is decoded; a decode
+  that took more than `max_decode_s` CPU seconds is refused after it (Pillow cannot be interrupted: the engine decodes off
+  its step thread, engine/vision/feed.py).
 - `preprocess(image, config) -> ProcessedImage`: colour conversion exactly as the official code (with no
   `transparent_bg_config`: Pillow's `convert("RGB")`, so alpha is dropped and palettes / grayscale expand;
   with one: alpha composited over the configured background, before or after the resize), the resize plan
@@ -32,6 +35,7 @@ import binascii
 import io
 import json
 import math
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +47,10 @@ from PIL import Image, UnidentifiedImageError
 PROCESSOR_FILE = "preprocessor_config.json"
 FILL_STAGES = ("before_resize", "after_resize")
 PATTERNS = ("white", "black", "gray", "chessboard")
-REASONS = ("not_an_image", "truncated", "bad_dimensions", "too_many_pixels", "too_many_bytes")
+REASONS = ("not_an_image", "truncated", "bad_dimensions", "too_many_pixels", "too_many_bytes", "too_many_decoded_bytes",
+           "too_slow")
+# Bytes per pixel Pillow holds a decoded image in (its internal layout: 1, 2 or 4), by mode; others: 4.
+_PIXEL_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2}
 
 
 class ImageInputError(ValueError):
@@ -81,6 +88,10 @@ class ProcessorConfig:
     max_pixels: int = 8192 * 8192
     max_side: int = 32768
     max_aspect_ratio: float = 200.0
+    # What decoding may cost: the decoded image plus its RGB conversion (Pillow keeps RGB at 4 bytes a pixel), and
+    # the CPU time of decoding the pixels (an 81 KiB all-zero PNG can declare 8000x8000).
+    max_decoded_bytes: int = 8192 * 8192 * 8
+    max_decode_s: float = 10.0
     extra: dict = field(default_factory=dict, compare=False, repr=False)  # media_proc_cfg keys kept verbatim
 
     @classmethod
@@ -148,11 +159,30 @@ def decode_image(data: bytes | str | Image.Image, config: ProcessorConfig) -> Im
     except (SyntaxError, ValueError, OSError) as exc:
         raise ImageInputError("not_an_image", f"the image header is invalid: {exc}") from exc
     _check_size(image.size, config)
+    _check_decoded_bytes(image, config)
+    started = time.thread_time()  # CPU time: a loaded machine or a low-priority thread does not change it
     try:
         image.load()
     except (OSError, SyntaxError, ValueError) as exc:
         raise ImageInputError("truncated", f"{image.format} image is truncated or corrupt: {exc}") from exc
+    took = time.thread_time() - started
+    if took > config.max_decode_s:
+        raise ImageInputError("too_slow", f"decoding the {image.width}x{image.height} image took {took:.1f} CPU "
+                                          f"seconds, over the limit of {config.max_decode_s:g} s")
     return image
+
+
+def decoded_bytes(image: Image.Image) -> int:
+    """Memory decoding `image` takes: its pixels in Pillow's layout plus their RGB conversion (4 bytes a pixel)."""
+    return image.width * image.height * (_PIXEL_BYTES.get(image.mode, 4) + 4)
+
+
+def _check_decoded_bytes(image: Image.Image, config: ProcessorConfig) -> None:
+    need = decoded_bytes(image)
+    if need > config.max_decoded_bytes:
+        raise ImageInputError("too_many_decoded_bytes", f"the {image.width}x{image.height} {image.mode} image "
+                                                        f"decodes to {need} bytes, over the limit of "
+                                                        f"{config.max_decoded_bytes}")
 
 
 def _raw_bytes(data: bytes | str, config: ProcessorConfig) -> bytes:

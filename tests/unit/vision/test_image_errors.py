@@ -1,6 +1,7 @@
 """Bad images: every kind raises `ImageInputError` (a `ValueError`) with its `reason` and a message that says what is
-wrong; sizes are refused from the header alone (a crafted 9000 × 9000 PNG header with no pixel data is refused as
-too many pixels, not as truncated), so nothing large is ever decoded."""
+wrong; sizes and decoded bytes are refused from the header alone (a crafted 9000 × 9000 PNG header with no pixel
+data is refused as too many pixels, not as truncated), so nothing large is ever decoded; a decode slower than
+`max_decode_s` is refused (the default limits admit these images: `test_good_inputs_decode`, the negative control)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ CASES = [
     ("pixel limit", PNG, ProcessorConfig(max_pixels=1000), "too_many_pixels", "over the limit of 1000"),
     ("too many bytes", PNG, ProcessorConfig(max_image_bytes=100), "too_many_bytes", "over the limit of 100 bytes"),
     ("data url too big", _data_url(PNG), ProcessorConfig(max_image_bytes=100), "too_many_bytes", "100 bytes"),
+    # 8000 x 8000 RGB from its header: 4 bytes a pixel in Pillow plus 4 for the RGB conversion
+    ("decoded bytes", _png_header(8000, 8000), ProcessorConfig(max_decoded_bytes=500_000_000),
+     "too_many_decoded_bytes", "decodes to 512000000 bytes, over the limit of 500000000"),
+    ("decode time", PNG, ProcessorConfig(max_decode_s=1e-9), "too_slow", "over the limit of 1e-09 s"),
 ]
 
 
@@ -67,6 +72,7 @@ def test_every_reason_is_covered():
 
 
 def test_good_inputs_decode():
+    assert CONFIG.max_decoded_bytes >= 8000 * 8000 * 8 and CONFIG.max_decode_s >= 1  # the cases above pass these
     for data in (PNG, JPEG, _data_url(PNG), _data_url(JPEG, "image/jpeg"), make_image("RGBA", 5, 5, 1)):
         image = decode_image(data, CONFIG)
         assert image.size in ((64, 48), (5, 5))
