@@ -172,6 +172,9 @@ class EngineGauges:
     queue_time: BucketCounts | None = None  # the engine's cumulative request phase histograms (telemetry.vllm)
     prefill_time: BucketCounts | None = None
     decode_time: BucketCounts | None = None
+    inference_time: BucketCounts | None = None
+    iteration_tokens: BucketCounts | None = None  # tokens per engine step
+    cache_config: tuple[tuple[str, str], ...] = ()  # vllm:cache_config_info's labels (empty: no series)
     spec_num_drafts: int = 0  # speculative decoding (cumulative; telemetry.vllm's vllm:spec_decode_* series)
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
