@@ -8,7 +8,8 @@ Contract:
 - `GET /health`: `{"status", "workers": {address: serving}}` — 200 "ok" when every mesh worker reports SERVING,
   200 "degraded" when some do not but a decode worker does (requests are routed around the others), else 503
   "unavailable".
-  `GET /metrics`: Prometheus text format (gateway/metrics.py).
+  `GET /metrics`: Prometheus text format (gateway/metrics.py): the gateway's series and its workers'; `HEAD
+  /metrics` and `HEAD /health` answer as GET without a body (scrapers such as aiperf probe with HEAD).
 - With API keys configured (`KDAMESH_API_KEYS`, `--api-keys-file`) every endpoint but `/health` needs
   `Authorization: Bearer <key>` (401 otherwise) — `/metrics` and the docs (`/openapi.json`, `/docs`, `/redoc`)
   too, unless `--public-metrics` / `--public-docs` open them; without keys the gateway is open (logged at start-up).
@@ -74,6 +75,7 @@ _FASTAPI_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs":
                       if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 SCHEMA_REF = "#/components/schemas/{model}"
 DOCS = ("/openapi.json", "/docs", "/redoc")
+HEAD_TOO = ("/metrics", "/health")  # GET routes that probes reach with HEAD
 # (method, path, handler): the request bodies of the POST routes are documented from REQUEST_BODIES
 ROUTES = (("GET", "/health", rest_routes.health), ("GET", "/metrics", rest_routes.prometheus),
           ("GET", "/openapi.json", rest_routes.openapi_json), ("GET", "/docs", rest_routes.swagger_docs),
@@ -108,7 +110,8 @@ def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer:
     _add_error_handlers(app)
     for method, path, handler in ROUTES:
         body = _request_body(REQUEST_BODIES[path]) if path in REQUEST_BODIES else None
-        app.add_api_route(path, handler, methods=[method], openapi_extra=body, include_in_schema=path not in DOCS)
+        methods = [method, "HEAD"] if path in HEAD_TOO else [method]
+        app.add_api_route(path, handler, methods=methods, openapi_extra=body, include_in_schema=path not in DOCS)
     app.openapi = lambda: _openapi(app)
     return app
 
