@@ -28,7 +28,8 @@ Contract:
   `POST /detokenize` (`tokens`) -> `{"prompt"}` (vLLM's shapes); `GET /tokenizer_info` (the tokenizer's config,
   gateway/info.py) and `GET /version` (`{"version"}`, no API key needed), as vLLM.
 - `GET /openapi.json` documents every endpoint, with the request body schema of each POST endpoint (the pydantic
-  models that validate them, `gateway.protocol.REQUEST_BODIES`).
+  models that validate them, `gateway.protocol.REQUEST_BODIES`) and every status and media type it answers with
+  (gateway/openapi_responses.py).
 - Errors use the OpenAI envelope `{"error": {"message", "type", "param", "code"}}`: a body not declared
   `application/json` 415, malformed JSON (or nested deeper than 64) or fields 400 (strict JSON types; numbers in
   the ranges of the mesh's fields), a request over a per-request cap 400 (prompts, n × prompts) or 413 (prompt
@@ -62,6 +63,7 @@ from gateway import rest_routes
 from gateway.config import MODES, GatewayConfig  # noqa: F401  (re-exported: deploy/serve.py, tests)
 from gateway.core import GatewayCore
 from gateway.mesh_client import MeshClient
+from gateway.openapi_responses import response_class, route_responses
 from gateway.protocol import REQUEST_BODIES, ApiError
 from gateway.rest_guard import ContainErrors
 from gateway.rest_io import ShutdownClock
@@ -110,8 +112,9 @@ def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer:
     _add_error_handlers(app)
     for method, path, handler in ROUTES:
         body = _request_body(REQUEST_BODIES[path]) if path in REQUEST_BODIES else None
-        methods = [method, "HEAD"] if path in HEAD_TOO else [method]
-        app.add_api_route(path, handler, methods=methods, openapi_extra=body, include_in_schema=path not in DOCS)
+        for verb in (method, "HEAD") if path in HEAD_TOO else (method,):
+            app.add_api_route(path, handler, methods=[verb], openapi_extra=body, include_in_schema=path not in DOCS,
+                              response_class=response_class(path), responses=route_responses(verb, path))
     app.openapi = lambda: _openapi(app)
     return app
 
