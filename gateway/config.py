@@ -20,7 +20,8 @@ Contract:
 - `media_fetch()` is the image URL policy (gateway/media_fetch.py): `--allowed-media-domains`,
   `--allowed-local-media-path` (both unset: only data: URLs), `--media-fetch-timeout-s`.
 - `public_docs` / `public_metrics`: with API keys configured, `/openapi.json`, `/docs`, `/redoc` (and `/metrics`)
-  need a key too unless these open them.
+  need a key too unless these open them. `relay_worker_metrics` (default on): `/metrics` carries the workers'
+  series too (gateway/worker_metrics.py); off where Prometheus scrapes every worker, which would count them twice.
 """
 
 from __future__ import annotations
@@ -149,6 +150,9 @@ class GatewayConfig:
                                help="serve /openapi.json, /docs, /redoc without a key")
     public_metrics: bool = option("--public-metrics", default=False, kind="switch",
                                   help="serve /metrics without a key")
+    relay_worker_metrics: bool = option("--relay-worker-metrics", default=True, kind="toggle",
+                                        help="/metrics also carries the workers' series, scraped over gRPC "
+                                             "(--no-relay-worker-metrics where Prometheus scrapes every worker)")
     # Output parsers (vLLM flags): None leaves the model's text as content.
     tool_call_parser: str | None = option("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS))
     reasoning_parser: str | None = option("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS))

@@ -123,3 +123,36 @@ def test_gateway_page_has_its_own_and_the_workers_series():
                                                              ("worker", a)}))] == 4
     assert samples[("kdamesh_gateway_worker_scrape_up", frozenset({("pool", "decode"), ("address", a)}))] == 1
     assert ("vllm:prompt_tokens_total", frozenset({("model_name", "m")})) in samples  # the gateway's own
+
+
+def test_the_route_relays_unless_told_not_to(tmp_path):
+    """GET /metrics of the app: the worker's series with the default config, none with
+    `--no-relay-worker-metrics` (relay_worker_metrics=False)."""
+    import json
+    from types import SimpleNamespace
+
+    import httpx
+
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k3"}))
+
+    async def page(relay: bool) -> str:
+        server, a = await _server(MetricsServicer(_registry(3)))
+        channel = grpc.aio.insecure_channel(a)
+        try:
+            mesh = SimpleNamespace(decoders={a: SimpleNamespace(channel=channel)}, prefillers={})
+            config = GatewayConfig(model=str(tmp_path), decode_addresses=(a,), mode="colocated",
+                                   relay_worker_metrics=relay)
+            app = create_app(config, mesh=mesh)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
+                reply = await http.get("/metrics")
+                assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+                return reply.text
+        finally:
+            await channel.close()
+            await server.stop(0)
+
+    assert "vllm:num_requests_running{" in asyncio.run(page(True))
+    assert "vllm:num_requests_running" not in asyncio.run(page(False))
