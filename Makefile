@@ -1,7 +1,9 @@
 # kdamesh: two commands on a fresh machine.
 #   make serve   — the whole mesh on localhost with the embedded defaults (flags: make serve ARGS="...")
-#   make test    — ruff (make lint), then the test suite
-# Both install into .venv first (torch pinned to the CPU wheel 2.13.0, installed before the project).
+#   make test    — ruff (make lint), then the test suite; the suite starts the Redis and the 3-master Redis Cluster
+#                  it needs when none runs and stops them after (tests/conftest.py), so no Redis has to be running
+# Both install into .venv first (torch pinned to the CPU wheel 2.13.0, installed before the project); make test also
+# installs redis-server >= 7 from the system's packages when it is not on PATH (make redis-tools).
 
 PY ?= python3
 VENV ?= .venv
@@ -9,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LLMC_VERSION ?= 0.14.0.1
 
-.PHONY: install lint test test-fast serve bench clean protos
+.PHONY: install lint test test-fast serve bench clean protos redis-tools
 
 install: $(STAMP)
 
@@ -26,7 +28,16 @@ $(STAMP): pyproject.toml
 lint: install
 	$(BIN)/ruff check .
 
-test: install
+# redis-server >= 7 and redis-cli on PATH (the cache service uses PEXPIRE ... GT); apt-get as root or through sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+redis-tools:
+	@if ! redis-server --version 2>/dev/null | grep -Eq 'v=([7-9]|[1-9][0-9])\.' || ! command -v redis-cli >/dev/null; then \
+	  command -v apt-get >/dev/null || { echo "make test needs redis-server >= 7 and redis-cli on PATH"; exit 1; }; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server >/dev/null; \
+	fi
+	@redis-server --version
+
+test: install redis-tools
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2
 from opentelemetry.trace import TracerProvider
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from cache_service.config import CacheServiceConfig
 from cache_service.kv_stream import KVEventPublisher, StoreEventSource, serve_subscription
@@ -49,7 +49,7 @@ from cache_service.store_factory import make_store
 from protos import cache_pb2, cache_pb2_grpc, kv_events_pb2_grpc
 from telemetry.grpc_server import start_grpc_server
 from telemetry import tracing
-from telemetry.metrics import RpcMetrics
+from telemetry.metrics import MetricsServer, RpcMetrics, metrics_host, start_metrics_server
 from telemetry.rpc import server_interceptors
 
 __all__ = ["SERVICE_NAME", "CacheServer", "CacheServiceConfig", "serve"]
@@ -69,12 +69,12 @@ class CacheServer:
     health: object  # the health servicer
     metrics: CacheMetrics
     executor: ThreadPoolExecutor
-    metrics_http: tuple | None = None  # (HTTP server, its thread) of /metrics
+    metrics_http: MetricsServer | None = None  # /metrics (GET and HEAD)
     kv_events: KVEventPublisher | None = None  # None: the backend publishes no KV events
 
     @property
     def metrics_port(self) -> int | None:
-        return None if self.metrics_http is None else self.metrics_http[0].server_port
+        return None if self.metrics_http is None else self.metrics_http.port
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """NOT_SERVING, then stop accepting calls and give those in flight `grace` seconds, then close the store."""
@@ -85,8 +85,7 @@ class CacheServer:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.store.close()
         if self.metrics_http is not None:
-            self.metrics_http[0].shutdown()
-            self.metrics_http[0].server_close()
+            self.metrics_http.close()
 
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
@@ -135,9 +134,8 @@ async def _start(config: CacheServiceConfig, store: Store, executor: ThreadPoolE
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics_http = None
     if config.metrics_port is not None:
-        host = config.address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
         try:
-            metrics_http = start_http_server(config.metrics_port, addr=host, registry=metrics.registry)
+            metrics_http = start_metrics_server(config.metrics_port, metrics_host(config.address), metrics.registry)
         except BaseException:
             await server.stop(0)
             raise

@@ -274,6 +274,7 @@ class EngineCore:
         out = self._schedule()
         if not out.is_empty:
             self.num_steps += 1
+            self.phase_times.observe_step(out.num_tokens)
             self.update_from_output(out, self._execute(out))
         return self._collect_outputs()
 

@@ -10,6 +10,9 @@ Contract:
   decode = last_token - first_token. So that a request handed from a prefill engine to a decode engine is counted
   once per phase across the two: a resumed sequence adds only decode (last_token - scheduled: its load and its
   new tokens), a handed-off one only queue and prefill. A phase whose stamps are missing (aborted early) is skipped.
+  A fourth, inference = last_token - scheduled (vLLM's prefill + decode), is what the sequence ran in this engine.
+- `observe_step(num_tokens)` adds one engine step's scheduled tokens to the iteration histogram
+  (`ITERATION_TOKEN_BUCKETS`, vLLM's `vllm:iteration_tokens_total`).
 - `snapshot()` is an immutable `PhaseSnapshot` (the step thread publishes it with the engine's stats).
 """
 
@@ -19,7 +22,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from telemetry.vllm import REQUEST_LATENCY_BUCKETS  # vLLM's boundaries of the request phase histograms
+from telemetry.vllm import ITERATION_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS  # vLLM's boundaries
 
 
 @dataclass
@@ -56,6 +59,8 @@ class PhaseSnapshot:
     queue: HistogramSnapshot
     prefill: HistogramSnapshot
     decode: HistogramSnapshot
+    inference: HistogramSnapshot
+    iteration_tokens: HistogramSnapshot
 
 
 class _Histogram:
@@ -78,10 +83,17 @@ class PhaseTimes:
 
     def __init__(self, bounds: tuple[float, ...] = REQUEST_LATENCY_BUCKETS):
         self.queue, self.prefill, self.decode = _Histogram(bounds), _Histogram(bounds), _Histogram(bounds)
+        self.inference = _Histogram(bounds)
+        self.iteration_tokens = _Histogram(ITERATION_TOKEN_BUCKETS)
+
+    def observe_step(self, num_tokens: int) -> None:
+        self.iteration_tokens.observe(num_tokens)
 
     def observe(self, t: RequestTimes) -> None:
         if t.scheduled is None:
             return
+        if t.last_token is not None:
+            self.inference.observe(t.last_token - t.scheduled)
         if t.resumed:
             if t.last_token is not None:
                 self.decode.observe(t.last_token - t.scheduled)
@@ -94,4 +106,5 @@ class PhaseTimes:
             self.decode.observe(t.last_token - t.first_token)
 
     def snapshot(self) -> PhaseSnapshot:
-        return PhaseSnapshot(self.queue.snapshot(), self.prefill.snapshot(), self.decode.snapshot())
+        return PhaseSnapshot(self.queue.snapshot(), self.prefill.snapshot(), self.decode.snapshot(),
+                             self.inference.snapshot(), self.iteration_tokens.snapshot())

@@ -8,7 +8,8 @@ Contract:
 - `GET /health`: `{"status", "workers": {address: serving}}` — 200 "ok" when every mesh worker reports SERVING,
   200 "degraded" when some do not but a decode worker does (requests are routed around the others), else 503
   "unavailable".
-  `GET /metrics`: Prometheus text format (gateway/metrics.py).
+  `GET /metrics`: Prometheus text format (gateway/metrics.py): the gateway's series and its workers'; `HEAD
+  /metrics` and `HEAD /health` answer as GET without a body (scrapers such as aiperf probe with HEAD).
 - With API keys configured (`KDAMESH_API_KEYS`, `--api-keys-file`) every endpoint but `/health` needs
   `Authorization: Bearer <key>` (401 otherwise) — `/metrics` and the docs (`/openapi.json`, `/docs`, `/redoc`)
   too, unless `--public-metrics` / `--public-docs` open them; without keys the gateway is open (logged at start-up).
@@ -31,7 +32,8 @@ Contract:
   error envelope, `x-api-key`), both translated onto the chat path; the store of `store: true` responses is
   `app.state.responses` (`--responses-store-size`, `--responses-store-mib`).
 - `GET /openapi.json` documents every endpoint, with the request body schema of each POST endpoint (the pydantic
-  models that validate them, `BODIES`: `gateway.protocol.REQUEST_BODIES` and the translated APIs').
+  models that validate them, `BODIES`: `gateway.protocol.REQUEST_BODIES` and the translated APIs') and every status
+  and media type it answers with (gateway/openapi_responses.py).
 - Errors use the OpenAI envelope `{"error": {"message", "type", "param", "code"}}`: a body not declared
   `application/json` 415, malformed JSON (or nested deeper than 64) or fields 400 (strict JSON types; numbers in
   the ranges of the mesh's fields), a request over a per-request cap 400 (prompts, n × prompts) or 413 (prompt
@@ -67,6 +69,7 @@ from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
 from gateway.config import MODES, GatewayConfig  # noqa: F401  (re-exported: deploy/serve.py, tests)
 from gateway.core import GatewayCore
 from gateway.mesh_client import MeshClient
+from gateway.openapi_responses import response_class, route_responses
 from gateway.protocol import REQUEST_BODIES, ApiError
 from gateway.responses import routes as responses_routes
 from gateway.responses.protocol import ResponsesRequest
@@ -83,6 +86,7 @@ _FASTAPI_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs":
                       if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 SCHEMA_REF = "#/components/schemas/{model}"
 DOCS = ("/openapi.json", "/docs", "/redoc")
+HEAD_TOO = ("/metrics", "/health")  # GET routes that probes reach with HEAD
 # (method, path, handler): the request bodies of the POST routes are documented from REQUEST_BODIES
 ROUTES = (("GET", "/health", rest_routes.health), ("GET", "/metrics", rest_routes.prometheus),
           ("GET", "/openapi.json", rest_routes.openapi_json), ("GET", "/docs", rest_routes.swagger_docs),
@@ -126,7 +130,9 @@ def create_app(config: GatewayConfig, mesh: MeshClient | None = None, tokenizer:
     _add_error_handlers(app)
     for method, path, handler in ROUTES:
         body = _request_body(BODIES[path]) if path in BODIES and method == "POST" else None
-        app.add_api_route(path, handler, methods=[method], openapi_extra=body, include_in_schema=path not in DOCS)
+        for verb in (method, "HEAD") if path in HEAD_TOO else (method,):
+            app.add_api_route(path, handler, methods=[verb], openapi_extra=body, include_in_schema=path not in DOCS,
+                              response_class=response_class(path), responses=route_responses(verb, path))
     app.openapi = lambda: _openapi(app)
     return app
 

@@ -63,6 +63,7 @@ class ChatRun(Run):
                  salt: bytes, api: str, trace: RequestTrace | None = None):
         super().__init__(context, principal, lease, request_id, len(plan.prompt_ids), api, trace)
         self.plan = plan
+        self.sampling = plan.sampling
         self.salt = salt
         self.stream = plan.request.stream
         self.include_usage = plan.request.include_usage

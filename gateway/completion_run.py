@@ -34,6 +34,7 @@ class CompletionRun(Run):
                  request_id: str, salt: bytes, api: str, trace: RequestTrace | None = None):
         super().__init__(context, principal, lease, request_id, sum(len(p) for p in job.prompts), api, trace)
         self.job = job
+        self.sampling = job.sampling
         self.salt = salt
         self.n = job.request.n  # choices per prompt
         self.stream = job.request.stream

@@ -23,7 +23,8 @@ Contract:
   Responses API responses the gateway keeps in memory, in how many MiB (gateway/responses/store.py); 0 responses
   turns the store off.
 - `public_docs` / `public_metrics`: with API keys configured, `/openapi.json`, `/docs`, `/redoc` (and `/metrics`)
-  need a key too unless these open them.
+  need a key too unless these open them. `relay_worker_metrics` (default on): `/metrics` carries the workers'
+  series too (gateway/worker_metrics.py); off where Prometheus scrapes every worker, which would count them twice.
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ class GatewayConfig:
                                help="serve /openapi.json, /docs, /redoc without a key")
     public_metrics: bool = option("--public-metrics", default=False, kind="switch",
                                   help="serve /metrics without a key")
+    relay_worker_metrics: bool = option("--relay-worker-metrics", default=True, kind="toggle",
+                                        help="/metrics also carries the workers' series, scraped over gRPC "
+                                             "(--no-relay-worker-metrics where Prometheus scrapes every worker)")
     # Output parsers (vLLM flags): None leaves the model's text as content.
     tool_call_parser: str | None = option("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS))
     reasoning_parser: str | None = option("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS))

@@ -21,13 +21,20 @@ Contract:
   are observed by `observe_run` once per run that reached the engine (a finished choice or an output token); a
   request refused or failed before any output is not among them, as vLLM's engine never saw it. The workers
   expose the engine-level `vllm:` series, so no request is counted twice across the mesh.
+- The workers' own series (engine gauges, `vllm:` engine series, the `kdamesh_prefill_*` / `kdamesh_decode_*`
+  series, whatever a worker exposes) follow the gateway's on the same `/metrics`, labelled `pool` and `worker`
+  (gateway/worker_metrics.py): `await render_mesh(pools)` scrapes the workers over gRPC within a short deadline
+  (a dead worker delays the page by at most that) and renders both; `kdamesh_gateway_worker_scrape_up{pool,
+  address}` says whose series are current.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from telemetry.metrics import REQUEST_DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, render
+from gateway.worker_metrics import Pools, ScrapeSettings, WorkerSeries
 from telemetry.vllm import VllmRequestMetrics, finished_reason
 
 __all__ = ["E2E_BUCKETS", "TPOT_BUCKETS", "TTFT_BUCKETS", "GatewayMetrics"]
@@ -36,9 +43,12 @@ E2E_BUCKETS = REQUEST_DURATION_BUCKETS  # gen_ai.server.request.duration
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = ""):
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "",
+                 scrape: ScrapeSettings = ScrapeSettings()):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        self.workers = WorkerSeries(scrape)
+        r.register(_ScrapeUp(self.workers))
         self.vllm = VllmRequestMetrics(r, model_name)
         p = "kdamesh_gateway_"
         self.requests = Counter(p + "requests_total", "Requests answered, by API, endpoint and status",
@@ -79,13 +89,36 @@ class GatewayMetrics:
             self.e2e.labels(endpoint).observe(max(0.0, last - start))
 
     def observe_run(self, finish_reasons: list[str], prompt_tokens: int, generation_tokens: int, start: float,
-                    first: float | None, last: float | None, num_tokens: int) -> None:
+                    first: float | None, last: float | None, num_tokens: int, n: int = 1,
+                    max_tokens: int | None = None) -> None:
         """vLLM's request-level series for one closed run (see the module docstring); a run with no finished
         choice but some output was cut short ("abort"); the reason is that of its first finished choice."""
         if not finish_reasons and first is None:
             return
         reason = finished_reason(finish_reasons[0]) if finish_reasons else "abort"
-        self.vllm.observe(reason, prompt_tokens, generation_tokens, start, first, last, num_tokens)
+        self.vllm.observe(reason, prompt_tokens, generation_tokens, start, first, last, num_tokens, n, max_tokens)
 
     def render(self) -> tuple[bytes, str]:
+        """The gateway's own series only (see `render_mesh`)."""
         return render(self.registry)
+
+    async def render_mesh(self, pools: Pools) -> tuple[bytes, str]:
+        """The gateway's series, then its workers' (scraped now, each within the scrape deadline)."""
+        await self.workers.refresh(pools)
+        own = {family.name for family in self.registry.collect()}
+        body, content_type = render(self.registry)
+        return body + self.workers.render(exclude=own), content_type
+
+
+class _ScrapeUp:
+    """`kdamesh_gateway_worker_scrape_up{pool, address}`: 1 when the latest scrape of the worker answered."""
+
+    def __init__(self, workers: WorkerSeries):
+        self._workers = workers
+
+    def collect(self):
+        family = GaugeMetricFamily("kdamesh_gateway_worker_scrape_up", "Whether the latest metrics scrape of a mesh "
+                                   "worker answered (its series on this page are current)", labels=["pool", "address"])
+        for address, up in sorted(self._workers.up.items()):
+            family.add_metric([self._workers.pool_of(address), address], 1 if up else 0)
+        yield family

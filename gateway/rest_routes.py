@@ -72,7 +72,10 @@ def _unless_public(request: Request, public: bool) -> None:
 async def prometheus(request: Request):
     core = _core(request)
     _unless_public(request, core.config.public_metrics)
-    body, content_type = core.metrics.render()
+    relay = core.config.relay_worker_metrics
+    pools = {"decode": {a: w.channel for a, w in core.mesh.decoders.items()},
+             "prefill": {a: w.channel for a, w in core.mesh.prefillers.items()}} if relay else {}
+    body, content_type = await core.metrics.render_mesh(pools)
     return Response(body, media_type=content_type)
 
 

@@ -65,6 +65,7 @@ class Run:
     """Common lifecycle of one admitted request: open (first mesh item), events, close (accounting)."""
 
     endpoint = ""  # the metrics label: "chat" | "completions"
+    sampling: common_pb2.SamplingParams | None = None  # set by a subclass: the request's (vllm:request_params_*)
     prompt_param = "prompt"  # the request field a context-length error names
 
     def __init__(self, context: RunContext, principal: Principal, lease: Lease, request_id: str,
@@ -195,7 +196,11 @@ class Run:
                                usage.cached_tokens)
         metrics.observe_timing(self.endpoint, self.start, self.first_token_at, self.last_token_at,
                                max(self.choice_token_counts(), default=0))
+        counts = self.choice_token_counts()
+        sampling = self.sampling
         metrics.observe_run(self.finish_reasons(), usage.prompt_tokens, usage.completion_tokens, self.start,
-                            self.first_token_at, self.last_token_at, max(self.choice_token_counts(), default=0))
+                            self.first_token_at, self.last_token_at, max(counts, default=0), n=max(1, len(counts)),
+                            max_tokens=sampling.max_tokens if sampling is not None and sampling.HasField("max_tokens")
+                            else None)
         if self.trace is not None:
             self.trace.finish(self)

@@ -2,9 +2,10 @@
 
 Contract:
 - Where: the `/metrics` URLs of `--metrics-url` (repeatable: one per worker; `kdamesh up` prints them on its
-  `metrics {...}` line), else `{base_url}/metrics` (vLLM's default, right for a server that exposes the engine
-  series itself). A kdamesh gateway exposes request-level series only (telemetry/vllm.py: summing over pods never
-  counts twice), so against a mesh pass the decode (and prefill) workers' URLs. The counters of every URL are summed.
+  `metrics {...}` line), else `{base_url}/metrics` (vLLM's default). A kdamesh gateway's /metrics carries its
+  workers' engine series too (gateway/worker_metrics.py, labelled by worker), so the default works against a mesh;
+  do not pass the gateway's and the workers' URLs together (each worker would count twice). The counters of every
+  URL are summed.
 - What: vLLM's counters `vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
   `..._num_accepted_tokens_total` and `..._num_accepted_tokens_per_pos_total{position}` (summed over their other
   labels); `parse_counters` returns None for a text without them (the server does not speculate).

@@ -25,8 +25,8 @@ Every series is prefixed `kdamesh_<service>_` (service: `prefill`, `decode`, `ca
 - The cache service keeps its own series (cache_service/metrics.py: objects, bytes, evictions, corrupt reads,
   transfer bytes and seconds) and adds `RpcMetrics`.
 
-`start_metrics_server(port, host, registry)` serves a registry on `http://host:port/metrics` from a daemon thread
-(prometheus_client's server; port 0: a free port); `render(registry)` is the body and content type for an existing
+`start_metrics_server(port, host, registry)` serves a registry on `http://host:port/metrics` from daemon threads
+(telemetry/metrics_http.py: GET and a body-less HEAD; port 0: a free port); `render(registry)` is the body and content type for an existing
 HTTP app.
 """
 
@@ -37,10 +37,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from telemetry.metrics_http import MetricsServer
 from telemetry.vllm import BucketCounts, VllmEngineCollector
 
 # OpenTelemetry GenAI semantic conventions, "Generative AI model server metrics" (ExplicitBucketBoundaries, seconds)
@@ -172,6 +172,9 @@ class EngineGauges:
     queue_time: BucketCounts | None = None  # the engine's cumulative request phase histograms (telemetry.vllm)
     prefill_time: BucketCounts | None = None
     decode_time: BucketCounts | None = None
+    inference_time: BucketCounts | None = None
+    iteration_tokens: BucketCounts | None = None  # tokens per engine step
+    cache_config: tuple[tuple[str, str], ...] = ()  # vllm:cache_config_info's labels (empty: no series)
     spec_num_drafts: int = 0  # speculative decoding (cumulative; telemetry.vllm's vllm:spec_decode_* series)
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
@@ -267,21 +270,6 @@ class WorkerMetrics:
 def render(registry: CollectorRegistry) -> tuple[bytes, str]:
     """(body, content type) of the registry in the Prometheus text format."""
     return generate_latest(registry), CONTENT_TYPE_LATEST
-
-
-class MetricsServer:
-    """A running `/metrics` HTTP server (prometheus_client's, on a daemon thread)."""
-
-    def __init__(self, port: int, host: str, registry: CollectorRegistry):
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
-
-    @property
-    def port(self) -> int:
-        return self._server.server_port
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
 
 
 def start_metrics_server(port: int, host: str, registry: CollectorRegistry) -> MetricsServer:

@@ -10,13 +10,19 @@ Which process exposes which, so that summing over pods never counts one request 
   as its mean gap: the gateway sees tokens in batches, so the sum and count are exact, the spread is not),
   `vllm:e2e_request_latency_seconds`, `vllm:request_time_per_output_token_seconds` (a request's mean gap, requests
   of two or more tokens), and the length histograms `vllm:request_prompt_tokens` and
-  `vllm:request_generation_tokens` (vLLM's 1-2-5 buckets, here up to `LENGTH_BUCKETS[-1]` whatever the context).
+  `vllm:request_generation_tokens` (vLLM's 1-2-5 buckets, here up to `LENGTH_BUCKETS[-1]` whatever the context),
+  the request parameters `vllm:request_params_n` (the run's choices) and `vllm:request_params_max_tokens` (when the
+  request set it), and `vllm:request_max_num_generation_tokens` (the longest choice's tokens).
 - Each prefill and decode worker (`VllmEngineCollector`, read at scrape time from the engine's published stats)
   exposes the engine-level series of its own engine: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
   `vllm:kv_cache_usage_perc` (0..1), `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (in
   prompt tokens), `vllm:num_preemptions_total`, and the phase histograms `vllm:request_queue_time_seconds`,
   `vllm:request_prefill_time_seconds`, `vllm:request_decode_time_seconds` (engine/phase_times.py: a request handed
-  from prefill to decode counts its queue and prefill on the prefill worker, its decode on the decode worker).
+  from prefill to decode counts its queue and prefill on the prefill worker, its decode on the decode worker),
+  `vllm:request_inference_time_seconds` (first scheduled to last token on this engine: a handed-off request is
+  observed on both workers, its prefill on one and its decode on the other, so the sums add up while the counts
+  count it twice), `vllm:iteration_tokens_total` (tokens per engine step) and `vllm:cache_config_info` (1, with
+  the cache's configuration as labels).
   A worker that speculates (`--speculative-config`) adds vLLM's speculative decoding counters:
   `vllm:spec_decode_num_drafts_total`, `vllm:spec_decode_num_draft_tokens_total`,
   `vllm:spec_decode_num_accepted_tokens_total` and `vllm:spec_decode_num_accepted_tokens_per_pos_total{position}`
@@ -41,6 +47,8 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            240.0, 480.0, 960.0, 1920.0, 7680.0)  # e2e and the request phases
 
 LENGTH_BUCKETS = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5))  # 1 … 5e6 tokens
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)  # vLLM's request_params_n
+ITERATION_TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(15))  # 1 … 16384 tokens in one step
 
 FINISHED_REASONS = ("stop", "length", "abort")
 
@@ -48,17 +56,21 @@ FINISHED_REASONS = ("stop", "length", "abort")
 REQUEST_SERIES = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
                   "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
                   "vllm:e2e_request_latency_seconds", "vllm:request_time_per_output_token_seconds",
-                  "vllm:request_prompt_tokens", "vllm:request_generation_tokens")
+                  "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_n",
+                  "vllm:request_params_max_tokens", "vllm:request_max_num_generation_tokens")
 ENGINE_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
                  "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
-                 "vllm:request_decode_time_seconds")
+                 "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+                 "vllm:iteration_tokens_total", "vllm:cache_config_info")
 SPEC_DECODE_SERIES = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                       "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
 HISTOGRAM_SERIES = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
                     "vllm:e2e_request_latency_seconds", "vllm:request_time_per_output_token_seconds",
                     "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_queue_time_seconds",
-                    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds")
+                    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                    "vllm:request_inference_time_seconds", "vllm:iteration_tokens_total", "vllm:request_params_n",
+                    "vllm:request_params_max_tokens", "vllm:request_max_num_generation_tokens")
 
 
 def finished_reason(reason: str | None) -> str:
@@ -94,11 +106,23 @@ class VllmRequestMetrics:
                                     buckets=LENGTH_BUCKETS, registry=registry).labels(model_name)
         self.generation_len = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
                                         labels, buckets=LENGTH_BUCKETS, registry=registry).labels(model_name)
+        self.params_n = Histogram("vllm:request_params_n", "Histogram of the n request parameter.", labels,
+                                  buckets=N_BUCKETS, registry=registry).labels(model_name)
+        self.params_max_tokens = Histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request "
+                                           "parameter.", labels, buckets=LENGTH_BUCKETS,
+                                           registry=registry).labels(model_name)
+        self.max_generation = Histogram("vllm:request_max_num_generation_tokens", "Histogram of maximum number of "
+                                        "requested generation tokens.", labels, buckets=LENGTH_BUCKETS,
+                                        registry=registry).labels(model_name)
 
     def observe(self, reason: str, prompt_tokens: int, generation_tokens: int, start: float, first: float | None,
-                last: float | None, num_tokens: int) -> None:
+                last: float | None, num_tokens: int, n: int = 1, max_tokens: int | None = None) -> None:
         """One answered request: its tokens, vLLM finish reason and times (`time.monotonic()`: arrival, first and
-        last token; `num_tokens` those of its longest choice)."""
+        last token; `num_tokens` those of its longest choice), its choices `n` and `max_tokens` (None: not set)."""
+        self.params_n.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
+        self.max_generation.observe(num_tokens)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
         self.success.labels(self.model_name, reason).inc()
@@ -137,6 +161,9 @@ class EngineSeries(Protocol):
     queue_time: BucketCounts | None
     prefill_time: BucketCounts | None
     decode_time: BucketCounts | None
+    inference_time: BucketCounts | None
+    iteration_tokens: BucketCounts | None
+    cache_config: tuple[tuple[str, str], ...]
     spec_num_drafts: int
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
@@ -144,6 +171,7 @@ class EngineSeries(Protocol):
 
 
 def histogram_family(name: str, documentation: str, model_name: str, h: BucketCounts) -> HistogramMetricFamily:
+    """A cumulative histogram as the family `name` (label `model_name`)."""
     family = HistogramMetricFamily(name, documentation, labels=["model_name"])
     cumulative, buckets = 0, []
     for bound, count in zip((*h.bounds, float("inf")), h.counts):
@@ -180,13 +208,25 @@ class VllmEngineCollector(Collector):
                                      labels=["model_name"]), g.preemptions)):
             family.add_metric(m, value)
             yield family
-        for name, what, h in (("vllm:request_queue_time_seconds", "WAITING phase", g.queue_time),
-                              ("vllm:request_prefill_time_seconds", "PREFILL phase", g.prefill_time),
-                              ("vllm:request_decode_time_seconds", "DECODE phase", g.decode_time)):
-            if h is not None:
-                yield histogram_family(name, f"Histogram of time spent in {what} for request.", self._model, h)
+        yield from self._histograms(g)
+        if g.cache_config:
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                     labels=[k for k, _ in g.cache_config])
+            info.add_metric([v for _, v in g.cache_config], 1)
+            yield info
         if g.spec_accepted_per_pos:
             yield from self._spec_decode(g)
+
+    def _histograms(self, g: EngineSeries) -> Iterator[Metric]:
+        for name, what, h in (("vllm:request_queue_time_seconds", "WAITING phase", g.queue_time),
+                              ("vllm:request_prefill_time_seconds", "PREFILL phase", g.prefill_time),
+                              ("vllm:request_decode_time_seconds", "DECODE phase", g.decode_time),
+                              ("vllm:request_inference_time_seconds", "RUNNING phase", g.inference_time)):
+            if h is not None:
+                yield histogram_family(name, f"Histogram of time spent in {what} for request.", self._model, h)
+        if g.iteration_tokens is not None:
+            yield histogram_family("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                   self._model, g.iteration_tokens)
 
     def _spec_decode(self, g: EngineSeries) -> Iterator[Metric]:
         m = [self._model]

@@ -1,9 +1,17 @@
-"""Shared test fixtures: deterministic seeds, small thread counts."""
+"""Shared test fixtures: deterministic seeds, small thread counts, and the Redis servers the suite starts itself.
+
+`shared_redis` (session): the single test Redis (tests/redis_server.py), started when nothing answers at
+`KDAMESH_TEST_REDIS_URL`; the shared Redis Cluster starts on first use (tests/redis_cluster.py). Whatever the
+session started is stopped when it ends, so a fresh machine needs no Redis running (only the dev extra installed).
+"""
 
 import os
 
 import pytest
 import torch
+
+from tests.redis_cluster import stop_shared_if_started
+from tests.redis_server import TEST_REDIS_URL, SharedRedis
 
 torch.set_num_threads(1)  # tiny shapes: thread start-up costs more than it saves
 
@@ -12,6 +20,20 @@ torch.set_num_threads(1)  # tiny shapes: thread start-up costs more than it save
 def _seed_everything():
     torch.manual_seed(0)
     yield
+
+
+_SHARED_REDIS = SharedRedis(TEST_REDIS_URL)
+
+
+@pytest.fixture(scope="session")
+def shared_redis() -> SharedRedis:
+    _SHARED_REDIS.ensure()
+    return _SHARED_REDIS
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _SHARED_REDIS.stop()
+    stop_shared_if_started()
 
 
 def pytest_configure(config):

@@ -5,7 +5,9 @@
   `url` (`redis+cluster://...`), `node(port)` (a plain client of one master), `names(pattern)` (port, key) over
   every master, `flush()`.
 - `shared_cluster()`: the CI cluster on `KDAMESH_TEST_REDIS_CLUSTER_PORTS` (default 7000,7001,7002), started when it
-  is not running and left running for the next test, like the shared single Redis.
+  is not running and left running for the next test, like the shared single Redis; `stop_shared_if_started()` (at
+  the session's end, tests/conftest.py) stops it when this process started it.
+The script runs `redis-server` / `redis-cli` from PATH (checked first: tests/redis_server.py).
 - `private_ports(n)`: n free ports whose cluster bus ports (+10000) are free too.
 Nothing is skipped: a missing redis-server, or a cluster that does not come up in time, fails the test and says
 why.
@@ -22,6 +24,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.redis_server import answers, redis_binary
+
 SCRIPT = Path(__file__).resolve().parents[1] / "deploy" / "redis_cluster.sh"
 SHARED_PORTS = tuple(int(p) for p in os.environ.get("KDAMESH_TEST_REDIS_CLUSTER_PORTS", "7000,7001,7002").split(","))
 SCRIPT_TIMEOUT_S = 60
@@ -31,11 +35,13 @@ class RedisCluster:
     def __init__(self, ports: tuple[int, ...], directory: str | None = None):
         self.ports = ports
         self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
-        self._env = dict(os.environ, **({"KDAMESH_REDIS_CLUSTER_DIR": directory} if directory else {}))
+        self._directory = directory
 
     def _script(self, *args: str) -> None:
+        redis_binary("redis-server"), redis_binary("redis-cli")  # missing or too old: a failed test that says so
+        env = {**os.environ, **({"KDAMESH_REDIS_CLUSTER_DIR": self._directory} if self._directory else {})}
         try:
-            done = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, env=self._env,
+            done = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, env=env,
                                   timeout=SCRIPT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             pytest.fail(f"{SCRIPT.name} {' '.join(args)} did not finish within {SCRIPT_TIMEOUT_S} s", pytrace=False)
@@ -63,10 +69,21 @@ class RedisCluster:
             self.node(port).flushall()
 
 
+_started_shared: list[RedisCluster] = []  # the shared cluster, when this process started it
+
+
 def shared_cluster() -> RedisCluster:
     cluster = RedisCluster(SHARED_PORTS)
+    fresh = not _started_shared and not all(answers("127.0.0.1", port) for port in SHARED_PORTS)
     cluster.start()
+    if fresh:
+        _started_shared.append(cluster)
     return cluster
+
+
+def stop_shared_if_started() -> None:
+    while _started_shared:
+        _started_shared.pop().stop()
 
 
 def _bindable(port: int) -> bool:

@@ -7,11 +7,19 @@ Contract:
   parallelism. Nothing waits for the step thread.
 - `WorkerInfoServicer(role_servicer)` serves `Info` with the role servicer's admission checks (UNAVAILABLE while
   loading or stopping, NOT_FOUND for another model); `info` is set once the model is loaded.
+- `MetricsServicer(registry)` serves `MetricsService.Scrape` (protos/metrics.proto): the worker's registry as its
+  side /metrics renders it, from start-up on (no admission check: a loading worker reports `model_loaded 0`), so the
+  gateway shows the workers' series on its own /metrics (gateway/worker_metrics.py).
 """
 
 from __future__ import annotations
 
-from protos import worker_pb2, worker_pb2_grpc
+import asyncio
+
+from prometheus_client import CollectorRegistry
+
+from protos import metrics_pb2, metrics_pb2_grpc, worker_pb2, worker_pb2_grpc
+from telemetry.metrics import render
 
 
 def worker_info(engine, role: str, model_name: str) -> worker_pb2.WorkerInfo:
@@ -36,3 +44,14 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerInfoServiceServicer):
     async def Info(self, request: worker_pb2.WorkerInfoRequest, context) -> worker_pb2.WorkerInfo:
         await self.role_servicer.checked_worker(request.model, context)
         return self.info
+
+
+class MetricsServicer(metrics_pb2_grpc.MetricsServiceServicer):
+    """`Scrape`: the registry in the Prometheus text format (collected on a thread: collectors read engine stats)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    async def Scrape(self, request: metrics_pb2.ScrapeRequest, context) -> metrics_pb2.ScrapeResponse:
+        body, _ = await asyncio.to_thread(render, self.registry)
+        return metrics_pb2.ScrapeResponse(text=body)

@@ -14,7 +14,8 @@ Contract:
   (`make_worker`), the KV event stream started (worker/kv_events.py, `config.kv_events`), then SERVING.
 - Every worker also serves `KVEventService` (protos/kv_events.proto): the gateway's view of its prefix cache, and
   `WorkerInfoService` (protos/worker.proto, worker/info.py): its engine's context length, block size, speculation
-  and parallel layout, set once the model is loaded.
+  and parallel layout, set once the model is loaded, and `MetricsService` (protos/metrics.proto): its registry,
+  which the gateway re-exposes on its own /metrics.
   Health is served on the gRPC event loop, never behind the step thread, and nothing heavy runs on that loop or on
   the step thread (a request's structured-output spec is decoded on a thread, worker/servicer.py `decode_job`; its
   grammar and images are prepared off the step thread by `AsyncEngine`), so a worker busy stepping answers in time.
@@ -51,8 +52,8 @@ from telemetry.grpc_server import start_grpc_server
 from telemetry.metrics import (CounterSample, EngineGauges, MetricsServer, WorkerMetrics, metrics_host,
                                start_metrics_server)
 from telemetry.rpc import client_interceptors, server_interceptors
-from protos import kv_events_pb2_grpc, worker_pb2_grpc
-from worker.info import WorkerInfoServicer, worker_info
+from protos import kv_events_pb2_grpc, metrics_pb2_grpc, worker_pb2_grpc
+from worker.info import MetricsServicer, WorkerInfoServicer, worker_info
 from worker.kv_events import KVEventPublisher, KVEventServicer, engine_publisher
 from worker.prefix import PrefixCounters
 
@@ -71,10 +72,21 @@ def engine_gauges(engine: AsyncEngine) -> EngineGauges:
                         snapshot_slots=stats.num_snapshot_slots, prefix_lookup_tokens=stats.prefix_lookup_tokens,
                         prefix_hit_tokens=stats.prefix_hit_tokens, preemptions=stats.num_preemptions,
                         queue_time=phases.queue if phases else None, prefill_time=phases.prefill if phases else None,
-                        decode_time=phases.decode if phases else None, spec_num_drafts=stats.spec_num_drafts,
+                        decode_time=phases.decode if phases else None,
+                        inference_time=phases.inference if phases else None,
+                        iteration_tokens=phases.iteration_tokens if phases else None,
+                        cache_config=cache_config(engine, stats.num_blocks), spec_num_drafts=stats.spec_num_drafts,
                         spec_num_draft_tokens=stats.spec_num_draft_tokens,
                         spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
                         spec_accepted_per_pos=stats.spec_accepted_per_pos)
+
+
+def cache_config(engine: AsyncEngine, num_blocks: int) -> tuple[tuple[str, str], ...]:
+    """vllm:cache_config_info's labels: the KV cache's configuration (fixed at start-up)."""
+    args = engine.core.args
+    return (("block_size", str(engine.layout.block_size)), ("cache_dtype", str(args.dtype)),
+            ("enable_prefix_caching", str(bool(args.enable_prefix_caching))), ("num_gpu_blocks", str(num_blocks)),
+            ("num_cpu_blocks", "0"))
 
 
 def transfer_samples(op: str, nbytes: int, seconds: float) -> list[CounterSample]:
@@ -224,6 +236,7 @@ async def start_worker_server(server_cls: type[WorkerServer], servicer_cls: type
         add_servicer(servicer, grpc_server)
         kv_events_pb2_grpc.add_KVEventServiceServicer_to_server(kv_event_servicer, grpc_server)
         worker_pb2_grpc.add_WorkerInfoServiceServicer_to_server(info_servicer, grpc_server)
+        metrics_pb2_grpc.add_MetricsServiceServicer_to_server(MetricsServicer(metrics.registry), grpc_server)
 
     grpc_server, port, health_servicer = await start_grpc_server(
         config.address, server_cls.service_name, add_servicers, config.max_message_bytes,

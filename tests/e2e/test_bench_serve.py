@@ -1,7 +1,7 @@
 """End to end: `kdamesh bench serve` against `kdamesh up` (tiny-k3, disaggregated, every request remote, n-gram
 speculation on the workers) — a short run completes with zero failures and writes a result file with `vllm bench
-serve`'s field names; with `--metrics-url` of the workers it adds vLLM's `spec_decode_*` fields, equal to the
-workers' own counters over the run (the gateway's /metrics has none: without the flag the fields are absent)."""
+serve`'s field names and vLLM's `spec_decode_*` fields — from the gateway's /metrics by default (it carries the
+workers' counters), or with `--metrics-url` of the workers, equal to the workers' own counters over the run."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def test_short_random_run_writes_vllm_fields(mesh):
                 "--result-filename", "random.json")
     assert "Serving Benchmark Result" in out and "Successful requests:                     8" in out
     result = json.loads((mesh["root"] / "results" / "random.json").read_text())
-    assert set(result) == RUN_FIELDS | TOTAL_FIELDS | DETAILED_FIELDS | percentile_fields(("ttft", "tpot", "itl"),
-                                                                                          (99,))
+    assert set(result) == RUN_FIELDS | TOTAL_FIELDS | DETAILED_FIELDS | SPEC_FIELDS | percentile_fields(
+        ("ttft", "tpot", "itl"), (99,))
     assert result["completed"] == 8 and result["failed"] == 0 and result["errors"] == [""] * 8
     assert result["model_id"] == str(mesh["model"]) and result["tokenizer_id"] == str(mesh["model"])
     assert result["input_lens"] == [16] * 8  # text prompts of exactly 16 tokens, as the server counted them
@@ -77,7 +77,8 @@ def test_prefix_repetition_at_a_request_rate(mesh):
           "--burstiness", "0.5", "--seed", "1", "--percentile-metrics", "ttft,tpot,itl,e2el",
           "--metric-percentiles", "50,90", "--result-filename", "prefix.json")
     result = json.loads((mesh["root"] / "results" / "prefix.json").read_text())
-    assert set(result) == RUN_FIELDS | TOTAL_FIELDS | percentile_fields(("ttft", "tpot", "itl", "e2el"), (50, 90))
+    assert set(result) == RUN_FIELDS | TOTAL_FIELDS | SPEC_FIELDS | percentile_fields(("ttft", "tpot", "itl", "e2el"),
+                                                                                      (50, 90))
     assert result["completed"] == 6 and result["failed"] == 0
     assert result["total_input_tokens"] == 6 * 56 and result["total_output_tokens"] == 6 * 4
     assert result["request_rate"] == 20.0 and result["burstiness"] == 0.5 and result["request_goodput"] is None

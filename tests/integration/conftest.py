@@ -1,13 +1,12 @@
 """Integration fixtures: a real Redis server, and free ports.
 
-`redis_url` points at `KDAMESH_TEST_REDIS_URL` (default `redis://127.0.0.1:6379/15`, a database kept for tests) and
-flushes that database before and after the test; `redis_cluster_url` is the shared 3-master test Redis Cluster
-(tests/redis_cluster.py: started with deploy/redis_cluster.sh when it is not running). Nothing is skipped: when Redis cannot be reached the test fails
-and says how to start one.
+`redis_url` points at `KDAMESH_TEST_REDIS_URL` (default `redis://127.0.0.1:6379/15`, a database kept for tests;
+started by the session when nothing answers there: tests/redis_server.py) and flushes that database before and after
+the test; `redis_cluster_url` is the shared 3-master test Redis Cluster (tests/redis_cluster.py: started with
+deploy/redis_cluster.sh when it is not running). Nothing is skipped: when Redis cannot be started or reached the
+test fails and says why.
 """
 
-import os
-import shutil
 import socket
 import subprocess
 import time
@@ -16,9 +15,8 @@ import pytest
 import redis
 
 from tests.redis_cluster import RedisCluster, shared_cluster
-
-REDIS_URL = os.environ.get("KDAMESH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-START_REDIS = "redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save '' --appendonly no"
+from tests.redis_server import TEST_REDIS_URL as REDIS_URL
+from tests.redis_server import redis_binary
 
 
 def free_port() -> int:
@@ -29,13 +27,12 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def redis_client() -> redis.Redis:
+def redis_client(shared_redis) -> redis.Redis:
     client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1, socket_timeout=5)
     try:
         client.ping()
     except redis.RedisError as exc:
-        pytest.fail(f"integration tests need a Redis server at {REDIS_URL} ({exc}). Start one with: {START_REDIS} "
-                    f"(or set KDAMESH_TEST_REDIS_URL)", pytrace=False)
+        pytest.fail(f"integration tests need a Redis server at {REDIS_URL} ({exc})", pytrace=False)
     client.flushdb()
     yield client
     client.flushdb()
@@ -56,11 +53,7 @@ class PrivateRedis:
     """A redis-server of our own on a free port, which a test may stop and restart."""
 
     def __init__(self):
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("this test starts its own Redis and needs `redis-server` on PATH "
-                        "(apt-get install redis-server)", pytrace=False)
-        self.binary = binary
+        self.binary = redis_binary("redis-server")
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = None

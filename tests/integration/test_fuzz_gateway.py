@@ -1,16 +1,22 @@
 """Fuzzing the running gateway (over the in-process tiny-k3 mesh): a hand-written table of malformed requests of
 distinct kinds, then schemathesis generating requests from the served /openapi.json — not one response is a 5xx,
-and the one keep-alive connection the table uses still serves after every request."""
+every response conforms to the document (its status declared, its media type declared, its body valid against the
+declared schema: schemathesis' conformance checks), and the one keep-alive connection the table uses still serves
+after every request. Negative control: the document with `/metrics` declared JSON fails the media type check."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import hypothesis
 import pytest
 import requests
 import schemathesis
 from schemathesis import GenerationMode
+from schemathesis.core.failures import FailureGroup
+from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                               status_code_conformance)
 
 from gateway.protocol.common import UINT32_MAX
 
@@ -151,6 +157,7 @@ SPEC_EXAMPLES = {GenerationMode.POSITIVE: 150, GenerationMode.NEGATIVE: 350}
 TRANSLATED = ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
 TRANSLATED_EXAMPLES = {GenerationMode.POSITIVE: 60, GenerationMode.NEGATIVE: 140}
 GET_EXAMPLES = 15
+CONFORMANCE = [status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
 def _bounded(case, mode: GenerationMode) -> None:
@@ -174,7 +181,18 @@ def _bounded(case, mode: GenerationMode) -> None:
         body["max_output_tokens"] = 4
 
 
-def _fuzz_operation(operation, base_url: str, session, mode: GenerationMode, examples: int, seen: list) -> None:
+def _conformance_failure(case, reply) -> str | None:
+    """What schemathesis' conformance checks find wrong with `reply` (None: it conforms)."""
+    try:
+        case.validate_response(reply, checks=CONFORMANCE)
+    except FailureGroup as exc:  # schemathesis: every failed check of the response
+        found = "; ".join(str(e).splitlines()[0][:120] for e in exc.exceptions)
+        return f"{case.method} {case.path} -> {reply.status_code} {reply.headers.get('content-type')}: {found}"
+    return None
+
+
+def _fuzz_operation(operation, base_url: str, session, mode: GenerationMode, examples: int, seen: list,
+                    failures: list) -> None:
     @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
     @hypothesis.settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                          suppress_health_check=list(hypothesis.HealthCheck), phases=[hypothesis.Phase.generate])
@@ -183,21 +201,35 @@ def _fuzz_operation(operation, base_url: str, session, mode: GenerationMode, exa
         reply = case.call(base_url=base_url, session=session, timeout=30)
         seen.append(reply.status_code)
         assert reply.status_code < 500, (case.method, case.path, case.body, reply.status_code, reply.text[:300])
+        failure = _conformance_failure(case, reply)
+        if failure is not None:
+            failures.append(failure)
 
     one()
 
 
-def _fuzz_spec(base_url: str, spec: dict) -> list[int]:
+def _fuzz_spec(base_url: str, spec: dict) -> tuple[list[int], list[str]]:
     schema = schemathesis.openapi.from_dict(spec)
     seen: list[int] = []
+    failures: list[str] = []
     with requests.Session() as session:
         for result in schema.get_all_operations():
             operation = result.ok()
             modes = {GenerationMode.POSITIVE: GET_EXAMPLES} if operation.method.upper() != "POST" else (
                 TRANSLATED_EXAMPLES if operation.path in TRANSLATED else SPEC_EXAMPLES)
             for mode, examples in modes.items():
-                _fuzz_operation(operation, base_url, session, mode, examples, seen)
-    return seen
+                _fuzz_operation(operation, base_url, session, mode, examples, seen, failures)
+    return seen, failures
+
+
+def _metrics_declared_json_fails(base_url: str, spec: dict) -> str | None:
+    """The negative control: GET /metrics checked against a copy of the document that declares it JSON."""
+    wrong = json.loads(json.dumps(spec))
+    wrong["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"application/json": {"schema": {}}}
+    operation = schemathesis.openapi.from_dict(wrong)["/metrics"]["GET"]
+    case = operation.Case()
+    with requests.Session() as session:
+        return _conformance_failure(case, case.call(base_url=base_url, session=session, timeout=30))
 
 
 @pytest.mark.slow
@@ -207,8 +239,11 @@ def test_schemathesis_over_the_served_spec_never_gets_a_5xx(tiny_k3):
         async with Mesh(tiny_k3, engine={"max_model_len": 512}) as mesh, \
                 running_gateway(mesh, tiny_k3, max_model_len=256) as gw:
             spec = (await gw.http.get("/openapi.json")).json()
-            seen = await asyncio.to_thread(_fuzz_spec, gw.base_url, spec)
+            seen, failures = await asyncio.to_thread(_fuzz_spec, gw.base_url, spec)
+            control = await asyncio.to_thread(_metrics_declared_json_fails, gw.base_url, spec)
         assert len(seen) >= 2600 and max(seen) < 500
         assert any(s == 200 for s in seen) and any(400 <= s < 500 for s in seen)  # both kinds reached the gateway
+        assert not failures, f"{len(failures)} response conformance failures:\n" + "\n".join(sorted(set(failures)))
+        assert control is not None and "/metrics" in control  # the checks do catch an undeclared media type
 
     run(main(), timeout_s=570)

@@ -1,5 +1,6 @@
 """vLLM's series on a running mesh: the gateway's `/metrics` has the request-level `vllm:` series and each worker's
-`/metrics` the engine-level ones, all labelled `model_name`, and they move with two disaggregated requests as vLLM's
+`/metrics` the engine-level ones, all labelled `model_name` (the gateway re-exposes the workers' under `pool` and
+`worker` labels, never as series of its own), and they move with two disaggregated requests as vLLM's
 would (token counters by the prompt and completion lengths, one success per request with its finish reason, one
 histogram observation per request and phase — the queue and prefill on the prefill worker, the decode on the
 decode worker, never both; a colocated request all three on the decode worker — and prefix cache queries and hits
@@ -66,10 +67,18 @@ def test_vllm_series_on_gateway_and_workers_move_with_requests(model_dir):
         assert (name, frozenset(labels.items())) in after["gateway"], name
         assert not any(key[0] == name for key in after["prefill"]) and \
             not any(key[0] == name for key in after["decode"]), f"{name} on a worker too"
-    for role in ("prefill", "decode"):  # engine-level: on every worker, never on the gateway
+    for role in ("prefill", "decode"):  # engine-level: on every worker; at the gateway only as that worker's
         for name in _names(ENGINE_SERIES):
-            assert (name, frozenset(m.items())) in after[role], (role, name)
-            assert not any(key[0] == name for key in after["gateway"]), f"{name} on the gateway"
+            mine = [key for key in after[role] if key[0] == name]
+            assert mine if name == "vllm:cache_config_info" else (name, frozenset(m.items())) in after[role], \
+                (role, name)
+            relayed = [key for key in after["gateway"] if key[0] == name]
+            assert {dict(key[1]).get("pool") for key in relayed} == {"prefill", "decode"}, f"{name} at the gateway"
+        relayed = {key[1] - {("pool", role)} - {k for k in key[1] if k[0] == "worker"}: v
+                   for key, v in after["gateway"].items()
+                   if key[0] == "vllm:prefix_cache_queries_total" and ("pool", role) in key[1]}
+        assert relayed == {frozenset(m.items()): after[role][("vllm:prefix_cache_queries_total",
+                                                               frozenset(m.items()))]}, role  # the worker's value
     _gateway_moved(before["gateway"], after["gateway"], m)
     _engines_moved(before["prefill"], after["prefill"], before["decode"], after["decode"], m)
     for phase in ("queue", "prefill", "decode"):  # a colocated request: every phase on the decode worker

@@ -84,3 +84,34 @@ def test_nested_schemas_resolve_and_carry_the_limits(spec):
 
 def test_the_stored_responses_routes_are_listed(spec):
     assert {"get", "delete"} <= set(spec["paths"]["/v1/responses/{response_id}"])
+
+
+def test_every_route_declares_its_statuses_and_media_types(spec):
+    ops = spec["paths"]
+    assert set(ops["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}  # not JSON
+    assert "head" in ops["/metrics"] and "head" in ops["/health"]
+    chat = ops["/v1/chat/completions"]["post"]["responses"]
+    assert set(chat["200"]["content"]) == {"application/json", "text/event-stream"}
+    for status in ("400", "401", "404", "413", "415", "429", "503", "504"):
+        error = chat[status]["content"]["application/json"]["schema"]
+        assert error["required"] == ["error"], status
+    assert {"400", "413", "415"} <= set(ops["/tokenize"]["post"]["responses"])
+    assert "404" in ops["/v1/models/{model_id}"]["get"]["responses"]
+    assert "503" in ops["/health"]["get"]["responses"]
+
+
+def test_the_app_answers_only_declared_statuses_for_bad_requests(spec, tmp_path):
+    """Real refusals of the ASGI app (no mesh needed) are each declared for their route."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k3"}))
+    app = create_app(GatewayConfig(model=str(tmp_path), decode_addresses=("127.0.0.1:1",), mode="colocated"))
+
+    async def probe() -> list[tuple[str, str, int]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
+            cases = [("post", "/v1/chat/completions", dict(content=b"{", headers={"content-type": "application/json"})),
+                     ("post", "/v1/completions", dict(content=b"{}", headers={"content-type": "text/plain"})),
+                     ("post", "/tokenize", dict(content=b"[]", headers={"content-type": "application/json"}))]
+            return [(method, path, (await http.request(method.upper(), path, **kwargs)).status_code)
+                    for method, path, kwargs in cases]
+
+    for method, path, status in asyncio.run(probe()):
+        assert 400 <= status < 500 and str(status) in spec["paths"][path][method]["responses"], (path, status)

@@ -29,7 +29,8 @@ def exported_series() -> set[str]:
     gauges = EngineGauges(running=0, waiting=0, kv_blocks_total=1, kv_blocks_free=1, kv_blocks_cached=0, kv_usage=0.0,
                           state_groups_total=1, state_groups_free=1, snapshots=0, snapshot_slots=1,
                           prefix_lookup_tokens=0, prefix_hit_tokens=0, preemptions=0, queue_time=s.queue,
-                          prefill_time=s.prefill, decode_time=s.decode)
+                          prefill_time=s.prefill, decode_time=s.decode, inference_time=s.inference,
+                          iteration_tokens=s.iteration_tokens, cache_config=(("block_size", "16"),))
     names = _exported(GatewayMetrics(model_name="m").registry)
     for role in ("prefill", "decode"):
         worker = WorkerMetrics(CollectorRegistry(), role, with_tpot=role == "decode", model_name="m")
@@ -75,7 +76,11 @@ def test_every_expression_names_only_exported_series():
             "vllm:e2e_request_latency_seconds_bucket", "vllm:request_success_total", "vllm:prompt_tokens_total",
             "vllm:generation_tokens_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
             "vllm:num_preemptions_total", "vllm:request_queue_time_seconds_bucket",
-            "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket"}
+            "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket",
+            "vllm:iteration_tokens_total_bucket", "vllm:request_inference_time_seconds_bucket",
+            "vllm:request_params_n_sum", "vllm:request_params_max_tokens_bucket",
+            "vllm:request_max_num_generation_tokens_bucket", "vllm:cache_config_info",
+            "kdamesh_gateway_worker_scrape_up"}
     assert core <= used, core - used
 
 

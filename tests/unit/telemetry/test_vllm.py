@@ -41,6 +41,17 @@ def test_phase_times_count_each_phase_once():
     assert s.queue.counts[REQUEST_LATENCY_BUCKETS.index(1.0)] == 2  # le is inclusive
     assert s.decode.counts[REQUEST_LATENCY_BUCKETS.index(2.5)] == 1
     assert s.decode.counts[REQUEST_LATENCY_BUCKETS.index(10.0)] == 1
+    assert sum(s.inference.counts) == 3 and s.inference.total == 9.0 + 9.0 + 2.5  # last token - scheduled, each
+
+
+def test_iteration_tokens_count_each_step():
+    phases = PhaseTimes()
+    for tokens in (1, 16, 17, 300):
+        phases.observe_step(tokens)
+    s = phases.snapshot().iteration_tokens
+    assert sum(s.counts) == 4 and s.total == 334
+    assert s.counts[s.bounds.index(1.0)] == 1 and s.counts[s.bounds.index(16.0)] == 1
+    assert s.counts[s.bounds.index(32.0)] == 1 and s.counts[s.bounds.index(512.0)] == 1
 
 
 def test_request_times_stamp_in_order():
@@ -58,7 +69,9 @@ def _gauges(phases: PhaseTimes) -> EngineGauges:
     return EngineGauges(running=2, waiting=1, kv_blocks_total=10, kv_blocks_free=6, kv_blocks_cached=1, kv_usage=0.4,
                         state_groups_total=4, state_groups_free=2, snapshots=0, snapshot_slots=4,
                         prefix_lookup_tokens=80, prefix_hit_tokens=32, preemptions=3, queue_time=s.queue,
-                        prefill_time=s.prefill, decode_time=s.decode)
+                        prefill_time=s.prefill, decode_time=s.decode, inference_time=s.inference,
+                        iteration_tokens=s.iteration_tokens,
+                        cache_config=(("block_size", "16"), ("enable_prefix_caching", "True")))
 
 
 def test_worker_exposes_engine_level_vllm_series():
@@ -68,9 +81,11 @@ def test_worker_exposes_engine_level_vllm_series():
     metrics.watch_engine(lambda: _gauges(phases))
     samples = samples_of(metrics.registry)
     m = {"model_name": "kimi"}
+    histograms = {"vllm:iteration_tokens_total"}
     for name in ENGINE_SERIES:
-        name = name + "_count" if name.endswith("_seconds") else name
-        assert (name, frozenset(m.items())) in samples, name
+        name = name + "_count" if name.endswith("_seconds") or name in histograms else name
+        labels = {"block_size": "16", "enable_prefix_caching": "True"} if name == "vllm:cache_config_info" else m
+        assert (name, frozenset(labels.items())) in samples, name
     assert value(samples, "vllm:num_requests_running", **m) == 2
     assert value(samples, "vllm:num_requests_waiting", **m) == 1
     assert value(samples, "vllm:kv_cache_usage_perc", **m) == 0.4
@@ -81,6 +96,8 @@ def test_worker_exposes_engine_level_vllm_series():
     assert value(samples, "vllm:request_decode_time_seconds_bucket", le="10.0", **m) == 1  # cumulative
     assert value(samples, "vllm:request_decode_time_seconds_bucket", le="+Inf", **m) == 1
     assert value(samples, "vllm:request_decode_time_seconds_sum", **m) == 7.0
+    assert value(samples, "vllm:request_inference_time_seconds_sum", **m) == 9.0
+    assert value(samples, "vllm:iteration_tokens_total_count", **m) == 0
     assert value(samples, "kdamesh_decode_running_requests") == 2  # the kdamesh series stay
 
 
@@ -95,7 +112,7 @@ def test_gateway_request_level_series():
     text = generate_latest(metrics.registry).decode()
     for name in REQUEST_SERIES:  # made at once, reading 0
         assert f'{name.removesuffix("_total")}' in text and 'model_name="kimi"' in text, name
-    metrics.observe_run(["length"], 40, 6, start=10.0, first=10.5, last=11.0, num_tokens=6)
+    metrics.observe_run(["length"], 40, 6, start=10.0, first=10.5, last=11.0, num_tokens=6, n=2, max_tokens=6)
     metrics.observe_run(["tool_calls"], 10, 3, start=0.0, first=0.1, last=0.2, num_tokens=3)
     metrics.observe_run([], 10, 2, start=0.0, first=0.1, last=0.3, num_tokens=2)  # cut short
     metrics.observe_run([], 10, 0, start=0.0, first=None, last=None, num_tokens=0)  # refused: not counted
@@ -115,6 +132,10 @@ def test_gateway_request_level_series():
     assert value(s, "vllm:request_prompt_tokens_sum", **m) == 60
     assert value(s, "vllm:request_generation_tokens_bucket", le="5.0", **m) == 2
     assert value(s, "vllm:request_generation_tokens_sum", **m) == 11
+    assert (value(s, "vllm:request_params_n_count", **m), value(s, "vllm:request_params_n_sum", **m)) == (3, 4)
+    assert value(s, "vllm:request_params_max_tokens_count", **m) == 1  # the others did not set it
+    assert value(s, "vllm:request_params_max_tokens_sum", **m) == 6
+    assert value(s, "vllm:request_max_num_generation_tokens_sum", **m) == 6 + 3 + 2
 
 
 def test_finished_reason_names():
