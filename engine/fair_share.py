@@ -1,9 +1,10 @@
 """Fair share of the engine's running slots and KV block pool between tenants (the scheduler applies it).
 
 Contract:
-- A request's tenant is `Request.tenant`: the name the gateway sends (`tenant_label(name, cache_salt)`; a request
-  without a name falls back to a hash of its cache salt, never the salt itself), with a weight
-  (`Request.tenant_weight` > 0, default 1; the latest request of a tenant sets it).
+- A request's tenant is `Request.tenant`: the name the gateway sends (`TenantShare`, given to
+  `EngineCore.add_request` / `import_request`; `tenant_label(name, cache_salt)`: a request without a name falls back
+  to a hash of its cache salt, never the salt itself), with a weight (`Request.tenant_weight`, finite and > 0,
+  default 1, else `InvalidRequestError`; the latest request of a tenant sets it).
 - A tenant's **usage** is its dominant share over its weight (Dominant Resource Fairness): `max(running requests /
   running slots, KV blocks its running requests hold / KV blocks) / weight`. A running request holds one KDA slot
   group, so the request count is also the tenant's share of the state pool.
@@ -23,14 +24,31 @@ Contract:
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from engine.request import Request
 
 DEFAULT_TENANT = "#default"  # the label of requests with neither a tenant name nor a cache salt
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    """Whom a request runs for in the fair share: the tenant's `name` (None: its cache salt decides) and `weight`."""
+
+    name: str | None = None
+    weight: float = 1.0
+
+    def __post_init__(self):
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            raise InvalidRequestError(f"the tenant weight must be a positive finite number, got {w!r}",
+                                      param="tenant_weight")
 
 
 def tenant_label(name: str | None, cache_salt: str | None) -> str:
