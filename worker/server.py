@@ -70,7 +70,9 @@ def engine_gauges(engine: AsyncEngine) -> EngineGauges:
                         decode_time=phases.decode if phases else None, spec_num_drafts=stats.spec_num_drafts,
                         spec_num_draft_tokens=stats.spec_num_draft_tokens,
                         spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
-                        spec_accepted_per_pos=stats.spec_accepted_per_pos)
+                        spec_accepted_per_pos=stats.spec_accepted_per_pos,
+                        fair_preemptions=stats.num_fair_preemptions,
+                        tenants=tuple((t.tenant, t.running, t.waiting) for t in stats.tenants))
 
 
 def transfer_samples(op: str, nbytes: int, seconds: float) -> list[CounterSample]:
