@@ -18,7 +18,8 @@ Contract:
   request could only move back if A's usage after it were below B's, the reverse inequality, so an imbalance is
   never corrected twice and no request is re-admitted only to be preempted again. A tenant alone never preempts
   itself for fairness (the whole engine is its own), and a tenant at or under its share is never a victim.
-- `tenant_loads(running, waiting)`: each tenant's running and waiting counts, for the per-tenant gauges.
+- `tenant_loads(running, waiting, weights)`: each tenant's running and waiting counts and weight, for the per-tenant
+  gauges.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class TenantLoad:
     tenant: str
     running: int
     waiting: int
+    weight: float = 1.0
 
 
 class FairShare:
@@ -127,9 +129,11 @@ class FairShare:
         return rank
 
 
-def tenant_loads(running: Iterable[Request], waiting: Iterable[Request]) -> tuple[TenantLoad, ...]:
-    counts: dict[str, list[int]] = {}
+def tenant_loads(running: Iterable[Request], waiting: Iterable[Request],
+                 weights: dict[str | None, float]) -> tuple[TenantLoad, ...]:
+    counts: dict[str | None, list[int]] = {}
     for i, queue in enumerate((running, waiting)):
         for r in queue:
-            counts.setdefault(r.tenant or DEFAULT_TENANT, [0, 0])[i] += 1
-    return tuple(TenantLoad(t, n_run, n_wait) for t, (n_run, n_wait) in sorted(counts.items()))
+            counts.setdefault(r.tenant, [0, 0])[i] += 1
+    return tuple(sorted((TenantLoad(t or DEFAULT_TENANT, n_run, n_wait, weights.get(t, 1.0))
+                         for t, (n_run, n_wait) in counts.items()), key=lambda load: load.tenant))

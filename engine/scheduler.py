@@ -223,7 +223,7 @@ class Scheduler:
 
     def tenant_loads(self) -> tuple[TenantLoad, ...]:
         """Each tenant's running and waiting requests now (the per-tenant gauges)."""
-        return tenant_loads(self.running, self.waiting)
+        return tenant_loads(self.running, self.waiting, self.fair.weights)
 
     def _admit(self, req: Request, hit: PrefixHit, n: int, out: SchedulerOutput) -> None:
         init = self.manager.admit(req, hit)

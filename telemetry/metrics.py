@@ -14,8 +14,9 @@ Every series is prefixed `kdamesh_<service>_` (service: `prefill`, `decode`, `ca
   `queue_depth` (waiting requests), `kv_block_usage_ratio`, `kv_blocks{state="total"|"free"|"cached"}`,
   `state_slot_usage_ratio`, `state_snapshots`, `state_snapshot_slots`, `prefix_lookup_tokens_total`,
   `prefix_hit_tokens_total`, `preemptions_total` (of which `fair_preemptions_total`: to give a waiting tenant its
-  share), the per-tenant `tenant_running_requests{tenant}` and `tenant_waiting_requests{tenant}` (each tenant with
-  work now, labelled by its configured name, or `#` + a hash of its cache salt: never a key or a salt), and
+  share), the per-tenant `tenant_running_requests{tenant}`, `tenant_waiting_requests{tenant}` and
+  `tenant_weight{tenant}` (each tenant with work now, labelled by its configured name, or `#` + a hash of its cache
+  salt: never a key or a salt), and
   `model_loaded` (0 until the engine is up; the rest are absent until then).
 - The same snapshot feeds the engine-level `vllm:` series (telemetry/vllm.py, label `model_name`), among them the
   engine's request phase histograms (`EngineGauges.queue_time` / `prefill_time` / `decode_time`).
@@ -179,7 +180,7 @@ class EngineGauges:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()  # empty: the worker does not speculate (no series)
     fair_preemptions: int = 0  # cumulative: preemptions that gave a waiting tenant its fair share
-    tenants: tuple[tuple[str, int, int], ...] = ()  # (tenant label, running, waiting) of each tenant with work
+    tenants: tuple[tuple[str, int, int, float], ...] = ()  # (tenant label, running, waiting, weight), with work
 
 
 class EngineCollector(Collector):
@@ -222,17 +223,18 @@ class EngineCollector(Collector):
         yield from tenant_families(p, g.tenants)
 
 
-def tenant_families(p: str, tenants: Iterable[tuple[str, int, int]]) -> Iterator[Metric]:
-    """`tenant_running_requests{tenant}` and `tenant_waiting_requests{tenant}` of the tenants with work."""
-    running = GaugeMetricFamily(f"{p}_tenant_running_requests", "A tenant's requests in the running batch",
-                                labels=["tenant"])
-    waiting = GaugeMetricFamily(f"{p}_tenant_waiting_requests", "A tenant's requests waiting for admission",
-                                labels=["tenant"])
-    for tenant, n_running, n_waiting in tenants:
-        running.add_metric([tenant], n_running)
-        waiting.add_metric([tenant], n_waiting)
-    yield running
-    yield waiting
+def tenant_families(p: str, tenants: Iterable[tuple[str, int, int, float]]) -> Iterator[Metric]:
+    """`tenant_running_requests`, `tenant_waiting_requests` and `tenant_weight` of the tenants with work."""
+    families = [GaugeMetricFamily(f"{p}_tenant_running_requests", "A tenant's requests in the running batch",
+                                  labels=["tenant"]),
+                GaugeMetricFamily(f"{p}_tenant_waiting_requests", "A tenant's requests waiting for admission",
+                                  labels=["tenant"]),
+                GaugeMetricFamily(f"{p}_tenant_weight", "A tenant's weight in the fair share of the running slots "
+                                  "and KV pool", labels=["tenant"])]
+    for tenant, *values in tenants:
+        for family, value in zip(families, values):
+            family.add_metric([tenant], value)
+    yield from families
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ def engine_gauges(engine: AsyncEngine) -> EngineGauges:
                         spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
                         spec_accepted_per_pos=stats.spec_accepted_per_pos,
                         fair_preemptions=stats.num_fair_preemptions,
-                        tenants=tuple((t.tenant, t.running, t.waiting) for t in stats.tenants))
+                        tenants=tuple((t.tenant, t.running, t.waiting, t.weight) for t in stats.tenants))
 
 
 def transfer_samples(op: str, nbytes: int, seconds: float) -> list[CounterSample]:
