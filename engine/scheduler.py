@@ -13,9 +13,10 @@ Contract:
   the two prompts part — its chunk in this step is cut there if it would cross it — and the waiting request is
   passed over until that snapshot exists (or the producer leaves), then resumes from it.
 - Fair share: a waiting request that does not fit (no running slot free, or the pools cannot take it) makes room
-  by preempting, one at a time, the running requests `FairShare.fair_victim` names — another tenant's, over the
-  waiting tenant's usage after admission (strictly: the hysteresis that keeps a move from being undone) — and is
-  admitted in the same step; when there is none it blocks as above. A tenant alone is never preempted for
+  by preempting the running requests `FairShare.fair_victim` names one after another — another tenant's, over the
+  waiting tenant's usage after admission (strictly: the hysteresis that keeps a move from being undone) — when
+  their slots and blocks make it fit (planned first: nothing is preempted for a request that still would not fit),
+  and is admitted in the same step; otherwise it blocks as above. A tenant alone is never preempted for
   fairness, so a lone tenant still fills every slot.
 - A chunk never crosses the request's next pending snapshot point (`CacheManager.next_chunk_end`), so the state
   after it can be snapshotted; a chunk that reaches the end of the known tokens needs logits.
@@ -184,17 +185,31 @@ class Scheduler:
         return len(self.running) < self.max_num_seqs and self.manager.can_admit(hit, n)
 
     def _make_room(self, req: Request, hit: PrefixHit, n: int, out: SchedulerOutput) -> tuple[bool, int]:
-        """Preempts `FairShare.fair_victim`s until `req` (admitted with `hit` and an `n`-token chunk) fits ->
-        (whether it fits, the tokens of this step's chunks taken back from the victims)."""
+        """Preempts the fair victims that let `req` (admitted with `hit` and an `n`-token chunk) fit, when they can
+        -> (whether it fits, the tokens of this step's chunks taken back from the victims)."""
+        victims = self._room_plan(req, hit, n)
         freed = 0
-        blocks = self.manager.blocks_for(hit.num_tokens + n)
-        while not self._fits(hit, n):
-            victim = self.fair.fair_victim(req, self.running, blocks)
-            if victim is None:
-                return False, freed
+        for victim in victims or ():
             freed += self._preempt(victim, out)
             self.num_fair_preemptions += 1
-        return True, freed
+        return victims is not None and self._fits(hit, n), freed
+
+    def _room_plan(self, req: Request, hit: PrefixHit, n: int) -> list[Request] | None:
+        """The `FairShare.fair_victim`s, in order, whose slots and blocks make room for `req`: [] when it fits now,
+        None when fair share cannot make room (nothing is preempted then: no victim for a request that still would
+        not fit)."""
+        running = list(self.running)
+        groups_short, blocks_short = self.manager.admission_shortfall(hit, n)
+        blocks = self.manager.blocks_for(hit.num_tokens + n)
+        victims: list[Request] = []
+        while len(running) >= self.max_num_seqs or groups_short > 0 or blocks_short > 0:
+            victim = self.fair.fair_victim(req, running, blocks)
+            if victim is None:
+                return None
+            running.remove(victim)
+            victims.append(victim)
+            groups_short, blocks_short = groups_short - 1, blocks_short - len(victim.block_ids)
+        return victims
 
     def admission_order(self) -> list[Request]:
         """The waiting requests in the order they are admitted: by priority, then by the usage their tenant —

@@ -167,6 +167,18 @@ def test_a_tenant_over_its_share_of_the_kv_pool_gives_blocks_back():
     assert [r.request_id for r in out.preempted] == ["a2"] and b.status is RequestStatus.RUNNING
 
 
+def test_nothing_is_preempted_for_a_request_its_share_cannot_fit():
+    # b's prompt needs 20 of the 24 blocks: taking a2's 8 brings a down to b's usage before b fits, so a keeps all
+    manager, sched = make(num_blocks=24, max_num_seqs=8, budget=256, interval=0, snapshot_slots=0)
+    for i in range(3):
+        sched.add(_tenant_req(f"a{i}", "a", max_tokens=40, prompt_len=31))
+    _steps(sched, manager, 1)
+    b = _tenant_req("b0", "b", max_tokens=2, prompt_len=80)
+    sched.add(b)
+    _steps(sched, manager, 1)
+    assert sched.num_preemptions == 0 and b.status is RequestStatus.WAITING and _running(sched) == {"a": 3, "b": 0}
+
+
 def test_pool_pressure_preempts_the_largest_holders_newest_request():
     manager, sched = make(num_blocks=6, max_num_seqs=4, interval=0, snapshot_slots=0)
     a0, a1 = _tenant_req("a0", "a", max_tokens=40, prompt_len=4), _tenant_req("a1", "a", max_tokens=40, prompt_len=4)
