@@ -7,8 +7,10 @@ fills every engine slot; tenant B's short chats, sent while they run, finish wit
 preempts A's newest request to give B its share (recompute: A's outputs equal those of the same flood without B).
 Against their time on the idle mesh the bound is 8x: B runs its 8 tokens in the engine steps it takes alone (+1,
 tests/unit/engine/test_fair_share_engine.py), but a step of 64 rows costs more than a step of one, and on a shared
-2-core box (load 14-18) the three processes of a flooded mesh compete for the cores: 1.6-6.0x measured there. A lone A fills all 64 slots. The decode worker's /metrics show each tenant's running and waiting requests and weight under the tenant's configured name, never a key. Negative
-control: the same short chat under A's key waits for one of A's slots, far longer.
+2-core box (load 14-18) the three processes of a flooded mesh compete for the cores: 1.6-6.0x measured there. A lone
+A fills all 64 slots. The decode worker's /metrics show each tenant's running and waiting requests and weight under
+the tenant's configured name, never a key. Negative control: the same short chat under A's key waits for one of A's
+slots (one of A's chats ends first), far longer.
 """
 
 from __future__ import annotations
