@@ -194,7 +194,8 @@ class DecodeWorker:
         stream = self.engine.generate(job.request_id, {"prompt_token_ids": list(job.prompt_token_ids)}, job.params,
                                       priority=job.priority, cache_salt=engine_cache_salt(job.tenant_salt),
                                       deadline=job.deadline, media=job.media,
-                                      snapshot_hints=job.snapshot_hints if hints is None else hints)
+                                      snapshot_hints=job.snapshot_hints if hints is None else hints,
+                                      tenant=job.tenant)
         async for chunk in self._chunks(stream, job, n, cached_tokens, used_handoff=False, carried=0):
             yield chunk
 
@@ -205,7 +206,7 @@ class DecodeWorker:
             first.logprobs.append(handoff.first_token_logprob)
         yield first
         stream = self.engine.import_request(job.request_id, state, job.params, priority=job.priority,
-                                            deadline=job.deadline, media=job.media)
+                                            deadline=job.deadline, media=job.media, tenant=job.tenant)
         async for chunk in self._chunks(stream, job, 1, handoff.cached_tokens, used_handoff=True, carried=1,
                                          first=False):
             yield chunk

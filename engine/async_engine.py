@@ -56,6 +56,7 @@ from engine.config import EngineArgs
 from engine.core import EngineCore, EngineStats, PromptInput
 from engine.errors import EngineDeadError, InvalidRequestError, RequestTimeoutError
 from engine.exchange import SnapshotExport
+from engine.fair_share import TenantShare
 from engine.memory.events import CacheEventKind
 from engine.memory.manager import CacheListing, PrefixPresence
 from engine.outputs import RequestOutput
@@ -329,24 +330,26 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
                        cache_salt: str | None = None, export_on_finish: bool = False,
                        deadline: float | None = None, media: tuple = (),
-                       snapshot_hints: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
-        """`snapshot_hints`: prompt token positions to snapshot the KDA state at (`EngineCore.add_request`)."""
+                       snapshot_hints: Sequence[int] = (),
+                       tenant: TenantShare = TenantShare()) -> AsyncIterator[RequestOutput]:
+        """`snapshot_hints`: prompt token positions to snapshot the KDA state at; `tenant`: whom it runs for in the
+        fair share (`EngineCore.add_request`)."""
         self._check_alive()
         media = await self._ready(params, media, deadline)
         add = lambda: self.core.add_request(request_id, prompt, params, priority=priority,  # noqa: E731
                                             cache_salt=cache_salt, export_on_finish=export_on_finish, media=media,
-                                            snapshot_hints=tuple(snapshot_hints))
+                                            snapshot_hints=tuple(snapshot_hints), tenant=tenant)
         async for out in self._stream(request_id, add, deadline):
             yield out
 
     async def import_request(self, request_id: str, state: RequestState, params: SamplingParams,
                              priority: int = 0, deadline: float | None = None,
-                             media: tuple = ()) -> AsyncIterator[RequestOutput]:
+                             media: tuple = (), tenant: TenantShare = TenantShare()) -> AsyncIterator[RequestOutput]:
         """Continues a request exported by another engine (see `EngineCore.import_request`), streaming deltas."""
         self._check_alive()
         media = await self._ready(params, media, deadline)
         add = lambda: self.core.import_request(request_id, state, params, priority=priority,  # noqa: E731
-                                               media=media)
+                                               media=media, tenant=tenant)
         async for out in self._stream(request_id, add, deadline):
             yield out
 

@@ -46,6 +46,7 @@ Contract:
 - The service API (what the worker services use, through `AsyncEngine`): `validate_prompt` (admission's checks; it
   reads only start-up facts, so any thread may call it), `probe_prefix` (tokens the prefix cache would serve: the
   prefix hit rule of engine/memory/manager.py), `prefix_presence`, `stats` (queues and pool usage), `layout`.
+- `tenant=TenantShare(name, weight)`: whom the request runs for in the scheduler's fair share (engine/fair_share.py).
 - Tensor parallelism (`args.tensor_parallel_size` > 1): the model runs on a rank group
   (engine/parallel/executor.py); this engine is rank 0 (scheduler, sampling) and `close()` stops the ranks. A
   failed rank makes `step` raise `RankFailedError`.
@@ -67,6 +68,7 @@ from engine.compilation import CompilationConfig
 from engine.config import CachePlan, EngineArgs, plan_cache
 from engine.errors import InvalidRequestError
 from engine.exchange import CacheExchange
+from engine.fair_share import TenantShare, tenant_label
 from engine.memory.hashing import BlockHasher, root_hash
 from engine.memory.manager import CacheManager, PrefixPresence
 from engine.memory.policy import hint_points
@@ -124,12 +126,9 @@ class EngineCore:
         tokenizer_dir = Path(args.tokenizer or args.model)
         self.tokenizer = KimiTokenizer.from_pretrained(tokenizer_dir) if (
             (tokenizer_dir / "tiktoken.model").is_file() or (tokenizer_dir / "tokenizer.json").is_file()) else None
-        if self.tokenizer is not None:
-            self.eos_token_ids = tuple(self.tokenizer.stop_token_ids)
-        else:
-            self.eos_token_ids = () if self.config.eos_token_id is None else (self.config.eos_token_id,)
-        dtype_bytes = self.model.dtype.itemsize
-        self.plan: CachePlan = plan_cache(args, self.config, dtype_bytes)
+        self.eos_token_ids = tuple(self.tokenizer.stop_token_ids) if self.tokenizer is not None else (
+            () if self.config.eos_token_id is None else (self.config.eos_token_id,))
+        self.plan: CachePlan = plan_cache(args, self.config, self.model.dtype.itemsize)
         weights = (hashlib.sha256(args.model_fingerprint.encode()).digest() if args.model_fingerprint else
                    model_fingerprint(args.model, self.model.dtype, args.load_format, args.seed))
         self.fingerprint = cache_fingerprint(weights, args.kv_cache_dtype)
@@ -213,7 +212,8 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
                     cache_salt: str | None = None, media: tuple[ImageInput, ...] = (),
-                    export_on_finish: bool = False, snapshot_hints: Sequence[int] = ()) -> None:
+                    export_on_finish: bool = False, snapshot_hints: Sequence[int] = (),
+                    tenant: TenantShare = TenantShare()) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be SamplingParams", param="params")
         if request_id in self._parents:
@@ -237,15 +237,16 @@ class EngineCore:
             self.constrained.attach(req)
             self._arrivals += 1
             children.append(req)
-        self._register(_Parent(request_id, text, ids, children))
+        self._register(_Parent(request_id, text, ids, children), tenant)
 
     def _output_state(self, params: SamplingParams) -> OutputState:
         """Detokenising on the step thread unless `args.detokenize` is off (ids only)."""
         return OutputState(params, self.tokenizer if self.args.detokenize else None, self.eos_token_ids)
 
-    def _register(self, parent: _Parent) -> None:
+    def _register(self, parent: _Parent, tenant: TenantShare) -> None:
         self._parents[parent.request_id] = parent
         for req in parent.children:
+            req.tenant, req.tenant_weight = tenant_label(tenant.name, req.cache_salt), tenant.weight
             self._requests[req.request_id] = req
             self.scheduler.add(req)
 
@@ -417,7 +418,8 @@ class EngineCore:
     # -- export / import -------------------------------------------------------------------------------------
 
     def import_request(self, request_id: str, state: RequestState, params: SamplingParams,
-                       priority: int = 0, export_on_finish: bool = False, media: tuple[ImageInput, ...] = ()) -> None:
+                       priority: int = 0, export_on_finish: bool = False, media: tuple[ImageInput, ...] = (),
+                       tenant: TenantShare = TenantShare()) -> None:
         """Queues a request exported by another engine; it continues from `state.num_computed_tokens`.
 
         `media` are the prompt's images, checked as in `add_request`: their hashes make the blocks this engine
@@ -445,4 +447,4 @@ class EngineCore:
         req.output.prime(state.output_token_ids)
         self.constrained.attach(req, list(state.output_token_ids))
         self._arrivals += 1
-        self._register(_Parent(request_id, None, prompt, [req]))
+        self._register(_Parent(request_id, None, prompt, [req]), tenant)

@@ -74,6 +74,8 @@ class Request:
     imported: RequestState | None = None  # carried KV + state, written at admission
     exported: RequestState | None = None  # set at finish when `export_on_finish`
     cache_salt: str | None = None
+    tenant: str | None = None  # fair share of the running slots and pools (engine/fair_share.py `tenant_label`)
+    tenant_weight: float = 1.0  # the tenant's weight in that share (> 0)
     media: tuple = ()  # engine.vision.feed.ImageInput spans of the prompt (their rows feed the forward)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -4,24 +4,37 @@ Contract:
 - Every request's `num_computed_tokens` catches up with `len(token_ids)`. A step is a token budget
   (`max_num_batched_tokens`) split across requests: running requests first — decodes (one token left) before
   prefill chunks, each in admission order — then waiting requests in `admission_order()` (lower priority value
-  first; within a priority, tenants take turns — the requests' `cache_salt` — so one tenant's queued work delays
-  another tenant's next request by at most one admission per other tenant; FCFS within a tenant), while
-  fewer than `max_num_seqs` run. A waiting request that does not fit
-  blocks those behind it (no overtaking), except one that waits for a junction: a running request is about to
-  compute the next blocks of its prompt (`CacheManager.junction`), so it is given a snapshot point where the two
-  prompts part — its chunk in this step is cut there if it would cross it — and the waiting request is passed over
-  until that snapshot exists (or the producer leaves), then resumes from it.
+  first; within a priority, the tenant — `Request.tenant` — of the least usage of the running slots and KV pool
+  first (engine/fair_share.py: dominant share over weight, counting the requests ahead of it in the order); at
+  equal usage tenants take turns, so one tenant's queued work delays another tenant's next request by at most one
+  admission per other tenant; FCFS within a tenant), while fewer than `max_num_seqs` run. A waiting request that
+  does not fit blocks those behind it (no overtaking), except one that waits for a junction: a running request is
+  about to compute the next blocks of its prompt (`CacheManager.junction`), so it is given a snapshot point where
+  the two prompts part — its chunk in this step is cut there if it would cross it — and the waiting request is
+  passed over until that snapshot exists (or the producer leaves), then resumes from it.
+- Fair share: a waiting request that does not fit (no running slot free, or the pools cannot take it) makes room
+  by preempting the running requests `FairShare.fair_victim` names one after another — another tenant's, over the
+  waiting tenant's usage after admission (strictly: the hysteresis that keeps a move from being undone) — when
+  their slots and blocks make it fit (planned first: nothing is preempted for a request that still would not fit),
+  and is admitted in the same step; otherwise it blocks as above. A tenant alone is never preempted for
+  fairness, so a lone tenant still fills every slot.
 - A chunk never crosses the request's next pending snapshot point (`CacheManager.next_chunk_end`), so the state
   after it can be snapshotted; a chunk that reaches the end of the known tokens needs logits.
-- When a running request needs a block and none is free, the lowest-priority, latest-arriving running request is
-  preempted by recompute: its blocks and slot are freed, `num_computed_tokens` resets to 0 (its outputs are kept)
-  and it goes back to the waiting queue at its `(priority, arrival)` position — the front, under FCFS. A step that
-  preempted admits no waiting request.
+- When a running request needs a block and none is free, a running request is preempted in the victim order of
+  engine/fair_share.py (lowest priority, then the tenant of the largest usage, then the latest arrival; with one
+  tenant: the lowest-priority, latest-arriving one).
+- Preemption is by recompute, whatever the cause: the victim's blocks and slot are freed (its full blocks stay in
+  the prefix cache, its rolling turn-end snapshot stays, so its recompute resumes from there when they are still
+  cached), `num_computed_tokens` resets to 0 (its outputs are kept; greedy and seeded sampling continue exactly,
+  engine/sampling.py's noise being keyed by the output position) and it goes back to the waiting queue at its
+  `(priority, arrival)` position. A step whose running requests preempted under pool pressure admits no waiting
+  request.
 - Speculative decoding: a running request with one token left and a `draft` (set by engine/spec/ before the step)
   is a verification: its drafts are tokens whose `num_computed_tokens` catches up too, so the chunk is the last
   token plus as many drafts as the budget and the next pending snapshot point leave room for (the rest of the
   draft is dropped; with none left it is a plain decode). The chunk carries the drafts and the out-slots of the
-  KDA state after each position (`CacheManager.verify_slots`); blocks are allocated for every position.
+  KDA state after each position (`CacheManager.verify_slots`); blocks are allocated for every position. A
+  preempted verification loses its draft (the engine rolls the drafter back).
 - `schedule()` changes pool holdings (admission, growth, preemption) but not `num_computed_tokens` of scheduled
   chunks; the engine applies the step's results (`EngineCore.step`). `abort` and `finish` release everything.
 """
@@ -31,6 +44,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field, replace
 
+from engine.fair_share import FairShare, TenantLoad, tenant_loads
 from engine.memory.manager import CacheManager, PrefixHit, StateInit
 from engine.request import Request, RequestStatus
 
@@ -75,8 +89,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # admission order
-        self._turns: dict[str | None, int] = {}  # tenant (cache salt) with work -> its next turn (admission_order)
+        self._turns: dict[str | None, int] = {}  # tenant with work -> its next turn (admission_order)
+        self.fair = FairShare(max_num_seqs, manager.block_pool.num_blocks)
         self.num_preemptions = 0
+        self.num_fair_preemptions = 0  # of those, to give a waiting tenant its share
 
     @property
     def has_unfinished(self) -> bool:
@@ -84,7 +100,8 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
-        self._turns.setdefault(req.cache_salt, self._turn(req.cache_salt))  # a joining tenant starts level
+        self._turns.setdefault(req.tenant, self._turn(req.tenant))  # a joining tenant starts level
+        self.fair.note(req)
         self._enqueue(req)
 
     def _enqueue(self, req: Request) -> None:
@@ -114,7 +131,7 @@ class Scheduler:
         want = known + (len(req.draft.tokens) if req.draft is not None and known == 1 else 0)
         n = min(want, budget, self.manager.next_chunk_end(req, start, start + want) - start)
         while not self.manager.allocate(req, n):
-            victim = max(self.running, key=lambda r: r.sort_key)
+            victim = self.fair.pressure_victim(self.running)
             self._preempt(victim, out)
             if victim is req:
                 return 0
@@ -122,9 +139,12 @@ class Scheduler:
         out.chunks.append(ScheduledChunk(req, start, n, draft, self.manager.verify_slots(req, n) if draft else ()))
         return n
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Preempts `victim` by recompute -> the tokens of its chunk in this step, taken back."""
+        freed = 0
         for i, chunk in enumerate(out.chunks):
             if chunk.req is victim:  # scheduled earlier in this step: take it back
+                freed = chunk.num_tokens
                 del out.chunks[i]
                 break
         self.running.remove(victim)
@@ -136,12 +156,14 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(victim)
         self._enqueue(victim)
+        return freed
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         self._forget_idle_tenants()
         for req in self.admission_order():
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                break
+            if budget <= 0 or (len(self.running) >= self.max_num_seqs
+                               and self.fair.fair_victim(req, self.running, 0) is None):
+                break  # no slot, and none to take: nothing is looked up (no junction planned) for it
             hit = self.manager.lookup(req)
             junction = self.manager.junction(req, hit, self.running)
             if junction is not None and junction.producer is not None:
@@ -150,24 +172,59 @@ class Scheduler:
                 continue
             start = hit.num_tokens
             n = min(req.num_tokens - start, budget, self.manager.next_chunk_end(req, start) - start)
-            if not self.manager.can_admit(hit, n):
+            fits, freed = self._make_room(req, hit, n, out)
+            budget += freed
+            if not fits:
                 break
             self.waiting.remove(req)
             self._admit(req, hit, n, out)
-            self._turns[req.cache_salt] = self._turn(req.cache_salt) + 1
+            self._turns[req.tenant] = self._turn(req.tenant) + 1
             budget -= n
 
+    def _fits(self, hit: PrefixHit, n: int) -> bool:
+        return len(self.running) < self.max_num_seqs and self.manager.can_admit(hit, n)
+
+    def _make_room(self, req: Request, hit: PrefixHit, n: int, out: SchedulerOutput) -> tuple[bool, int]:
+        """Preempts the fair victims that let `req` (admitted with `hit` and an `n`-token chunk) fit, when they can
+        -> (whether it fits, the tokens of this step's chunks taken back from the victims)."""
+        victims = self._room_plan(req, hit, n)
+        freed = 0
+        for victim in victims or ():
+            freed += self._preempt(victim, out)
+            self.num_fair_preemptions += 1
+        return victims is not None and self._fits(hit, n), freed
+
+    def _room_plan(self, req: Request, hit: PrefixHit, n: int) -> list[Request] | None:
+        """The `FairShare.fair_victim`s, in order, whose slots and blocks make room for `req`: [] when it fits now,
+        None when fair share cannot make room (nothing is preempted then: no victim for a request that still would
+        not fit)."""
+        running = list(self.running)
+        groups_short, blocks_short = self.manager.admission_shortfall(hit, n)
+        blocks = self.manager.blocks_for(hit.num_tokens + n)
+        victims: list[Request] = []
+        while len(running) >= self.max_num_seqs or groups_short > 0 or blocks_short > 0:
+            victim = self.fair.fair_victim(req, running, blocks)
+            if victim is None:
+                return None
+            running.remove(victim)
+            victims.append(victim)
+            groups_short, blocks_short = groups_short - 1, blocks_short - len(victim.block_ids)
+        return victims
+
     def admission_order(self) -> list[Request]:
-        """The waiting requests in the order they are admitted: by priority, then by tenant turn (a tenant — the
-        requests' `cache_salt` — takes one turn per admission; its k-th waiting request comes at its turn + k), then
-        FCFS. So tenants alternate, and a tenant's queue delays another tenant's next request by at most one
-        admission per other tenant; with one tenant this is `(priority, arrival)` order."""
-        turn: dict[str | None, int] = {}
+        """The waiting requests in the order they are admitted: by priority, then by the usage their tenant —
+        `Request.tenant` — would have once they run (engine/fair_share.py; its k-th waiting request counts the k
+        ahead of it), then by tenant turn (a tenant takes one turn per admission; its k-th waiting request comes at
+        its turn + k), then FCFS. So the least served tenant goes first, tenants at equal usage alternate, and a
+        tenant's queue delays another tenant's next request by at most one admission per other tenant; with one
+        tenant this is `(priority, arrival)` order."""
+        rank = self.fair.admission_rank(self.running)
+        ahead: dict[str | None, int] = {}
         keyed = []
         for req in self.waiting:  # (priority, arrival) order
-            k = turn.setdefault(req.cache_salt, self._turn(req.cache_salt))
-            keyed.append(((req.priority, k, req.arrival), req))
-            turn[req.cache_salt] = k + 1
+            k = ahead.get(req.tenant, 0)
+            keyed.append(((req.priority, rank(req.tenant, k + 1), self._turn(req.tenant) + k, req.arrival), req))
+            ahead[req.tenant] = k + 1
         return [req for _, req in sorted(keyed, key=lambda item: item[0])]
 
     def _turn(self, tenant: str | None) -> int:
@@ -175,8 +232,13 @@ class Scheduler:
         return self._turns.get(tenant, min(self._turns.values(), default=0))
 
     def _forget_idle_tenants(self) -> None:
-        active = {r.cache_salt for r in self.waiting} | {r.cache_salt for r in self.running}
+        active = {r.tenant for r in self.waiting} | {r.tenant for r in self.running}
         self._turns = {t: n for t, n in self._turns.items() if t in active}
+        self.fair.forget(active)
+
+    def tenant_loads(self) -> tuple[TenantLoad, ...]:
+        """Each tenant's running and waiting requests now (the per-tenant gauges)."""
+        return tenant_loads(self.running, self.waiting, self.fair.weights)
 
     def _admit(self, req: Request, hit: PrefixHit, n: int, out: SchedulerOutput) -> None:
         init = self.manager.admit(req, hit)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from engine.fair_share import TenantLoad
 from engine.phase_times import PhaseSnapshot
 
 
@@ -43,6 +44,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # fair share (engine/fair_share.py): each tenant with work now, and the preemptions that made room for a tenant
+    tenants: tuple[TenantLoad, ...] = ()
+    num_fair_preemptions: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -97,4 +101,5 @@ def engine_stats(manager, scheduler, phase_times, plan, spec) -> EngineStats:
                        spec_num_drafts=spec.num_drafts if spec else 0,
                        spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
                        spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
-                       spec_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else ())
+                       spec_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else (),
+                       tenants=scheduler.tenant_loads(), num_fair_preemptions=scheduler.num_fair_preemptions)

@@ -78,7 +78,7 @@ class ChatRun(Run):
 
     async def _items(self) -> AsyncIterator[TokenEvent]:
         request = MeshRequest(request_id=self.mesh_id, prompt_token_ids=tuple(self.plan.prompt_ids),
-                              sampling=self.plan.sampling, model=self.model, tenant_salt=self.salt,
+                              sampling=self.plan.sampling, model=self.model, tenant_salt=self.salt, tenant=self.tenant_share,
                               priority=self.plan.request.priority, timeout_s=self.context.request_timeout_s,
                               media=self.plan.media, snapshot_hints=self.plan.snapshot_hints)
         async with aclosing(self.context.generate(request)) as events:

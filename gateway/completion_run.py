@@ -62,7 +62,7 @@ class CompletionRun(Run):
         """Puts prompt p's mesh events on `queue` as (p, event), then a `MeshError` if it failed, then `end`."""
         job = self.job
         request = MeshRequest(request_id=f"{self.mesh_id}-{p}", prompt_token_ids=tuple(job.prompts[p]),
-                              sampling=job.sampling, model=self.model, tenant_salt=self.salt,
+                              sampling=job.sampling, model=self.model, tenant_salt=self.salt, tenant=self.tenant_share,
                               priority=job.request.priority, timeout_s=self.context.request_timeout_s,
                               snapshot_hints=job.snapshot_hints)
         try:

@@ -74,6 +74,7 @@ class MeshRequest:
     sampling: common_pb2.SamplingParams
     model: str = ""
     tenant_salt: bytes = b""
+    tenant: common_pb2.TenantShare | None = None  # the fair share the workers give it (None: the salt decides)
     priority: int = 0
     timeout_s: float | None = None  # the whole request, prefill and decode together
     media: tuple[common_pb2.MediaItem, ...] = ()  # the prompt's images (gateway/media.py), sent to both workers
@@ -252,7 +253,7 @@ def generation_request(req: MeshRequest) -> common_pb2.GenerationRequest:
     return common_pb2.GenerationRequest(request_id=req.request_id, model=req.model,
                                         prompt=common_pb2.TokenIds(ids=req.prompt_token_ids), sampling=req.sampling,
                                         tenant_salt=req.tenant_salt, media=req.media, priority=req.priority,
-                                        snapshot_hints=req.snapshot_hints)
+                                        snapshot_hints=req.snapshot_hints, tenant=req.tenant)
 
 
 def _comparable(req: MeshRequest) -> bool:

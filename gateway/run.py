@@ -92,6 +92,11 @@ class Run:
         self._first = None
         self._closed = False
 
+    @property
+    def tenant_share(self) -> common_pb2.TenantShare:
+        """Whom the workers run this request for in their fair share (the tenant's configured name and weight)."""
+        return common_pb2.TenantShare(name=self.principal.tenant, weight=self.principal.weight)
+
     # -- what a subclass provides --------------------------------------------------------------------------------
 
     def _items(self) -> AsyncIterator:

@@ -3,11 +3,13 @@
 Contract:
 - Configuration: `KDAMESH_API_KEYS="key1=tenantA,key2=tenantB"` (comma-separated `key=tenant` entries; a key may
   contain `=`, the tenant is what follows the last one) and/or `--api-keys-file`, a JSON object mapping each key to a
-  tenant name or to `{"tenant": ..., "rpm": ..., "tpm": ..., "max_concurrency": ...}`. In the object form a limit
-  that is absent takes the gateway's default, `null` means unlimited. Parsing is strict: empty entries, empty or
-  whitespace-bearing keys, tenant names outside `TENANT_NAME`, duplicate keys, unknown fields, non-positive limits,
-  or two keys of one tenant with different limits raise `TenantConfigError`, whose message names the entry by
-  position, never by its key (keys must not reach logs).
+  tenant name or to `{"tenant": ..., "rpm": ..., "tpm": ..., "max_concurrency": ..., "weight": ...}`. In the object
+  form a limit that is absent takes the gateway's default, `null` means unlimited; `weight` (a positive finite
+  number, default 1) is the tenant's weight in the workers' fair share of their running slots and KV pools
+  (engine/fair_share.py), sent with each request (`Principal.weight`). Parsing is strict: empty entries, empty or
+  whitespace-bearing keys, tenant names outside `TENANT_NAME`, duplicate keys, unknown fields, non-positive limits
+  or weights, or two keys of one tenant with different limits or weights raise `TenantConfigError`, whose message
+  names the entry by position, never by its key (keys must not reach logs).
 - `TenantDirectory.authenticate(authorization_header)` returns the `Principal` of a `Bearer` key or raises
   `AuthError` with `kind` "missing" (no header, or a scheme without a key), "bad_scheme" (not `Bearer`) or
   "invalid_key" (not configured). The presented key is compared against every configured key with
@@ -31,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import re
 import secrets
 from collections.abc import Callable, Iterable, Mapping
@@ -44,6 +47,7 @@ SALT_SECRET_ENV = "KDAMESH_CACHE_SALT_SECRET"
 MIN_SECRET_BYTES = 16
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 LIMIT_FIELDS = ("rpm", "tpm", "max_concurrency")
+WEIGHT_FIELD = "weight"
 _KEY_FORBIDDEN = re.compile(r"[\s\x00-\x1f\x7f]")
 _SALT_DOMAIN = b"kdamesh-tenant-salt-v1\x00"
 _MIX_DOMAIN = b"kdamesh-client-salt-v1\x00"
@@ -66,6 +70,7 @@ class AuthError(Exception):
 class Principal:
     tenant: str
     anonymous: bool = False
+    weight: float = 1.0  # the tenant's weight in the workers' fair share
 
 
 ANONYMOUS = Principal(tenant="anonymous", anonymous=True)
@@ -78,7 +83,8 @@ class KeyEntry:
     key_digest: bytes
     tenant: str
     limits: tuple[tuple[str, int | None], ...] = ()
-    source: str = ""  # "KDAMESH_API_KEYS entry 2", "keys.json entry 3": for error messages
+    source: str = ""
+    weight: float | None = None  # set explicitly in the entry (None: the default, 1)  # "KDAMESH_API_KEYS entry 2", "keys.json entry 3": for error messages
 
 
 # ---- parsing -------------------------------------------------------------------------------------------------------
@@ -122,15 +128,25 @@ def parse_api_keys(text: str, source: str = API_KEYS_ENV) -> list[KeyEntry]:
 
 
 def _parse_limits(spec: Mapping[str, object], where: str) -> tuple[tuple[str, int | None], ...]:
-    unknown = sorted(set(spec) - {"tenant", *LIMIT_FIELDS})
+    unknown = sorted(set(spec) - {"tenant", WEIGHT_FIELD, *LIMIT_FIELDS})
     if unknown:
-        raise TenantConfigError(f"{where}: unknown field(s) {unknown}; allowed: tenant, {', '.join(LIMIT_FIELDS)}")
+        raise TenantConfigError(f"{where}: unknown field(s) {unknown}; allowed: tenant, {', '.join(LIMIT_FIELDS)}, "
+                                f"{WEIGHT_FIELD}")
     limits = tuple((name, spec[name]) for name in LIMIT_FIELDS if name in spec)
     try:
         TenantLimits(**dict(limits))
     except ValueError as e:
         raise TenantConfigError(f"{where}: {e}") from None
     return limits
+
+
+def _parse_weight(spec: Mapping[str, object], where: str) -> float | None:
+    if WEIGHT_FIELD not in spec:
+        return None
+    weight = spec[WEIGHT_FIELD]
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        raise TenantConfigError(f"{where}: weight must be a positive number, got {weight!r}")
+    return float(weight)
 
 
 def parse_api_keys_json(data: object, source: str = "api keys file") -> list[KeyEntry]:
@@ -149,7 +165,7 @@ def parse_api_keys_json(data: object, source: str = "api keys file") -> list[Key
             if "tenant" not in value:
                 raise TenantConfigError(f"{where}: the object has no 'tenant'")
             entries.append(KeyEntry(_digest(key), _check_tenant(value["tenant"], where),
-                                    _parse_limits(value, where), source=where))
+                                    _parse_limits(value, where), source=where, weight=_parse_weight(value, where)))
         else:
             raise TenantConfigError(f"{where}: expected a tenant name or an object, got {type(value).__name__}")
     return _no_duplicate_keys(entries)
@@ -191,6 +207,22 @@ def _tenant_limits(entries: Iterable[KeyEntry], default: TenantLimits) -> dict[s
     return tenants
 
 
+def _tenant_weights(entries: Iterable[KeyEntry]) -> dict[str, float]:
+    """Each tenant's fair-share weight: 1 unless its entries set one (which must agree)."""
+    explicit: dict[str, KeyEntry] = {}
+    weights: dict[str, float] = {}
+    for entry in entries:
+        weights.setdefault(entry.tenant, 1.0)
+        if entry.weight is None:
+            continue
+        first = explicit.setdefault(entry.tenant, entry)
+        if first.weight != entry.weight:
+            raise TenantConfigError(f"{entry.source} gives tenant {entry.tenant!r} a weight that differs from "
+                                    f"{first.source}")
+        weights[entry.tenant] = entry.weight
+    return weights
+
+
 # ---- the directory -------------------------------------------------------------------------------------------------
 
 
@@ -213,6 +245,7 @@ class TenantDirectory:
     def __init__(self, entries: Iterable[KeyEntry] = (), default_limits: TenantLimits = TenantLimits()):
         self._entries = tuple(_no_duplicate_keys(list(entries)))
         self._limits = _tenant_limits(self._entries, default_limits)
+        self._weights = _tenant_weights(self._entries)
         if self.is_open:
             self._limits = {ANONYMOUS.tenant: default_limits}
 
@@ -238,6 +271,10 @@ class TenantDirectory:
         """Every tenant's limits, the input of `RateLimiter`."""
         return dict(self._limits)
 
+    def weight(self, tenant: str) -> float:
+        """A tenant's fair-share weight (1 unless its key entry sets one)."""
+        return self._weights.get(tenant, 1.0)
+
     def describe(self) -> str:
         """A start-up log line."""
         if self.is_open:
@@ -255,7 +292,7 @@ class TenantDirectory:
                 tenant = entry.tenant
         if tenant is None:
             raise AuthError("invalid_key", "invalid API key")
-        return Principal(tenant)
+        return Principal(tenant, weight=self.weight(tenant))
 
 
 # ---- cache salts ---------------------------------------------------------------------------------------------------

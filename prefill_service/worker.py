@@ -200,7 +200,7 @@ class PrefillWorker:
         async for out in self.engine.generate(job.request_id, {"prompt_token_ids": ids}, one,
                                               priority=job.priority, cache_salt=engine_cache_salt(job.tenant_salt),
                                               export_on_finish=True, deadline=job.deadline, media=job.media,
-                                              snapshot_hints=hints):
+                                              snapshot_hints=hints, tenant=job.tenant):
             final = out
         if final is None or final.exported is None:
             raise PrefillAbortedError(f"request {job.request_id!r} was aborted before its first token")

@@ -13,8 +13,11 @@ Every series is prefixed `kdamesh_<service>_` (service: `prefill`, `decode`, `ca
 - Engine state, read at scrape time (`EngineCollector` over an `EngineGauges` snapshot): `running_requests`,
   `queue_depth` (waiting requests), `kv_block_usage_ratio`, `kv_blocks{state="total"|"free"|"cached"}`,
   `state_slot_usage_ratio`, `state_snapshots`, `state_snapshot_slots`, `prefix_lookup_tokens_total`,
-  `prefix_hit_tokens_total`, `preemptions_total`, and `model_loaded` (0 until the engine is up; the rest are absent
-  until then).
+  `prefix_hit_tokens_total`, `preemptions_total` (of which `fair_preemptions_total`: to give a waiting tenant its
+  share), the per-tenant `tenant_running_requests{tenant}`, `tenant_waiting_requests{tenant}` and
+  `tenant_weight{tenant}` (each tenant with work now, labelled by its configured name, or `#` + a hash of its cache
+  salt: never a key or a salt), and
+  `model_loaded` (0 until the engine is up; the rest are absent until then).
 - The same snapshot feeds the engine-level `vllm:` series (telemetry/vllm.py, label `model_name`), among them the
   engine's request phase histograms (`EngineGauges.queue_time` / `prefill_time` / `decode_time`).
 - Worker counters, read at scrape time (`CounterCollector` over `CounterSample`s): e.g. `transfer_bytes_total{op}`
@@ -179,6 +182,8 @@ class EngineGauges:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()  # empty: the worker does not speculate (no series)
+    fair_preemptions: int = 0  # cumulative: preemptions that gave a waiting tenant its fair share
+    tenants: tuple[tuple[str, int, int, float], ...] = ()  # (tenant label, running, waiting, weight), with work
 
 
 class EngineCollector(Collector):
@@ -214,7 +219,25 @@ class EngineCollector(Collector):
                                   value=g.prefix_lookup_tokens)
         yield CounterMetricFamily(f"{p}_prefix_hit_tokens", "Prompt tokens served from the prefix cache",
                                   value=g.prefix_hit_tokens)
-        yield CounterMetricFamily(f"{p}_preemptions", "Requests preempted for memory", value=g.preemptions)
+        yield CounterMetricFamily(f"{p}_preemptions", "Requests preempted (recomputed later), for memory or for a "
+                                  "tenant's fair share", value=g.preemptions)
+        yield CounterMetricFamily(f"{p}_fair_preemptions", "Requests preempted to give a waiting tenant its fair "
+                                  "share", value=g.fair_preemptions)
+        yield from tenant_families(p, g.tenants)
+
+
+def tenant_families(p: str, tenants: Iterable[tuple[str, int, int, float]]) -> Iterator[Metric]:
+    """`tenant_running_requests`, `tenant_waiting_requests` and `tenant_weight` of the tenants with work."""
+    families = [GaugeMetricFamily(f"{p}_tenant_running_requests", "A tenant's requests in the running batch",
+                                  labels=["tenant"]),
+                GaugeMetricFamily(f"{p}_tenant_waiting_requests", "A tenant's requests waiting for admission",
+                                  labels=["tenant"]),
+                GaugeMetricFamily(f"{p}_tenant_weight", "A tenant's weight in the fair share of the running slots "
+                                  "and KV pool", labels=["tenant"])]
+    for tenant, *values in tenants:
+        for family, value in zip(families, values):
+            family.add_metric([tenant], value)
+    yield from families
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 Contract: pure functions, no I/O. `generation_from_proto(msg, deadline)` decodes a `GenerationRequest` (the request
 both `PrefillRequest` and `DecodeRequest` embed) into the one `GenerationJob` both workers run: the prompt (at least
-one token, else `InvalidRequestError`), the engine's `SamplingParams`, the tenant salt, media, priority, structure
-hints and the call's deadline. A new per-request field is decoded here once. `sampling_from_proto` raises
+one token, else `InvalidRequestError`), the engine's `SamplingParams`, the tenant salt, the tenant's fair share
+(`tenant_from_proto`: name and weight, `InvalidRequestError` for a bad one), media, priority, structure hints and
+the call's deadline. A new per-request field is decoded here once. `sampling_from_proto` raises
 `InvalidRequestError` for values out of range (proto3 defaults mean vLLM's defaults); `structured_from_proto` raises
 it for an unusable structured-output spec;
 `output_chunk` turns one engine delta of a choice into the `DecodeChunk` the decode worker streams (the one
@@ -22,6 +23,7 @@ import json
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
+from engine.fair_share import TenantShare
 from engine.outputs import PositionLogprobs
 from engine.sampling import SamplingParams
 from engine.vision.feed import ImageInput
@@ -41,6 +43,7 @@ class GenerationJob:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams  # the request's own parameters (prefill samples one token of them)
     tenant_salt: bytes = b""
+    tenant: TenantShare = TenantShare()  # whom it runs for in the engine's fair share (engine/fair_share.py)
     priority: int = 0
     media: tuple[ImageInput, ...] = ()  # the prompt's images, in token order
     snapshot_hints: tuple[int, ...] = ()  # prompt token positions to snapshot the KDA state at (protos/common.proto)
@@ -53,8 +56,22 @@ def generation_from_proto(msg: common_pb2.GenerationRequest, deadline: float | N
     if not prompt:
         raise InvalidRequestError("the prompt is empty", param="prompt")
     return GenerationJob(request_id=msg.request_id, prompt_token_ids=prompt, params=sampling_from_proto(msg.sampling),
-                         tenant_salt=msg.tenant_salt, priority=msg.priority, media=media_from_proto(msg.media),
-                         snapshot_hints=tuple(msg.snapshot_hints), deadline=deadline)
+                         tenant_salt=msg.tenant_salt, tenant=tenant_from_proto(msg.tenant), priority=msg.priority,
+                         media=media_from_proto(msg.media), snapshot_hints=tuple(msg.snapshot_hints),
+                         deadline=deadline)
+
+
+MAX_TENANT_NAME = 128
+
+
+def tenant_from_proto(msg: common_pb2.TenantShare) -> TenantShare:
+    """The engine's `TenantShare` (an empty name: None; weight 0: 1); raises InvalidRequestError for a name over
+    `MAX_TENANT_NAME` characters or with control characters, or a weight that is negative or not finite."""
+    name = msg.name
+    if len(name) > MAX_TENANT_NAME or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise InvalidRequestError(f"tenant.name must be at most {MAX_TENANT_NAME} printable characters",
+                                  param="tenant")
+    return TenantShare(name or None, msg.weight if msg.weight != 0 else 1.0)
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:

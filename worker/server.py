@@ -78,7 +78,9 @@ def engine_gauges(engine: AsyncEngine) -> EngineGauges:
                         cache_config=cache_config(engine, stats.num_blocks), spec_num_drafts=stats.spec_num_drafts,
                         spec_num_draft_tokens=stats.spec_num_draft_tokens,
                         spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
-                        spec_accepted_per_pos=stats.spec_accepted_per_pos)
+                        spec_accepted_per_pos=stats.spec_accepted_per_pos,
+                        fair_preemptions=stats.num_fair_preemptions,
+                        tenants=tuple((t.tenant, t.running, t.waiting, t.weight) for t in stats.tenants))
 
 
 def cache_config(engine: AsyncEngine, num_blocks: int) -> tuple[tuple[str, str], ...]:

@@ -61,9 +61,13 @@ class BlockManager:
     def can_admit(self, hit_blocks: Sequence[int], num_tokens: int) -> bool:
         """Whether `admit(req, hit_blocks)` + growth to `num_tokens` tokens would succeed now (a hit's free blocks
         leave the free queue when revived)."""
+        return self.shortfall(hit_blocks, num_tokens) == 0
+
+    def shortfall(self, hit_blocks: Sequence[int], num_tokens: int) -> int:
+        """How many more free blocks `can_admit(hit_blocks, num_tokens)` needs (0: it fits now)."""
         need = self.blocks_for(num_tokens) - len(hit_blocks)
         revived = sum(1 for b in hit_blocks if self.pool.ref_cnt[b] == 0)
-        return self.pool.num_free_blocks - revived >= need
+        return max(0, need - (self.pool.num_free_blocks - revived))
 
     def admit(self, req: Request, hit_blocks: Sequence[int]) -> None:
         """Gives `req` (holding no blocks) the hit's cached blocks; they count as registered."""

@@ -195,6 +195,11 @@ class CacheManager:
         return self.state_pool.num_free_groups > 0 and \
             self.blocks.can_admit(hit.block_ids, hit.num_tokens + num_new_tokens)
 
+    def admission_shortfall(self, hit: PrefixHit, num_new_tokens: int) -> tuple[int, int]:
+        """-> (running slot groups, KV blocks) that must be freed before `can_admit(hit, num_new_tokens)` holds."""
+        return (0 if self.state_pool.num_free_groups > 0 else 1,
+                self.blocks.shortfall(hit.block_ids, hit.num_tokens + num_new_tokens))
+
     def admit(self, req: Request, hit: PrefixHit) -> StateInit:
         """Gives `req` the hit's blocks and a running slot group; sets `num_computed_tokens` to the hit length."""
         self.blocks.admit(req, hit.block_ids)

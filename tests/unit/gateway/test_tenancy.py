@@ -209,3 +209,26 @@ def test_random_secret_per_process():
 def test_short_secret_rejected():
     with pytest.raises(TenantConfigError, match="at least 16 bytes"):
         CacheSalter.from_env({"KDAMESH_CACHE_SALT_SECRET": "short"})
+
+
+# ---- fair-share weights ----------------------------------------------------------------------------------------------
+
+
+def test_a_key_entry_sets_its_tenants_fair_share_weight():
+    d = TenantDirectory(parse_api_keys_json({"ka": {"tenant": "a", "weight": 3}, "kb": "b",
+                                             "kc": {"tenant": "a", "weight": 3.0, "rpm": 5}}))
+    assert d.authenticate("Bearer ka") == Principal("a", weight=3.0)
+    assert d.authenticate("Bearer kc").weight == 3.0 and d.authenticate("Bearer kb").weight == 1.0
+    assert TenantDirectory().authenticate(None).weight == 1.0  # open gateway
+
+
+@pytest.mark.parametrize("weight", [0, -2, True, "2", None, float("inf")])
+def test_a_bad_weight_is_refused(weight):
+    with pytest.raises(TenantConfigError, match="entry 1: weight must be a positive number"):
+        parse_api_keys_json({"k": {"tenant": "t", "weight": weight}})
+
+
+def test_conflicting_weights_for_one_tenant():
+    entries = parse_api_keys_json({"k1": {"tenant": "t", "weight": 1}, "k2": {"tenant": "t", "weight": 2}})
+    with pytest.raises(TenantConfigError, match="entry 2 gives tenant 't' a weight that differs from .* entry 1"):
+        TenantDirectory(entries)

@@ -11,6 +11,7 @@ import json
 import logging
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -138,7 +139,8 @@ def test_engine_and_counter_collectors_read_at_scrape_time():
     assert not any(name == "kdamesh_decode_queue_depth" for name, _ in before)
     state["gauges"] = EngineGauges(running=3, waiting=2, kv_blocks_total=100, kv_blocks_free=60, kv_blocks_cached=10,
                                    kv_usage=0.4, state_groups_total=8, state_groups_free=5, snapshots=4,
-                                   snapshot_slots=16, prefix_lookup_tokens=500, prefix_hit_tokens=320, preemptions=1)
+                                   snapshot_slots=16, prefix_lookup_tokens=500, prefix_hit_tokens=320, preemptions=1,
+                                   fair_preemptions=1, tenants=(("acme", 2, 0, 2.5), ("#0123456789abcdef", 1, 2, 1.0)))
     state["bytes"] = 4096
     after = samples(registry)
     assert after[("kdamesh_decode_model_loaded", frozenset())] == 1
@@ -149,6 +151,12 @@ def test_engine_and_counter_collectors_read_at_scrape_time():
     assert after[("kdamesh_decode_state_slot_usage_ratio", frozenset())] == pytest.approx(3 / 8)
     assert after[("kdamesh_decode_prefix_hit_tokens_total", frozenset())] == 320
     assert after[("kdamesh_decode_transfer_bytes_total", frozenset({("op", "handoff_load")}))] == 4096
+    assert after[("kdamesh_decode_fair_preemptions_total", frozenset())] == 1
+    assert after[("kdamesh_decode_tenant_running_requests", frozenset({("tenant", "acme")}))] == 2
+    assert after[("kdamesh_decode_tenant_waiting_requests", frozenset({("tenant", "#0123456789abcdef")}))] == 2
+    assert after[("kdamesh_decode_tenant_weight", frozenset({("tenant", "acme")}))] == 2.5
+    state["gauges"] = replace(state["gauges"], tenants=(("acme", 1, 0, 2.5),))  # a tenant without work has no series
+    assert not any(dict(labels).get("tenant") == "#0123456789abcdef" for _, labels in samples(registry))
 
 
 def test_metrics_server_serves_the_registry():

@@ -66,3 +66,24 @@ def test_the_sampler_adds_the_bias_before_choosing():
 
     assert greedy(None) == 1  # control: no bias
     assert greedy({2: 4.5}) == 2 and greedy({3: 2.9}) == 1 and greedy({1: -100.0}) == 3
+
+
+def test_the_tenant_share_decodes_with_weight_one_when_unset():
+    from engine.fair_share import TenantShare
+
+    request = _request()
+    assert generation_from_proto(request, None).tenant == TenantShare()
+    request.tenant.CopyFrom(common_pb2.TenantShare(name="acme", weight=2.5))
+    assert generation_from_proto(request, None).tenant == TenantShare("acme", 2.5)
+    request.tenant.weight = 0  # unset reads as 1
+    assert generation_from_proto(request, None).tenant == TenantShare("acme", 1.0)
+
+
+@pytest.mark.parametrize("name, weight", [("acme", -1.0), ("acme", float("nan")), ("acme", float("inf")),
+                                          ("x" * 129, 1.0), ("bad\nname", 1.0)])
+def test_a_bad_tenant_share_is_refused(name, weight):
+    request = _request()
+    request.tenant.CopyFrom(common_pb2.TenantShare(name=name, weight=weight))
+    with pytest.raises(InvalidRequestError) as err:
+        generation_from_proto(request, None)
+    assert err.value.param in ("tenant", "tenant_weight")
