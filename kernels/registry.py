@@ -53,6 +53,9 @@ _IMPLS: dict[str, dict[str, str]] = {
         "triton": "kernels.attention.triton_paged:mla_paged_attention",
         "flashinfer": "kernels.attention.flashinfer_mla:mla_paged_attention",
     },
+    "mla_prefill": {  # the non-absorbed form for long prompts, per sequence (kernels/attention/mla_prefill.py)
+        "torch": "kernels.attention.mla_prefill:mla_prefill_attention",
+    },
     "mla_decode_graph": {  # one query per sequence, capturable in a CUDA graph (no host reads, no per-step plan)
         "torch": "kernels.attention.torch_paged:mla_paged_attention",
         "triton": "kernels.attention.triton_paged:mla_paged_attention",

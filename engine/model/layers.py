@@ -35,6 +35,7 @@ from kernels import get_kernel, graph_ops
 from kernels.casting import cast, fp32
 from kernels.attention.torch_paged import write_kv_cache
 from kernels.attention.fp8_latent import is_fp8_cache
+from kernels.attention.mla_prefill import non_absorbed_min_queries
 from kernels.kda.gate import kda_gate_lower_bound, kda_gate_softplus
 from kernels.norm.rms_norm import gated_rms_norm, l2_normalize
 
@@ -142,7 +143,8 @@ class _ConvWeight(nn.Module):
 
 
 class MLAMixer(nn.Module):
-    """Multi-head latent attention with NoPE, run in the absorbed form over the paged latent cache."""
+    """Multi-head latent attention with NoPE over the paged latent cache: absorbed for decodes and short chunks,
+    non-absorbed for sequences with at least `min_prefill_queries` queries in an eager step (prompts)."""
 
     def __init__(self, config: ModelConfig, layer_index: int, ctx: RankContext = SINGLE):
         super().__init__()
@@ -167,6 +169,9 @@ class MLAMixer(nn.Module):
             self.g_proj = _linear(d, h * mla.v_head_dim, shard_dim=0)
         parts = [[self.q_a_proj if mla.q_lora_rank else self.q_proj], [self.kv_a_proj_with_mqa]]
         self.in_proj = FusedLinear(parts + ([[self.g_proj]] if mla.output_gate else []))
+        # sequences with this many queries in a step run non-absorbed (kernels/attention/mla_prefill.py)
+        self.min_prefill_queries = non_absorbed_min_queries(mla.kv_lora_rank, mla.qk_nope_head_dim,
+                                                            mla.qk_rope_head_dim, mla.v_head_dim)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         mla, t = self.mla, x.shape[0]
@@ -179,10 +184,16 @@ class MLAMixer(nn.Module):
         kv_cache = cache.kv[self.layer_index]
         w_kv = self.kv_b_proj.weight.reshape(h, nope + mla.v_head_dim, lora)  # [H, nope+v, lora]
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]  # [H, nope, lora], [H, v, lora]
-        q_latent = torch.einsum("thn,hnl->thl", q[..., :nope], w_uk)  # [T, H, lora]
         cache_dtype = x.dtype if is_fp8_cache(kv_cache) else kv_cache.dtype  # FP8 rows: quantised on write
-        q_abs = cast(torch.cat([q_latent, q[..., nope:]], dim=-1), cache_dtype)  # [T, H, lora+rope]
         latent = cast(latent, cache_dtype)
+        host = self._long_prefill(batch)
+        if host is not None:  # prompts: the non-absorbed form (kernels/attention/mla_prefill.py)
+            write_kv_cache(kv_cache, batch.slot_mapping, latent)
+            o = get_kernel("mla_prefill", x.device)(q, kv_cache, w_uk, w_uv, batch.block_tables, host,
+                                                    mla.softmax_scale, self.min_prefill_queries)  # [T, H, v]
+            return self._output(o.reshape(t, h * mla.v_head_dim), out_gate)
+        q_latent = torch.einsum("thn,hnl->thl", q[..., :nope], w_uk)  # [T, H, lora]
+        q_abs = cast(torch.cat([q_latent, q[..., nope:]], dim=-1), cache_dtype)  # [T, H, lora+rope]
         if batch.traced:  # the latent write and the attention as one op (kernels/graph_ops.py)
             o_latent = graph_ops.mla_decode(q_abs, latent, batch.slot_mapping, batch.block_tables, batch.seq_lens,
                                             mla.softmax_scale, lora, cache.graph_key, self.layer_index)
@@ -192,9 +203,23 @@ class MLAMixer(nn.Module):
             o_latent = get_kernel("mla_attention", x.device)(q_abs, kv_cache, batch.block_tables, batch.cu_seqlens,
                                                              batch.seq_lens, mla.softmax_scale, lora, host)
         o = torch.einsum("thl,hvl->thv", cast(o_latent, x.dtype), w_uv).reshape(t, h * mla.v_head_dim)
-        if mla.output_gate:
+        return self._output(o, out_gate)
+
+    def _output(self, o: torch.Tensor, out_gate: list[torch.Tensor]) -> torch.Tensor:
+        """Heads' outputs [T, H*v] -> the layer's output [T, D] (gated, projected, summed over ranks)."""
+        if self.mla.output_gate:
             o = o * torch.sigmoid(out_gate[0])
         return self.ctx.all_reduce(self.o_proj(o))  # row-parallel: summed
+
+    def _long_prefill(self, batch: ForwardBatch) -> tuple | None:
+        """(cu_seqlens, seq_lens) as host ints when some sequence of this eager step has enough queries for the
+        non-absorbed form, else None. Without the runner's host copies (a driver's batch) they are read back."""
+        if batch.traced or batch.input_ids.shape[0] < self.min_prefill_queries:
+            return None
+        host = batch.host
+        cu, lens = (host.cu_seqlens, host.seq_lens) if host else (batch.cu_seqlens.tolist(), batch.seq_lens.tolist())
+        long = any(cu[i + 1] - cu[i] >= self.min_prefill_queries for i in range(len(cu) - 1))
+        return (cu, lens) if long else None
 
 
 STACKED_MIX_MAX_ELEMS = 1 << 24  # candidates x tokens x width mixed as one stacked tensor (64 MiB fp32)
