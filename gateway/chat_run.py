@@ -2,7 +2,8 @@
 
 Contract (the lifecycle is `gateway.run.Run`'s):
 - `events()` yields, per choice, a first event with the role, then the output parsers' deltas (`gateway.parsers`,
-  chosen by the plan; without parsers the text is the content), each carrying the logprobs of the tokens since the
+  chosen by the plan; without parsers the text is the content; control tokens reach neither unless the request
+  has `skip_special_tokens: false`, which keeps every special token in the parsed text), each carrying the logprobs of the tokens since the
   previous event of that choice, and a last event with the finish reason — "tool_calls" when a turn that stopped
   held parsed calls.
 - A choice ends at its stop string, stop token, length or the mesh's finish; once every choice ended the mesh call
@@ -29,9 +30,10 @@ from protos import common_pb2
 class _ChatChoice:
     def __init__(self, index: int, context: RunContext, plan: ChatPlan):
         self.index = index
-        self.text = context.choice_text(TextRules.of(plan.sampling, context.marker_ids))
+        skip = plan.request.skip_special_tokens  # the parsers read the markers; the client may want to see them
+        self.text = context.choice_text(TextRules.of(plan.sampling, context.marker_ids if skip else None))
         parser = build_output_parser(plan.tool_parser, plan.reasoning_parser,
-                                     start_in_reasoning=plan.prompt.starts_in_reasoning)
+                                     start_in_reasoning=plan.prompt.starts_in_reasoning, skip_special_tokens=skip)
         self.stream = parser.stream() if parser is not None else None
         self.pending_logprobs: list[common_pb2.TokenLogprob] = []
         self.has_tool_calls = False

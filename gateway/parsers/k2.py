@@ -13,7 +13,7 @@ Output: `[<think>]REASONING</think>CONTENT[<|tool_calls_section_begin|>` +
   name is the part before the last `:`. Its arguments must be a JSON object; they are passed on as the model wrote
   them (trimmed).
 * Degrading, never raising: a call whose id does not parse, whose arguments are not a JSON object, or which meets
-  an unexpected marker, is reported verbatim as content; one the output leaves unterminated (cut short by
+  an unexpected marker, is reported verbatim as content (its markers only with `skip_special_tokens=False`); one the output leaves unterminated (cut short by
   `max_tokens`) is dropped, so control markup never reaches `content`. Text inside the
   section but outside calls, and text after the section, are content. `<|im_end|>` ends the message; text after it
   is content.
@@ -61,7 +61,7 @@ class K2Stream:
         self._options = options
         self._state = THINK if options.start_in_reasoning else START
         self._splitter = MarkerSplitter(MARKERS)
-        self._out = DeltaBuilder(options.make_call_id)
+        self._out = DeltaBuilder(options.make_call_id, MARKERS if options.skip_special_tokens else ())
         self._raw: list[str] = []  # the call being read, verbatim
         self._call_id = ""
         self._arguments = ""

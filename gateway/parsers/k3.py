@@ -17,7 +17,8 @@ The model continues the generation prompt, so its output looks like
   call id comes from `ParserOptions.make_call_id`.
 * Degrading, never raising: a call with a bad header, an unknown or mistyped argument, a duplicate key, text between
   its tags, or an unexpected marker is reported as content, verbatim. Unknown markers elsewhere are kept as text of
-  the current block. Text after the message ends is content.
+  the current block. Text after the message ends is content. "Verbatim" keeps the control markers only with
+  `skip_special_tokens=False` (base.ParserOptions); by default they are removed and the text between them stays.
 * Cut short (the output ends, e.g. at `max_tokens`): a call without its end, and a marker whose header never
   closed, are dropped — control markup never reaches `content`. Calls are emitted only when complete, so the
   stream and the whole-text parse agree (the finish reason then stays "length").
@@ -192,7 +193,7 @@ class K3Stream:
         self._state = THINK if start_in_reasoning else RESPONSE
         self._first = True
         self._lexer = XtmlLexer()
-        self._out = DeltaBuilder(options.make_call_id)
+        self._out = DeltaBuilder(options.make_call_id, MARKERS if options.skip_special_tokens else ())
         self._call: _CallBuffer | None = None
 
     def feed(self, text: str) -> list[DeltaMessage]:
