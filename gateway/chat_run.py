@@ -13,6 +13,7 @@ Contract (the lifecycle is `gateway.run.Run`'s):
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from gateway.events import ChatEvent
@@ -50,6 +51,12 @@ class _ChatChoice:
             self.has_tool_calls = True
         return deltas
 
+    def reasoning_tokens(self) -> int:
+        """Tokens whose text began inside the reasoning block as the parser read it (its closing markup too)."""
+        if self.stream is None:
+            return 0
+        return bisect.bisect_left(self.text.text_starts, self.stream.reasoning_chars)
+
     def finish_reason(self) -> str:
         reason = self.text.finish_reason or "abort"
         return "tool_calls" if reason == "stop" and self.has_tool_calls else reason
@@ -68,6 +75,7 @@ class ChatRun(Run):
         self.salt = salt
         self.stream = plan.request.stream
         self.include_usage = plan.request.include_usage
+        self.continuous_usage = plan.request.continuous_usage
         self.choices = [_ChatChoice(i, context, plan) for i in range(plan.request.n)]
         self.prompt_logprobs: list = []  # `prompt_logprobs`: tokens 2..N of the rendered prompt, once the mesh sent them
 
@@ -76,6 +84,9 @@ class ChatRun(Run):
 
     def finish_reasons(self) -> list[str]:
         return [c.finish_reason() for c in self.choices if c.done]
+
+    def reasoning_token_count(self) -> int:
+        return sum(c.reasoning_tokens() for c in self.choices)
 
     async def _items(self) -> AsyncIterator[TokenEvent]:
         request = MeshRequest(request_id=self.mesh_id, prompt_token_ids=tuple(self.plan.prompt_ids),

@@ -162,6 +162,36 @@ class OutputStream(Protocol):
 
     def finish(self) -> list[DeltaMessage]: ...
 
+    @property
+    def reasoning_chars(self) -> int:
+        """Characters of the fed text that the (first) reasoning block took, its closing markup included; 0 when
+        reasoning is not separated."""
+        ...
+
+
+class ReasoningExtent:
+    """Where the first reasoning block of a stream ends, in characters of the text fed to the parser.
+
+    `reasoning`: the parser state inside reasoning; `undecided`: states that may still enter it (K2's start).
+    `advance(size, before, after)` after each piece of `size` characters moved the parser from `before` to `after`.
+    """
+
+    def __init__(self, state: str, reasoning: str, undecided: tuple[str, ...] = ()) -> None:
+        self._reasoning = reasoning
+        self._open = (reasoning, *undecided)
+        self.fed = 0
+        self.end: int | None = None if state in self._open else 0
+
+    def advance(self, size: int, before: str, after: str) -> None:
+        self.fed += size
+        if self.end is None and after not in self._open:
+            self.end = self.fed if before == self._reasoning else self.fed - size
+
+    def chars(self, separated: bool) -> int:
+        if not separated:
+            return 0
+        return self.end if self.end is not None else self.fed
+
 
 class OutputParser:
     """One format's parser with its options. Immutable; `stream()` starts one generation, `parse()` reads a whole

@@ -28,7 +28,8 @@ from engine.formats.markers import (K2_ARGUMENT_BEGIN as ARGUMENT_BEGIN, K2_CALL
                                     K2_CALL_END as CALL_END, K2_IM_END as IM_END, K2_OUTPUT_MARKERS as MARKERS,
                                     K2_SECTION_BEGIN as SECTION_BEGIN, K2_SECTION_END as SECTION_END,
                                     K2_THINK_CLOSE as THINK_CLOSE, K2_THINK_OPEN as THINK_OPEN)
-from gateway.parsers.base import DeltaBuilder, DeltaMessage, MarkerSplitter, OutputParser, ParserOptions
+from gateway.parsers.base import (DeltaBuilder, DeltaMessage, MarkerSplitter, OutputParser, ParserOptions,
+                                   ReasoningExtent)
 
 CALL_ID_RE = re.compile(r"^(?:functions\.)?(?P<name>\S+):(?P<index>\d+)$")
 
@@ -65,15 +66,25 @@ class K2Stream:
         self._raw: list[str] = []  # the call being read, verbatim
         self._call_id = ""
         self._arguments = ""
+        self._extent = ReasoningExtent(self._state, THINK, undecided=(START,))
+
+    @property
+    def reasoning_chars(self) -> int:
+        return self._extent.chars(self._options.separate_reasoning)
 
     def feed(self, text: str) -> list[DeltaMessage]:
         for piece, is_marker in self._splitter.feed(text):
-            self._on_piece(piece, is_marker)
+            self._take(piece, is_marker)
         return self._out.take()
+
+    def _take(self, piece: str, is_marker: bool) -> None:
+        before = self._state
+        self._on_piece(piece, is_marker)
+        self._extent.advance(len(piece), before, self._state)
 
     def finish(self) -> list[DeltaMessage]:
         for piece, is_marker in self._splitter.finish():
-            self._on_piece(piece, is_marker)
+            self._take(piece, is_marker)
         if self._state in (CALL_ID, CALL_ARGS):  # a call cut short by the end of the output: dropped, not content
             self._state = SECTION
         return self._out.take()

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 from engine.formats.markers import (K3_CLOSE as CLOSE, K3_CONTROL_MARKERS as MARKERS, K3_END_OF_MSG as END_OF_MSG,
                                     K3_OPEN as OPEN, K3_SEP as SEP)
-from gateway.parsers.base import DeltaBuilder, DeltaMessage, MarkerSplitter, OutputParser, ParserOptions
+from gateway.parsers.base import (DeltaBuilder, DeltaMessage, MarkerSplitter, OutputParser, ParserOptions,
+                                   ReasoningExtent)
 
 THINK, RESPONSE, BETWEEN, TOOLS, CALL, ARG, DONE, RAW_TOOLS = (
     "think", "response", "between", "tools", "call", "arg", "done", "raw_tools"
@@ -195,16 +196,26 @@ class K3Stream:
         self._lexer = XtmlLexer()
         self._out = DeltaBuilder(options.make_call_id, MARKERS if options.skip_special_tokens else ())
         self._call: _CallBuffer | None = None
+        self._extent = ReasoningExtent(self._state, THINK)
+
+    @property
+    def reasoning_chars(self) -> int:
+        return self._extent.chars(self._options.separate_reasoning)
 
     def feed(self, text: str) -> list[DeltaMessage]:
         for token in self._lexer.feed(text):
-            self._on_token(token)
+            self._take(token)
         return self._out.take()
+
+    def _take(self, token: Token) -> None:
+        before = self._state
+        self._on_token(token)
+        self._extent.advance(len(token.raw), before, self._state)
 
     def finish(self) -> list[DeltaMessage]:
         for token in self._lexer.finish():
             if token.kind != "bad":  # a marker the output ended inside (max_tokens): markup, never content
-                self._on_token(token)
+                self._take(token)
         if self._call is not None:  # a call cut short by the end of the output: dropped, never content
             self._call = None
             self._state = TOOLS
