@@ -25,10 +25,10 @@ def kdamesh_home() -> Path:
     return Path(os.environ.get("KDAMESH_HOME") or Path.home() / ".cache" / "kdamesh")
 
 
-# Bumped whenever make_checkpoint writes a folder differently (session 4: tokenizer.json + tokenization_kimi.py, the
+# Bumped whenever make_checkpoint writes a folder differently (4: K3 presets ship chat_template.jinja; session 4: tokenizer.json + tokenization_kimi.py, the
 # K3 vision tower; 3: the K3 presets' MTP layer): a generated checkpoint with another stamp is made again instead of
 # served stale.
-GENERATOR_VERSION = "3"
+GENERATOR_VERSION = "4"
 GENERATOR_STAMP = ".kdamesh-generator"
 
 

@@ -11,8 +11,9 @@ Contract
   `tiktoken.model` ranks are the base ids, the 256 ids after them are special (named from `added_tokens_decoder`, the
   rest `<|reserved_token_{id}|>`), text is pre-split with Kimi's regex and cut into 400k-character chunks and 25k runs.
 * Encoding follows transformers' convention: by default special-token text becomes its special id (=
-  `KimiTokenizer.encode(text, allow_special=True)`); with `split_special_tokens=True` it is ordinary text (=
-  `KimiTokenizer.encode(text)`, what the gateway's `/tokenize` and `/v1/completions` do). Nothing is added around
+  `KimiTokenizer.encode(text, allow_special=True)`, what the gateway's `/tokenize` and `/v1/completions` do with a
+  prompt, as vLLM does); with `split_special_tokens=True` it is ordinary text (= `KimiTokenizer.encode(text)`, as
+  chat content always is and a prompt with `split_special_tokens: true`). Nothing is added around
   the ids (no BOS/EOS).
 * Decoding joins the tokens' bytes and decodes UTF-8 with U+FFFD for invalid sequences; `skip_special_tokens` drops
   all 256 special ids (as `KimiTokenizer.decode`).

@@ -20,6 +20,8 @@ Contract
   convention, = `encode(text, allow_special=True)`) and ordinary text with `split_special_tokens=True` (=
   `encode(text)`, the gateway's `/tokenize`); the fast one does not cut runs over 25,000 characters as tiktoken
   needs, so ids may differ on such runs. `write_tokenizer_json` writes the vocabulary as `tokenizer.json` only.
+  Both also write the family's chat template as `chat_template.jinja` (`CHAT_TEMPLATES`: kdamesh's Jinja templates in
+  `engine/assets`; the K3 one renders what the gateway's Python renderer does), so `apply_chat_template` works.
 * Every written file is a function of the asset, the family and our source: the same bytes on every run.
 * Special tokens sit at the same offsets from `num_base_tokens` as in the released models (`K2_SPECIAL_TOKENS` for
   `kimi_linear`, `K3_SPECIAL_TOKENS` for `kimi_k3`; offset -> content). Offsets not listed are
@@ -70,6 +72,9 @@ SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 TOKENIZATION_MODULE_FILE = "tokenization_kimi.py"  # what auto_map names; generated from HF_TOKENIZER_TEMPLATE
 HF_TOKENIZER_TEMPLATE = Path(__file__).resolve().parent / "hf_tokenization_kimi.py"
 ENGINE_TOKENIZER_SOURCE = Path(__file__).resolve().parent / "tokenizer.py"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATES = {"kimi_linear": ASSETS_DIR / "kimi_k2_chat_template.jinja",
+                  "kimi_k3": ASSETS_DIR / "kimi_k3_chat_template.jinja"}
 
 # offset from num_base_tokens -> content
 K2_SPECIAL_TOKENS: dict[int, str] = {
@@ -260,8 +265,8 @@ def write_tokenizer(
     tiktoken_path: str | Path = SMALL_TIKTOKEN_PATH,
     model_max_length: int = DEFAULT_MODEL_MAX_LENGTH,
 ) -> Path:
-    """Write `tiktoken.model`, `tokenizer.json`, `tokenization_kimi.py`, `tokenizer_config.json` and
-    `special_tokens_map.json` into `out_dir` (created)."""
+    """Write `tiktoken.model`, `tokenizer.json`, `tokenization_kimi.py`, `tokenizer_config.json`,
+    `special_tokens_map.json` and `chat_template.jinja` into `out_dir` (created)."""
     family_tokens(family)  # validate before touching the disk
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -276,6 +281,7 @@ def _write_hf_files(out: Path, ranks: dict[bytes, int], family: str, config: dic
     (out / TOKENIZER_JSON_FILE).write_text(ranks_to_tokenizer_json(ranks, family), encoding="utf-8")
     _write_json(out / TOKENIZER_CONFIG_FILE, config)
     _write_json(out / SPECIAL_TOKENS_MAP_FILE, special_tokens_map(family))
+    (out / CHAT_TEMPLATE_FILE).write_bytes(CHAT_TEMPLATES[family].read_bytes())
 
 
 def _defined_names(node: ast.stmt) -> set[str]:

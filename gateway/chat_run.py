@@ -2,7 +2,8 @@
 
 Contract (the lifecycle is `gateway.run.Run`'s):
 - `events()` yields, per choice, a first event with the role, then the output parsers' deltas (`gateway.parsers`,
-  chosen by the plan; without parsers the text is the content), each carrying the logprobs of the tokens since the
+  chosen by the plan; without parsers the text is the content; control tokens reach neither unless the request
+  has `skip_special_tokens: false`, which keeps every special token in the parsed text), each carrying the logprobs of the tokens since the
   previous event of that choice, and a last event with the finish reason — "tool_calls" when a turn that stopped
   held parsed calls.
 - A choice ends at its stop string, stop token, length or the mesh's finish; once every choice ended the mesh call
@@ -12,6 +13,7 @@ Contract (the lifecycle is `gateway.run.Run`'s):
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from gateway.events import ChatEvent
@@ -29,9 +31,10 @@ from protos import common_pb2
 class _ChatChoice:
     def __init__(self, index: int, context: RunContext, plan: ChatPlan):
         self.index = index
-        self.text = context.choice_text(TextRules.of(plan.sampling, context.marker_ids))
+        skip = plan.request.skip_special_tokens  # the parsers read the markers; the client may want to see them
+        self.text = context.choice_text(TextRules.of(plan.sampling, context.marker_ids if skip else None))
         parser = build_output_parser(plan.tool_parser, plan.reasoning_parser,
-                                     start_in_reasoning=plan.prompt.starts_in_reasoning)
+                                     start_in_reasoning=plan.prompt.starts_in_reasoning, skip_special_tokens=skip)
         self.stream = parser.stream() if parser is not None else None
         self.pending_logprobs: list[common_pb2.TokenLogprob] = []
         self.has_tool_calls = False
@@ -47,6 +50,12 @@ class _ChatChoice:
         if any(d.tool_calls for d in deltas):
             self.has_tool_calls = True
         return deltas
+
+    def reasoning_tokens(self) -> int:
+        """Tokens whose text began inside the reasoning block as the parser read it (its closing markup too)."""
+        if self.stream is None:
+            return 0
+        return bisect.bisect_left(self.text.text_starts, self.stream.reasoning_chars)
 
     def finish_reason(self) -> str:
         reason = self.text.finish_reason or "abort"
@@ -67,6 +76,7 @@ class ChatRun(Run):
         self.salt = salt
         self.stream = plan.request.stream
         self.include_usage = plan.request.include_usage
+        self.continuous_usage = plan.request.continuous_usage
         self.choices = [_ChatChoice(i, context, plan) for i in range(plan.request.n)]
         self.prompt_logprobs: list = []  # `prompt_logprobs`: tokens 2..N of the rendered prompt, once the mesh sent them
 
@@ -75,6 +85,9 @@ class ChatRun(Run):
 
     def finish_reasons(self) -> list[str]:
         return [c.finish_reason() for c in self.choices if c.done]
+
+    def reasoning_token_count(self) -> int:
+        return sum(c.reasoning_tokens() for c in self.choices)
 
     async def _items(self) -> AsyncIterator[TokenEvent]:
         request = MeshRequest(request_id=self.mesh_id, prompt_token_ids=tuple(self.plan.prompt_ids),

@@ -39,6 +39,7 @@ class CompletionRun(Run):
         self.n = job.request.n  # choices per prompt
         self.stream = job.request.stream
         self.include_usage = job.request.include_usage
+        self.continuous_usage = job.request.continuous_usage
         rules = TextRules.of(job.sampling)
         self.choices = {p * self.n + i: context.choice_text(rules) for p in range(len(job.prompts))
                         for i in range(self.n)}

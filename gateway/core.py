@@ -55,6 +55,7 @@ from gateway.media_fetch import MediaFetcher
 from gateway.mesh_client import MeshClient
 from gateway.metrics import GatewayMetrics
 from gateway.plan import ChatPlan, ChatPlanner, check_prompt_length
+from gateway.protocol.completions import encode_prompt_text
 from gateway.protocol import (ApiError, ChatCompletionRequest, CompletionJob, TokenizeChatRequest,
                               TokenizeCompletionRequest)
 from gateway.ratelimit import Lease, RateLimiter, RateLimitExceeded
@@ -234,7 +235,8 @@ class GatewayCore:
 
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
         if isinstance(request, TokenizeCompletionRequest):
-            return self.tokenizer.encode(request.prompt)  # what /v1/completions feeds the model
+            # what /v1/completions feeds the model
+            return encode_prompt_text(self.tokenizer, request.prompt, request.split_special_tokens)
         return self.planner.render(request, await self._fetch_media(request.messages)).token_ids
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:

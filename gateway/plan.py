@@ -4,7 +4,8 @@ Contract:
 - `ChatPlanner(renderer, config, max_model_len).plan(request, fetched)` (`max_model_len`: a callable giving the
   context length now, None while unknown) renders a validated chat request and
   decides: the prompt ids; the sampling parameters with structured output (`tool_choice` "required" / named and
-  `response_format` json kinds become the engine's grammar, wrapped in the model's output format); which output
+  `response_format` json kinds become the engine's grammar, wrapped in the model's output format; `tool_choice`
+  "none" with tools declared becomes a text grammar that cannot open a tool block); which output
   parsers read the text (the configured ones; with a grammar, the family's own, since its wrapping must be read
   back). Images (`media`, gateway/media.py; None: a text-only model, whose image parts are a 400) are decoded and
   checked first — data: URLs, and the bytes of http(s) / file: URLs in `fetched` (read before planning by
@@ -42,6 +43,7 @@ CHAT_FIELDS = ("messages", "tools", "tool_choice", "response_format", "chat_temp
 IMAGE_PARTS = ("image_url", "image", "input_image")
 StructuredOutput = common_pb2.StructuredOutput
 NOTHING_FETCHED: Mapping[str, bytes] = MappingProxyType({})
+UNBOUNDED = -1  # StructuredOutput's limits: no bound
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ class ChatPlanner:
     def _parsers(self, request: ChatCompletionRequest, tool_choice, response_format: dict | None):
         """(tool-call parser, reasoning parser) names that read this request's output."""
         family_format = self.renderer.output_format
-        forced = tool_choice == "required" or isinstance(tool_choice, dict)
+        forced = tool_choice in ("required", "none") or isinstance(tool_choice, dict)
         json_kind = response_format is not None and response_format["type"] in ("json_object", "json_schema")
         tool_parser = None
         if request.tools and tool_choice != "none":
@@ -158,6 +160,8 @@ def _structured(request: ChatCompletionRequest, tool_choice, response_format: di
                                 tool_mode=StructuredOutput.TOOL_MODE_NAMED,
                                 tool_name=tool_choice["function"]["name"], **common)
     if response_format is None or response_format["type"] == "text":
+        if tool_choice == "none":  # tools declared, none may be called: the message cannot open a tool block
+            return StructuredOutput(kind=StructuredOutput.KIND_TEXT, max_reasoning_tokens=UNBOUNDED, **common)
         return None
     if response_format["type"] == "json_object":
         return StructuredOutput(kind=StructuredOutput.KIND_JSON_OBJECT, **common)

@@ -13,8 +13,10 @@ Contract:
   cover the prompt too (its first token `null`, offsets from the prompt's start).
 - Prompt logprobs (vLLM's `prompt_logprobs` k): `None` then per position {token id: {logprob, rank,
   decoded_token}}, on each completion choice and at the top level of a chat response (not streamed, as vLLM).
-- Every chunk carries `usage` (null until the trailer) when the client asked for usage; usage counts
-  `prompt_tokens_details.cached_tokens`.
+- Every chunk carries `usage` when the client asked for usage: null until the trailer, or with vLLM's
+  `continuous_usage_stats` the usage so far (the tokens of that chunk counted). Usage counts
+  `prompt_tokens_details.cached_tokens` and `completion_tokens_details.reasoning_tokens` (chat: the completion
+  tokens generated inside the reasoning block, as the output parser read it; 0 without a reasoning parser).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class RestFormat:
 def usage_dict(usage: common_pb2.Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}}
 
 
 def chat_logprobs_entry(tokenizer, lp: common_pb2.TokenLogprob) -> dict:
@@ -93,7 +96,7 @@ def vllm_prompt_logprobs(tokenizer, prompt: PromptLogprobs, top: int) -> list[di
 def _chunk(run: Run, obj: str, choices: list[dict], usage: dict | None = None) -> dict:
     body = {"id": run.id, "object": obj, "created": run.created, "model": run.model, "choices": choices}
     if run.include_usage:
-        body["usage"] = usage
+        body["usage"] = usage if usage is not None or not run.continuous_usage else usage_dict(run.usage())
     return body
 
 

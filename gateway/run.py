@@ -83,6 +83,7 @@ class Run:
         self.prompt_tokens = prompt_tokens
         self.stream = False
         self.include_usage = False
+        self.continuous_usage = False  # stream_options.continuous_usage_stats: usage so far on every chunk
         self.start = time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -113,9 +114,13 @@ class Run:
 
     # -- the lifecycle -------------------------------------------------------------------------------------------
 
+    def reasoning_token_count(self) -> int:
+        """Completion tokens spent in reasoning blocks so far, over the choices (0 where no parser reads them)."""
+        return 0
+
     def usage(self) -> common_pb2.Usage:
         return common_pb2.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=sum(self.choice_token_counts()),
-                                cached_tokens=self.cached_tokens)
+                                cached_tokens=self.cached_tokens, reasoning_tokens=self.reasoning_token_count())
 
     async def _step(self):
         """The next mesh item (see the module docstring); a `MeshError` becomes its `ApiError` here."""

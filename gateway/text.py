@@ -8,7 +8,8 @@ Contract:
   tokenizer's EOS unless `ignore_eos`, a `stop_token_ids` entry, or the event's `stop_token_id`) that finishes the
   choice is not text. Neither applies before `min_tokens` tokens. With special tokens kept, `keep_special_ids`
   limits which special ids reach the text (the output parsers' markers; reserved tokens are dropped).
-- After `add`: `token_ids` / `logprobs` of the choice so far, `finish_reason` ("stop", "length", "abort", ...) once
+- After `add`: `token_ids` / `logprobs` of the choice so far, `text_starts` (where each token's text begins in the
+  choice's text; a stop token, which adds no text, has none), `finish_reason` ("stop", "length", "abort", ...) once
   finished, `stop_reason` — the stop string or the stop token id (not EOS) that ended it, as vLLM reports it.
 """
 
@@ -57,6 +58,7 @@ class ChoiceText:
         self.text = ""
         self.emitted = 0
         self.token_ids: list[int] = []
+        self.text_starts: list[int] = []  # where each token's text begins in `text` (stop tokens have none)
         self.logprobs: list[common_pb2.TokenLogprob] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id (not EOS) that ended it
@@ -94,6 +96,7 @@ class ChoiceText:
     def _push(self, token: int, min_reached: bool) -> None:
         """Appends a token's text (unless it is a dropped special token) and looks for a stop string."""
         before = len(self.text)
+        self.text_starts.append(before)
         if self.keep_special is None or token in self.keep_special or not self.tokenizer.is_special(token):
             self.text += self.detok.push(token)
         if self.stops and min_reached:

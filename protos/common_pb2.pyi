@@ -130,10 +130,12 @@ class StructuredOutput(_message.Message):
         KIND_JSON_OBJECT: _ClassVar[StructuredOutput.Kind]
         KIND_JSON_SCHEMA: _ClassVar[StructuredOutput.Kind]
         KIND_TOOL_CALL: _ClassVar[StructuredOutput.Kind]
+        KIND_TEXT: _ClassVar[StructuredOutput.Kind]
     KIND_UNSPECIFIED: StructuredOutput.Kind
     KIND_JSON_OBJECT: StructuredOutput.Kind
     KIND_JSON_SCHEMA: StructuredOutput.Kind
     KIND_TOOL_CALL: StructuredOutput.Kind
+    KIND_TEXT: StructuredOutput.Kind
     class ToolMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         TOOL_MODE_UNSPECIFIED: _ClassVar[StructuredOutput.ToolMode]

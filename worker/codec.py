@@ -101,7 +101,8 @@ def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputP
 
     kind = {common_pb2.StructuredOutput.KIND_JSON_OBJECT: "json_object",
             common_pb2.StructuredOutput.KIND_JSON_SCHEMA: "json_schema",
-            common_pb2.StructuredOutput.KIND_TOOL_CALL: "tool_call"}.get(msg.kind)
+            common_pb2.StructuredOutput.KIND_TOOL_CALL: "tool_call",
+            common_pb2.StructuredOutput.KIND_TEXT: "text"}.get(msg.kind)
     if kind is None:
         raise InvalidRequestError("structured_output.kind is unspecified", param="response_format")
     tools = tuple(ToolSpec(t.name, load(t.parameters_json, f"tool {t.name!r} parameters", "tools")

@@ -5,7 +5,7 @@ Contract: a drafter preset (`DRAFTER_PRESETS`, e.g. `tiny-k3-dspark`) writes a `
 (stopping on the end-of-message token), `*.safetensors` under the official names (sharded with an index above
 `max_shard_bytes`), and the tokenizer (`tiktoken.model` + `tokenizer_config.json` in Moonshot's format, plus
 `tokenizer.json` and our `tokenization_kimi.py`, so `transformers.AutoTokenizer.from_pretrained` loads it with or
-without `trust_remote_code` — see `engine.tokenizer_build`; `kimi_linear` also gets `chat_template.jinja`). The same
+without `trust_remote_code` — see `engine.tokenizer_build` — and the family's `chat_template.jinja`). The same
 preset and seed give the same bytes. K3 presets can write routed experts as MXFP4 (`experts_format="mxfp4"`), as released.
 K3 presets also write their vision tower and projector (`vision_tower.*`, `mm_projector.*`, seeded from their own
 generator, so the text weights of a seed do not depend on the tower) and `preprocessor_config.json`
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import torch
@@ -33,7 +32,6 @@ from engine.model.presets import DRAFTER_PRESETS, EOS_ID, NUM_BASE_TOKENS, prese
 logger = logging.getLogger(__name__)
 
 EXPERT_FORMATS = ("dense", "mxfp4")
-K2_CHAT_TEMPLATE = Path(__file__).resolve().parents[1] / "assets" / "kimi_k2_chat_template.jinja"
 
 
 def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str = "float32",
@@ -145,6 +143,4 @@ def _round_experts_to_mxfp4(model: torch.nn.Module) -> None:
 def _write_tokenizer(out: Path, family: str, tiktoken_path: Path | None = None) -> None:
     from engine.tokenizer_build import SMALL_TIKTOKEN_PATH, write_tokenizer
 
-    write_tokenizer(out, family, tiktoken_path or SMALL_TIKTOKEN_PATH)
-    if family == "kimi_linear":  # K2-style checkpoints ship their Jinja chat template; K3 renders in Python
-        shutil.copyfile(K2_CHAT_TEMPLATE, out / "chat_template.jinja")
+    write_tokenizer(out, family, tiktoken_path or SMALL_TIKTOKEN_PATH)  # with the family's chat_template.jinja

@@ -14,6 +14,8 @@ Contract (`GrammarBuilder(params, marker_ids).build()`; xgrammar is imported onl
   `max_string_tokens` tokens) or one `<|open|>json type="object"<|sep|>{…}<|close|>json<|sep|>` block. K2 writes
   `<|tool_calls_section_begin|>` + `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}
   <|tool_call_end|>` … + `<|tool_calls_section_end|>`. After the grammar only the stop tokens may follow.
+- Text (`kind="text"`, tool_choice "none"): after the reasoning head, free tokens without any marker; K3 then
+  closes `response` and the message, K2 ends at a stop token. No tool block can open.
 - Markers (`FAMILY_MARKERS`) are matched by their special ids only (`marker_ids`), and free text never holds one;
   a family whose markers the tokenizer lacks raises `InvalidRequestError`. JSON whitespace is limited to
   `JSON_MAX_WHITESPACE` characters between tokens, so that a model cannot pad forever.
@@ -88,10 +90,17 @@ class GrammarBuilder:
 
     # -- the whole output ------------------------------------------------------------------------------------
 
+    def body(self):
+        p = self.p
+        if p.kind == "tool_call":
+            return self.tool_calls()
+        if p.kind == "text":
+            return self.free_tokens(None)
+        return self.json(p.schema if p.kind == "json_schema" else {"type": "object"})
+
     def build(self):
         p = self.p
-        body = self.tool_calls() if p.kind == "tool_call" else self.json(
-            p.schema if p.kind == "json_schema" else {"type": "object"})
+        body = self.body()
         if self.family is None:
             return self.st.StructuralTag(format=body)
         if self.family == "kimi_k3":

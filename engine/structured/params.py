@@ -4,6 +4,8 @@ Contract:
 - `StructuredOutputParams` (frozen; invalid values raise `InvalidRequestError` with the OpenAI `param` they come
   from) says what the output must be:
   - `kind="json_object"`: any JSON object; `kind="json_schema"`: a JSON value valid against `json_schema`;
+  - `kind="text"`: a message of free text (reasoning, then the answer) in the syntax of `output_format` that
+    never opens a tool block and holds no control marker in its text (OpenAI `tool_choice: "none"`);
   - `kind="tool_call"`: one or more tool calls (`mode="required"`: any of `tools`; `mode="named"`: the tool
     `name`, exactly once; `parallel_tool_calls=False`: exactly one call) whose arguments are valid against the
     tool's `parameters` schema, in the syntax of `output_format` (`"kimi_k3"` | `"kimi_k2"`, engine/structured/
@@ -31,7 +33,7 @@ from typing import Any
 from engine.errors import InvalidRequestError
 from engine.structured.schema import check_schema
 
-KINDS = ("json_object", "json_schema", "tool_call")
+KINDS = ("json_object", "json_schema", "tool_call", "text")
 MODES = ("required", "named")
 OUTPUT_FORMATS = ("kimi_k3", "kimi_k2")
 DEFAULT_MAX_REASONING_TOKENS = 0
@@ -100,6 +102,8 @@ class StructuredOutputParams:
             self._check_tools()
         elif self.tools or self.name is not None:
             raise self._bad(f"tools are only for kind 'tool_call', not {self.kind!r}")
+        if self.kind == "text" and self.output_format is None:
+            raise self._bad("kind 'text' needs an output_format (the family's message syntax)", "tool_choice")
         _ = self.key  # fixed now
 
     def _bad(self, why: str, param: str | None = None) -> InvalidRequestError:

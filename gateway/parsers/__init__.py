@@ -6,7 +6,8 @@ Contract
 * Each format has one parser that reads the whole assistant message (its reasoning, content and tool calls are one
   grammar): `K3OutputParser` (XTML) and `K2OutputParser` (`<think>` + tool-call section). The two registries map the
   flag values to these classes.
-* `build_output_parser(tool_call_parser, reasoning_parser, start_in_reasoning=..., make_call_id=...)` returns the
+* `build_output_parser(tool_call_parser, reasoning_parser, start_in_reasoning=..., make_call_id=...,
+  skip_special_tokens=...)` returns the
   parser for the flags, or None when both are None (the gateway then returns the text as content). The flags must
   name the same format. With only a reasoning parser, tool-call sections stay in the content verbatim; with only a
   tool-call parser, reasoning is reported as content.
@@ -65,6 +66,7 @@ def build_output_parser(
     reasoning_parser: str | None,
     start_in_reasoning: bool | None = None,
     make_call_id: Callable[[int, str], str] = random_call_id,
+    skip_special_tokens: bool = True,
 ) -> OutputParser | None:
     """The parser for the `--tool-call-parser` / `--reasoning-parser` values (None: no parsing)."""
     tool_cls = _lookup(TOOL_CALL_PARSERS, "--tool-call-parser", tool_call_parser)
@@ -80,5 +82,6 @@ def build_output_parser(
         separate_reasoning=reasoning_cls is not None,
         parse_tool_calls=tool_cls is not None,
         make_call_id=make_call_id,
+        skip_special_tokens=skip_special_tokens,
     )
     return parser_cls(options)

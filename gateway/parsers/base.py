@@ -16,6 +16,10 @@ Contract
   non-streaming parse (a delta once sent cannot be withdrawn).
 * Reasoning and content are streamed as they come, except text that may be the start of a marker (held until the
   next delta decides it).
+* Control tokens never reach `content` or `reasoning` unless the request kept special tokens
+  (`ParserOptions.skip_special_tokens=False`): what a parser reports verbatim (a malformed call, an unknown marker,
+  the text after the message ends) loses the format's marker strings, as `skip_special_tokens` removes special
+  tokens from a completion's text; the text between them stays.
 """
 
 from __future__ import annotations
@@ -142,18 +146,51 @@ class ParserOptions:
     separate_reasoning: a reasoning parser is enabled; otherwise reasoning text is reported as content.
     parse_tool_calls: a tool-call parser is enabled; otherwise a tool-call section is reported verbatim as content.
     make_call_id: (index, function name) -> id, for formats whose output carries no id (K3).
+    skip_special_tokens: the request's `skip_special_tokens`: True removes the format's markers from the text a
+        parser reports verbatim (see the module docstring); False keeps them.
     """
 
     start_in_reasoning: bool | None = None
     separate_reasoning: bool = True
     parse_tool_calls: bool = True
     make_call_id: Callable[[int, str], str] = field(default=random_call_id)
+    skip_special_tokens: bool = True
 
 
 class OutputStream(Protocol):
     def feed(self, text: str) -> list[DeltaMessage]: ...
 
     def finish(self) -> list[DeltaMessage]: ...
+
+    @property
+    def reasoning_chars(self) -> int:
+        """Characters of the fed text that the (first) reasoning block took, its closing markup included; 0 when
+        reasoning is not separated."""
+        ...
+
+
+class ReasoningExtent:
+    """Where the first reasoning block of a stream ends, in characters of the text fed to the parser.
+
+    `reasoning`: the parser state inside reasoning; `undecided`: states that may still enter it (K2's start).
+    `advance(size, before, after)` after each piece of `size` characters moved the parser from `before` to `after`.
+    """
+
+    def __init__(self, state: str, reasoning: str, undecided: tuple[str, ...] = ()) -> None:
+        self._reasoning = reasoning
+        self._open = (reasoning, *undecided)
+        self.fed = 0
+        self.end: int | None = None if state in self._open else 0
+
+    def advance(self, size: int, before: str, after: str) -> None:
+        self.fed += size
+        if self.end is None and after not in self._open:
+            self.end = self.fed if before == self._reasoning else self.fed - size
+
+    def chars(self, separated: bool) -> int:
+        if not separated:
+            return 0
+        return self.end if self.end is not None else self.fed
 
 
 class OutputParser:
@@ -182,11 +219,13 @@ def parse_with(stream: OutputStream, text: str) -> ParsedOutput:
 
 
 class DeltaBuilder:
-    """Collects parser events into deltas; consecutive text of one kind merges into one delta."""
+    """Collects parser events into deltas; consecutive text of one kind merges into one delta. Text loses every
+    string of `strip` (the format's markers when special tokens are skipped)."""
 
-    def __init__(self, make_call_id: Callable[[int, str], str]) -> None:
+    def __init__(self, make_call_id: Callable[[int, str], str], strip: Sequence[str] = ()) -> None:
         self._make_call_id = make_call_id
         self._deltas: list[DeltaMessage] = []
+        self._strip = re.compile("|".join(re.escape(m) for m in strip)) if strip else None
         self.num_calls = 0
 
     def reasoning(self, text: str) -> None:
@@ -201,6 +240,8 @@ class DeltaBuilder:
 
     def _text(self, kind: str, text: str) -> None:
         """Appends `text` to the last delta when it holds text of this kind, else starts a delta."""
+        if self._strip is not None:
+            text = self._strip.sub("", text)
         if not text:
             return
         before = getattr(self._deltas[-1], kind) if self._deltas else None

@@ -13,7 +13,7 @@ Output: `[<think>]REASONING</think>CONTENT[<|tool_calls_section_begin|>` +
   name is the part before the last `:`. Its arguments must be a JSON object; they are passed on as the model wrote
   them (trimmed).
 * Degrading, never raising: a call whose id does not parse, whose arguments are not a JSON object, or which meets
-  an unexpected marker, is reported verbatim as content; one the output leaves unterminated (cut short by
+  an unexpected marker, is reported verbatim as content (its markers only with `skip_special_tokens=False`); one the output leaves unterminated (cut short by
   `max_tokens`) is dropped, so control markup never reaches `content`. Text inside the
   section but outside calls, and text after the section, are content. `<|im_end|>` ends the message; text after it
   is content.
@@ -28,7 +28,8 @@ from engine.formats.markers import (K2_ARGUMENT_BEGIN as ARGUMENT_BEGIN, K2_CALL
                                     K2_CALL_END as CALL_END, K2_IM_END as IM_END, K2_OUTPUT_MARKERS as MARKERS,
                                     K2_SECTION_BEGIN as SECTION_BEGIN, K2_SECTION_END as SECTION_END,
                                     K2_THINK_CLOSE as THINK_CLOSE, K2_THINK_OPEN as THINK_OPEN)
-from gateway.parsers.base import DeltaBuilder, DeltaMessage, MarkerSplitter, OutputParser, ParserOptions
+from gateway.parsers.base import (DeltaBuilder, DeltaMessage, MarkerSplitter, OutputParser, ParserOptions,
+                                   ReasoningExtent)
 
 CALL_ID_RE = re.compile(r"^(?:functions\.)?(?P<name>\S+):(?P<index>\d+)$")
 
@@ -61,19 +62,29 @@ class K2Stream:
         self._options = options
         self._state = THINK if options.start_in_reasoning else START
         self._splitter = MarkerSplitter(MARKERS)
-        self._out = DeltaBuilder(options.make_call_id)
+        self._out = DeltaBuilder(options.make_call_id, MARKERS if options.skip_special_tokens else ())
         self._raw: list[str] = []  # the call being read, verbatim
         self._call_id = ""
         self._arguments = ""
+        self._extent = ReasoningExtent(self._state, THINK, undecided=(START,))
+
+    @property
+    def reasoning_chars(self) -> int:
+        return self._extent.chars(self._options.separate_reasoning)
 
     def feed(self, text: str) -> list[DeltaMessage]:
         for piece, is_marker in self._splitter.feed(text):
-            self._on_piece(piece, is_marker)
+            self._take(piece, is_marker)
         return self._out.take()
+
+    def _take(self, piece: str, is_marker: bool) -> None:
+        before = self._state
+        self._on_piece(piece, is_marker)
+        self._extent.advance(len(piece), before, self._state)
 
     def finish(self) -> list[DeltaMessage]:
         for piece, is_marker in self._splitter.finish():
-            self._on_piece(piece, is_marker)
+            self._take(piece, is_marker)
         if self._state in (CALL_ID, CALL_ARGS):  # a call cut short by the end of the output: dropped, not content
             self._state = SECTION
         return self._out.take()

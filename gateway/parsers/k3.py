@@ -17,7 +17,8 @@ The model continues the generation prompt, so its output looks like
   call id comes from `ParserOptions.make_call_id`.
 * Degrading, never raising: a call with a bad header, an unknown or mistyped argument, a duplicate key, text between
   its tags, or an unexpected marker is reported as content, verbatim. Unknown markers elsewhere are kept as text of
-  the current block. Text after the message ends is content.
+  the current block. Text after the message ends is content. "Verbatim" keeps the control markers only with
+  `skip_special_tokens=False` (base.ParserOptions); by default they are removed and the text between them stays.
 * Cut short (the output ends, e.g. at `max_tokens`): a call without its end, and a marker whose header never
   closed, are dropped — control markup never reaches `content`. Calls are emitted only when complete, so the
   stream and the whole-text parse agree (the finish reason then stays "length").
@@ -31,7 +32,8 @@ from dataclasses import dataclass, field
 
 from engine.formats.markers import (K3_CLOSE as CLOSE, K3_CONTROL_MARKERS as MARKERS, K3_END_OF_MSG as END_OF_MSG,
                                     K3_OPEN as OPEN, K3_SEP as SEP)
-from gateway.parsers.base import DeltaBuilder, DeltaMessage, MarkerSplitter, OutputParser, ParserOptions
+from gateway.parsers.base import (DeltaBuilder, DeltaMessage, MarkerSplitter, OutputParser, ParserOptions,
+                                   ReasoningExtent)
 
 THINK, RESPONSE, BETWEEN, TOOLS, CALL, ARG, DONE, RAW_TOOLS = (
     "think", "response", "between", "tools", "call", "arg", "done", "raw_tools"
@@ -192,18 +194,28 @@ class K3Stream:
         self._state = THINK if start_in_reasoning else RESPONSE
         self._first = True
         self._lexer = XtmlLexer()
-        self._out = DeltaBuilder(options.make_call_id)
+        self._out = DeltaBuilder(options.make_call_id, MARKERS if options.skip_special_tokens else ())
         self._call: _CallBuffer | None = None
+        self._extent = ReasoningExtent(self._state, THINK)
+
+    @property
+    def reasoning_chars(self) -> int:
+        return self._extent.chars(self._options.separate_reasoning)
 
     def feed(self, text: str) -> list[DeltaMessage]:
         for token in self._lexer.feed(text):
-            self._on_token(token)
+            self._take(token)
         return self._out.take()
+
+    def _take(self, token: Token) -> None:
+        before = self._state
+        self._on_token(token)
+        self._extent.advance(len(token.raw), before, self._state)
 
     def finish(self) -> list[DeltaMessage]:
         for token in self._lexer.finish():
             if token.kind != "bad":  # a marker the output ended inside (max_tokens): markup, never content
-                self._on_token(token)
+                self._take(token)
         if self._call is not None:  # a call cut short by the end of the output: dropped, never content
             self._call = None
             self._state = TOOLS

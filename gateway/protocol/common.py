@@ -9,7 +9,8 @@ Contract:
   number has a range that fits the mesh's protobuf field (uint32 token counts and ids, int32 `top_k`, finite float32
   sampling floats), so no value reaches a proto it cannot be stored in.
 - `check_served(model, served)`: `ApiError` 404 `model_not_found` for a model this gateway does not serve.
-- `SamplingRequest` holds vLLM's sampling fields with their ranges; `check()` raises `ApiError` for what spans
+- `SamplingRequest` holds vLLM's sampling fields with their ranges (`stream_options`: `include_usage`, and vLLM's
+  `continuous_usage_stats`, usage so far on every chunk); `check()` raises `ApiError` for what spans
   fields (`stream_options` without `stream`, `min_tokens` above the completion limit) and for fields this gateway
   cannot honour when set to something that matters (`UNSUPPORTED`); `sampling_params(logprobs,
   skip_special_tokens)` builds the mesh `SamplingParams` (`seed` taken modulo 2^64; `logprobs` None: none, k: the
@@ -59,6 +60,9 @@ UNIMPLEMENTED_FIELDS = {
     "guided_grammar": "", "guided_decoding_backend": "", "structured_outputs": "response_format",
     "allowed_token_ids": "", "bad_words": "stop", "truncate_prompt_tokens": "", "logits_processors": "",
     "prompt_embeds": "", "reasoning_effort": "chat_template_kwargs.thinking_effort",
+    # OpenAI's deprecated function calling: refused rather than mapped, since its replies (`message.function_call`)
+    # would differ from what a client of the old fields reads
+    "functions": "tools", "function_call": "tool_choice",
 }
 
 
@@ -249,6 +253,11 @@ class SamplingRequest(RequestModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): usage so far on every chunk."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def check(self) -> None:
         """Checks across fields (`ApiError` naming the field)."""

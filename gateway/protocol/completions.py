@@ -6,7 +6,10 @@ Contract:
   `CompletionJob` (the prompts as token ids, the mesh `SamplingParams` filled in), or raises `ApiError` (400 naming
   the first bad field as `param`; 404 `model_not_found`).
 - `prompt` is a text, a list of texts, a list of token ids or a list of such lists; texts are encoded with the
-  gateway's tokenizer, ids must lie in its vocabulary, no prompt may be empty.
+  gateway's tokenizer as vLLM and `AutoTokenizer.encode` do: special-token text in a prompt (`<|open|>`,
+  `<|im_end|>`, …) becomes that special id, so a client that renders the chat format itself gets the model input it
+  would get on vLLM. `split_special_tokens: true` (transformers' name) encodes the prompt as plain text instead
+  (`encode_prompt_text`, the one rule /tokenize shares). Ids must lie in the vocabulary; no prompt may be empty.
 - As in OpenAI's legacy API, a field given as null takes its default (`max_tokens`: 16). `suffix` is refused,
   `best_of` only equal to `n`; `logprobs` k returns the sampled token's logprob and the top k — with `echo`, the
   prompt tokens' too (the first `null`), computed in the prefill pass; `max_tokens` 0 needs `echo` (the prompt
@@ -63,6 +66,8 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None  # not supported: refused unless null
     return_token_ids: bool = False
+    # transformers' option: true encodes special-token text in the prompt as plain text (default: the special id)
+    split_special_tokens: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -112,7 +117,7 @@ def parse_completion(body: Any, tokenizer, served: set[str]) -> CompletionJob:
     request = validate_body(CompletionRequest, body)
     check_served(request.model, served)
     request.check()
-    prompts, texts = _encode_prompts(request.prompt, tokenizer)
+    prompts, texts = _encode_prompts(request.prompt, tokenizer, request.split_special_tokens)
     hints = check_client_hints(request.kdamesh_snapshot_hints, min(len(p) for p in prompts))
     sampling = request.sampling_params(request.logprobs, request.skip_special_tokens)
     if request.max_tokens == 0:
@@ -135,12 +140,18 @@ def _structured(request: CompletionRequest) -> common_pb2.StructuredOutput | Non
     return kinds(kind=kinds.KIND_JSON_SCHEMA, json_schema=json.dumps(fmt.json_schema.schema_))
 
 
-def _encode_prompts(prompt, tokenizer) -> tuple[list[list[int]], list[str | None]]:
+def encode_prompt_text(tokenizer, text: str, split_special_tokens: bool = False) -> list[int]:
+    """A completions (or /tokenize) prompt text -> ids: special-token text is the special id (vLLM's and
+    transformers' reading) unless `split_special_tokens`, which encodes it as plain text."""
+    return tokenizer.encode(text, allow_special=not split_special_tokens)
+
+
+def _encode_prompts(prompt, tokenizer, split_special_tokens: bool) -> tuple[list[list[int]], list[str | None]]:
     """(token ids, text or None) per prompt of a validated `prompt` field."""
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)], [prompt]
+        prompt = [prompt]
     if all(isinstance(p, str) for p in prompt):
-        return [tokenizer.encode(p) for p in prompt], list(prompt)
+        return [encode_prompt_text(tokenizer, p, split_special_tokens) for p in prompt], list(prompt)
     prompts = [list(prompt)] if all(_is_int(t) for t in prompt) else [list(p) for p in prompt]
     vocab = tokenizer.vocab_size
     if not all(0 <= t < vocab for p in prompts for t in p):

@@ -2,7 +2,7 @@
 
 Contract:
 - `parse_tokenize(body, served)` returns a `TokenizeCompletionRequest` (a `prompt`: what /v1/completions would feed
-  the model) or a `TokenizeChatRequest` (`messages`: the rendered chat), or raises `ApiError` (400: not exactly one
+  the model — special-token text becomes the special id unless `split_special_tokens`, as there) or a `TokenizeChatRequest` (`messages`: the rendered chat), or raises `ApiError` (400: not exactly one
   of the two, a bad field, `continue_final_message`; 404 for a model not served).
 - `parse_detokenize(body, served, vocab_size)` returns a `DetokenizeRequest` whose ids all lie in the vocabulary.
 """
@@ -22,6 +22,7 @@ class TokenizeCompletionRequest(RequestModel):
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
+    split_special_tokens: bool = False  # as /v1/completions: true encodes special-token text as plain text
 
 
 class TokenizeChatRequest(RequestModel):

@@ -3,8 +3,9 @@
 For each family the tiny presets are made with `make_checkpoint` (their tokenizer files must be byte-identical);
 `AutoTokenizer.from_pretrained` loads each folder two ways — the fast tokenizer from `tokenizer.json`, and the shipped
 `tokenization_kimi.TikTokenTokenizer` with `trust_remote_code=True` — and both must encode 200 seeded mixed strings to
-exactly `KimiTokenizer`'s ids: with `split_special_tokens=True` as `KimiTokenizer.encode(text)` (what the gateway's
-`/tokenize` returns: control-token look-alikes stay text), by default as `encode(text, allow_special=True)`. A
+exactly `KimiTokenizer`'s ids: with `split_special_tokens=True` as `KimiTokenizer.encode(text)` (control-token text
+stays text, as in chat content and a `split_special_tokens` prompt), by default as `encode(text, allow_special=True)`
+(what the gateway's `/tokenize` and `/v1/completions` make of a prompt, as vLLM does). A
 `tokenizer.json` with one merge removed must fail the same comparison (negative control).
 """
 
@@ -30,7 +31,7 @@ import transformers  # noqa: E402,F401  (the dev extra pins it: a missing one fa
 
 TINY_PRESETS = {"kimi_linear": ("tiny-linear", "linear-48b-pattern"), "kimi_k3": ("tiny-k3", "k3-93-pattern")}
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenization_kimi.py")
+                   "tokenization_kimi.py", "chat_template.jinja")
 LOAD_MODES = ("fast", "remote_code")
 NUM_STRINGS = 200
 
@@ -134,8 +135,7 @@ def mismatches(hf_tok, ref: KimiTokenizer, strings: list[str]) -> list[str]:
 @pytest.mark.parametrize("family", TINY_PRESETS)
 def test_presets_of_a_family_ship_identical_tokenizer_files(checkpoints, family):
     first, *others = TINY_PRESETS[family]
-    names = TOKENIZER_FILES + (("chat_template.jinja",) if family == "kimi_linear" else ())
-    for name in names:
+    for name in TOKENIZER_FILES:
         content = (checkpoints[first] / name).read_bytes()
         assert all((checkpoints[p] / name).read_bytes() == content for p in others), name
     assert {preset_family(p) for p in PRESETS} == set(TINY_PRESETS)  # every preset is one of these two families

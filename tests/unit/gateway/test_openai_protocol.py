@@ -94,7 +94,7 @@ def test_tokenize_detokenize_and_completions_parsing():
     class Tok:
         vocab_size = 100
 
-        def encode(self, text):
+        def encode(self, text, allow_special=False):
             return [ord(c) % 100 for c in text]
 
     job = parse_completion({"model": "m", "prompt": "ab", "priority": 3, "cache_salt": "s", "user": "u",
@@ -117,7 +117,7 @@ def test_mesh_errors_map_to_statuses():
 class _Tok:
     vocab_size = 100
 
-    def encode(self, text):
+    def encode(self, text, allow_special=False):
         return [ord(c) % 100 for c in text]
 
 

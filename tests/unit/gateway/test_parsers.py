@@ -30,10 +30,12 @@ def _ids(index: int, name: str) -> str:
     return f"call_{index}_{name}"
 
 
-K3 = K3OutputParser(ParserOptions(make_call_id=_ids))
-K3_NO_THINK = K3OutputParser(ParserOptions(start_in_reasoning=False, make_call_id=_ids))
-K2 = K2OutputParser(ParserOptions(make_call_id=_ids))
-K2_IN_THINK = K2OutputParser(ParserOptions(start_in_reasoning=True, make_call_id=_ids))
+# verbatim degrading keeps the markers here (skip_special_tokens=False); tests/unit/gateway/test_clean_chat_text.py
+# covers the default, which removes them
+K3 = K3OutputParser(ParserOptions(make_call_id=_ids, skip_special_tokens=False))
+K3_NO_THINK = K3OutputParser(ParserOptions(start_in_reasoning=False, make_call_id=_ids, skip_special_tokens=False))
+K2 = K2OutputParser(ParserOptions(make_call_id=_ids, skip_special_tokens=False))
+K2_IN_THINK = K2OutputParser(ParserOptions(start_in_reasoning=True, make_call_id=_ids, skip_special_tokens=False))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -265,7 +267,7 @@ def test_k3_disabled_parts():
     text = k3_output(Plan("r", "c", [("f", {"a": 1})]))
     no_reasoning = K3OutputParser(ParserOptions(separate_reasoning=False, make_call_id=_ids))
     assert no_reasoning.parse(text) == ParsedOutput(None, "rc", (ToolCall(0, _ids(0, "f"), "f", '{"a": 1}'),))
-    no_tools = K3OutputParser(ParserOptions(parse_tool_calls=False, make_call_id=_ids))
+    no_tools = K3OutputParser(ParserOptions(parse_tool_calls=False, make_call_id=_ids, skip_special_tokens=False))
     tools_block = text[text.index("<|open|>tools"): text.index("<|close|>message")]
     assert no_tools.parse(text) == ParsedOutput("r", "c" + tools_block)
 
@@ -323,7 +325,7 @@ def test_k2_disabled_parts():
     text = k2_output(Plan("r", "c", [("f", {"a": 1})]))
     no_reasoning = K2OutputParser(ParserOptions(separate_reasoning=False))
     assert no_reasoning.parse(text).reasoning is None and no_reasoning.parse(text).content == "rc"
-    no_tools = K2OutputParser(ParserOptions(parse_tool_calls=False))
+    no_tools = K2OutputParser(ParserOptions(parse_tool_calls=False, skip_special_tokens=False))
     assert no_tools.parse(text) == ParsedOutput("r", "c" + text[text.index("<|tool_calls_section_begin|>"):])
 
 
