@@ -22,6 +22,11 @@ Contract:
   fp32 (gates, router, conv weights, KDA decay parameters) stay fp32.
 - The empty model's fused weight groups are bound before any data is read (`engine.model.fused`): parameters keep
   their official names and shapes, and loading writes into the fused tensors through them.
+- Memory is bounded: the model is built on the meta device and each parameter gets its storage directly in its
+  serving dtype on the load device (`engine.model.init.materialize`; no fp32 model is ever built first); tensors are
+  cast into their parameter as they arrive (`copy_` converts), and a source holds one file (safetensors) or one
+  round of `files_per_rank` files per rank (fastsafetensors) at a time. Peak memory while loading is the final
+  weights + one file (round) + a few tensors (tests/unit/model/test_bounded_loading.py measures it).
 - `save_weights(model, out_dir)` writes the inverse mapping (official names), sharded when over `max_shard_bytes`.
 """
 
@@ -44,10 +49,11 @@ from tqdm import tqdm
 
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.fused import bind_fused_weights, lay_out_for_gemv
+from engine.model.init import materialize
 from engine.model.model import KimiForCausalLM
 from engine.model.moe import EXPERT_FORMATS
 from engine.model.mxfp4 import GROUP, dequantize_mxfp4, mxfp4_shapes, quantize_mxfp4
-from engine.model.sources import DummySource, FastSafetensorsSource, SafetensorsSource, Slice
+from engine.model.sources import DummySource, FastSafetensorsSource, SafetensorsSource, Slice, detach_from_buffer
 from engine.parallel.comm import SINGLE, RankContext
 from engine.parallel.config import ParallelError
 
@@ -75,6 +81,7 @@ class LoadConfig:
     seed: int = 0  # dummy weights only
     progress: bool | None = None  # None: a bar for large checkpoints on a terminal
     experts_format: str = "auto"  # routed experts resident as: auto (as stored), dense, mxfp4 (packed)
+    files_per_rank: int = 1  # fastsafetensors: checkpoint files each rank holds in buffers at once (one round)
 
 
 @dataclass(frozen=True)
@@ -165,10 +172,13 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str, ctx:
     stay uint8); `gemv_layout`: linear weights input-major (`lay_out_for_gemv`, what `load_model` asks on CPU)."""
     with torch.device("meta"):
         model = KimiForCausalLM(config, ctx, experts_format)
-    model = model.to_empty(device=device)
-    for name, param in model.named_parameters():
-        if param.dtype.is_floating_point:
-            param.data = param.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
+
+    def serving_dtype(name: str, declared: torch.dtype) -> torch.dtype:
+        if not declared.is_floating_point:
+            return declared
+        return torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
+
+    materialize(model, device, serving_dtype)
     if gemv_layout:
         lay_out_for_gemv(model)
     bind_fused_weights(model)  # projections of one input share a tensor; loading fills it through the views
@@ -206,7 +216,8 @@ def _file_source(load_config: LoadConfig, files: list[Path], header: dict, model
         if importlib.util.find_spec("fastsafetensors") is not None:
             logger.info("loading weights through fastsafetensors on %s", load_config.device)
             return FastSafetensorsSource(files, header, model.ctx, load_config.device, owner,
-                                         SET_ASIDE_PREFIXES + model.config.mtp_weight_prefixes)
+                                         SET_ASIDE_PREFIXES + model.config.mtp_weight_prefixes,
+                                         load_config.files_per_rank)
         logger.warning("fastsafetensors is not installed; loading with safetensors instead")
     return SafetensorsSource(header)
 
@@ -356,6 +367,8 @@ def copy_tensors(model: KimiForCausalLM, plan: dict[str, LoadItem], source, load
             got[role] = tensor
             if len(got) == len(plan[key].sources):
                 _assign(params[plan[key].target.param_name], plan[key], pending.pop(key))
+            else:  # waits for its partner (MXFP4 packed + scale): must not pin the source's file buffer
+                got[role] = detach_from_buffer(tensor)
                 bar.update(1)
     if pending:
         raise CheckpointError(f"tensors never arrived for: {sorted(pending)}")
@@ -370,7 +383,7 @@ def _assign(param: nn.Parameter, item: LoadItem, tensors: dict[str, torch.Tensor
     if target.shape is None:  # A_log: [1,1,H,1], [H] or padded [P >= H] (this rank's heads when sliced)
         tensor = tensor.reshape(-1)[: param.shape[0]]
     dest = param.data if target.index is None else param.data[target.index]
-    dest.copy_(tensor.to(dest.dtype))
+    dest.copy_(tensor)  # converts dtype and device on the way: no full-size temporary
 
 
 def save_weights(model: KimiForCausalLM, out_dir: str | Path, dtype: torch.dtype = torch.float32,
