@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
@@ -53,7 +52,8 @@ from engine.model.init import materialize
 from engine.model.model import KimiForCausalLM
 from engine.model.moe import EXPERT_FORMATS
 from engine.model.mxfp4 import GROUP, dequantize_mxfp4, mxfp4_shapes, quantize_mxfp4
-from engine.model.sources import DummySource, FastSafetensorsSource, SafetensorsSource, Slice, detach_from_buffer
+from engine.model.sources import (CheckpointError, DummySource, FastSafetensorsSource, SafetensorsSource, Slice,
+                                  checkpoint_files, detach_from_buffer, read_header)
 from engine.parallel.comm import SINGLE, RankContext
 from engine.parallel.config import ParallelError
 
@@ -67,10 +67,6 @@ _STACKED = re.compile(r"^(?P<head>.*\.experts)\.(?P<w>w[123])(?:_(?P<kind>packed
 _PACKED_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight_packed$")
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.w[123]\.")
 PROGRESS_MIN_BYTES = 512 << 20
-
-
-class CheckpointError(ValueError):
-    """The checkpoint does not match the model; the message names each offending tensor."""
 
 
 @dataclass(frozen=True)
@@ -172,13 +168,8 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str, ctx:
     stay uint8); `gemv_layout`: linear weights input-major (`lay_out_for_gemv`, what `load_model` asks on CPU)."""
     with torch.device("meta"):
         model = KimiForCausalLM(config, ctx, experts_format)
-
-    def serving_dtype(name: str, declared: torch.dtype) -> torch.dtype:
-        if not declared.is_floating_point:
-            return declared
-        return torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
-
-    materialize(model, device, serving_dtype)
+    materialize(model, device, lambda name, declared: declared if not declared.is_floating_point else
+                torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
     if gemv_layout:
         lay_out_for_gemv(model)
     bind_fused_weights(model)  # projections of one input share a tensor; loading fills it through the views
@@ -234,31 +225,6 @@ def _expert_owner(model: KimiForCausalLM):
         return None if match is None else int(match[1]) // per_rank
 
     return owner
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (model_dir / n).is_file()]
-        if missing:
-            raise CheckpointError(f"{index.name} names shard files that do not exist: {missing}")
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {model_dir}")
-    return files
-
-
-def read_header(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Tensor name → (file, shape), reading headers only."""
-    header: dict[str, tuple[Path, tuple[int, ...]]] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                header[name] = (path, tuple(f.get_slice(name).get_shape()))
-    return header
 
 
 @dataclass(frozen=True)

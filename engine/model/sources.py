@@ -17,6 +17,9 @@ Contract:
   only (`push_tensor`; `expert_owner(name)` is that rank, the same on every rank), everything else by
   `get_tensor` (a broadcast) and is sliced here. A yielded tensor may be a view of its round's buffer: a consumer
   that keeps one past the next item copies it (`detach_from_buffer`).
+- `checkpoint_files(model_dir)`: the weight files (those a `model.safetensors.index.json` names, else every
+  `*.safetensors`), in path order; `read_header(files)`: tensor name -> (file, shape), headers only. A missing file
+  raises `CheckpointError` (the loader's error, defined here).
 - `DummySource(shapes, seed)`: seeded random tensors (`engine.model.init.sample_tensor`, per name, so every rank
   draws the same values for the same name); MXFP4 names (`*.weight_packed`, `*.weight_scale`) are the quantised
   draw of their `*.weight`.
@@ -24,6 +27,7 @@ Contract:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +56,35 @@ class Slice:
 
 
 Wanted = dict[str, "Slice | None"]
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model; the message names each offending tensor."""
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{index.name} names shard files that do not exist: {missing}")
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def read_header(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Tensor name → (file, shape), reading headers only."""
+    header: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                header[name] = (path, tuple(f.get_slice(name).get_shape()))
+    return header
 
 
 def narrow(tensor: torch.Tensor, part: Slice | None) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """`kdamesh serve MODEL` / `kdamesh up`: the `vllm serve` flags that apply are accepted and reach the launcher's
-config; a flag whose feature is not built yet is refused with its name (never silently accepted), by `up`,
+config; a flag whose feature is not built yet (or a combination with two meanings) is refused with its name (never silently accepted), by `up`,
 `serve MODEL` and the worker roles alike; `kdamesh serve --help` exits 0; an unknown flag gets argparse's error."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ SEED = ["--tensor-parallel-size", "1", "--trust-remote-code", "--load-format", "
 REFUSED = {"--tensor-parallel-size": ["--tensor-parallel-size", "0"],
            "--speculative-config": ["--speculative-config", '{"method": "mtp"}'],
            "--kv-cache-dtype": ["--kv-cache-dtype", "fp8_e5m2"],  # fp8 / fp8_e4m3 are built (test below)
-           "--gpu-memory-utilization": ["--gpu-memory-utilization", "0.9"]}
+           "--gpu-memory-utilization": ["--gpu-memory-utilization", "0.9", "--kv-cache-memory", "1GiB"],  # both
+           "--cpu-memory": ["--cpu-memory", "4GiB"]}  # without the fraction it is a fraction of
 
 
 def _main(argv: list[str]) -> tuple[int, str, str]:
