@@ -56,6 +56,7 @@ from engine.model.sources import (CheckpointError, DummySource, FastSafetensorsS
                                   checkpoint_files, detach_from_buffer, read_header)
 from engine.parallel.comm import SINGLE, RankContext
 from engine.parallel.config import ParallelError
+from kernels.registry import log_platform
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +183,7 @@ def load_model(model_dir: str | Path, load_config: LoadConfig = LoadConfig(),
     if load_config.load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_config.load_format!r}: expected one of {LOAD_FORMATS}")
     config = load_model_config(model_dir)
+    log_platform(torch.device(load_config.device).type)  # the kernels this process will run, said once
     dtype = resolve_dtype(load_config.dtype, load_config.device, config)
     files = header = None
     if load_config.load_format != "dummy":
