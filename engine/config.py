@@ -10,7 +10,7 @@ Contract (importing this module loads no torch: the command lines parse `EngineA
   `gpu_memory_utilization` (`--gpu-memory-utilization`, vLLM's meaning), what a profile run of the loaded model
   leaves of that fraction of the device's memory (engine/memory_profile.py; on CPU a fraction of `cpu_memory`,
   `--cpu-memory`, default the machine's RAM). Refused by name: both set, `cpu_memory` without the fraction or off
-  CPU, the fraction under tensor parallelism (not built).
+  CPU.
 - `plan_cache(args, model_config, dtype_bytes, budget)` turns the memory budget into pool sizes, `CachePlan`:
   the KDA state pool holds `max_num_seqs * (1 + num_speculative_tokens)` running slots, then (with prefix caching)
   the snapshot slots: `snapshot_budget` bytes of them when set, else `snapshot_memory_fraction` of the remaining
@@ -207,9 +207,6 @@ class EngineArgs:
             if self.kv_cache_memory is not None:
                 raise EngineConfigError("--gpu-memory-utilization and --kv-cache-memory both size the KV and "
                                         "state pools: set one (--kv-cache-memory is the explicit override)")
-            if self.tensor_parallel_size != 1:
-                raise EngineConfigError("--gpu-memory-utilization with --tensor-parallel-size > 1: the profile run "
-                                        "on every rank is not built; size each rank's pools with --kv-cache-memory")
         if self.cpu_memory is not None:
             if util is None:
                 raise EngineConfigError("--cpu-memory is the budget --gpu-memory-utilization is a fraction of on CPU; "

@@ -65,7 +65,6 @@ import torch
 
 from engine.compilation import CompilationConfig
 from engine.config import CachePlan, EngineArgs, plan_cache
-from engine.memory_profile import profiled_kv_budget
 from engine.errors import InvalidRequestError
 from engine.exchange import CacheExchange
 from engine.memory.hashing import BlockHasher, root_hash
@@ -130,7 +129,7 @@ class EngineCore:
         else:
             self.eos_token_ids = () if self.config.eos_token_id is None else (self.config.eos_token_id,)
         dtype_bytes = self.model.dtype.itemsize
-        self.memory_profile = profiled_kv_budget(args, self.model)  # None: --kv-cache-memory sizes the pools
+        self.memory_profile = self.executor.profile(args, self.media)  # None: --kv-cache-memory sizes the pools
         self.plan: CachePlan = plan_cache(args, self.config, dtype_bytes,
                                           self.memory_profile and self.memory_profile.kv_budget)
         weights = (hashlib.sha256(args.model_fingerprint.encode()).digest() if args.model_fingerprint else

@@ -15,14 +15,20 @@ Contract:
   `min(max_num_batched_tokens, the runner's forward limit)` tokens from position 0, and with speculative decoding a
   verification of `max_num_seqs` sequences of `1 + k` positions (each position's KDA state kept, as the runner
   does), both in a throw-away cache of just the blocks and slots they touch (allocated before the peak is reset,
-  freed after). What is not profiled stays in the `1 - fraction` headroom: compiled / captured decode steps, the
-  vision encoder, drafter weights loaded after the pools (docs/sizing.md lists them).
-- Under tensor parallelism the profile would have to run on every rank: `EngineArgs` refuses the combination.
+  freed after); then, with a vision encoder (`media`, rank 0's `engine.vision.feed.MediaSetup`), the encoder on
+  the largest image the processor admits (`largest_image_grid`: `in_patch_limit` patches, square, whole merge
+  kernels, within `patch_limit_on_one_side`). What is not profiled stays in the `1 - fraction` headroom:
+  compiled / captured decode steps, several images in one step, drafter weights loaded after the pools.
+- Under tensor parallelism every rank runs it together (the forward is a collective; the engine's executor starts
+  it on every rank, engine/parallel/executor.py `profile`): each rank measures its own device (on CPU its own
+  process against `--cpu-memory`, per rank), and every rank returns the tightest rank's result (the smallest
+  budget), so all ranks size the same pools.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -93,7 +99,22 @@ def _cache_for(model: KimiForCausalLM, batches: list[ForwardBatch], block_size: 
                                  kv_cache_dtype=kv_cache_dtype)
 
 
-def profiled_kv_budget(args: EngineArgs, model: KimiForCausalLM) -> ProfileResult | None:
+def largest_image_grid(processor) -> tuple[int, int]:
+    """(h, w) patches of the largest image `processor` (a `ProcessorConfig`) lets through: square, in whole merge
+    kernels, at most `in_patch_limit` patches and `patch_limit_on_one_side` per side."""
+    k = processor.merge_kernel_size
+    side = min(math.isqrt(processor.in_patch_limit), processor.patch_limit_on_one_side) // k * k
+    return side, side
+
+
+def _encode_largest_image(media) -> None:
+    encoder, (h, w) = media.feeder.encoder, largest_image_grid(media.processor)
+    p = media.processor.patch_size
+    pixels = torch.zeros(h * w, 3, p, p, device=encoder.device)  # [L, 3, p, p]
+    encoder(pixels, torch.tensor([[1, h, w]]))
+
+
+def profiled_kv_budget(args: EngineArgs, model: KimiForCausalLM, media=None) -> ProfileResult | None:
     if args.gpu_memory_utilization is None:
         return None
     device = model.device
@@ -105,10 +126,12 @@ def profiled_kv_budget(args: EngineArgs, model: KimiForCausalLM) -> ProfileResul
     with torch.no_grad():
         for batch in batches:
             model(batch.to(device), cache)
+        if media is not None and media.feeder is not None:
+            _encode_largest_image(media)
     peak = meter.peak()
     del cache
-    result = ProfileResult(meter.total(), args.gpu_memory_utilization, in_use, peak,
-                           max(b.num_tokens for b in batches))
+    result = _tightest(model, ProfileResult(meter.total(), args.gpu_memory_utilization, in_use, peak,
+                                            max(b.num_tokens for b in batches)))
     logger.info("memory profile on %s: %.2f GiB x %.2f - %.2f GiB in use - %.2f GiB activations (%d-token step) "
                 "= %.2f GiB for the KV and state pools", device.type, result.total / 2**30, result.fraction,
                 result.in_use / 2**30, result.activation_peak / 2**30, result.profiled_tokens,
@@ -120,6 +143,18 @@ def profiled_kv_budget(args: EngineArgs, model: KimiForCausalLM) -> ProfileResul
             f"of activations at {result.profiled_tokens} tokens; raise it, lower --max-num-batched-tokens, or size "
             f"the pools with --kv-cache-memory")
     return result
+
+
+def _tightest(model: KimiForCausalLM, mine: ProfileResult) -> ProfileResult:
+    """Every rank's result -> the one with the smallest budget, on every rank (one all-gather)."""
+    ctx = model.ctx
+    if ctx.size == 1:
+        return mine
+    terms = torch.tensor([[mine.total, mine.in_use, mine.activation_peak]], dtype=torch.float64)
+    every = ctx.all_gather(terms.to(model.device), dim=0).cpu()  # [ranks, 3]
+    budgets = (every[:, 0] * mine.fraction).floor() - every[:, 1] - every[:, 2]
+    total, in_use, peak = (int(v) for v in every[int(budgets.argmin())].tolist())
+    return ProfileResult(total, mine.fraction, in_use, peak, mine.profiled_tokens)
 
 
 class CudaMeter:
