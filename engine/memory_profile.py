@@ -9,7 +9,8 @@ Contract:
     bytes the profile steps allocated above what was allocated before them (`max_memory_allocated`).
   - CPU: `total` is `args.cpu_memory` (`--cpu-memory`), else the machine's physical memory; `in_use` this process's
     resident memory after loading (weights, libraries, allocator); `activation_peak` the resident high-water mark
-    during the profile steps above the resident memory before them (`/proc/self/clear_refs` resets the mark).
+    during the profile steps above the resident memory before them (`/proc/self/clear_refs` resets the mark;
+    where it cannot, the mark since start-up counts, with a warning: larger, never smaller).
   A budget of zero or less raises `EngineConfigError` naming gpu_memory_utilization, with every term.
 - The profile steps are the largest forwards the engine runs (`profile_batches`): one prefill piece of
   `min(max_num_batched_tokens, the runner's forward limit)` tokens from position 0, and with speculative decoding a
@@ -195,8 +196,12 @@ class HostMeter:
         return _status_bytes("VmRSS")
 
     def start(self) -> None:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the resident high-water mark restarts at the current resident size
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # the resident high-water mark restarts at the current resident size
+        except OSError as exc:  # a kernel or sandbox without it: the mark since start-up (larger, still safe)
+            logger.warning("cannot reset the resident high-water mark (%s): the profile counts the process's "
+                           "peak since start-up", exc)
         self._base = _status_bytes("VmRSS")
 
     def peak(self) -> int:

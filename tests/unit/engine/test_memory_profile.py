@@ -147,3 +147,23 @@ def test_the_vision_encoder_runs_on_the_largest_image_it_admits(tmp_path):
     assert seen == []  # text only without the media
     profiled_kv_budget(args, model, media)
     assert seen == [((32 * 32, 3, 14, 14), [[1, 32, 32]], (16 * 16, model.config.hidden_size))]
+
+
+def test_without_clear_refs_the_mark_since_start_up_counts(monkeypatch, caplog):
+    import builtins
+
+    from engine.memory_profile import HostMeter
+
+    real_open = builtins.open
+
+    def guarded(path, *args, **kwargs):
+        if str(path) == "/proc/self/clear_refs":
+            raise PermissionError("read-only /proc")
+        return real_open(path, *args, **kwargs)
+
+    meter = HostMeter(EngineArgs(model="m", gpu_memory_utilization=0.5))
+    monkeypatch.setattr(builtins, "open", guarded)
+    meter.start()
+    grown = bytearray(64 << 20)  # 64 MiB touched after the start
+    assert meter.peak() >= 60 << 20 and len(grown)
+    assert "cannot reset the resident high-water mark" in caplog.text
