@@ -74,7 +74,7 @@ def test_pipeline_stages_partition_the_model(preset):
     assert sum(stages) == whole and min(stages) > 0
     parts = [stage_layers(len(config.layers), 2, s) for s in range(2)]
     assert [i for p in parts for i in p] == list(range(len(config.layers)))
-    assert sum(kv_bytes_per_token(config, 2, p) for p in parts) == kv_bytes_per_token(config, 2)
+    assert sum(kv_bytes_per_token(config, 2, layers=p) for p in parts) == kv_bytes_per_token(config, 2)
     assert sum(state_bytes_per_request(config, 2, 2, p) for p in parts) == state_bytes_per_request(config, 2, 2)
 
 
