@@ -8,10 +8,11 @@ Contract:
   `launch_config_from(ns)` (there too) builds the `LaunchConfig` from them (a value an option object refuses raises
   its ValueError, naming it).
 - `VllmCompat` holds the `vllm serve` flags accepted at their no-op value only: `refusal(ns)` is the message naming
-  the first such flag set to something else (`--gpu-memory-utilization` at all:
-  the KV cache is sized by `--kv-cache-memory`), a `--tensor-parallel-size` < 1 or a `--speculative-config` that
-  does not parse (engine/spec/config.py: the message names the JSON field), else None. A refused flag is never
-  silently accepted. The worker roles (deploy/serve.py) take the same flags.
+  the first such flag set to something else, a `--tensor-parallel-size` < 1 or a `--speculative-config` that does
+  not parse (engine/spec/config.py: the message names the JSON field), else None. A refused flag is never silently
+  accepted. The worker roles (deploy/serve.py) take the same flags.
+- `--gpu-memory-utilization` is an engine option (`EngineArgs`, vLLM's meaning: the pools get what a profile run
+  leaves of that fraction of the device's memory, engine/memory_profile.py), not a compatibility no-op.
 - `--speculative-config '{json}'` (vLLM's field names) goes to both workers: every request of a worker speculates
   (docs/api.md says which run plain).
 - `--trust-remote-code` is accepted and has no effect: the model code is part of kdamesh, nothing is downloaded.
@@ -31,8 +32,6 @@ PARSER_CHOICES = "'auto' (the model family's format), 'none', kimi_k3 or kimi_k2
 class VllmCompat:
     """`vllm serve` flags accepted at their no-op value only (`refusal`)."""
 
-    gpu_memory_utilization: float | None = option("--gpu-memory-utilization", default=None, parse=float,
-                                                  help="refused: size the KV cache with --kv-cache-memory")
     trust_remote_code: bool = option("--trust-remote-code", default=False, kind="switch",
                                      help="accepted, no effect (the model code is built in)")
 
@@ -49,6 +48,4 @@ def refusal(ns: argparse.Namespace) -> str | None:
             SpeculativeConfig.parse(ns.speculative_config)
         except EngineConfigError as e:
             return f"--speculative-config: {e}"
-    if ns.gpu_memory_utilization is not None:
-        return "--gpu-memory-utilization: not built; size the KV cache of each worker with --kv-cache-memory"
     return None

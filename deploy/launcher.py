@@ -99,13 +99,20 @@ def busy_ports(host: str, ports: list[int]) -> list[int]:
 
 
 def engine_max_model_len(config: LaunchConfig, model: str) -> int:
-    """The context length the workers will enforce: the engine's cache plan of the very `EngineArgs` both get."""
+    """The context length the workers will enforce: the engine's cache plan of the very `EngineArgs` both get
+    (with `--gpu-memory-utilization` each worker measures its pools after loading: here only the upper bound)."""
     from engine.config import plan_cache
+    from engine.errors import EngineConfigError
     from engine.model.config import load_model_config
     from engine.model.loader import resolve_dtype
 
     args = config.options("decode", Wiring(model, PLANNED, PLANNED)).engine
     model_config = load_model_config(model)
+    if args.gpu_memory_utilization is not None:  # the pools come from each worker's profile run of its model:
+        limit = model_config.max_position_embeddings  # an upper bound here; the gateway asks the workers
+        if args.max_model_len is not None and args.max_model_len > limit:
+            raise EngineConfigError(f"max_model_len {args.max_model_len} exceeds the model's limit {limit}")
+        return args.max_model_len or limit
     dtype = resolve_dtype(args.dtype, args.device, model_config)
     return plan_cache(args, model_config, dtype.itemsize).max_model_len
 

@@ -6,7 +6,12 @@ Contract (importing this module loads no torch: the command lines parse `EngineA
   flag (`telemetry.options.option`: name, help, choices, parser; `json_option` for a JSON-valued one such as
   `--speculative-config`): the worker roles and `kdamesh up` generate their parsers from them (docs/architecture.md,
   "Options and flags"). Byte sizes stay as typed (`byte_text`: "2GiB", or an int of plain digits).
-- `plan_cache(args, model_config, dtype_bytes)` turns the memory budget into pool sizes, `CachePlan`:
+- The pools' memory budget is `kv_cache_memory` (`--kv-cache-memory`, default 1 GiB), or, with
+  `gpu_memory_utilization` (`--gpu-memory-utilization`, vLLM's meaning), what a profile run of the loaded model
+  leaves of that fraction of the device's memory (engine/memory_profile.py; on CPU a fraction of `cpu_memory`,
+  `--cpu-memory`, default the machine's RAM). Refused by name: both set, `cpu_memory` without the fraction or off
+  CPU.
+- `plan_cache(args, model_config, dtype_bytes, budget)` turns the memory budget into pool sizes, `CachePlan`:
   the KDA state pool holds `max_num_seqs * (1 + num_speculative_tokens)` running slots, then (with prefix caching)
   the snapshot slots: `snapshot_budget` bytes of them when set, else `snapshot_memory_fraction` of the remaining
   bytes; the MLA block pool takes the rest. The two pools are sized independently (a block is `block_size` tokens of
@@ -81,9 +86,10 @@ class EngineArgs:
     device: str = option("--device", default="cpu")
     seed: int = option("--seed", default=0, parse=int)
     block_size: int = option("--block-size", default=16, parse=int, help="tokens per KV block")
-    kv_cache_memory: int | str = option(  # bytes for both pools together
-        "--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY, parse=byte_text,
-        help="bytes for the KV block and KDA state pools together, per worker, e.g. 1GiB")
+    kv_cache_memory: int | str | None = option(  # bytes for both pools together; None: DEFAULT_KV_CACHE_MEMORY
+        "--kv-cache-memory", default=None, parse=byte_text,
+        help="bytes for the KV block and KDA state pools together, per worker, e.g. 1GiB (default 1GiB; "
+             "--gpu-memory-utilization sizes them by a profile run instead)")
     kv_cache_dtype: str = option(  # the MLA latents' storage; KDA states keep their own dtypes
         "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
         help="MLA latent cache: auto (the model dtype) or fp8 / fp8_e4m3 (e4m3 values with a per-token fp32 scale)")
@@ -139,6 +145,13 @@ class EngineArgs:
     # the step thread turns ids into text and matches stop strings (engine/request.py `OutputState`); False: ids
     # only (outputs carry no text, stop strings are not matched: the caller, e.g. the mesh gateway, does both once)
     detokenize: bool = True
+    gpu_memory_utilization: float | None = option(  # engine/memory_profile.py; None: kv_cache_memory sizes the pools
+        "--gpu-memory-utilization", default=None, parse=float,
+        help="fraction of the device's memory (on CPU: of --cpu-memory or the machine's RAM) this worker may use; "
+             "the KV and state pools get what a profile run of the largest step leaves of it (vLLM's meaning)")
+    cpu_memory: int | str | None = option(  # CPU only: the bytes gpu_memory_utilization is a fraction of
+        "--cpu-memory", default=None, parse=byte_text,
+        help="CPU: the host memory --gpu-memory-utilization is a fraction of, e.g. 16GiB (default: physical RAM)")
 
     def __post_init__(self):
         positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
@@ -149,8 +162,9 @@ class EngineArgs:
         if self.max_forward_tokens is not None and (not isinstance(self.max_forward_tokens, int)
                                                     or self.max_forward_tokens <= 0):
             raise EngineConfigError(f"max_forward_tokens must be a positive integer, got {self.max_forward_tokens!r}")
-        if parse_bytes(self.kv_cache_memory) <= 0:
+        if self.kv_cache_memory is not None and parse_bytes(self.kv_cache_memory) <= 0:
             raise EngineConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        self._check_memory_fraction()
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise EngineConfigError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.snapshot_interval != "auto":
@@ -190,6 +204,24 @@ class EngineArgs:
                                     "(fp8_e5m2 and vLLM's fp8_ds_mla layout are not built)")
         if self.snapshot_policy not in SNAPSHOT_POLICIES:
             raise EngineConfigError(f"snapshot_policy must be one of {SNAPSHOT_POLICIES}, got {self.snapshot_policy!r}")
+    def _check_memory_fraction(self) -> None:
+        """gpu_memory_utilization / cpu_memory alone and together; combinations with two meanings are refused."""
+        util = self.gpu_memory_utilization
+        if util is not None:
+            if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0:
+                raise EngineConfigError(f"--gpu-memory-utilization (gpu_memory_utilization) must be in (0, 1], got {util!r}")
+            if self.kv_cache_memory is not None:
+                raise EngineConfigError("--gpu-memory-utilization and --kv-cache-memory both size the KV and "
+                                        "state pools: set one (--kv-cache-memory is the explicit override)")
+        if self.cpu_memory is not None:
+            if util is None:
+                raise EngineConfigError("--cpu-memory is the budget --gpu-memory-utilization is a fraction of on CPU; "
+                                        "set --gpu-memory-utilization too (or size the pools with --kv-cache-memory)")
+            if not str(self.device).startswith("cpu"):
+                raise EngineConfigError(f"--cpu-memory applies on CPU only; device {self.device!r} sizes by its "
+                                        "own memory")
+            if parse_bytes(self.cpu_memory, "cpu_memory") <= 0:
+                raise EngineConfigError(f"--cpu-memory (cpu_memory) must be positive, got {self.cpu_memory!r}")
 
     def _resolve_compilation(self) -> None:
         if self.compilation_config is not None:  # None stays None (the defaults): a command line omits it
@@ -254,20 +286,27 @@ def auto_snapshot_interval(block_size: int, token_bytes: int, state_bytes: int) 
     return block_size * min(MAX_AUTO_INTERVAL_BLOCKS, max(1, blocks))
 
 
-def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> CachePlan:
+def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int, budget: int | None = None) -> CachePlan:
+    """`budget`: the pools' bytes measured by engine/memory_profile.py (needed when gpu_memory_utilization is set);
+    None: `kv_cache_memory` (default `DEFAULT_KV_CACHE_MEMORY`)."""
     from engine.model.batch import bytes_per_state, bytes_per_token  # torch: the option classes above stay light
 
     bs = args.block_size
     token_b = bytes_per_token(config, dtype_bytes, args.kv_cache_dtype)
     state_b = bytes_per_state(config, dtype_bytes, tensor_parallel_size=args.tensor_parallel_size)  # one rank's heads
-    budget = parse_bytes(args.kv_cache_memory)
+    if budget is None:
+        if args.gpu_memory_utilization is not None:
+            raise EngineConfigError("gpu_memory_utilization sizes the pools from a profile run of the loaded model "
+                                    "(engine/memory_profile.py); plan_cache needs its budget")
+        budget = parse_bytes(DEFAULT_KV_CACHE_MEMORY if args.kv_cache_memory is None else args.kv_cache_memory)
+    what = "kv_cache_memory" if args.gpu_memory_utilization is None else "the gpu_memory_utilization budget"
     slots_per_request = 1 + args.num_speculative_tokens
     running = args.max_num_seqs * slots_per_request
     rest = budget - running * state_b
     if rest <= 0 and args.num_kv_blocks is None:
         raise EngineConfigError(
-            f"kv_cache_memory {budget} B does not hold {running} running KDA states of {state_b} B "
-            f"(max_num_seqs {args.max_num_seqs}); raise kv_cache_memory or lower max_num_seqs")
+            f"{what} {budget} B does not hold {running} running KDA states of {state_b} B "
+            f"(max_num_seqs {args.max_num_seqs}); raise it or lower max_num_seqs")
     caching = args.enable_prefix_caching
     snapshots = 0
     if caching and state_b:
@@ -280,7 +319,7 @@ def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int) -> Cache
     if num_blocks is None:
         num_blocks = (rest - snapshots * state_b) // max(1, bs * token_b)
         if num_blocks <= 0:
-            raise EngineConfigError(f"kv_cache_memory {budget} B leaves no room for KV blocks after the state pool")
+            raise EngineConfigError(f"{what} {budget} B leaves no room for KV blocks after the state pool")
     interval = 0
     if caching:
         interval = (auto_snapshot_interval(bs, token_b, state_b) if args.snapshot_interval == "auto"

@@ -8,9 +8,8 @@ Contract:
   or `{"prompt_token_ids": [...]}` / `{"prompt": str}`. Admission rejects requests that can never run: an empty
   prompt, ids outside the vocabulary, `len(prompt) + max_tokens > max_model_len`, or more KV blocks than the pool.
 - `step()` is schedule -> execute -> update (vLLM v1's shape): `_schedule` (drafts, the scheduler's batch) ->
-  `_execute(out)` reads that batch and never changes a request: the forward, then every
-  logits row sampled and verified at once on the device with ONE read-back (engine/step_sampling.py) -> a frozen
-  `StepResult` -> `update_from_output(out, result)` is the one place that applies it: appended tokens (stops,
+  `_execute(out)` reads that batch and never changes a request: the forward, then every logits row sampled and
+  verified at once on the device with ONE read-back (engine/step_sampling.py) -> a frozen `StepResult` -> `update_from_output(out, result)` is the one place that applies it: appended tokens (stops,
   grammar), `num_computed_tokens` (assigned there and nowhere else in the step), verification counters and
   settling, commits and snapshot copies, the drafter's observations, finished requests. Data-dependent control flow
   (a row finished, a stop id) is decided on the host from the read-back. Returns one delta `RequestOutput` per
@@ -23,8 +22,7 @@ Contract:
 - Speculative decoding (`args.speculative_config`, engine/spec/): before scheduling, the drafter proposes tokens for
   the running decodes; the step verifies them in the same forward (engine/spec/decoding.py) and appends the
   accepted drafts plus one token, so a request may gain up to 1 + k tokens in a step.
-- `abort(request_id)` ends a request at once (its output finishes with "abort" on the next `step`).
-- `add_request(..., snapshot_hints=positions)`: token positions of the prompt (where the rendered chat's system/tool
+- `abort(request_id)` ends a request at once (its output finishes with "abort" on the next `step`). `add_request(..., snapshot_hints=positions)`: token positions of the prompt (where the rendered chat's system/tool
   block and each earlier message end) at which the KDA state is snapshotted, rounded down to blocks
   (engine/memory/policy.py `hint_points`; out-of-range positions are an `InvalidRequestError`), so a later prompt
   sharing that prefix resumes there. With `exchange.exporting` on, `step` collects the snapshots leaving the cache
@@ -128,7 +126,9 @@ class EngineCore:
             (tokenizer_dir / "tiktoken.model").is_file() or (tokenizer_dir / "tokenizer.json").is_file()) else None
         self.eos_token_ids = tuple(self.tokenizer.stop_token_ids) if self.tokenizer is not None else (
             () if self.config.eos_token_id is None else (self.config.eos_token_id,))
-        self.plan: CachePlan = plan_cache(args, self.config, self.model.dtype.itemsize)
+        self.memory_profile = self.executor.profile(args, self.media)  # None: --kv-cache-memory sizes the pools
+        self.plan: CachePlan = plan_cache(args, self.config, self.model.dtype.itemsize,
+                                          self.memory_profile and self.memory_profile.kv_budget)
         weights = (hashlib.sha256(args.model_fingerprint.encode()).digest() if args.model_fingerprint else
                    model_fingerprint(args.model, self.model.dtype, args.load_format, args.seed))
         self.fingerprint = cache_fingerprint(weights, args.kv_cache_dtype)

@@ -1,169 +1,99 @@
-"""Sizing: what one rank of a (tensor/expert-parallel) deployment holds, and how many requests fit. Torch-free.
+"""Sizing: what each rank of a (tensor/expert/pipeline-parallel) deployment holds, and how many requests fit.
+Torch-free.
 
 Contract:
-- `rank_weight_bytes(config, tp, ep, experts_format, dtype_bytes)` -> `WeightBytes`: the bytes one rank's model
-  keeps resident, exactly as engine/model builds it (split parameters at 1/N, replicated ones whole, the fused
-  projections' padding rows, fp32 where the model keeps fp32, packed MXFP4 experts at 17/32 byte per parameter).
-  tests/unit/parallel/test_plan.py checks it against the storage of the models built for the tiny presets.
-- `kv_bytes_per_token(config, dtype_bytes, kv_cache_dtype)`: MLA latent bytes per token of context (replicated:
-  every rank holds them; FP8 rows are one byte a value plus a 4-byte scale); `state_bytes_per_request(config, dtype_bytes, tp)`: one rank's KDA state slot (its H/N heads: conv window
-  in the model dtype, recurrent state fp32). `CacheTensors.allocate` allocates exactly these.
-- `plan(config, PlanArgs)` -> `Plan`: per GPU usable memory = `gpu_memory * gpu_memory_utilization` minus the rank's
-  weights (activations and CUDA graphs must fit in the remaining `1 - utilization`); a request at `context_len`
-  costs its state slice plus `context_len` tokens of latents per rank; `concurrency` is requests per replica
-  (`gpus // tp` replicas); the handoff (TP-independent: the whole KDA state + the prompt's latents) and its
-  transfer time at `link_gbps`. `fits` is False, with the reason, when the weights or a single request do not fit.
+- Weights per rank: engine/plan_weights.py (`rank_weight_bytes`, `mtp_weight_bytes`), re-exported here.
+- `kv_bytes_per_token(config, dtype_bytes, kv_cache_dtype, layers)`: MLA latent bytes per token of context
+  (replicated: every rank of a stage holds them; FP8 rows are one byte a value plus a 4-byte scale); `state_bytes_per_request(config, dtype_bytes, tp, layers)`: one rank's KDA state slot
+  (its H/N heads: conv window in the model dtype, recurrent state fp32). `CacheTensors.allocate` allocates exactly
+  these. `layers` (default all) restricts both to a pipeline stage's layers.
+- `step_activation_bytes(config, tokens, tp, ep, dtype_bytes)`: an estimate of the largest buffers one prefill step
+  of `tokens` tokens keeps alive at once on a rank, by term: routed-expert buffers (every token's top-k rows are
+  gathered on every rank, EP or not: gathered input, gate/up, activation, output and the un-permuted rows),
+  K3's attention-residual snapshots and their fp32 mix, the residual stream. The engine measures the real peak
+  (engine/memory_profile.py); this is what `kdamesh plan` reserves for it.
+- `plan(config, PlanArgs)` -> `Plan`: per GPU, `gpu_memory * gpu_memory_utilization` holds, per rank: the weights,
+  the runtime (`runtime_bytes`: CUDA context, NCCL buffers; assumed), the step activations
+  (`max_num_batched_tokens`), and on a lead rank (rank 0 of a stage, where the engine runs them) the drafter's
+  weights (MTP layers from the config, or a DSpark folder's; last stage) and the vision tower (first stage); what
+  remains holds requests. A
+  request at `context_len` costs per rank its KDA state slice times `1 + num_speculative_tokens` (the verification
+  scratch slots) plus `context_len` tokens of latents, and on the lead rank the drafter's context rows (capacity
+  rounded up to a power of two, engine/spec/draft_cache.py). `concurrency` (per replica) is the smallest over the
+  ranks; `load_peak` (weights + one checkpoint file per rank, engine/model/loader.py's bound) must fit the GPU too.
+  With `pipeline_parallel_size` > 1 the layers are split into contiguous stages (computed here, not built: the
+  engine runs one stage); each stage's ranks are planned with their own layers. The handoff (TP-independent: the
+  whole KDA state + the prompt's latents) and its transfer time at `link_gbps`. `fits` is False, with the reason,
+  when the weights, the load or a single request do not fit.
 - Divisibility is checked like the model does (`ParallelConfig.split`): a split that does not divide raises
   `ParallelError`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from engine.model.config import ModelConfig
 from engine.parallel.config import ParallelConfig, ParallelError
+from engine.plan_weights import FP32, WeightBytes, mtp_weight_bytes, rank_weight_bytes, stage_layers
 
-FUSED_ROWS_MULTIPLE = 16  # engine.model.fused pads a FusedLinear's rows to this
-FUSED_GATE_UP_MAX = 1024  # engine.model.common: MLPs up to this intermediate (per rank) fuse gate/up
-FP32 = 4
+__all__ = ["ParallelError", "PlanArgs", "Plan", "RankBytes", "DrafterBytes", "WeightBytes", "plan", "format_plan",
+           "rank_weight_bytes", "mtp_weight_bytes", "kv_bytes_per_token", "state_bytes_per_request",
+           "step_activation_bytes"]
+SPECULATIVE_METHODS = ("none", "ngram", "mtp", "dspark")
 FP8_SCALE_BYTES = 4  # kernels.attention.fp8_latent.SCALE_BYTES: one fp32 scale per token row
-MXFP4_BYTES = 17 / 32  # a packed value (1/2 byte) plus one uint8 scale per 32
 
 
-@dataclass(frozen=True)
-class WeightBytes:
-    split: int  # parameters each rank holds 1/N of (attention heads, MLP columns, vocabulary), this rank's part
-    replicated: int  # norms, router, latents, low-rank projections, fused padding: the same on every rank
-    experts: int  # routed experts on this rank (split by intermediate, or by expert under EP)
-
-    @property
-    def total(self) -> int:
-        return self.split + self.replicated + self.experts
-
-
-def _pad(rows: int) -> int:
-    return -(-rows // FUSED_ROWS_MULTIPLE) * FUSED_ROWS_MULTIPLE
-
-
-class _Tally:
-    def __init__(self, dtype_bytes: int):
-        self.d = dtype_bytes
-        self.split = self.replicated = self.experts = 0.0
-
-    def add(self, numel: float, split: bool, fp32: bool = False) -> None:
-        nbytes = numel * (FP32 if fp32 else self.d)
-        if split:
-            self.split += nbytes
-        else:
-            self.replicated += nbytes
-
-    def fused(self, parts: list[tuple[int, bool]], width: int) -> None:
-        """A FusedLinear of `width` inputs over (rows, split) parts; the padding counts as replicated."""
-        for rows, split in parts:
-            self.add(rows * width, split)
-        total = sum(rows for rows, _ in parts)
-        self.add((_pad(total) - total) * width, False)
-
-
-def _kda(t: _Tally, config: ModelConfig, pc: ParallelConfig) -> None:
-    k, h = config.kda, config.hidden_size
-    heads = pc.split(k.num_heads, "KDA heads (linear_attn_config.num_heads)")
-    proj = heads * k.head_dim
-    gate = (proj, True) if k.full_rank_output_gate else (k.head_dim, False)
-    t.fused([(3 * proj, True), (k.head_dim, False), (heads, True), gate], h)
-    t.add(3 * proj * k.conv_kernel_size + heads + proj, True, fp32=True)  # convs, A_log, dt_bias
-    t.add(proj * k.head_dim, True)  # f_b_proj
-    if not k.full_rank_output_gate:
-        t.add(proj * k.head_dim, True)  # g_b_proj
-    t.add(k.head_dim, False)  # o_norm
-    t.add(h * proj, True)  # o_proj
-
-
-def _mla(t: _Tally, config: ModelConfig, pc: ParallelConfig) -> None:
-    m, h = config.mla, config.hidden_size
-    heads = pc.split(m.num_heads, "MLA heads (num_attention_heads)")
-    q_dim = heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-    parts = [(m.q_lora_rank, False) if m.q_lora_rank else (q_dim, True), (m.kv_lora_rank + m.qk_rope_head_dim, False)]
-    t.fused(parts + ([(heads * m.v_head_dim, True)] if m.output_gate else []), h)
-    if m.q_lora_rank:
-        t.add(m.q_lora_rank, False)
-        t.add(q_dim * m.q_lora_rank, True)
-    t.add(m.kv_lora_rank, False)
-    t.add(heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank, True)
-    t.add(h * heads * m.v_head_dim, True)
-
-
-def _mlp(t: _Tally, hidden: int, intermediate: int, pc: ParallelConfig, what: str) -> None:
-    inter = pc.split(intermediate, what)
-    if inter <= FUSED_GATE_UP_MAX:
-        t.fused([(2 * inter, True)], hidden)
-    else:
-        t.add(2 * inter * hidden, True)
-    t.add(hidden * inter, True)
-
-
-def _moe(t: _Tally, config: ModelConfig, pc: ParallelConfig, packed: bool) -> None:
-    moe, h = config.moe, config.hidden_size
-    width = moe.latent_size or h
-    t.add(moe.num_experts * (h + 1), False, fp32=True)  # router and correction bias
-    if pc.enable_expert_parallel:
-        experts, inter = pc.split(moe.num_experts, "routed experts (num_experts)"), moe.intermediate_size
-    else:
-        experts = moe.num_experts
-        inter = pc.split(moe.intermediate_size, "routed expert intermediate size (moe_intermediate_size)")
-    if packed and (inter % 32 or width % 32):
-        raise ParallelError(f"MXFP4 experts need widths that are multiples of 32: expert width {width}, "
-                            f"intermediate per rank {inter} (use --enable-expert-parallel to keep whole experts)")
-    t.experts += experts * 3 * inter * width * (MXFP4_BYTES if packed else t.d)
-    if moe.num_shared_experts:
-        _mlp(t, h, moe.intermediate_size * moe.num_shared_experts, pc, "shared expert intermediate size")
-    if moe.latent_size:
-        t.add(width * h, False)  # routed_expert_down_proj
-        t.add(h * pc.split(width, "routed_expert_hidden_size"), True)  # routed_expert_up_proj
-        if moe.latent_use_norm:
-            t.add(width, False)
-
-
-def rank_weight_bytes(config: ModelConfig, tp: int = 1, ep: bool = False, experts_format: str = "dense",
-                      dtype_bytes: int = 2) -> WeightBytes:
-    pc = ParallelConfig(tp, 0, ep)
-    t, h = _Tally(dtype_bytes), config.hidden_size
-    vocab = pc.split(config.vocab_size, "vocab_size")
-    t.add(vocab * h * (1 if config.tie_word_embeddings else 2), True)
-    t.add(h * (3 if config.attn_res_block_size else 1), False)  # final norm (+ output attn-res norm and proj)
-    for spec in config.layers:
-        (_kda if spec.mixer == "kda" else _mla)(t, config, pc)
-        if spec.ffn == "moe":
-            _moe(t, config, pc, experts_format == "mxfp4")
-        else:
-            _mlp(t, h, config.intermediate_size, pc, "intermediate_size")
-        t.add(2 * h + (4 * h if spec.residual == "attn_res" else 0), False)  # layer norms (+ attn-res mixes)
-    return WeightBytes(round(t.split), round(t.replicated), round(t.experts))
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int, kv_cache_dtype: str = "auto",
+                       layers: range | None = None) -> int:
     """'fp8' / 'fp8_e4m3': one byte per latent value plus a per-token fp32 scale per layer
-    (kernels/attention/fp8_latent.py's rows); 'auto': the model dtype."""
+    (kernels/attention/fp8_latent.py's rows); 'auto': the model dtype. `layers`: a stage's (default all)."""
+    ids = [i for i in config.mla_layer_ids if layers is None or i in layers]
     if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        return len(config.mla_layer_ids) * (config.mla.cache_dim + FP8_SCALE_BYTES)
-    return len(config.mla_layer_ids) * config.mla.cache_dim * dtype_bytes
+        return len(ids) * (config.mla.cache_dim + FP8_SCALE_BYTES)
+    return len(ids) * config.mla.cache_dim * dtype_bytes
 
 
-def state_bytes_per_request(config: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
+def state_bytes_per_request(config: ModelConfig, dtype_bytes: int, tp: int = 1, layers: range | None = None) -> int:
     if config.kda is None:
         return 0
     k = config.kda
     heads = ParallelConfig(tp).split(k.num_heads, "KDA heads (linear_attn_config.num_heads)")
     conv = 3 * heads * k.head_dim * (k.conv_kernel_size - 1) * dtype_bytes
-    return len(config.kda_layer_ids) * (conv + heads * k.head_dim * k.head_dim * FP32)
+    ids = [i for i in config.kda_layer_ids if layers is None or i in layers]
+    return len(ids) * (conv + heads * k.head_dim * k.head_dim * FP32)
+
+
+def step_activation_bytes(config: ModelConfig, tokens: int, tp: int = 1, ep: bool = False,
+                          dtype_bytes: int = 2) -> dict[str, int]:
+    """Estimated peak buffers of one prefill step of `tokens` tokens on one rank, by term (see the contract)."""
+    h, terms = config.hidden_size, {}
+    if config.moe is not None:
+        moe = config.moe
+        width = moe.latent_size or h
+        inter = moe.intermediate_size if ep else moe.intermediate_size // tp
+        terms["routed experts"] = tokens * moe.top_k * (3 * width + 3 * inter) * dtype_bytes
+    if config.attn_res_block_size:
+        blocks = math.ceil(len(config.layers) / config.attn_res_block_size)
+        terms["attention residuals"] = tokens * h * (blocks * dtype_bytes + (blocks + 1) * FP32)
+    terms["residual stream"] = 4 * tokens * h * FP32
+    return terms
+
+
+@dataclass(frozen=True)
+class DrafterBytes:
+    """A drafter on the lead rank: its weights, and its context rows' bytes per token of a request."""
+
+    weights: int
+    row_bytes: int
 
 
 @dataclass(frozen=True)
 class PlanArgs:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
-    gpus: int | None = None  # default: one replica (= tensor_parallel_size)
+    gpus: int | None = None  # default: one replica (= tensor_parallel_size x pipeline_parallel_size)
     gpu_memory: int = 141 * 10**9  # bytes per GPU (H200: 141 GB)
     gpu_memory_utilization: float = 0.9
     context_len: int = 32768
@@ -171,23 +101,65 @@ class PlanArgs:
     dtype_bytes: int = 2
     experts_format: str = "auto"  # auto: as the config declares (MXFP4 stays packed)
     kv_cache_dtype: str = "auto"  # EngineArgs.kv_cache_dtype: auto (dtype_bytes) or fp8 rows
+    pipeline_parallel_size: int = 1  # contiguous layer stages (computed here; the engine does not run them yet)
+    num_speculative_tokens: int = 0  # k: each running request holds 1 + k KDA state slots
+    speculative_method: str = "none"  # none | ngram | mtp | dspark: the drafter the lead rank holds
+    drafter: DrafterBytes | None = None  # dspark: measured from its folder (deploy/plan_cli.py); mtp: from config
+    vision_bytes: int = 0  # vision tower + projector, on the lead rank
+    runtime_bytes: int = 2 * 10**9  # per GPU: CUDA context, NCCL buffers, allocator slack (assumed)
+    max_num_batched_tokens: int = 16384  # the largest prefill step, whose activations stay reserved
+    shard_bytes: int = 5 * 10**9  # the largest checkpoint file: loading peaks at weights + one file per rank
+
+    def __post_init__(self):
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method {self.speculative_method!r}: expected one of {SPECULATIVE_METHODS}")
+        if self.speculative_method == "dspark" and self.drafter is None:
+            raise ValueError("speculative_method dspark needs the drafter's folder (--drafter-dir)")
+        if (self.speculative_method == "none") != (self.num_speculative_tokens == 0):
+            raise ValueError("num_speculative_tokens and speculative_method go together (both set or neither)")
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """One rank's memory: what stays resident before any request, and what one request adds."""
+
+    stage: int
+    lead: bool  # rank 0 of its stage: also the vision tower (first stage) and the drafter (last stage)
+    weights: int
+    drafter_weights: int
+    vision: int
+    runtime: int
+    activations: int
+    per_request: int
+    usable: int  # gpu_memory * utilization - everything fixed: what the requests get
+    load_peak: int  # weights + one checkpoint file (transient, while loading)
+
+    @property
+    def fixed(self) -> int:
+        return self.weights + self.drafter_weights + self.vision + self.runtime + self.activations
+
+    @property
+    def concurrency(self) -> int:
+        return max(0, self.usable // self.per_request) if self.per_request else 0
 
 
 @dataclass(frozen=True)
 class Plan:
     args: PlanArgs
     experts_format: str
-    weights: WeightBytes
-    kv_per_token: int
-    state_per_request: int  # per rank
-    request_bytes: int  # per rank, at context_len
-    usable_bytes: int  # per GPU after weights
+    weights: WeightBytes  # the heaviest stage's rank
+    kv_per_token: int  # the heaviest stage's
+    state_per_request: int  # per rank, the heaviest stage's
+    request_bytes: int  # per rank, at context_len (the heaviest rank's)
+    usable_bytes: int  # per GPU after everything fixed (the tightest rank's)
     replicas: int
-    concurrency: int  # requests per replica at context_len
+    concurrency: int  # requests per replica at context_len: the smallest over the ranks
     handoff_bytes: int
     handoff_seconds: float
     fits: bool
     reason: str
+    ranks: list[RankBytes] = field(default_factory=list)  # per stage: the lead rank and (TP > 1) another
+    activation_terms: dict[str, int] = field(default_factory=dict)
 
 
 def declared_experts_format(config: ModelConfig) -> str:
@@ -195,28 +167,73 @@ def declared_experts_format(config: ModelConfig) -> str:
     return "mxfp4" if quant.get("format") == "mxfp4-pack-quantized" else "dense"
 
 
+def _drafter(config: ModelConfig, args: PlanArgs, fmt: str) -> DrafterBytes:
+    if args.speculative_method == "mtp":
+        if not config.mtp_layers:
+            raise ValueError("speculative_method mtp: the config declares no MTP layers (num_nextn_predict_layers)")
+        rows = len(config.mtp_layers) * config.mla.cache_dim * args.dtype_bytes
+        return DrafterBytes(mtp_weight_bytes(config, fmt, args.dtype_bytes), rows)
+    if args.speculative_method == "dspark":
+        return args.drafter
+    return DrafterBytes(0, 0)
+
+
+def _rank(config: ModelConfig, args: PlanArgs, fmt: str, stage: int, lead: bool, activations: int) -> RankBytes:
+    tp, pp, d = args.tensor_parallel_size, args.pipeline_parallel_size, args.dtype_bytes
+    layers = stage_layers(len(config.layers), pp, stage)
+    weights = rank_weight_bytes(config, tp, args.enable_expert_parallel, fmt, d, pp, stage).total
+    drafter = _drafter(config, args, fmt) if lead and stage == pp - 1 else DrafterBytes(0, 0)  # reads final hidden
+    state = state_bytes_per_request(config, d, tp, layers) * (1 + args.num_speculative_tokens)
+    rows = drafter.row_bytes * (1 << max(0, args.context_len - 1).bit_length())  # SlotRows: powers of two
+    request = state + args.context_len * kv_bytes_per_token(config, d, args.kv_cache_dtype, layers) + rows
+    vision = args.vision_bytes if lead and stage == 0 else 0  # feeds the embeddings
+    fixed = weights + drafter.weights + vision + args.runtime_bytes + activations
+    return RankBytes(stage, lead, weights, drafter.weights, vision, args.runtime_bytes, activations, request,
+                     int(args.gpu_memory * args.gpu_memory_utilization) - fixed, weights + args.shard_bytes)
+
+
 def plan(config: ModelConfig, args: PlanArgs) -> Plan:
-    tp = args.tensor_parallel_size
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     fmt = declared_experts_format(config) if args.experts_format == "auto" else args.experts_format
-    weights = rank_weight_bytes(config, tp, args.enable_expert_parallel, fmt, args.dtype_bytes)
-    kv = kv_bytes_per_token(config, args.dtype_bytes, args.kv_cache_dtype)
-    state = state_bytes_per_request(config, args.dtype_bytes, tp)
-    request = state + args.context_len * kv
-    usable = int(args.gpu_memory * args.gpu_memory_utilization) - weights.total
-    gpus = args.gpus or tp
-    replicas = gpus // tp
-    concurrency = max(0, usable // request) if request else 0
-    handoff = state_bytes_per_request(config, args.dtype_bytes) + args.context_len * kv
+    terms = step_activation_bytes(config, args.max_num_batched_tokens, tp, args.enable_expert_parallel,
+                                  args.dtype_bytes)
+    ranks = [_rank(config, args, fmt, s, lead, sum(terms.values()))
+             for s in range(pp) for lead in ((True, False) if tp > 1 else (True,))]
+    heaviest = max(range(pp), key=lambda s: rank_weight_bytes(config, tp, args.enable_expert_parallel, fmt,
+                                                               args.dtype_bytes, pp, s).total)
+    layers = stage_layers(len(config.layers), pp, heaviest)
+    weights = rank_weight_bytes(config, tp, args.enable_expert_parallel, fmt, args.dtype_bytes, pp, heaviest)
+    kv = kv_bytes_per_token(config, args.dtype_bytes, args.kv_cache_dtype, layers)
+    state = state_bytes_per_request(config, args.dtype_bytes, tp, layers)
+    tightest = min(ranks, key=lambda r: (r.concurrency, r.usable))
+    gpus = args.gpus or tp * pp
+    replicas = gpus // (tp * pp)
+    handoff = state_bytes_per_request(config, args.dtype_bytes) + args.context_len * kv_bytes_per_token(
+        config, args.dtype_bytes, args.kv_cache_dtype)
+    return Plan(args, fmt, weights, kv, state, max(r.per_request for r in ranks), tightest.usable, replicas,
+                int(tightest.concurrency), handoff, handoff * 8 / (args.link_gbps * 1e9),
+                *_verdict(args, ranks, replicas, gpus, tightest), ranks, terms)
+
+
+def _verdict(args: PlanArgs, ranks: list[RankBytes], replicas: int, gpus: int, tightest: RankBytes
+             ) -> tuple[bool, str]:
+    budget = int(args.gpu_memory * args.gpu_memory_utilization)
     reason = ""
     if replicas == 0:
-        reason = f"{gpus} GPUs cannot hold one replica of tensor-parallel size {tp}"
-    elif usable <= 0:
-        reason = (f"weights need {_gb(weights.total)} per GPU; "
-                  f"{_gb(args.gpu_memory)} x {args.gpu_memory_utilization} usable")
-    elif concurrency == 0:
-        reason = f"one request at {args.context_len} tokens needs {_gb(request)} per GPU; {_gb(usable)} left"
-    return Plan(args, fmt, weights, kv, state, request, usable, replicas, int(concurrency), handoff,
-                handoff * 8 / (args.link_gbps * 1e9), not reason, reason)
+        reason = (f"{gpus} GPUs cannot hold one replica of tensor-parallel size {args.tensor_parallel_size} x "
+                  f"{args.pipeline_parallel_size} stage(s)")
+    elif any(r.usable <= 0 for r in ranks):
+        worst = min(ranks, key=lambda r: r.usable)
+        reason = (f"weights need {_gb(worst.weights)} per GPU and everything fixed {_gb(worst.fixed)} "
+                  f"(stage {worst.stage}{', lead rank' if worst.lead else ''}); "
+                  f"{_gb(args.gpu_memory)} x {args.gpu_memory_utilization} = {_gb(budget)} usable")
+    elif any(r.load_peak > args.gpu_memory for r in ranks):
+        reason = (f"loading peaks at {_gb(max(r.load_peak for r in ranks))} (weights + one "
+                  f"{_gb(args.shard_bytes)} file) per GPU; {_gb(args.gpu_memory)} on the GPU")
+    elif tightest.concurrency == 0:
+        reason = (f"one request at {args.context_len} tokens needs {_gb(tightest.per_request)} per GPU; "
+                  f"{_gb(tightest.usable)} left")
+    return not reason, reason
 
 
 def _gb(nbytes: float) -> str:
@@ -225,20 +242,31 @@ def _gb(nbytes: float) -> str:
 
 def format_plan(p: Plan) -> str:
     a, w = p.args, p.weights
+    stages = f" x {a.pipeline_parallel_size} pipeline stages (computed, not built)" if a.pipeline_parallel_size > 1 \
+        else ""
+    spec = f", speculative {a.speculative_method} k={a.num_speculative_tokens}" if a.num_speculative_tokens else ""
     lines = [
-        f"tensor-parallel {a.tensor_parallel_size}{' + expert-parallel' if a.enable_expert_parallel else ''}, "
-        f"{p.replicas} replica(s) on {a.gpus or a.tensor_parallel_size} GPUs of {_gb(a.gpu_memory)}, "
-        f"experts {p.experts_format}, {a.dtype_bytes}-byte weights, "
-        f"{'FP8 (e4m3 + per-token scale)' if a.kv_cache_dtype != 'auto' else f'{a.dtype_bytes}-byte'} KV",
+        f"tensor-parallel {a.tensor_parallel_size}{' + expert-parallel' if a.enable_expert_parallel else ''}{stages}, "
+        f"{p.replicas} replica(s) on {a.gpus or a.tensor_parallel_size * a.pipeline_parallel_size} GPUs of "
+        f"{_gb(a.gpu_memory)}, experts {p.experts_format}, {a.dtype_bytes}-byte weights, "
+        f"{'FP8 (e4m3 + per-token scale)' if a.kv_cache_dtype != 'auto' else f'{a.dtype_bytes}-byte'} KV{spec}",
         f"weights per rank: {_gb(w.total)} (split {_gb(w.split)}, replicated {_gb(w.replicated)}, "
         f"routed experts {_gb(w.experts)})",
         f"KV per token (MLA latents, every rank): {p.kv_per_token} B; KDA state per request per rank: "
         f"{p.state_per_request / 2**20:.2f} MiB",
-        f"per request at {a.context_len} tokens, per rank: {_gb(p.request_bytes)}; usable after weights: "
-        f"{_gb(max(p.usable_bytes, 0))}",
-        f"handoff (whole state + prompt latents): {_gb(p.handoff_bytes)}, {p.handoff_seconds * 1e3:.1f} ms at "
-        f"{a.link_gbps:g} Gb/s",
+        f"activations of a {a.max_num_batched_tokens}-token step per rank (estimate): "
+        + ", ".join(f"{k} {_gb(v)}" for k, v in p.activation_terms.items()),
+        "per rank (of GPU x utilization = "
+        f"{_gb(a.gpu_memory * a.gpu_memory_utilization)}):",
     ]
+    for r in p.ranks:
+        lines.append(
+            f"  stage {r.stage} {'lead rank' if r.lead else 'other ranks'}: weights {_gb(r.weights)} + drafter "
+            f"{_gb(r.drafter_weights)} + vision {_gb(r.vision)} + runtime {_gb(r.runtime)} + activations "
+            f"{_gb(r.activations)} = {_gb(r.fixed)}; requests get {_gb(max(r.usable, 0))} at {_gb(r.per_request)} "
+            f"each -> {r.concurrency}; load peak {_gb(r.load_peak)}")
+    lines.append(f"handoff (whole state + prompt latents): {_gb(p.handoff_bytes)}, {p.handoff_seconds * 1e3:.1f} ms "
+                 f"at {a.link_gbps:g} Gb/s")
     if p.fits:
         lines.append(f"fits: {p.concurrency} concurrent requests at {a.context_len} tokens per replica, "
                      f"{p.concurrency * p.replicas} in all")

@@ -5,6 +5,12 @@ Contract:
   they have; an op a backend lacks falls back to the next backend in the preference list with one warning.
 - Preference by device: CUDA → flashinfer, triton, torch; ROCm → triton, torch; CPU → torch (Triton runs on CPU
   only in interpreter mode, `TRITON_INTERPRET=1`, which is for tests, so it is never picked implicitly).
+- Platforms (`platform(device_type)`): `cpu`, `cuda` (an NVIDIA build of torch) or `rocm` (a HIP build: torch
+  still calls the device "cuda"). FlashInfer does not exist on ROCm and is never tried there (forcing it falls
+  back per op, with the warning); Triton is tried where the `triton` package imports (ROCm ships its own).
+  `platform_summary(device_type)` is the start-up line — the platform, each op's chosen backend, what is not
+  available here and why — which `log_platform` logs once per device type (engine/model/loader.py calls it when
+  a model loads).
 - `KDAMESH_KERNEL_BACKEND=torch|triton|flashinfer` forces a backend first in the list (falling back per op when the
   forced backend lacks that op or cannot run here, with a warning).
 - The choice is logged once per (op, device type).
@@ -88,7 +94,7 @@ def backend_available(backend: str, device_type: str) -> bool:
             return False
         return device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if backend == "flashinfer":
-        return device_type == "cuda" and torch.version.cuda is not None and _flashinfer_importable()
+        return platform(device_type) == "cuda" and torch.version.cuda is not None and _flashinfer_importable()
     return False
 
 
@@ -103,9 +109,9 @@ def _flashinfer_importable() -> bool:
 
 def preference(device_type: str) -> list[str]:
     """Backends to try, best first, for a device type (after the environment override)."""
-    if device_type == "cuda" and torch.version.hip is None:
+    if platform(device_type) == "cuda":
         order = ["flashinfer", "triton", "torch"]
-    elif device_type == "cuda":
+    elif platform(device_type) == "rocm":  # no FlashInfer on ROCm
         order = ["triton", "torch"]
     else:
         order = ["torch"]
@@ -117,6 +123,35 @@ def preference(device_type: str) -> list[str]:
         if "torch" not in order:
             order.append("torch")
     return order
+
+
+def platform(device_type: str) -> str:
+    """`cpu`, `rocm` (a HIP build of torch; its devices are type "cuda") or `cuda`."""
+    if device_type != "cuda":
+        return "cpu" if device_type == "cpu" else device_type
+    return "rocm" if torch.version.hip is not None else "cuda"
+
+
+def platform_summary(device_type: str) -> str:
+    """One line: the platform, each op's backend here, and the backends that cannot run here (with why)."""
+    name = platform(device_type)
+    version = {"rocm": f" (HIP {torch.version.hip})", "cuda": f" (CUDA {torch.version.cuda})"}.get(name, "")
+    chosen: dict[str, list[str]] = {}
+    for op in sorted(_IMPLS):
+        chosen.setdefault(_choose(op, device_type)[0], []).append(op)
+    missing = [b for b in preference(device_type) if not backend_available(b, device_type)]
+    why = {"flashinfer": "does not exist on ROCm" if name == "rocm" else "not installed or not a CUDA device",
+           "triton": "not installed" if device_type != "cpu" else "CPU (interpreter only)"}
+    ops = "; ".join(f"{backend}: {', '.join(names)}" for backend, names in sorted(chosen.items()))
+    gone = "; ".join(f"{b} {why.get(b, 'unavailable')}" for b in missing)
+    return f"kernel platform {name}{version}: {ops}" + (f"; unavailable: {gone}" if gone else "")
+
+
+@cache
+def log_platform(device_type: str) -> str:
+    line = platform_summary(device_type)
+    logger.info("%s", line)
+    return line
 
 
 def get_kernel(op: str, device: torch.device | str = "cpu") -> Callable:
@@ -166,3 +201,4 @@ def _resolve(op: str, device_type: str, _forced: str, _interp: str) -> Callable:
 def clear_cache() -> None:
     """Forgets resolved choices (tests flip the environment between calls)."""
     _resolve.cache_clear()
+    log_platform.cache_clear()

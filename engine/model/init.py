@@ -6,12 +6,15 @@ linear layers N(0, 1/fan_in), norm weights 1 + N(0, 0.1²) (so a dropped norm we
 parameters as flash-linear-attention initialises them, and a small router correction bias.
 `sample_tensor(name, shape, seed)` draws one tensor by the same rules from a generator seeded by (seed, name) alone,
 so any rank can draw any checkpoint tensor and slice it (`--load-format dummy` under tensor parallelism).
+`materialize(module, device, dtype_of)` gives a module built on the meta device its storage, one parameter at a
+time, each directly in `dtype_of(name, declared dtype)`: building a model never allocates it in fp32 first.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -24,6 +27,26 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.data.copy_(_sample(name, tuple(param.shape), gen).to(param.dtype))
+
+
+def materialize(module: nn.Module, device: torch.device | str,
+                dtype_of: Callable[[str, torch.dtype], torch.dtype]) -> nn.Module:
+    """Uninitialised storage on `device` for every meta parameter (in `dtype_of(name, dtype)`; a shared parameter
+    once, under its first name) and meta buffer of `module`, in place."""
+    made: dict[int, nn.Parameter] = {}
+    for module_name, sub in module.named_modules():
+        for name, param in list(sub._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in made:
+                full = f"{module_name}.{name}" if module_name else name
+                storage = torch.empty(param.shape, dtype=dtype_of(full, param.dtype), device=device)
+                made[id(param)] = nn.Parameter(storage, requires_grad=param.requires_grad)
+            sub._parameters[name] = made[id(param)]
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None and buf.is_meta:
+                sub._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+    return module
 
 
 def sample_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:

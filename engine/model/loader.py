@@ -22,6 +22,11 @@ Contract:
   fp32 (gates, router, conv weights, KDA decay parameters) stay fp32.
 - The empty model's fused weight groups are bound before any data is read (`engine.model.fused`): parameters keep
   their official names and shapes, and loading writes into the fused tensors through them.
+- Memory is bounded: the model is built on the meta device and each parameter gets its storage directly in its
+  serving dtype on the load device (`engine.model.init.materialize`; no fp32 model is ever built first); tensors are
+  cast into their parameter as they arrive (`copy_` converts), and a source holds one file (safetensors) or one
+  round of `files_per_rank` files per rank (fastsafetensors) at a time. Peak memory while loading is the final
+  weights + one file (round) + a few tensors (tests/unit/model/test_bounded_loading.py measures it).
 - `save_weights(model, out_dir)` writes the inverse mapping (official names), sharded when over `max_shard_bytes`.
 """
 
@@ -37,19 +42,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.fused import bind_fused_weights, lay_out_for_gemv
+from engine.model.init import materialize
 from engine.model.model import KimiForCausalLM
 from engine.model.moe import EXPERT_FORMATS
 from engine.model.mxfp4 import GROUP, dequantize_mxfp4, mxfp4_shapes, quantize_mxfp4
-from engine.model.sources import DummySource, FastSafetensorsSource, SafetensorsSource, Slice
+from engine.model.sources import (CheckpointError, DummySource, FastSafetensorsSource, SafetensorsSource, Slice,
+                                  checkpoint_files, detach_from_buffer, read_header)
 from engine.parallel.comm import SINGLE, RankContext
 from engine.parallel.config import ParallelError
+from kernels.registry import log_platform
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +70,6 @@ _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.w[123]\.")
 PROGRESS_MIN_BYTES = 512 << 20
 
 
-class CheckpointError(ValueError):
-    """The checkpoint does not match the model; the message names each offending tensor."""
-
-
 @dataclass(frozen=True)
 class LoadConfig:
     load_format: str = "safetensors"
@@ -75,6 +78,7 @@ class LoadConfig:
     seed: int = 0  # dummy weights only
     progress: bool | None = None  # None: a bar for large checkpoints on a terminal
     experts_format: str = "auto"  # routed experts resident as: auto (as stored), dense, mxfp4 (packed)
+    files_per_rank: int = 1  # fastsafetensors: checkpoint files each rank holds in buffers at once (one round)
 
 
 @dataclass(frozen=True)
@@ -165,10 +169,8 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str, ctx:
     stay uint8); `gemv_layout`: linear weights input-major (`lay_out_for_gemv`, what `load_model` asks on CPU)."""
     with torch.device("meta"):
         model = KimiForCausalLM(config, ctx, experts_format)
-    model = model.to_empty(device=device)
-    for name, param in model.named_parameters():
-        if param.dtype.is_floating_point:
-            param.data = param.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
+    materialize(model, device, lambda name, declared: declared if not declared.is_floating_point else
+                torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
     if gemv_layout:
         lay_out_for_gemv(model)
     bind_fused_weights(model)  # projections of one input share a tensor; loading fills it through the views
@@ -181,6 +183,7 @@ def load_model(model_dir: str | Path, load_config: LoadConfig = LoadConfig(),
     if load_config.load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_config.load_format!r}: expected one of {LOAD_FORMATS}")
     config = load_model_config(model_dir)
+    log_platform(torch.device(load_config.device).type)  # the kernels this process will run, said once
     dtype = resolve_dtype(load_config.dtype, load_config.device, config)
     files = header = None
     if load_config.load_format != "dummy":
@@ -206,7 +209,8 @@ def _file_source(load_config: LoadConfig, files: list[Path], header: dict, model
         if importlib.util.find_spec("fastsafetensors") is not None:
             logger.info("loading weights through fastsafetensors on %s", load_config.device)
             return FastSafetensorsSource(files, header, model.ctx, load_config.device, owner,
-                                         SET_ASIDE_PREFIXES + model.config.mtp_weight_prefixes)
+                                         SET_ASIDE_PREFIXES + model.config.mtp_weight_prefixes,
+                                         load_config.files_per_rank)
         logger.warning("fastsafetensors is not installed; loading with safetensors instead")
     return SafetensorsSource(header)
 
@@ -223,31 +227,6 @@ def _expert_owner(model: KimiForCausalLM):
         return None if match is None else int(match[1]) // per_rank
 
     return owner
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (model_dir / n).is_file()]
-        if missing:
-            raise CheckpointError(f"{index.name} names shard files that do not exist: {missing}")
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {model_dir}")
-    return files
-
-
-def read_header(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Tensor name → (file, shape), reading headers only."""
-    header: dict[str, tuple[Path, tuple[int, ...]]] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                header[name] = (path, tuple(f.get_slice(name).get_shape()))
-    return header
 
 
 @dataclass(frozen=True)
@@ -356,6 +335,8 @@ def copy_tensors(model: KimiForCausalLM, plan: dict[str, LoadItem], source, load
             got[role] = tensor
             if len(got) == len(plan[key].sources):
                 _assign(params[plan[key].target.param_name], plan[key], pending.pop(key))
+            else:  # waits for its partner (MXFP4 packed + scale): must not pin the source's file buffer
+                got[role] = detach_from_buffer(tensor)
                 bar.update(1)
     if pending:
         raise CheckpointError(f"tensors never arrived for: {sorted(pending)}")
@@ -370,7 +351,7 @@ def _assign(param: nn.Parameter, item: LoadItem, tensors: dict[str, torch.Tensor
     if target.shape is None:  # A_log: [1,1,H,1], [H] or padded [P >= H] (this rank's heads when sliced)
         tensor = tensor.reshape(-1)[: param.shape[0]]
     dest = param.data if target.index is None else param.data[target.index]
-    dest.copy_(tensor.to(dest.dtype))
+    dest.copy_(tensor)  # converts dtype and device on the way: no full-size temporary
 
 
 def save_weights(model: KimiForCausalLM, out_dir: str | Path, dtype: torch.dtype = torch.float32,

@@ -6,7 +6,9 @@ Contract:
   process joins the `torch.distributed` group as rank 0 (gloo on CPU, NCCL on CUDA: engine/parallel/launch.py), and
   every rank loads only its own slices (`load_model(dir, load, ctx)`; on CUDA rank r uses `cuda:r`).
 - `executor.model` is rank 0's model (its config and dtype size the cache: `engine.config.plan_cache` with
-  `tensor_parallel_size`); `executor.start(plan, max_forward_tokens)` builds the `ModelRunner` on every rank.
+  `tensor_parallel_size`); `executor.profile(args)` runs engine/memory_profile.py's profile on every rank (the
+  forward is a collective; every rank gets the tightest rank's result); `executor.start(plan, max_forward_tokens)`
+  builds the `ModelRunner` on every rank.
 - Then it has the runner's interface: `execute(out, running_slots)` (fp32 logits `[L, V]`, full vocabulary, on rank
   0 only: sampling happens here), `copy_slots`, `read_blocks`, `write_blocks`, `read_state`, `write_state` (the
   TP-independent layout: all heads), `block_shape`, `state_shapes`, `device`. In a rank group each call that touches
@@ -122,6 +124,13 @@ class LocalExecutor:
         self.model = load_model(model_dir, load, ctx)
         self.runner: ModelRunner | None = None
 
+    def profile(self, args, media=None):
+        """`engine.memory_profile.profiled_kv_budget` on this rank (every rank of a group: see RankGroupExecutor);
+        `media`: rank 0's images (`engine.vision.feed.MediaSetup`), whose encoder is profiled here only."""
+        from engine.memory_profile import profiled_kv_budget
+
+        return profiled_kv_budget(args, self.model, media)
+
     def start(self, plan, max_forward_tokens: int | None, media=None, graphs=None) -> None:
         """`media`: rank 0's image feeder (engine.vision.feed); the batches it plans carry the image rows.
         `graphs`: `engine.runner.GraphOptions` for compiled / captured decode steps (None: eager)."""
@@ -199,7 +208,13 @@ def _rank_main(config: ExecutorConfig, rank: int, model_dir: str, load: LoadConf
     try:
         model = load_model(model_dir, _rank_load(load, rank % config.ranks_per_node),
                            RankContext(config.parallel(rank), comm))
-        plan, max_forward_tokens, graphs = TorchDistributed().broadcast_object(None)  # the start group
+        start = TorchDistributed().broadcast_object(None)  # the start group (or first the memory profile)
+        if start[0] == "profile":
+            from engine.memory_profile import profiled_kv_budget
+
+            profiled_kv_budget(start[1], model)  # collective with rank 0's; the engine sizes from rank 0's copy
+            start = TorchDistributed().broadcast_object(None)
+        plan, max_forward_tokens, graphs = start
         runner = ModelRunner(model, plan, max_forward_tokens, graphs=graphs)
         channel = CommandChannel(comm, model.device)
         while True:
@@ -248,6 +263,12 @@ class RankGroupExecutor(LocalExecutor):
         except BaseException:
             self._kill()
             raise
+
+    def profile(self, args, media=None):
+        if args.gpu_memory_utilization is None:
+            return None
+        TorchDistributed().broadcast_object(("profile", args))
+        return super().profile(args, media)
 
     def start(self, plan, max_forward_tokens: int | None, media=None, graphs=None) -> None:
         TorchDistributed().broadcast_object((plan, max_forward_tokens, graphs))

@@ -40,7 +40,7 @@ from torch import nn
 
 from engine.model.common import GatedMLP, RMSNorm, _linear, gated_activation
 from engine.model.config import LayerSpec, ModelConfig
-from engine.model.init import sample_tensor
+from engine.model.init import materialize, sample_tensor
 from engine.model.loader import (FP32_PARAM_SUFFIXES, LoadConfig, checkpoint_files, checkpoint_layout, copy_tensors,
                                  official_tensors, read_header, validate)
 from engine.model.moe import SparseMoE
@@ -133,10 +133,8 @@ def build_mtp_layers(config: ModelConfig, embed_tokens: nn.Module, dtype: torch.
     for spec in config.mtp_layers:
         with torch.device("meta"):
             layer = MTPLayer(config, spec, embed_tokens, experts_format)
-        layer = layer.to_empty(device=device)
-        for name, param in layer.named_parameters():
-            if param.dtype.is_floating_point:
-                param.data = param.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
+        materialize(layer, device, lambda name, declared: declared if not declared.is_floating_point else
+                    torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)  # no fp32 layer first
         layers.append(layer.eval().requires_grad_(False))
     return layers
 

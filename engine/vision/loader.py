@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model.config import ModelConfig, load_model_config
+from engine.model.init import materialize
 from engine.model.loader import (
     LOAD_FORMATS,
     CheckpointError,
@@ -66,7 +67,8 @@ def build_vision(config: ModelConfig, dtype: torch.dtype, device: str) -> Vision
     """The encoder with uninitialised storage in `dtype` on `device`."""
     with torch.device("meta"):
         encoder = VisionEncoder(config.vision)
-    return encoder.to_empty(device=device).to(dtype).eval().requires_grad_(False)
+    materialize(encoder, device, lambda name, declared: dtype if declared.is_floating_point else declared)
+    return encoder.eval().requires_grad_(False)  # each parameter allocated in `dtype`: no fp32 tower first
 
 
 def load_vision(model_dir: str | Path, load_config: LoadConfig = LoadConfig()) -> VisionEncoder | None:

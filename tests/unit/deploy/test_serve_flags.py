@@ -1,5 +1,5 @@
 """`kdamesh serve MODEL` / `kdamesh up`: the `vllm serve` flags that apply are accepted and reach the launcher's
-config; a flag whose feature is not built yet is refused with its name (never silently accepted), by `up`,
+config; a flag whose feature is not built yet (or a combination with two meanings) is refused with its name (never silently accepted), by `up`,
 `serve MODEL` and the worker roles alike; `kdamesh serve --help` exits 0; an unknown flag gets argparse's error."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ SEED = ["--tensor-parallel-size", "1", "--trust-remote-code", "--load-format", "
 REFUSED = {"--tensor-parallel-size": ["--tensor-parallel-size", "0"],
            "--speculative-config": ["--speculative-config", '{"method": "mtp"}'],
            "--kv-cache-dtype": ["--kv-cache-dtype", "fp8_e5m2"],  # fp8 / fp8_e4m3 are built (test below)
-           "--gpu-memory-utilization": ["--gpu-memory-utilization", "0.9"]}
+           "--gpu-memory-utilization": ["--gpu-memory-utilization", "0.9", "--kv-cache-memory", "1GiB"],  # both
+           "--cpu-memory": ["--cpu-memory", "4GiB"]}  # without the fraction it is a fraction of
 
 
 def _main(argv: list[str]) -> tuple[int, str, str]:
@@ -182,3 +183,25 @@ def test_the_endpoints_name_the_served_model_and_the_cache_backend(tmp_path, cap
     _print_endpoints(config, str(tmp_path), plan_services(config, str(tmp_path)))
     out = capsys.readouterr().out
     assert "mesh serving k3 (" in out and "(backend memory;" in out
+
+
+def test_gpu_memory_utilization_reaches_the_workers_and_the_early_check(tmp_path):
+    """Built now: the fraction goes to both workers' EngineArgs; the launcher's early check cannot plan pools it
+    has not profiled, so it checks only the context bound (a --max-model-len over the model's limit is refused)."""
+    from deploy.checkpoints import resolve_model
+    from deploy.launcher import engine_max_model_len
+    from engine.model.config import load_model_config
+
+    model = str(resolve_model("demo-k3"))
+    config = launch_config_from(_mesh([model, "--gpu-memory-utilization", "0.5", "--cpu-memory", "8GiB"]),
+                                "info", "text", "none")
+    assert (config.engine.gpu_memory_utilization, config.engine.cpu_memory) == (0.5, "8GiB")  # bytes as typed
+    limit = load_model_config(model).max_position_embeddings
+    assert engine_max_model_len(config, model) == limit
+    bounded = launch_config_from(_mesh([model, "--gpu-memory-utilization", "0.5", "--max-model-len", "4096"]),
+                                 "info", "text", "none")
+    assert engine_max_model_len(bounded, model) == 4096
+    over = launch_config_from(_mesh([model, "--gpu-memory-utilization", "0.5", "--max-model-len",
+                                     str(limit + 1)]), "info", "text", "none")
+    with pytest.raises(ValueError, match="exceeds the model's limit"):
+        engine_max_model_len(over, model)

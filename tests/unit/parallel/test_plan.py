@@ -76,11 +76,12 @@ def test_plan_concurrency_and_does_not_fit():
     args = PlanArgs(tensor_parallel_size=8, gpus=16, gpu_memory=141 * 10**9, context_len=32768)
     p = plan(config, args)
     assert p.fits and p.replicas == 2
-    assert p.concurrency == (int(141e9 * 0.9) - p.weights.total) // p.request_bytes
+    fixed = p.weights.total + args.runtime_bytes + sum(p.activation_terms.values())  # no drafter, no vision
+    assert p.concurrency == (int(141e9 * 0.9) - fixed) // p.request_bytes
     assert p.handoff_bytes == state_bytes_per_request(config, 2) + 32768 * p.kv_per_token
     k3 = plan(load_model_config(CONFIGS / "kimi-k3"), PlanArgs(tensor_parallel_size=8, gpu_memory=141 * 10**9))
     assert not k3.fits and "weights need" in k3.reason
-    long = plan(config, PlanArgs(tensor_parallel_size=8, gpu_memory=16 * 10**9, context_len=2_000_000))
+    long = plan(config, PlanArgs(tensor_parallel_size=8, gpu_memory=24 * 10**9, context_len=2_000_000))
     assert not long.fits and "one request" in long.reason
 
 
