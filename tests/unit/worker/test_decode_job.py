@@ -1,7 +1,8 @@
 """worker/servicer.py `decode_job`: a request's structured-output spec is checked off the event loop that answers
-health. Decoding a 2,000-way anyOf schema (seconds of xgrammar's converter) leaves the loop's timers on time (at
-most 0.5 s late; the heartbeat every 10 ms), while decoding it on the loop (negative control) delays them for
-about the whole decode."""
+health. Decoding a 2,000-way anyOf schema (seconds of xgrammar's converter) leaves the loop's timers on time (a
+10 ms heartbeat late by under a quarter of the decode — relative, because on a loaded 2-core machine the thread
+still competes for the GIL and the cores; ~0.1 s of an 8 s decode measured at load 14), while decoding it on the
+loop (negative control) delays them for about the whole decode."""
 
 from __future__ import annotations
 
@@ -63,5 +64,5 @@ def test_a_slow_spec_is_decoded_off_the_event_loop():
         return off, on
 
     (took, late), (took_on, late_on) = asyncio.run(main())
-    assert took > 0.5 and late < 0.5
+    assert took > 0.5 and late < 0.25 * took
     assert late_on >= 0.8 * took_on  # negative control: on the loop, the heartbeat waits for the whole decode
