@@ -100,9 +100,9 @@ class GatewayCore:
         if self.tokenizer is None:
             self.tokenizer = KimiTokenizer.from_pretrained(self.config.model)
         self.renderer = ChatRenderer.from_pretrained(self.config.model, self.tokenizer)
-        self.planner = ChatPlanner(self.renderer, self.config, lambda: self.max_model_len,
-                                   load_media_config(self.config.model))
         specials = self.tokenizer.special_tokens
+        self.planner = ChatPlanner(self.renderer, self.config, lambda: self.max_model_len,
+                                   load_media_config(self.config.model), frozenset(specials.values()))
         self.marker_ids = frozenset(specials[m] for m in OUTPUT_MARKERS if m in specials)
         if self.mesh is None:
             self.mesh = (await self.discovery.resolve_config()).make_mesh()
