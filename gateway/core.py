@@ -12,6 +12,9 @@ Contract:
   limiter and metrics. `start()` loads what was not given, logs whether the gateway is open, and starts the periodic
   worker health checks and the KV event subscriptions (routing); `close()` stops them (and closes a mesh it created).
 - `authenticate(authorization)` -> `Principal`, or `ApiError` 401 (open mode: every request is anonymous).
+- `await prepare(fn, *args)`: CPU work of a request in the bounded preparation pool (gateway/prepare.py; 503
+  `server_busy` / `prepare_timeout` with `Retry-After`), never on the event loop: the fronts decode bodies and
+  build completion jobs there, and `plan_chat` / `tokenize` render, tokenise and decode images there.
 - `await plan_chat(request)` -> `ChatPlan` (gateway.plan); `ApiError` 400 for what cannot be served. Its image URLs
   that are not data: URLs are fetched first (`MediaFetcher`, gateway/media_fetch.py: the one place they are
   allowed or refused), so the event loop never waits on them; `await tokenize(request)` does the same for a chat.
@@ -41,7 +44,8 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from engine.formats.markers import OUTPUT_MARKERS
 from engine.tokenizer import KimiTokenizer
@@ -55,6 +59,7 @@ from gateway.media_fetch import MediaFetcher
 from gateway.mesh_client import MeshClient
 from gateway.metrics import GatewayMetrics
 from gateway.plan import ChatPlan, ChatPlanner, check_prompt_length
+from gateway.prepare import PrepPool
 from gateway.protocol import (ApiError, ChatCompletionRequest, CompletionJob, TokenizeChatRequest,
                               TokenizeCompletionRequest)
 from gateway.ratelimit import Lease, RateLimiter, RateLimitExceeded
@@ -64,6 +69,7 @@ from gateway.tenancy import AuthError, CacheSalter, Principal, TenantDirectory
 from telemetry import tracing
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class GatewayCore:
@@ -88,6 +94,7 @@ class GatewayCore:
         self.family = read_family(config.model)
         self.caps = config.request_caps()
         self.fetcher = MediaFetcher(config.media_fetch())
+        self.prep = PrepPool(config.prepare_settings())
         self.created = int(time.time())
         self._own_mesh = mesh is None
         self._health_task: asyncio.Task | None = None
@@ -136,6 +143,7 @@ class GatewayCore:
             await asyncio.gather(self._health_task, return_exceptions=True)
             self._health_task = None
         await self.fetcher.close()
+        self.prep.close()
         await self.discovery.stop()
         if self._own_mesh and self.mesh is not None:
             await self.mesh.close()
@@ -195,8 +203,12 @@ class GatewayCore:
                           marker_ids=self.marker_ids, metrics=self.metrics, model=self.config.model_name,
                           request_timeout_s=self.config.request_timeout_s)
 
+    async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the preparation pool, never on the event loop (gateway/prepare.py)."""
+        return await self.prep.run(fn, *args)
+
     async def plan_chat(self, request: ChatCompletionRequest) -> ChatPlan:
-        return self.planner.plan(request, await self._fetch_media(request.messages))
+        return await self.prepare(self.planner.plan, request, await self._fetch_media(request.messages))
 
     async def _fetch_media(self, messages: list) -> Mapping[str, bytes]:
         """The bytes of the image URLs that are not data: URLs (none for a text-only model: the planner refuses)."""
@@ -234,8 +246,9 @@ class GatewayCore:
 
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
         if isinstance(request, TokenizeCompletionRequest):
-            return self.tokenizer.encode(request.prompt)  # what /v1/completions feeds the model
-        return self.planner.render(request, await self._fetch_media(request.messages)).token_ids
+            return await self.prepare(self.tokenizer.encode, request.prompt)  # what /v1/completions feeds the model
+        rendered = await self.prepare(self.planner.render, request, await self._fetch_media(request.messages))
+        return rendered.token_ids
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

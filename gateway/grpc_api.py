@@ -117,7 +117,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         core = self.core
 
         async def start(principal: Principal, trace: RequestTrace) -> Run:
-            job = parse_completion(generate_body(request), core.tokenizer, core.served)
+            job = await core.prepare(parse_completion, generate_body(request), core.tokenizer, core.served)
             if not request.sampling.HasField("max_tokens"):
                 job.sampling.ClearField("max_tokens")  # unset: up to the context length
             if request.sampling.HasField("structured_output"):
