@@ -20,7 +20,7 @@ Contract:
 - `media_fetch()` is the image URL policy (gateway/media_fetch.py): `--allowed-media-domains`,
   `--allowed-local-media-path` (both unset: only data: URLs), `--media-fetch-timeout-s`.
 - `prepare_settings()` bounds the preparation pool (gateway/prepare.py: `--prepare-workers`,
-  `--prepare-queue-limit`, `--prepare-timeout-s`); `stall_policy()` is when a silent worker ends a request
+  `--prepare-queue-limit`, `--prepare-timeout-s`, `--prepare-small-bytes`, `--switch-interval-ms`); `stall_policy()` is when a silent worker ends a request
   (gateway/stall.py: `--stall-timeout-s`, `--stall-prefill-tokens-per-s`); `sse_keepalive_s` spaces the SSE
   `: keep-alive` comments (0: none).
 - `public_docs` / `public_metrics`: with API keys configured, `/openapi.json`, `/docs`, `/redoc` (and `/metrics`)
@@ -42,6 +42,7 @@ from gateway.ratelimit import TenantLimits
 from gateway.routing import RouterConfig
 from gateway.stall import StallPolicy
 from telemetry.options import grace_option, option, served_model_name_option
+from telemetry.units import parse_bytes
 
 if TYPE_CHECKING:
     from gateway.mesh_client import MeshClient
@@ -160,6 +161,12 @@ class GatewayConfig:
     prepare_timeout_s: float = option("--prepare-timeout-s", default=30.0, parse=float,
                                       help="deadline of one request's preparation, waiting included (seconds); "
                                            "beyond: 503 prepare_timeout")
+    prepare_small_bytes: int = option("--prepare-small-bytes", default=64 << 10, parse=parse_bytes,
+                                      help="requests of at most this many bytes (body and fetched images) are "
+                                           "prepared on their own threads, never behind larger ones")
+    switch_interval_ms: float = option("--switch-interval-ms", default=1.0, parse=float,
+                                       help="the gateway process's thread switch interval (milliseconds; Python's "
+                                            "default 5): how long the event loop may wait for a preparing thread")
     # A worker that stops answering (gateway/mesh_client.py): the longest silence between two messages of a
     # stream, and between a request and its first message beyond the prompt's expected prefill time (seconds).
     stall_timeout_s: float = option("--stall-timeout-s", default=10.0, parse=float,
@@ -269,7 +276,8 @@ class GatewayConfig:
         return MediaFetchConfig(self.allowed_media_domains, self.allowed_local_media_path, self.media_fetch_timeout_s)
 
     def prepare_settings(self) -> PrepSettings:
-        return PrepSettings(self.prepare_workers, self.prepare_queue_limit, self.prepare_timeout_s)
+        return PrepSettings(self.prepare_workers, self.prepare_queue_limit, self.prepare_timeout_s,
+                            self.prepare_small_bytes, self.switch_interval_ms)
 
     def stall_policy(self) -> StallPolicy:
         return StallPolicy(self.stall_timeout_s, self.stall_prefill_tokens_per_s)

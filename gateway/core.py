@@ -15,7 +15,8 @@ Contract:
 - `await prepare(fn, *args)`: CPU work of a request in the bounded preparation pool (gateway/prepare.py; 503
   `server_busy` / `prepare_timeout` with `Retry-After`), never on the event loop: the fronts decode bodies and
   build completion jobs there, and `plan_chat` / `tokenize` render, tokenise and decode images there.
-- `await plan_chat(request)` -> `ChatPlan` (gateway.plan); `ApiError` 400 for what cannot be served. Its image URLs
+- `await plan_chat(request, size)` -> `ChatPlan` (gateway.plan; `size`: the body's bytes, to which the fetched
+  images add, choose the preparation lane); `ApiError` 400 for what cannot be served. Its image URLs
   that are not data: URLs are fetched first (`MediaFetcher`, gateway/media_fetch.py: the one place they are
   allowed or refused), so the event loop never waits on them; `await tokenize(request)` does the same for a chat.
 - `chat(principal, plan, ...)` / `complete(principal, job, ...)` admit the request (`ApiError` 429 with a
@@ -104,6 +105,7 @@ class GatewayCore:
         if self._started:
             return
         self._started = True
+        self.prep.start()
         if self.tokenizer is None:
             self.tokenizer = KimiTokenizer.from_pretrained(self.config.model)
         self.renderer = ChatRenderer.from_pretrained(self.config.model, self.tokenizer)
@@ -203,12 +205,15 @@ class GatewayCore:
                           marker_ids=self.marker_ids, metrics=self.metrics, model=self.config.model_name,
                           request_timeout_s=self.config.request_timeout_s)
 
-    async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` in the preparation pool, never on the event loop (gateway/prepare.py)."""
-        return await self.prep.run(fn, *args)
+    async def prepare(self, fn: Callable[..., T], *args: Any, size: int = 0) -> T:
+        """`fn(*args)` in the preparation pool, never on the event loop (gateway/prepare.py); `size`: the request's
+        bytes (its lane)."""
+        return await self.prep.run(fn, *args, size=size)
 
-    async def plan_chat(self, request: ChatCompletionRequest) -> ChatPlan:
-        return await self.prepare(self.planner.plan, request, await self._fetch_media(request.messages))
+    async def plan_chat(self, request: ChatCompletionRequest, size: int = 0) -> ChatPlan:
+        fetched = await self._fetch_media(request.messages)
+        size += sum(len(data) for data in fetched.values())
+        return await self.prepare(self.planner.plan, request, fetched, size=size)
 
     async def _fetch_media(self, messages: list) -> Mapping[str, bytes]:
         """The bytes of the image URLs that are not data: URLs (none for a text-only model: the planner refuses)."""
@@ -244,11 +249,12 @@ class GatewayCore:
 
     # -- tokenizer and models ----------------------------------------------------------------------------------
 
-    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
-        if isinstance(request, TokenizeCompletionRequest):
-            return await self.prepare(self.tokenizer.encode, request.prompt)  # what /v1/completions feeds the model
-        rendered = await self.prepare(self.planner.render, request, await self._fetch_media(request.messages))
-        return rendered.token_ids
+    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest, size: int = 0) -> list[int]:
+        if isinstance(request, TokenizeCompletionRequest):  # what /v1/completions feeds the model
+            return await self.prepare(self.tokenizer.encode, request.prompt, size=size)
+        fetched = await self._fetch_media(request.messages)
+        size += sum(len(data) for data in fetched.values())
+        return (await self.prepare(self.planner.render, request, fetched, size=size)).token_ids
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

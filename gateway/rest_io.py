@@ -1,9 +1,9 @@
 """The REST API's plumbing around a request: its JSON body, its client's disconnect, the shutdown deadline, SSE.
 
 Contract:
-- `read_json(request, prepare)`: the decoded body (decoded by `prepare`, the gateway's preparation pool, when
-  given: never on the event loop); `ApiError` 415 `unsupported_media_type` unless `Content-Type` is
-  `application/json`, 413 `request_too_large` past `MAX_REQUEST_BYTES` (declared or actual: refused before it is
+- `read_json(request)`: the decoded body; `read_body(request)` its bytes (same checks) and `decode_json(raw)`
+  their decoding (the routes run it in the gateway's preparation pool, `GatewayCore.prepare`): `ApiError` 415
+  `unsupported_media_type` unless `Content-Type` is `application/json`, 413 `request_too_large` past `MAX_REQUEST_BYTES` (declared or actual: refused before it is
   parsed), 400 `invalid_json` when it does not decode or nests deeper than `MAX_JSON_DEPTH`.
 - `unless_disconnected(request, work)` runs `work` and cancels it when the client disconnects first (`ClientGone`).
 - `ShutdownClock`: when the HTTP server was told to stop, streams still running near the end of its grace period
@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
 
@@ -32,7 +32,6 @@ from gateway.run import Run
 MAX_REQUEST_BYTES = 32 << 20  # a JSON body larger than this is refused with 413 before it is parsed
 MAX_JSON_DEPTH = 64  # lists and objects nested deeper than this are refused with 400
 log = logging.getLogger(__name__)
-Prepare = Callable[..., Awaitable]  # runs a function off the event loop (GatewayCore.prepare)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = "data: [DONE]\n\n"
 SSE_KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it; proxies and clients see the stream alive
@@ -40,10 +39,10 @@ KEEPALIVE = object()
 SHUTTING_DOWN = "the server is shutting down; the stream ended before its output was complete"
 
 
-async def read_json(request: Request, prepare: Prepare | None = None):
-    """The decoded body; `prepare` runs the decoding off the event loop (`GatewayCore.prepare`)."""
-    raw = await read_body(request)
-    return decode_json(raw) if prepare is None else await prepare(decode_json, raw)
+async def read_json(request: Request):
+    """The decoded body, decoded on the event loop (small bodies; `read_body` + `decode_json` in the preparation
+    pool for the others)."""
+    return decode_json(await read_body(request))
 
 
 async def read_body(request: Request) -> bytes:

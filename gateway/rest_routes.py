@@ -26,7 +26,7 @@ from gateway.info import tokenizer_info_body, version_body
 from gateway.protocol import (ApiError, ClientGone, failure_of, not_found_model, parse_chat, parse_completion,
                               parse_detokenize, parse_tokenize)
 from gateway.request_trace import RequestTrace
-from gateway.rest_io import SSE_HEADERS, read_json, sse_stream, unless_disconnected
+from gateway.rest_io import SSE_HEADERS, decode_json, read_body, read_json, sse_stream, unless_disconnected
 from gateway.rest_responses import CHAT, COMPLETION, RestFormat
 from gateway.run import Run
 from gateway.tenancy import Principal
@@ -115,8 +115,9 @@ async def model(model_id: str, request: Request):
 async def tokenize(request: Request):
     core = _core(request)
     _principal(request)
-    body = parse_tokenize(await read_json(request, core.prepare), core.served)
-    tokens = await core.tokenize(body)
+    raw = await read_body(request)
+    body = await core.prepare(_parsed, parse_tokenize, raw, core.served, size=len(raw))
+    tokens = await core.tokenize(body, len(raw))
     reply = {"tokens": tokens, "count": len(tokens), "max_model_len": core.max_model_len}
     if body.return_token_strs:
         reply["token_strs"] = core.tokenizer.convert_ids_to_tokens(tokens)
@@ -143,8 +144,9 @@ async def tokenizer_info(request: Request):
 async def chat_completions(request: Request):
     async def start(principal: Principal, trace: RequestTrace) -> Run:
         core = _core(request)
-        chat = await core.prepare(parse_chat, await read_json(request, core.prepare), core.served)
-        return core.chat(principal, await core.plan_chat(chat), trace=trace)
+        raw = await read_body(request)
+        chat = await core.prepare(_parsed, parse_chat, raw, core.served, size=len(raw))
+        return core.chat(principal, await core.plan_chat(chat, len(raw)), trace=trace)
 
     return await _respond(request, "chat", start, CHAT)
 
@@ -152,10 +154,16 @@ async def chat_completions(request: Request):
 async def completions(request: Request):
     async def start(principal: Principal, trace: RequestTrace) -> Run:
         core = _core(request)
-        job = await core.prepare(parse_completion, await read_json(request, core.prepare), core.tokenizer, core.served)
+        raw = await read_body(request)
+        job = await core.prepare(_parsed, parse_completion, raw, core.tokenizer, core.served, size=len(raw))
         return core.complete(principal, job, trace=trace)
 
     return await _respond(request, "completions", start, COMPLETION)
+
+
+def _parsed(parse, raw: bytes, *args):
+    """`parse(decoded body, *args)`: a request's CPU work up to its validated form (run in the preparation pool)."""
+    return parse(decode_json(raw), *args)
 
 
 async def _respond(request: Request, endpoint: str, start: Start, fmt: RestFormat) -> Response:
