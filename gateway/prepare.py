@@ -87,8 +87,9 @@ class PrepPool:
         future = asyncio.get_running_loop().run_in_executor(lane.executor, functools.partial(fn, *args))
         future.add_done_callback(lane.release)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self.settings.timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.settings.timeout_s):  # not wait_for: see gateway/stall.py
+                return await asyncio.shield(future)
+        except TimeoutError:
             raise ApiError(503, f"preparing the request took longer than {self.settings.timeout_s:g} s "
                                 "(--prepare-timeout-s)", code="prepare_timeout",
                            headers={"Retry-After": BUSY_RETRY_AFTER_S}) from None

@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 
 from fastapi import Request
 
@@ -200,12 +201,14 @@ def sse(body: dict) -> str:
 async def sse_stream(run: Run, fmt: RestFormat, clock: ShutdownClock | None = None,
                      keepalive_s: float = 0.0) -> AsyncIterator[str]:
     try:
-        async for event in with_keepalive(until_shutdown(run.events(), clock), keepalive_s):
-            if event is KEEPALIVE:
-                yield SSE_KEEPALIVE
-                continue
-            for body in fmt.chunks(run, event):
-                yield sse(body)
+        # closed here, however the stream ends: a pending step is cancelled before the run is closed
+        async with aclosing(with_keepalive(until_shutdown(run.events(), clock), keepalive_s)) as events:
+            async for event in events:
+                if event is KEEPALIVE:
+                    yield SSE_KEEPALIVE
+                    continue
+                for body in fmt.chunks(run, event):
+                    yield sse(body)
         if run.include_usage:
             yield sse(usage_chunk(run, fmt))
         yield SSE_DONE

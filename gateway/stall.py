@@ -56,7 +56,10 @@ class WorkerStalled(Exception):
 
 
 async def next_message(iterator: AsyncIterator, limit_s: float, describe: str) -> Any:
+    # asyncio.timeout, not wait_for: Python 3.11's wait_for may swallow a cancellation that races the item (the
+    # run of a client that went away would go on)
     try:
-        return await asyncio.wait_for(iterator.__anext__(), limit_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(limit_s):
+            return await iterator.__anext__()
+    except TimeoutError:
         raise WorkerStalled(describe, limit_s) from None
