@@ -155,7 +155,7 @@ class GatewayConfig:
     prepare_workers: int = option("--prepare-workers", default=2, parse=int,
                                   help="threads that prepare requests (JSON decoding, chat rendering, tokenisation, "
                                        "schemas, images) off the event loop")
-    prepare_queue_limit: int = option("--prepare-queue-limit", default=64, parse=int,
+    prepare_queue_limit: int = option("--prepare-queue-limit", default=512, parse=int,
                                       help="requests waiting for a preparation thread; beyond: 503 server_busy with "
                                            "Retry-After")
     prepare_timeout_s: float = option("--prepare-timeout-s", default=30.0, parse=float,

@@ -40,7 +40,7 @@ BUSY_RETRY_AFTER_S = "1"
 @dataclass(frozen=True)
 class PrepSettings:
     workers: int = 2  # threads preparing requests
-    queue_limit: int = 64  # requests waiting for a thread beyond those being prepared
+    queue_limit: int = 512  # requests waiting for a thread beyond those being prepared
     timeout_s: float = 30.0  # deadline of one request's preparation, queueing included (seconds)
     small_bytes: int = 64 << 10  # requests of at most this many bytes have their own lane
     switch_interval_ms: float = 1.0  # the interpreter's thread switch interval in the gateway's process (ms)
