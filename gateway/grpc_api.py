@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "kdamesh.v1.Generation"
 
 
+def _chat_request(request: gateway_pb2.ChatRequest, served: set[str]):
+    """The validated chat request of a gRPC ChatRequest (run in the preparation pool)."""
+    return parse_chat(chat_body(request), served)
+
+
 class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     def __init__(self, core: GatewayCore):
         self.core = core
@@ -106,8 +111,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         core = self.core
 
         async def start(principal: Principal, trace: RequestTrace) -> Run:
-            chat = parse_chat(chat_body(request), core.served)
-            return core.chat(principal, await core.plan_chat(chat, request.ByteSize()), api="grpc", trace=trace)
+            size = request.ByteSize()
+            chat = await core.prepare(_chat_request, request, core.served, size=size)
+            return core.chat(principal, await core.plan_chat(chat, size), api="grpc", trace=trace)
 
         async for message in self._stream(context, "Chat", "chat", start, gateway_pb2.ChatResponse,
                                           lambda run, event: chat_choice(core.tokenizer, event)):
