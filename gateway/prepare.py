@@ -18,7 +18,7 @@ Contract:
   that long for the GIL at each wake-up rather than 5 ms. Measured (tests/integration/test_gateway_event_loop.py,
   docs/benchmarks.md): /health stays in the tens to low hundreds of milliseconds while worst-case requests are
   prepared, where it froze for seconds before; a process pool would remove the GIL share of that wait.
-- `close()` stops the threads (work in flight finishes; nothing new starts).
+- `close()` stops the threads (work in flight finishes; nothing new starts) and restores the switch interval.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class PrepPool:
         self.settings = settings
         self.small = _Lane("small", settings.workers)
         self.large = _Lane("large", settings.workers)
+        self._previous_interval: float | None = None  # the process's switch interval before `start()`
 
     @property
     def in_flight(self) -> int:
@@ -96,8 +97,14 @@ class PrepPool:
 
     def start(self) -> None:
         """Sets the process's thread switch interval (see the module docstring); the gateway's start calls it."""
+        if self._previous_interval is None:
+            self._previous_interval = sys.getswitchinterval()
         sys.setswitchinterval(self.settings.switch_interval_ms / 1000)
 
     def close(self) -> None:
+        """Stops the threads and gives the process back the switch interval it had before `start()`."""
         for lane in (self.small, self.large):
             lane.executor.shutdown(wait=False, cancel_futures=True)
+        if self._previous_interval is not None:
+            sys.setswitchinterval(self._previous_interval)
+            self._previous_interval = None

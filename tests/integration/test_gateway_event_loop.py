@@ -17,6 +17,7 @@ import asyncio
 import gc
 import json
 import os
+import sys
 import threading
 import time
 
@@ -224,5 +225,11 @@ def test_pool_bounds_answer_503_with_retry_after():
         finally:
             release.set()
             pool.close()
+        before = sys.getswitchinterval()
+        pool = PrepPool(PrepSettings(switch_interval_ms=0.5))
+        pool.start()
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        pool.close()
+        assert sys.getswitchinterval() == before
 
     run(body(), timeout_s=20)
