@@ -21,6 +21,7 @@ from gateway.protocol import CompletionJob
 from gateway.ratelimit import Lease
 from gateway.request_trace import RequestTrace
 from gateway.run import Run, RunContext
+from gateway.stall import WorkerStalled
 from gateway.tenancy import Principal
 from gateway.text import TextRules
 
@@ -72,7 +73,7 @@ class CompletionRun(Run):
                     await queue.put((p, event))
                     if all(self.choices[p * self.n + i].finished for i in range(self.n)):
                         break  # e.g. a stop string matched here: cancel the rest
-        except MeshError as exc:
+        except (MeshError, WorkerStalled) as exc:
             await queue.put(exc)
         finally:
             await queue.put(end)
@@ -88,7 +89,7 @@ class CompletionRun(Run):
                 item = await queue.get()
                 if item is end:
                     remaining -= 1
-                elif isinstance(item, MeshError):
+                elif isinstance(item, (MeshError, WorkerStalled)):
                     raise item
                 else:
                     yield item

@@ -22,6 +22,10 @@ Contract:
 - `responses_store_size` (`--responses-store-size`), `responses_store_mib` (`--responses-store-mib`): how many
   Responses API responses the gateway keeps in memory, in how many MiB (gateway/responses/store.py); 0 responses
   turns the store off.
+- `prepare_settings()` bounds the preparation pool (gateway/prepare.py: `--prepare-workers`,
+  `--prepare-queue-limit`, `--prepare-timeout-s`, `--prepare-small-bytes`, `--switch-interval-ms`); `stall_policy()` is when a silent worker ends a request
+  (gateway/stall.py: `--stall-timeout-s`, `--stall-prefill-tokens-per-s`); `sse_keepalive_s` spaces the SSE
+  `: keep-alive` comments (0: none).
 - `public_docs` / `public_metrics`: with API keys configured, `/openapi.json`, `/docs`, `/redoc` (and `/metrics`)
   need a key too unless these open them. `relay_worker_metrics` (default on): `/metrics` carries the workers'
   series too (gateway/worker_metrics.py); off where Prometheus scrapes every worker, which would count them twice.
@@ -37,9 +41,12 @@ from gateway.caps import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_SEQUENCES, RequestCaps
 from gateway.discovery import DiscoverySettings, pool_target
 from gateway.media_fetch import DEFAULT_TIMEOUT_S, DOMAINS_FLAG, LOCAL_FLAG, MediaFetchConfig
 from gateway.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from gateway.prepare import PrepSettings
 from gateway.ratelimit import TenantLimits
 from gateway.routing import RouterConfig
+from gateway.stall import StallPolicy
 from telemetry.options import grace_option, option, served_model_name_option
+from telemetry.units import parse_bytes
 
 if TYPE_CHECKING:
     from gateway.mesh_client import MeshClient
@@ -148,6 +155,35 @@ class GatewayConfig:
     media_fetch_timeout_s: float = option("--media-fetch-timeout-s", default=DEFAULT_TIMEOUT_S, parse=float,
                                           help="deadline of fetching one image URL, redirects and body included "
                                                "(seconds)")
+    # Request preparation off the event loop (gateway/prepare.py): threads, waiting requests, deadline (seconds).
+    prepare_workers: int = option("--prepare-workers", default=2, parse=int,
+                                  help="threads that prepare requests (JSON decoding, chat rendering, tokenisation, "
+                                       "schemas, images) off the event loop")
+    prepare_queue_limit: int = option("--prepare-queue-limit", default=512, parse=int,
+                                      help="requests waiting for a preparation thread; beyond: 503 server_busy with "
+                                           "Retry-After")
+    prepare_timeout_s: float = option("--prepare-timeout-s", default=30.0, parse=float,
+                                      help="deadline of one request's preparation, waiting included (seconds); "
+                                           "beyond: 503 prepare_timeout")
+    prepare_small_bytes: int = option("--prepare-small-bytes", default=64 << 10, parse=parse_bytes,
+                                      help="requests of at most this many bytes (body and fetched images) are "
+                                           "prepared on their own threads, never behind larger ones")
+    switch_interval_ms: float = option("--switch-interval-ms", default=1.0, parse=float,
+                                       help="the gateway process's thread switch interval (milliseconds; Python's "
+                                            "default 5): how long the event loop may wait for a preparing thread")
+    # A worker that stops answering (gateway/mesh_client.py): the longest silence between two messages of a
+    # stream, and between a request and its first message beyond the prompt's expected prefill time (seconds).
+    stall_timeout_s: float = option("--stall-timeout-s", default=10.0, parse=float,
+                                    help="a worker silent this long within a request's stream ends the request "
+                                         "(a stalled prefill falls back to the decode worker) (seconds)")
+    stall_prefill_tokens_per_s: float = option(
+        "--stall-prefill-tokens-per-s", default=2000.0, parse=float,
+        help="the slowest prefill rate expected: a prompt of N tokens gets N / this many seconds more before its "
+             "first message counts as a stall")
+    # SSE streams: a `: keep-alive` comment after this many seconds without output (0: none).
+    sse_keepalive_s: float = option("--sse-keepalive-s", default=5.0, parse=float,
+                                    help="a streamed response sends a ': keep-alive' comment after this many seconds "
+                                         "without output (0: never)")
     # With API keys configured: serve the API docs / the Prometheus metrics without a key.
     public_docs: bool = option("--public-docs", default=False, kind="switch",
                                help="serve /openapi.json, /docs, /redoc without a key")
@@ -228,6 +264,10 @@ class GatewayConfig:
         self.tenant_limits()  # validates the limits
         self.request_caps()  # and the caps
         self.media_fetch()  # and the image URL policy
+        self.prepare_settings()  # and the preparation pool
+        self.stall_policy()  # and the stall deadline
+        if self.sse_keepalive_s < 0:
+            raise ValueError(f"--sse-keepalive-s must be >= 0, got {self.sse_keepalive_s}")
 
     @property
     def model_name(self) -> str:
@@ -251,6 +291,13 @@ class GatewayConfig:
     def media_fetch(self) -> MediaFetchConfig:
         return MediaFetchConfig(self.allowed_media_domains, self.allowed_local_media_path, self.media_fetch_timeout_s)
 
+    def prepare_settings(self) -> PrepSettings:
+        return PrepSettings(self.prepare_workers, self.prepare_queue_limit, self.prepare_timeout_s,
+                            self.prepare_small_bytes, self.switch_interval_ms)
+
+    def stall_policy(self) -> StallPolicy:
+        return StallPolicy(self.stall_timeout_s, self.stall_prefill_tokens_per_s)
+
     def make_mesh(self) -> MeshClient:
         from gateway.mesh_client import MeshClient, PDDecider  # grpc: the command lines read this module first
 
@@ -258,4 +305,4 @@ class GatewayConfig:
         return MeshClient(self.decode_addresses, prefill,
                           PDDecider(self.pd_min_uncached_tokens, self.pd_max_prefill_inflight), self.handoff_ttl_ms,
                           router_config=RouterConfig(load_weight=self.route_load_weight), model=self.model_name,
-                          mesh_token=self.mesh_token, cache_address=self.cache_address)
+                          mesh_token=self.mesh_token, cache_address=self.cache_address, stall=self.stall_policy())

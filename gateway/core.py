@@ -12,7 +12,11 @@ Contract:
   limiter and metrics. `start()` loads what was not given, logs whether the gateway is open, and starts the periodic
   worker health checks and the KV event subscriptions (routing); `close()` stops them (and closes a mesh it created).
 - `authenticate(authorization)` -> `Principal`, or `ApiError` 401 (open mode: every request is anonymous).
-- `await plan_chat(request)` -> `ChatPlan` (gateway.plan); `ApiError` 400 for what cannot be served. Its image URLs
+- `await prepare(fn, *args)`: CPU work of a request in the bounded preparation pool (gateway/prepare.py; 503
+  `server_busy` / `prepare_timeout` with `Retry-After`), never on the event loop: the fronts decode bodies and
+  build completion jobs there, and `plan_chat` / `tokenize` render, tokenise and decode images there.
+- `await plan_chat(request, size)` -> `ChatPlan` (gateway.plan; `size`: the body's bytes, to which the fetched
+  images add, choose the preparation lane); `ApiError` 400 for what cannot be served. Its image URLs
   that are not data: URLs are fetched first (`MediaFetcher`, gateway/media_fetch.py: the one place they are
   allowed or refused), so the event loop never waits on them; `await tokenize(request)` does the same for a chat.
 - `chat(principal, plan, ...)` / `complete(principal, job, ...)` admit the request (`ApiError` 429 with a
@@ -41,7 +45,8 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from engine.formats.markers import OUTPUT_MARKERS
 from engine.tokenizer import KimiTokenizer
@@ -56,6 +61,7 @@ from gateway.mesh_client import MeshClient
 from gateway.metrics import GatewayMetrics
 from gateway.plan import ChatPlan, ChatPlanner, check_prompt_length
 from gateway.protocol.completions import encode_prompt_text
+from gateway.prepare import PrepPool
 from gateway.protocol import (ApiError, ChatCompletionRequest, CompletionJob, TokenizeChatRequest,
                               TokenizeCompletionRequest)
 from gateway.ratelimit import Lease, RateLimiter, RateLimitExceeded
@@ -65,6 +71,7 @@ from gateway.tenancy import AuthError, CacheSalter, Principal, TenantDirectory
 from telemetry import tracing
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class GatewayCore:
@@ -89,6 +96,7 @@ class GatewayCore:
         self.family = read_family(config.model)
         self.caps = config.request_caps()
         self.fetcher = MediaFetcher(config.media_fetch())
+        self.prep = PrepPool(config.prepare_settings())
         self.created = int(time.time())
         self._own_mesh = mesh is None
         self._health_task: asyncio.Task | None = None
@@ -98,12 +106,13 @@ class GatewayCore:
         if self._started:
             return
         self._started = True
+        self.prep.start()
         if self.tokenizer is None:
             self.tokenizer = KimiTokenizer.from_pretrained(self.config.model)
         self.renderer = ChatRenderer.from_pretrained(self.config.model, self.tokenizer)
-        self.planner = ChatPlanner(self.renderer, self.config, lambda: self.max_model_len,
-                                   load_media_config(self.config.model))
         specials = self.tokenizer.special_tokens
+        self.planner = ChatPlanner(self.renderer, self.config, lambda: self.max_model_len,
+                                   load_media_config(self.config.model), frozenset(specials.values()))
         self.marker_ids = frozenset(specials[m] for m in OUTPUT_MARKERS if m in specials)
         if self.mesh is None:
             self.mesh = (await self.discovery.resolve_config()).make_mesh()
@@ -137,6 +146,7 @@ class GatewayCore:
             await asyncio.gather(self._health_task, return_exceptions=True)
             self._health_task = None
         await self.fetcher.close()
+        self.prep.close()
         await self.discovery.stop()
         if self._own_mesh and self.mesh is not None:
             await self.mesh.close()
@@ -196,8 +206,15 @@ class GatewayCore:
                           marker_ids=self.marker_ids, metrics=self.metrics, model=self.config.model_name,
                           request_timeout_s=self.config.request_timeout_s)
 
-    async def plan_chat(self, request: ChatCompletionRequest) -> ChatPlan:
-        return self.planner.plan(request, await self._fetch_media(request.messages))
+    async def prepare(self, fn: Callable[..., T], *args: Any, size: int = 0) -> T:
+        """`fn(*args)` in the preparation pool, never on the event loop (gateway/prepare.py); `size`: the request's
+        bytes (its lane)."""
+        return await self.prep.run(fn, *args, size=size)
+
+    async def plan_chat(self, request: ChatCompletionRequest, size: int = 0) -> ChatPlan:
+        fetched = await self._fetch_media(request.messages)
+        size += sum(len(data) for data in fetched.values())
+        return await self.prepare(self.planner.plan, request, fetched, size=size)
 
     async def _fetch_media(self, messages: list) -> Mapping[str, bytes]:
         """The bytes of the image URLs that are not data: URLs (none for a text-only model: the planner refuses)."""
@@ -233,11 +250,13 @@ class GatewayCore:
 
     # -- tokenizer and models ----------------------------------------------------------------------------------
 
-    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
-        if isinstance(request, TokenizeCompletionRequest):
-            # what /v1/completions feeds the model
-            return encode_prompt_text(self.tokenizer, request.prompt, request.split_special_tokens)
-        return self.planner.render(request, await self._fetch_media(request.messages)).token_ids
+    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest, size: int = 0) -> list[int]:
+        if isinstance(request, TokenizeCompletionRequest):  # what /v1/completions feeds the model
+            return await self.prepare(encode_prompt_text, self.tokenizer, request.prompt,
+                                      request.split_special_tokens, size=size)
+        fetched = await self._fetch_media(request.messages)
+        size += sum(len(data) for data in fetched.values())
+        return (await self.prepare(self.planner.render, request, fetched, size=size)).token_ids
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

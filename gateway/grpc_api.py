@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "kdamesh.v1.Generation"
 
 
+def _chat_request(request: gateway_pb2.ChatRequest, served: set[str]):
+    """The validated chat request of a gRPC ChatRequest (run in the preparation pool)."""
+    return parse_chat(chat_body(request), served)
+
+
 class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     def __init__(self, core: GatewayCore):
         self.core = core
@@ -106,8 +111,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         core = self.core
 
         async def start(principal: Principal, trace: RequestTrace) -> Run:
-            chat = parse_chat(chat_body(request), core.served)
-            return core.chat(principal, await core.plan_chat(chat), api="grpc", trace=trace)
+            size = request.ByteSize()
+            chat = await core.prepare(_chat_request, request, core.served, size=size)
+            return core.chat(principal, await core.plan_chat(chat, size), api="grpc", trace=trace)
 
         async for message in self._stream(context, "Chat", "chat", start, gateway_pb2.ChatResponse,
                                           lambda run, event: chat_choice(core.tokenizer, event)):
@@ -117,7 +123,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         core = self.core
 
         async def start(principal: Principal, trace: RequestTrace) -> Run:
-            job = parse_completion(generate_body(request), core.tokenizer, core.served)
+            job = await core.prepare(parse_completion, generate_body(request), core.tokenizer, core.served,
+                                     size=request.ByteSize())
             if not request.sampling.HasField("max_tokens"):
                 job.sampling.ClearField("max_tokens")  # unset: up to the context length
             if request.sampling.HasField("structured_output"):
@@ -143,7 +150,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         core = self.core
         try:
             self._principal(context)
-            tokens = await core.tokenize(parse_tokenize(tokenize_body(request), core.served))
+            tokens = await core.tokenize(parse_tokenize(tokenize_body(request), core.served), request.ByteSize())
         except ApiError as exc:
             await self._fail(context, "tokenize", exc)
         return gateway_pb2.TokenizeResponse(token_ids=tokens, count=len(tokens), max_model_len=core.max_model_len or 0)

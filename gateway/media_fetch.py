@@ -21,7 +21,9 @@ Contract:
   - 400 `media_fetch_timeout`: not fetched within `timeout_s`. Not 408 (the client sent its request in time; the
     URL it named did not answer) and not vLLM's 500 (it lets the timeout through as a transient error).
   - 400 `media_fetch_failed`: the host answered a non-2xx status (named in the message), could not be reached, or
-    redirected more than `max_redirects` times; the file does not exist or is not a regular file.
+    redirected more than `max_redirects` times; the file does not exist or is not a regular file (a FIFO, a device,
+    a directory: checked before it is opened, and opened non-blocking, so no thread ever waits on one).
+  - 400 `media_url_not_allowed` too for a file: URL holding a NUL byte (`%00`).
   - 400 `not_an_image`: a Content-Type other than image/*, application/octet-stream or none.
 - `close()` closes its HTTP client. Nothing blocks the event loop: HTTP is httpx's async client (no proxies from the
   environment, redirects followed here so each hop is checked), files are read in a thread.
@@ -158,6 +160,8 @@ class MediaFetcher:
                         "media_url_not_allowed")
         parts = urlsplit(url)
         path = Path(url2pathname(parts.path))
+        if "\x00" in str(path):
+            raise _fail(where, 400, "a file: URL may not contain a NUL byte (%00)", "media_url_not_allowed")
         if parts.netloc not in ("", "localhost") or not path.is_absolute():
             raise _fail(where, 400, "a file: URL must name an absolute local path (file:///dir/image.png)",
                         "media_url_not_allowed")
@@ -170,7 +174,7 @@ class MediaFetcher:
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 if url[:5].lower() == "file:":
-                    return await asyncio.to_thread(self._read_file, where, self._local_path(where, url), max_bytes)
+                    return await asyncio.to_thread(self._read_local, where, url, max_bytes)
                 return await self._get(where, url, max_bytes)
         except TimeoutError:
             raise _fail(where, 400, f"the image URL did not answer within {self.config.timeout_s:g} s",
@@ -198,25 +202,33 @@ class MediaFetcher:
         raise _fail(where, 400, f"the image URL redirected more than {self.config.max_redirects} times",
                     "media_fetch_failed")
 
-    @staticmethod
-    def _read_file(where: str, path: Path, max_bytes: int) -> bytes:
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except OSError as exc:
-            raise _fail(where, 400, f"cannot read the file {str(path)!r}: {exc.strerror}", "media_fetch_failed") \
-                from None
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            os.close(fd)
+    def _read_local(self, where: str, url: str, max_bytes: int) -> bytes:
+        """The file a file: URL names (in a thread: resolving and reading touch the file system)."""
+        return _read_file(where, self._local_path(where, url), max_bytes)
+
+
+def _read_file(where: str, path: Path, max_bytes: int) -> bytes:
+    """A regular file's bytes: checked before it is opened, opened non-blocking (a FIFO or a device never holds
+    the thread) without following a link, and checked again once open (it may have been replaced meanwhile)."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
             raise _fail(where, 400, f"{str(path)!r} is not a regular file", "media_fetch_failed")
-        if info.st_size > max_bytes:
-            os.close(fd)
-            raise _too_large(where, info.st_size, max_bytes)
-        with os.fdopen(fd, "rb") as file:
-            data = file.read(max_bytes + 1)
-        if len(data) > max_bytes:
-            raise _too_large(where, None, max_bytes)
-        return data
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise _fail(where, 400, f"cannot read the file {str(path)!r}: {exc.strerror}", "media_fetch_failed") \
+            from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise _fail(where, 400, f"{str(path)!r} is not a regular file", "media_fetch_failed")
+    if info.st_size > max_bytes:
+        os.close(fd)
+        raise _too_large(where, info.st_size, max_bytes)
+    with os.fdopen(fd, "rb") as file:
+        data = file.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise _too_large(where, None, max_bytes)
+    return data
 
 
 def _normal_host(host: str) -> str:

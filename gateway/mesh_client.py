@@ -18,6 +18,9 @@ Contract:
 - Colocated path: `Decode` with a local prompt; the decode worker prefills with its own prefix cache.
 - The decision's inputs come from here: the chosen decode worker's prefix hit (its KV-event index, the same
   `Pick` that chose it; no call), and the prefills this gateway has in flight.
+- Stalls (`gateway.stall.StallPolicy`, `stall`): a decode stream silent past the policy's limit (the first message:
+  the prompt's expected prefill time more) raises `gateway.stall.WorkerStalled`; a prefill silent past its first
+  message limit is redone on the decode worker (the fallback path, counted in `stats.prefill_stalls` too).
 - Errors: `MeshError` with the gRPC status code and message of the failing call (INVALID_ARGUMENT, NOT_FOUND,
   DEADLINE_EXCEEDED, UNAVAILABLE, ...); the REST layer maps it to an HTTP status.
 - Worker choice (`gateway.routing.Router`, one per pool): the healthy worker of least cost = uncached prompt tokens
@@ -43,6 +46,7 @@ import grpc
 from engine.memory.hashing import MediaSpan
 from gateway.prefix_index import PromptKey
 from gateway.routing import CACHE, NoHealthyWorker, PDDecider, Pick, Router, RouterConfig
+from gateway.stall import StallPolicy, next_message
 from gateway.worker_pool import WorkerChannel, WorkerPool
 from protos import common_pb2, decode_pb2, prefill_pb2
 
@@ -105,13 +109,15 @@ class MeshStats:
     prefill_ms: float = 0.0  # prefill workers' own time (load + compute + publish), summed (milliseconds)
     publish_ms: float = 0.0  # of which publishing blocks and handoffs
     stale_beliefs: int = 0  # requests whose worker served fewer cached tokens than its KV-event index promised
+    prefill_stalls: int = 0  # prefills recomputed on the decode worker because their prefill worker went silent
 
 
 class MeshClient(WorkerPool):
     def __init__(self, decode_addresses: Sequence[str], prefill_addresses: Sequence[str] = (),
                  decider: PDDecider | None = None, handoff_ttl_ms: int = 0, *,
-                 router_config: RouterConfig = RouterConfig(), **pool_options):
+                 router_config: RouterConfig = RouterConfig(), stall: StallPolicy = StallPolicy(), **pool_options):
         super().__init__(decode_addresses, prefill_addresses, router_config=router_config, **pool_options)
+        self.stall = stall
         self.decider = decider or PDDecider()
         self.handoff_ttl_ms = handoff_ttl_ms
         self.stats = MeshStats()
@@ -199,10 +205,17 @@ class MeshClient(WorkerPool):
             return None
         worker = self.prefillers[pick.address]
         request = prefill_pb2.PrefillRequest(generation=generation, handoff_ttl_ms=self.handoff_ttl_ms)
+        stall_s = self.stall.first_message_s(len(generation.prompt.ids))
         try:
-            response = await worker.stub.Prefill(request, timeout=_remaining(deadline))
+            response = await worker.stub.Prefill(request, timeout=_remaining(deadline, stall_s))
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in FALLBACK_CODES:
+            stalled = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (
+                deadline is None or deadline - time.monotonic() > 0.01)
+            if stalled:  # the prefill worker went silent, not the request's deadline: recompute on decode
+                log.warning("prefill on %s sent nothing for %.1f s (--stall-timeout-s); prefilling on the decode "
+                            "worker", worker.address, stall_s)
+                self.stats.prefill_stalls += 1
+            if exc.code() in FALLBACK_CODES or stalled:
                 log.warning("prefill on %s failed (%s: %s); prefilling on the decode worker", worker.address,
                             exc.code().name, exc.details())
                 self.stats.prefill_fallbacks += 1
@@ -223,8 +236,16 @@ class MeshClient(WorkerPool):
         """The decode stream as events; `prompt_logprobs` (the prefill's) go on the first one."""
         call = decoder.stub.Decode(request, timeout=_remaining(deadline))
         finished = False
+        messages = call.__aiter__()
+        limit_s = self.stall.first_message_s(len(request.generation.prompt.ids))
+        describe = f"decode worker {decoder.address}"
         try:
-            async for chunk in call:
+            while True:
+                try:
+                    chunk = await next_message(messages, limit_s, describe)
+                except StopAsyncIteration:
+                    break
+                limit_s = self.stall.gap_s()
                 if not chunk.prompt_logprobs:
                     chunk.prompt_logprobs.extend(prompt_logprobs)
                 prompt_logprobs = []

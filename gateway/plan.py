@@ -1,8 +1,8 @@
 """Everything decided about a chat request before it reaches the mesh (`ChatPlan`), and the prompt-length rule.
 
 Contract:
-- `ChatPlanner(renderer, config, max_model_len).plan(request, fetched)` (`max_model_len`: a callable giving the
-  context length now, None while unknown) renders a validated chat request and
+- `ChatPlanner(renderer, config, max_model_len, media, special_ids).plan(request, fetched)` (`max_model_len`: a
+  callable giving the context length now, None while unknown; `special_ids`: the tokenizer's, for the hints) renders a validated chat request and
   decides: the prompt ids; the sampling parameters with structured output (`tool_choice` "required" / named and
   `response_format` json kinds become the engine's grammar, wrapped in the model's output format; `tool_choice`
   "none" with tools declared becomes a text grammar that cannot open a tool block); which output
@@ -76,8 +76,9 @@ def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limit: int |
 
 class ChatPlanner:
     def __init__(self, renderer: ChatRenderer, config: GatewayConfig, max_model_len: Callable[[], int | None],
-                 media: MediaConfig | None = None):
+                 media: MediaConfig | None = None, special_ids: frozenset[int] = frozenset()):
         self.renderer = renderer
+        self.special_ids = special_ids  # the tokenizer's special ids: end-of-message markers for the hints
         self.media = media
         self.config = config
         self.max_model_len = max_model_len
@@ -116,7 +117,8 @@ class ChatPlanner:
                             "messages")
         client_hints = check_client_hints(request.kdamesh_snapshot_hints, len(prompt.token_ids))
         hints = merge_hints(client_hints, structure_hints(self.renderer, request.messages, request.tools_json(),
-                                                          request.chat_template_kwargs, prompt.token_ids))
+                                                          request.chat_template_kwargs, prompt.token_ids,
+                                                          self.special_ids))
         hints = shift_past_media(hints, media)
         tool_parser, reasoning_parser = self._parsers(request, tool_choice, response_format)
         parsed = tool_parser is not None or reasoning_parser is not None

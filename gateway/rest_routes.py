@@ -5,7 +5,9 @@ Contract (the endpoints are listed in gateway/app.py):
   `request.app.state.shutdown`) and raises or returns `ApiError` for every refusal (the OpenAI envelope).
 - `/v1/chat/completions` and `/v1/completions` differ only in how they start a run (`_start_chat`,
   `_start_completion`); both then go through `gateway.handler.open_run` and `_respond`: a stream as Server-Sent
-  Events, else one JSON body; every response names the request id (`X-Request-Id`). A client that disconnects
+  Events (`: keep-alive` comments while the mesh is silent, `--sse-keepalive-s`), else one JSON body; the CPU
+  work (JSON decoding, validation, planning, tokenising) runs in the preparation pool (`GatewayCore.prepare`);
+  every response names the request id (`X-Request-Id`). A client that disconnects
   before its response started cancels the run (499, nothing sent).
 - `/metrics` and the API docs (`/openapi.json`, `/docs`, `/redoc`) need a key when keys are configured, unless
   `--public-metrics` / `--public-docs` open them.
@@ -24,7 +26,7 @@ from gateway.info import tokenizer_info_body, version_body
 from gateway.protocol import (ApiError, ClientGone, failure_of, not_found_model, parse_chat, parse_completion,
                               parse_detokenize, parse_tokenize)
 from gateway.request_trace import RequestTrace
-from gateway.rest_io import SSE_HEADERS, read_json, sse_stream, unless_disconnected
+from gateway.rest_io import SSE_HEADERS, decode_json, read_body, read_json, sse_stream, unless_disconnected
 from gateway.rest_responses import CHAT, COMPLETION, RestFormat
 from gateway.run import Run
 from gateway.tenancy import Principal
@@ -116,8 +118,9 @@ async def model(model_id: str, request: Request):
 async def tokenize(request: Request):
     core = _core(request)
     _principal(request)
-    body = parse_tokenize(await read_json(request), core.served)
-    tokens = await core.tokenize(body)
+    raw = await read_body(request)
+    body = await core.prepare(_parsed, parse_tokenize, raw, core.served, size=len(raw))
+    tokens = await core.tokenize(body, len(raw))
     reply = {"tokens": tokens, "count": len(tokens), "max_model_len": core.max_model_len}
     if body.return_token_strs:
         reply["token_strs"] = core.tokenizer.convert_ids_to_tokens(tokens)
@@ -144,8 +147,9 @@ async def tokenizer_info(request: Request):
 async def chat_completions(request: Request):
     async def start(principal: Principal, trace: RequestTrace) -> Run:
         core = _core(request)
-        chat = parse_chat(await read_json(request), core.served)
-        return core.chat(principal, await core.plan_chat(chat), trace=trace)
+        raw = await read_body(request)
+        chat = await core.prepare(_parsed, parse_chat, raw, core.served, size=len(raw))
+        return core.chat(principal, await core.plan_chat(chat, len(raw)), trace=trace)
 
     return await _respond(request, "chat", start, CHAT)
 
@@ -153,10 +157,16 @@ async def chat_completions(request: Request):
 async def completions(request: Request):
     async def start(principal: Principal, trace: RequestTrace) -> Run:
         core = _core(request)
-        job = parse_completion(await read_json(request), core.tokenizer, core.served)
+        raw = await read_body(request)
+        job = await core.prepare(_parsed, parse_completion, raw, core.tokenizer, core.served, size=len(raw))
         return core.complete(principal, job, trace=trace)
 
     return await _respond(request, "completions", start, COMPLETION)
+
+
+def _parsed(parse, raw: bytes, *args):
+    """`parse(decoded body, *args)`: a request's CPU work up to its validated form (run in the preparation pool)."""
+    return parse(decode_json(raw), *args)
 
 
 async def _respond(request: Request, endpoint: str, start: Start, fmt: RestFormat) -> Response:
@@ -170,7 +180,8 @@ async def _respond(request: Request, endpoint: str, start: Start, fmt: RestForma
     except (ApiError, ClientGone) as exc:
         return _refusal(exc, ids)
     if run.stream:
-        return StreamingResponse(sse_stream(run, fmt, request.app.state.shutdown), media_type="text/event-stream",
+        stream = sse_stream(run, fmt, request.app.state.shutdown, core.config.sse_keepalive_s)
+        return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **ids}, background=BackgroundTask(run.close))
     try:
         return JSONResponse(await unless_disconnected(request, fmt.collect(run)), headers=ids)

@@ -5,8 +5,8 @@ Contract:
   counts as running). It must be `open()`ed — which starts the mesh request and waits for its first item, so errors
   before any output (context length from a worker, no healthy worker) still surface as plain `ApiError`s — then
   iterated with `events()` (the subclass: `ChatRun`, `CompletionRun`), and always `close()`d.
-- Errors: every mesh item is taken by `_step`, the one place a `MeshError` becomes an `ApiError`
-  (`mesh_api_error`, naming `prompt_param` in a context-length error; the worker's message is logged, the client
+- Errors: every mesh item is taken by `_step`, the one place a `MeshError` (or a `gateway.stall.WorkerStalled`: 503
+  `worker_stalled`) becomes an `ApiError` (`mesh_api_error`, naming `prompt_param` in a context-length error; the worker's message is logged, the client
   gets a generic one with the request id) and a failure is recorded on the trace
   (`failure_of`); a failure in `open()` also records its status (499 when cancelled: the client went away) and
   closes the run.
@@ -38,6 +38,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol import failure_of, mesh_api_error
 from gateway.ratelimit import Lease
 from gateway.request_trace import RequestTrace
+from gateway.stall import WorkerStalled
 from gateway.tenancy import Principal
 from gateway.text import ChoiceText, TextRules
 from protos import common_pb2
@@ -130,14 +131,17 @@ class Run:
         except StopAsyncIteration:
             raise
         except BaseException as exc:
-            error = self._mesh_error(exc) if isinstance(exc, MeshError) else exc
+            error = self._mesh_error(exc) if isinstance(exc, (MeshError, WorkerStalled)) else exc
             self._fail(failure_of(error)[0])
             if error is exc:
                 raise
             raise error from None
 
-    def _mesh_error(self, exc: MeshError):
+    def _mesh_error(self, exc: MeshError | WorkerStalled):
         request_id = self.trace.request_id if self.trace is not None else self.id  # the X-Request-Id
+        if isinstance(exc, WorkerStalled):
+            log.warning("request %s (%s): %s", request_id, self.id, exc)
+            return exc.api_error(request_id)
         log.warning("request %s (%s): mesh call failed: %s: %s", request_id, self.id, exc.code.name, exc.message)
         return mesh_api_error(exc.code, exc.message, self.prompt_param, request_id)
 

@@ -5,7 +5,8 @@ Contract:
   `ApiError` (400 naming the first bad field as `param`; 404 `model_not_found` for a model not in `served`).
   `prompt_logprobs` k (vLLM's) returns the rendered prompt's logprobs (top-level `prompt_logprobs`).
   Fields this gateway cannot honour (`continue_final_message`, `echo`) are refused
-  with 400 when set to something that matters, rather than silently dropped.
+  with 400 when set to something that matters, rather than silently dropped. An assistant tool call's
+  `function.arguments` must be a string of JSON text (or absent / null): anything else is a 400 naming it.
 - `ChatCompletionRequest.effective_tool_choice` is vLLM's reading of `tool_choice` (tools without a choice: "auto");
   `completion_limit` is `max_completion_tokens`, else `max_tokens`.
 - `sampling_from_chat(request, skip_special_tokens)` builds the mesh `SamplingParams` (structured output is added
@@ -14,6 +15,7 @@ Contract:
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal, Union
 
 from pydantic import Field
@@ -65,6 +67,7 @@ class ChatCompletionRequest(SamplingRequest):
             if self.tool_choice.function.name not in names:
                 raise ApiError(400, f"'tool_choice' names {self.tool_choice.function.name!r}, which is not among "
                                     f"the tools {names}", param="tool_choice")
+        _check_tool_call_arguments(self.messages)
         super().check()
 
     @property
@@ -90,6 +93,27 @@ class ChatCompletionRequest(SamplingRequest):
         if self.response_format is None:
             return None
         return self.response_format.model_dump(by_alias=True, exclude_none=True)
+
+
+def _check_tool_call_arguments(messages: list[dict[str, Any]]) -> None:
+    """400 (param `messages`) unless every assistant tool call's `function.arguments` is absent, null or a string
+    of JSON text, as OpenAI's format has it (the chat renderer reads the rest of the message)."""
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+        for j, call in enumerate(calls if isinstance(calls, list) else ()):
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            where = f"messages[{i}].tool_calls[{j}].function.arguments"
+            if arguments is None:
+                continue
+            if not isinstance(arguments, str):
+                raise ApiError(400, f"{where} must be a string of JSON text, got {type(arguments).__name__}",
+                               param="messages")
+            try:
+                if arguments.strip():
+                    json.loads(arguments)
+            except ValueError:
+                raise ApiError(400, f"{where} is not valid JSON", param="messages") from None
 
 
 def parse_chat(body: Any, served: set[str]) -> ChatCompletionRequest:

@@ -7,7 +7,9 @@ Contract:
   does), except the vLLM/OpenAI fields this server does not implement (`UNIMPLEMENTED_FIELDS`): set, they are a
   400 naming them. Types are strict (no string-to-number or string-to-boolean coercion; an integer is a valid float), and every
   number has a range that fits the mesh's protobuf field (uint32 token counts and ids, int32 `top_k`, finite float32
-  sampling floats), so no value reaches a proto it cannot be stored in.
+  sampling floats), so no value reaches a proto it cannot be stored in; strings are bounded too: at most
+  `MAX_STOP_STRINGS` stop strings of `MAX_STOP_STRING_CHARS` characters each, `user` / `cache_salt` / `request_id`
+  of `MAX_ID_CHARS`.
 - `check_served(model, served)`: `ApiError` 404 `model_not_found` for a model this gateway does not serve.
 - `SamplingRequest` holds vLLM's sampling fields with their ranges (`stream_options`: `include_usage`, and vLLM's
   `continuous_usage_stats`, usage so far on every chunk); `check()` raises `ApiError` for what spans
@@ -34,6 +36,8 @@ from protos import common_pb2
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 2048  # one stop string (the detokeniser matches each against the output's tail)
+MAX_ID_CHARS = 256  # user, cache_salt, request_id
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SNAPSHOT_HINTS = 1024
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI (engine/sampling.py MAX_LOGIT_BIAS)
@@ -167,10 +171,10 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     echo: bool = False
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     priority: int = 0
-    cache_salt: str | None = None
-    request_id: str | None = None
+    cache_salt: str | None = Field(default=None, max_length=MAX_ID_CHARS)
+    request_id: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     # OpenAI's logit bias: token id (as a string key) -> added to its logit, in [-100, 100] (engine/sampling.py)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     # kdamesh's extension: prompt token positions where reusable parts end (gateway/hints.py checks the range)
@@ -222,6 +226,8 @@ class SamplingRequest(RequestModel):
             raise ValueError("stop strings must not be empty")
         if v is not None and len(v) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if v is not None and any(len(s) > MAX_STOP_STRING_CHARS for s in v):
+            raise ValueError(f"a stop string may hold at most {MAX_STOP_STRING_CHARS} characters")
         return v
 
     @field_validator("stop_token_ids")

@@ -36,6 +36,10 @@ def renderer(request, k3_tok, k2_tok) -> ChatRenderer:
     return ChatRenderer("kimi_linear", k2_tok, k2_chat_template())
 
 
+def _specials(renderer) -> frozenset[int]:
+    return frozenset(renderer._impl._tokenizer.special_tokens.values())
+
+
 def test_hints_are_the_prefix_render_lengths_and_valid_prefixes(renderer):
     full = renderer.render(CHAT, TOOLS, True).token_ids
     expected = []
@@ -43,23 +47,50 @@ def test_hints_are_the_prefix_render_lengths_and_valid_prefixes(renderer):
         prefix = renderer.render(CHAT[:k], TOOLS, False).token_ids
         assert full[:len(prefix)] == prefix, f"{renderer.family}: render(messages[:{k}]) is not a prefix"
         expected.append(len(prefix))
-    assert structure_hints(renderer, CHAT, TOOLS, None, full) == tuple(sorted(set(expected)))
+    assert structure_hints(renderer, CHAT, TOOLS, None, full, _specials(renderer)) == tuple(sorted(set(expected)))
+    # without the special ids only the two rendered ends are known: the system block and messages[:-1]
+    assert structure_hints(renderer, CHAT, TOOLS, None, full) == (expected[0], expected[-1])
     assert len(expected) == 5 and expected == sorted(expected) and expected[-1] < len(full)
 
 
 def test_system_block_without_system_message_and_long_chats_are_bounded(renderer):
     chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(41)]
     full = renderer.render(chat, None, True).token_ids
-    hints = structure_hints(renderer, chat, None, None, full)
-    assert 0 < len(hints) <= 16
-    assert hints[-1] == len(renderer.render(chat[:40], None, False).token_ids)
+    hints = structure_hints(renderer, chat, None, None, full, _specials(renderer))
+    assert len(hints) == 16
+    expected = [len(renderer.render(chat[:k], None, False).token_ids) for k in range(25, 41)]
+    assert list(hints) == expected  # the last 16 message ends
+
+
+def _render_calls(renderer, chat) -> int:
+    calls = 0
+    original = renderer.render
+
+    def counting(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)
+
+    renderer.render = counting
+    try:
+        structure_hints(renderer, chat, None, None, original(chat, None, True).token_ids, _specials(renderer))
+    finally:
+        del renderer.render
+    return calls
+
+
+def test_hints_cost_two_renders_whatever_the_number_of_messages(renderer):
+    """Linear in the chat: two prefix renders (the system block, messages[:-1]) for 3 or 300 messages."""
+    short = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(3)]
+    long = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(301)]
+    assert _render_calls(renderer, short) == _render_calls(renderer, long) == 2
 
 
 def test_a_hint_is_dropped_where_the_prompt_differs(renderer):
     full = renderer.render(CHAT, TOOLS, True).token_ids
     other = list(full)
     other[3] = (other[3] + 1) % 100
-    assert structure_hints(renderer, CHAT, TOOLS, None, other) == ()
+    assert structure_hints(renderer, CHAT, TOOLS, None, other, _specials(renderer)) == ()
 
 
 def _planner(renderer) -> ChatPlanner:

@@ -158,3 +158,28 @@ def test_a_bad_flag_value_is_refused_naming_it(bad):
 def test_host_names_are_normalised():
     config = MediaFetchConfig(("Images.Example.COM.", "::1", "[::1]"))
     assert config.allowed_domains == ("images.example.com", "::1", "::1")
+
+
+def test_a_fifo_or_a_nul_byte_is_a_prompt_400_and_holds_no_thread(tmp_path):
+    """A FIFO under the directory is refused before it is opened (it used to hold a reader thread per request until
+    the deadline, and after a dozen every local image timed out); a %00 in the path is a 400, not a 500."""
+    root = tmp_path / "media"
+    root.mkdir()
+    (root / "ok.png").write_bytes(PNG)
+    os.mkfifo(root / "pipe.png")
+    good = (root / "ok.png").as_uri()
+
+    async def main():
+        fetcher = MediaFetcher(MediaFetchConfig(allowed_local_path=str(root), timeout_s=2.0))
+        start = time.monotonic()
+        for _ in range(16):  # more than the default thread pool's idle threads would survive
+            error = await _refused(fetcher, (root / "pipe.png").as_uri(), good)
+            assert (error.status, error.code) == (400, "media_fetch_failed"), error.message
+            assert "not a regular file" in error.message
+        assert time.monotonic() - start < 10.0  # each refused at once, never after the 2 s deadline
+        for url in (good + "%00.jpg", f"file://{root}/pipe%00.png"):
+            error = await _refused(fetcher, url, good)
+            assert (error.status, error.code) == (400, "media_url_not_allowed") and "NUL" in error.message, url
+        assert await _fetch(fetcher, good) == {good: PNG}
+
+    asyncio.run(main())

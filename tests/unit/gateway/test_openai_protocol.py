@@ -82,6 +82,35 @@ def test_chat_validation_errors(body, status, param):
     assert set(error.body()["error"]) == {"message", "type", "param", "code"}
 
 
+def _called(arguments) -> list[dict]:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [*MSG, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": "ok"}]
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"stop": "x" * 1_000_000}, "stop", "at most 2048 characters"),
+    ({"stop": ["fine", "y" * 2049]}, "stop", "at most 2048 characters"),
+    ({"request_id": "r" * 1_000_000}, "request_id", "at most 256"),
+    ({"cache_salt": "s" * 257}, "cache_salt", "at most 256"),
+    ({"user": "u" * 1_000_000}, "user", "at most 256"),
+    ({"messages": _called({"city": "Paris"})}, "messages", "tool_calls[0].function.arguments must be a string"),
+    ({"messages": _called(7)}, "messages", "must be a string of JSON text, got int"),
+    ({"messages": _called("{not json")}, "messages", "tool_calls[0].function.arguments is not valid JSON"),
+])
+def test_oversized_strings_and_non_json_tool_arguments_are_400s(body, param, says):
+    """Issue 27 point 5: refused with a 400 naming the field (they used to be accepted)."""
+    error = _error({"model": "m", "messages": MSG, **body})
+    assert (error.status, error.param) == (400, param) and says in error.message, error.message
+
+
+def test_the_limits_admit_what_they_should():
+    """The negative control of the limits above: at the limit, and JSON arguments (also empty or null), pass."""
+    for body in ({"stop": "x" * 2048}, {"request_id": "r" * 256, "cache_salt": "s" * 256, "user": "u" * 256},
+                 {"messages": _called('{"city": "Paris"}')}, {"messages": _called("")},
+                 {"messages": _called(None)}):
+        parse_chat({"model": "m", "messages": MSG, **body}, SERVED)
+
+
 def test_tokenize_detokenize_and_completions_parsing():
     assert parse_tokenize({"prompt": "abc"}, SERVED).prompt == "abc"
     assert parse_tokenize({"model": "m", "messages": MSG}, SERVED).add_generation_prompt
