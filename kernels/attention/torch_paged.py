@@ -39,7 +39,7 @@ from kernels.attention.split_kv import merge_partials
 
 SCORE_TILE_ELEMS = 1 << 24  # fp32 scores per (query chunk x key chunk) tile: 64 MiB
 KEY_CHUNK = 4096  # key positions per inner step (rounded down to whole blocks)
-DECODE_KEY_ELEMS = 1 << 24  # gathered key values per group of batched decodes (64 MiB fp32)
+DECODE_KEY_ELEMS = 1 << 20  # gathered key values per decode tile (4 MiB fp32: cache-sized; bench_attention)
 
 
 def _gather_keys(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -144,18 +144,29 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     T, H, _ = q.shape
     out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)
     if T == seq_lens.shape[0] and T > 0:  # one query per sequence: batched over sequences and context splits
-        per_block = kv_cache.shape[1] * kv_cache.shape[2]  # gathered values per block
-        split_blocks = max(1, DECODE_KEY_ELEMS // per_block)  # one sequence's split fits the tile
-        group = max(1, DECODE_KEY_ELEMS // (min(block_tables.shape[1], split_blocks) * per_block))
-        for a in range(0, T, group):
-            b = min(T, a + group)
-            out[a:b] = _attend_decodes(q[a:b], kv_cache, block_tables[a:b], seq_lens[a:b], scale, v_dim, split_blocks)
-        return out
+        return decode_attention(q, kv_cache, block_tables, seq_lens, scale, v_dim, out=out)
     bounds, lens = host if host is not None else (cu_seqlens_q.tolist(), seq_lens.tolist())
     for n, seq_len in enumerate(lens):
         start, end = bounds[n], bounds[n + 1]
         if end > start:
             _attend_sequence(q[start:end], kv_cache, block_tables[n], seq_len, scale, v_dim, out[start:end])
+    return out
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float, v_dim: int, key_elems: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence: q [N, H, Dk] -> [N, H, v_dim] in q.dtype (into `out` if given), split-KV over the
+    context in tiles of `key_elems` gathered values (None: `DECODE_KEY_ELEMS`). Reads nothing back."""
+    N = q.shape[0]
+    out = torch.empty(N, q.shape[1], v_dim, dtype=q.dtype, device=q.device) if out is None else out
+    tile = DECODE_KEY_ELEMS if key_elems is None else key_elems
+    per_block = kv_cache.shape[1] * kv_cache.shape[2]  # gathered values per block
+    split_blocks = max(1, tile // per_block)  # one sequence's split fits the tile
+    group = max(1, tile // (min(block_tables.shape[1], split_blocks) * per_block))  # sequences per group
+    for a in range(0, N, group):
+        b = min(N, a + group)
+        out[a:b] = _attend_decodes(q[a:b], kv_cache, block_tables[a:b], seq_lens[a:b], scale, v_dim, split_blocks)
     return out
 
 
