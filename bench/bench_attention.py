@@ -6,7 +6,11 @@ gives steadier numbers). Prints two markdown tables:
    table) for the registry's CPU backend (torch) beside the naive oracle, at 1K/4K/16K/64K tokens of context, with
    the cost per 1K tokens of context — roughly constant when the step time grows linearly;
 2. routed-expert time for T=256 and T=4096 tokens, E=32 experts, top-4 (Kimi Linear widths: D=2304, I=1024, bf16),
-   grouped beside naive.
+   grouped beside naive;
+3. split-KV decode on the torch path at 32K and 128K context (same shapes as 1.): process CPU time of the split
+   path (`torch_paged.decode_attention`, splits of `DECODE_KEY_ELEMS` gathered values) beside one gather of the
+   whole context (unsplit) and the per-sequence chunked path that such contexts took before split-KV (it reads
+   `seq_lens` back to the host), repetitions interleaved. `--split-only` runs just this table.
 Timings are the best of a few repetitions after a warm-up (the minimum is the least disturbed by other processes
 sharing the cores); the whole run takes about a minute on 2 cores.
 """
@@ -19,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.attention import torch_paged
 from kernels.attention.naive import mla_paged_attention_naive
 from kernels.moe.activation import GatedActivation
 from kernels.moe.grouped import moe_experts_grouped
@@ -28,6 +33,7 @@ from kernels.registry import chosen_backend, get_kernel
 
 CONTEXTS = (1024, 4096, 16384, 65536)
 MOE_TOKENS = (256, 4096)
+SPLIT_CONTEXTS = (32768, 131072)
 
 
 def _best_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
@@ -64,6 +70,46 @@ def bench_decode(heads: int = 32, v_dim: int = 512, rope: int = 64, block_size: 
         naive = _best_ms(lambda: mla_paged_attention_naive(*args, scale, v_dim), reps)
         rows.append((context, fast, naive))
     return rows
+
+
+def _cpu_ms(fn: Callable[[], object]) -> float:
+    start = time.process_time()
+    fn()
+    return (time.process_time() - start) * 1e3
+
+
+def bench_split_kv(heads: int = 32, v_dim: int = 512, rope: int = 64, block_size: int = 16,
+                   dtype: torch.dtype = torch.bfloat16, reps: int = 3) -> list[tuple[int, int, float, float, float]]:
+    """[(context, splits, split ms, unsplit ms, chunked ms)]: best process CPU time of one decode step each."""
+    scale = (128 + rope) ** -0.5
+    rows = []
+    for context in SPLIT_CONTEXTS:
+        q, kv_cache, tables, _, seq_lens = _decode_inputs(context, heads, v_dim, rope, block_size, dtype)
+        whole = tables.shape[1] * block_size * kv_cache.shape[2]  # gathered values of the whole table
+        variants = {
+            "split": lambda: torch_paged.decode_attention(q, kv_cache, tables, seq_lens, scale, v_dim),
+            "unsplit": lambda: torch_paged.decode_attention(q, kv_cache, tables, seq_lens, scale, v_dim, whole),
+            "chunked": lambda: torch_paged._attend_sequence(  # the pre-split-KV fallback for wide tables
+                q, kv_cache, tables[0], context, scale, v_dim, torch.empty(1, heads, v_dim, dtype=dtype)),
+        }
+        best = {name: float("inf") for name in variants}
+        for fn in variants.values():  # warm-up
+            fn()
+        for _ in range(reps):  # interleaved: every variant sees the same machine load
+            for name, fn in variants.items():
+                best[name] = min(best[name], _cpu_ms(fn))
+        splits = -(-tables.shape[1] // max(1, torch_paged.DECODE_KEY_ELEMS // (block_size * kv_cache.shape[2])))
+        rows.append((context, splits, best["split"], best["unsplit"], best["chunked"]))
+    return rows
+
+
+def split_table(rows: list[tuple[int, int, float, float, float]]) -> str:
+    lines = ["| context (tokens) | splits | split-KV CPU (ms) | unsplit CPU (ms) | chunked CPU (ms) | unsplit / split "
+             "| chunked / split |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for context, splits, split, unsplit, chunked in rows:
+        lines.append(f"| {context:,} | {splits} | {split:.1f} | {unsplit:.1f} | {chunked:.1f} | "
+                     f"{unsplit / split:.2f}x | {chunked / split:.2f}x |")
+    return "\n".join(lines)
 
 
 def bench_moe(experts: int = 32, top_k: int = 4, hidden: int = 2304, inter: int = 1024,
@@ -107,13 +153,18 @@ def moe_table(rows: list[tuple[int, float, float]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    threads = parser.parse_args().threads
-    if threads > 0:
-        torch.set_num_threads(threads)
+    parser.add_argument("--split-only", action="store_true", help="only the split-KV table (3.)")
+    args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     backend = chosen_backend("mla_attention", "cpu")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    print("## MLA paged decode attention (1 sequence, H=32, Dk=576, v_dim=512, bf16 cache, block 16)\n")
+    print("## Split-KV torch decode (1 sequence, H=32, Dk=576, v_dim=512, bf16 cache, block 16; process CPU time)\n")
+    print(split_table(bench_split_kv()))
+    if args.split_only:
+        return
+    print("\n## MLA paged decode attention (1 sequence, H=32, Dk=576, v_dim=512, bf16 cache, block 16)\n")
     print(decode_table(bench_decode(), backend))
     print("\n## MoE routed experts (E=32, top-4, D=2304, I=1024, bf16)\n")
     print(moe_table(bench_moe()))

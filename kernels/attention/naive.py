@@ -49,3 +49,17 @@ def mla_paged_attention_naive(q: torch.Tensor, kv_cache: torch.Tensor, block_tab
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("lhs,sd->lhd", probs, kv[:, :v_dim]).to(q.dtype)
     return out
+
+
+def merge_partials_naive(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Reference for `kernels.attention.split_kv.merge_partials`: o [S, N, H, V], lse [S, N, H] -> [N, H, V] fp32,
+    each split weighted by its share exp(lse_s - logsumexp(lse)) of the whole softmax denominator."""
+    S, N, H, V = o.shape
+    out = torch.zeros(N, H, V, device=o.device)
+    for n in range(N):
+        for h in range(H):
+            total = torch.logsumexp(lse[:, n, h].double(), 0)
+            for s in range(S):
+                if lse[s, n, h] > float("-inf"):
+                    out[n, h] += (torch.exp(lse[s, n, h].double() - total) * o[s, n, h].double()).float()
+    return out

@@ -11,12 +11,15 @@ with an online (running max / running sum) softmax, so the fp32 working set is o
 chunk reads only keys up to its last position, and only the chunk that holds its own positions is masked. This
 path never reads cache entries past `seq_lens[n]`.
 
-Decode batches (one query per sequence) run batched over sequences instead: groups of sequences whose gathered keys
-(every block of the table's width — the runner trims tables to the longest sequence's blocks) fit in
-`DECODE_KEY_ELEMS` values, one batched matmul for the scores and one for the output per group. Such a gather also
-copies the rest of each sequence's last block and unused block-table entries; those values are zeroed and their
-scores masked before use, so they never affect the result. A table too wide for one group takes the chunked path
-above. The decode path reads nothing back to the host (it runs inside compiled and captured steps).
+Decode batches (one query per sequence) run batched over sequences instead, split over the context (split-KV):
+the table's width (the runner trims tables to the longest sequence's blocks) is cut into splits of as many blocks
+as one sequence's gathered keys fit in `DECODE_KEY_ELEMS` values, and sequences go in groups whose split gathers
+fit there too; per group and split, one batched matmul for the scores and one for the output. A table that fits in
+one split is attended directly; a wider one yields a partial output and log-sum-exp per split, merged by
+`kernels.attention.split_kv.merge_partials` (a split past a sequence's end is empty and weighs nothing). A gather
+also copies the rest of each sequence's last block and unused block-table entries; those values are zeroed and
+their scores masked before use, so they never affect the result. The decode path reads nothing back to the host
+(it runs inside compiled and captured steps): group and split counts come from shapes only.
 
 `write_kv_cache(kv_cache, slot_mapping [T] int64, latent [T, Dk])` writes token t's latent to flat slot
 `slot_mapping[t] = block * block_size + offset` in place (valid, distinct slots; padding rows write a scratch block).
@@ -32,10 +35,11 @@ from collections.abc import Sequence
 import torch
 
 from kernels.attention.fp8_latent import as_fp32_rows, is_fp8_cache, quantize_rows
+from kernels.attention.split_kv import merge_partials
 
 SCORE_TILE_ELEMS = 1 << 24  # fp32 scores per (query chunk x key chunk) tile: 64 MiB
 KEY_CHUNK = 4096  # key positions per inner step (rounded down to whole blocks)
-DECODE_KEY_ELEMS = 1 << 24  # gathered key values per group of batched decodes (64 MiB fp32)
+DECODE_KEY_ELEMS = 1 << 20  # gathered key values per decode tile (4 MiB fp32: cache-sized; bench_attention)
 
 
 def _gather_keys(kv_cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -92,26 +96,44 @@ def _attend_sequence(
         out[a:b] = _attend_chunk(q_seq[a:b], kv_cache, block_table, first + a, key_chunk, scale, v_dim)
 
 
-def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, v_dim: int) -> torch.Tensor:
-    """One query per sequence, all sequences at once. q [N, H, Dk] -> [N, H, v_dim] fp32.
+def _decode_partial(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
+                    first_block: int, scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per sequence over the blocks `tables` [N, nb] (columns first_block.. of the block table).
 
-    Every block of `block_tables` [N, nb] is gathered into one [N, nb * block_size, Dk] tensor; entries past a
-    sequence's length (a partly filled last block, blocks of shorter sequences) are zeroed and their scores masked,
-    so they never reach the result. Nothing is read back: the width comes from the table's shape."""
+    q [N, H, Dk] -> (o [N, H, v_dim] fp32 normalised over these keys, lse [N, H] fp32; -inf where a sequence has no
+    key here). Every listed block is gathered into one [N, nb * block_size, Dk] tensor; entries past a sequence's
+    length are zeroed and their scores masked, so they never reach the result. Nothing is read back."""
     N, H, Dk = q.shape
     block_size = kv_cache.shape[1]
-    num_blocks = block_tables.shape[1]
-    tables = block_tables.to(torch.int64).clamp(min=0)  # [N, nb]; unused entries may be -1
-    rows = kv_cache.index_select(0, tables.reshape(-1))  # [N * nb, block_size, row]
+    num_blocks = tables.shape[1]
+    rows = kv_cache.index_select(0, tables.to(torch.int64).clamp(min=0).reshape(-1))  # [N*nb, bs, row]; -1 unused
     kv = as_fp32_rows(rows.view(N, num_blocks * block_size, rows.shape[-1]))  # [N, S, Dk] fp32
-    past = torch.arange(kv.shape[1], device=q.device) >= seq_lens.to(torch.int64)[:, None]  # [N, S]
+    key_pos = torch.arange(kv.shape[1], device=q.device) + first_block * block_size  # [S]
+    past = key_pos >= seq_lens.to(torch.int64)[:, None]  # [N, S]
     kv.masked_fill_(past[:, :, None], 0.0)
     scores = torch.bmm(q.to(torch.float32), kv.transpose(1, 2)).mul_(scale)  # [N, H, S]
     scores.masked_fill_(past[:, None, :], float("-inf"))
-    probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # every sequence has key 0: the max is finite
+    top = scores.amax(-1, keepdim=True)  # [N, H, 1]; -inf where the split holds no key of the sequence
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    probs = scores.sub_(top).exp_()
     total = probs.sum(-1, keepdim=True)  # [N, H, 1]
-    return torch.bmm(probs, kv[:, :, :v_dim]).div_(total)  # [N, H, v_dim]
+    o = torch.bmm(probs, kv[:, :, :v_dim]).div_(torch.where(total > 0, total, 1.0))  # [N, H, v_dim]
+    return o, torch.log(total).add_(top).squeeze(-1)  # log(0) = -inf for empty splits
+
+
+def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float, v_dim: int, split_blocks: int) -> torch.Tensor:
+    """One query per sequence, all sequences at once. q [N, H, Dk] -> [N, H, v_dim] fp32.
+
+    The table's width is cut into splits of `split_blocks` blocks; one split is attended directly, several are
+    attended one by one (partial output + log-sum-exp each) and merged by `split_kv.merge_partials`. The split
+    count comes from the table's shape, so nothing is read back."""
+    num_blocks = block_tables.shape[1]
+    if num_blocks <= split_blocks:
+        return _decode_partial(q, kv_cache, block_tables, seq_lens, 0, scale, v_dim)[0]
+    parts = [_decode_partial(q, kv_cache, block_tables[:, b : b + split_blocks], seq_lens, b, scale, v_dim)
+             for b in range(0, num_blocks, split_blocks)]
+    return merge_partials(torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts]))
 
 
 def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -121,19 +143,30 @@ def mla_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     is read back; None reads the tensors. Decode batches never read anything back."""
     T, H, _ = q.shape
     out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)
-    if T == seq_lens.shape[0] and T > 0:  # one query per sequence: batched over sequences, in groups
-        per_seq = block_tables.shape[1] * kv_cache.shape[1] * kv_cache.shape[2]  # gathered keys per sequence
-        group = DECODE_KEY_ELEMS // max(per_seq, 1)
-        if group >= 1:
-            for a in range(0, T, group):
-                b = min(T, a + group)
-                out[a:b] = _attend_decodes(q[a:b], kv_cache, block_tables[a:b], seq_lens[a:b], scale, v_dim)
-            return out
+    if T == seq_lens.shape[0] and T > 0:  # one query per sequence: batched over sequences and context splits
+        return decode_attention(q, kv_cache, block_tables, seq_lens, scale, v_dim, out=out)
     bounds, lens = host if host is not None else (cu_seqlens_q.tolist(), seq_lens.tolist())
     for n, seq_len in enumerate(lens):
         start, end = bounds[n], bounds[n + 1]
         if end > start:
             _attend_sequence(q[start:end], kv_cache, block_tables[n], seq_len, scale, v_dim, out[start:end])
+    return out
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float, v_dim: int, key_elems: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence: q [N, H, Dk] -> [N, H, v_dim] in q.dtype (into `out` if given), split-KV over the
+    context in tiles of `key_elems` gathered values (None: `DECODE_KEY_ELEMS`). Reads nothing back."""
+    N = q.shape[0]
+    out = torch.empty(N, q.shape[1], v_dim, dtype=q.dtype, device=q.device) if out is None else out
+    tile = DECODE_KEY_ELEMS if key_elems is None else key_elems
+    per_block = kv_cache.shape[1] * kv_cache.shape[2]  # gathered values per block
+    split_blocks = max(1, tile // per_block)  # one sequence's split fits the tile
+    group = max(1, tile // (min(block_tables.shape[1], split_blocks) * per_block))  # sequences per group
+    for a in range(0, N, group):
+        b = min(N, a + group)
+        out[a:b] = _attend_decodes(q[a:b], kv_cache, block_tables[a:b], seq_lens[a:b], scale, v_dim, split_blocks)
     return out
 
 

@@ -63,7 +63,7 @@ def test_torch_query_and_key_chunking_matches_naive(monkeypatch, block_size):
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("key_elems", [1 << 24, 40 * DK, 8 * DK])  # one group; groups of 1-2; too long: chunked
+@pytest.mark.parametrize("key_elems", [1 << 24, 40 * DK, 8 * DK])  # one group; groups of 1-2; too long: split-KV
 def test_torch_decode_batch_matches_naive(monkeypatch, block_size, key_elems):
     monkeypatch.setattr(torch_paged, "DECODE_KEY_ELEMS", key_elems)
     seq_lens = [19, 1, 33, 4, 16, 5]
