@@ -57,9 +57,10 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 def packable(weight: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` runs on oneDNN's prepacked path (see the module docstring)."""
-    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in PACKED_DTYPES
+    return (not torch.compiler.is_compiling()  # first: tracing cannot ask `is_inference`
+            and weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in PACKED_DTYPES
             and x.dtype == weight.dtype and weight.shape[0] > 0 and weight.shape[1] > 0 and not weight.is_inference()
-            and torch.backends.mkldnn.is_available() and not torch.compiler.is_compiling()
+            and torch.backends.mkldnn.is_available()
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
 
 
