@@ -326,8 +326,8 @@ class EngineCore:
             req = chunk.req
             # a verification keeps what was appended (the last token + accepted drafts); other chunks all they ran
             computed = req.num_tokens - 1 - chunk.start if chunk.draft else chunk.num_tokens
-            states = self.spec.settle(req, chunk.start, computed) if chunk.draft else None
             req.num_computed_tokens = chunk.start + computed
+            states = self.spec.settle(req, chunk.start, computed) if chunk.draft else None
             copies.extend(self.manager.commit(req, states))
         self.runner.copy_slots(copies)
         self.manager.copies_applied()

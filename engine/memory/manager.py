@@ -240,9 +240,12 @@ class CacheManager:
         """After a verification from `start` whose first `kept` positions are committed: the running slot becomes
         the out-slot of the last kept position (an index change, no copy), the blocks past the committed tokens
         go back to the pool (rejected positions' KV is dropped; they were never in the prefix cache) ->
-        {computed tokens p: slot holding the state after p} for the kept positions (for `commit`)."""
+        {computed tokens p: slot holding the state after p} for the kept positions (for `commit`). Called with
+        `req.num_computed_tokens` already `start + kept` (`EngineCore.update_from_output` sets it, the one place)."""
+        if req.num_computed_tokens != start + kept:
+            raise AssertionError(f"settle_verification: {req.request_id} has {req.num_computed_tokens} computed "
+                                 f"tokens, expected {start + kept} (update_from_output sets them first)")
         slots = self.states.settle(req, kept)
-        req.num_computed_tokens = start + kept
         self.blocks.truncate(req)
         return {start + 1 + i: slot for i, slot in enumerate(slots)}
 

@@ -16,8 +16,10 @@ Contract:
   split (parts are column slices of it, not copies); unbound, one matmul per member. Its fused weight is padded to
   `FUSED_ROWS_MULTIPLE` output rows: on CPU (MKL, AVX2) a [2048, 768] x [768, N] product took 1.45x longer at
   N = 2,566 than at 2,576 (bench: KDA's fused projections of small-linear, 2,566 wide), and no longer at 32 rows.
-- `lay_out_for_gemv(model)` stores linear weights input-major (CPU serving: faster one-row products); a group of
-  such members binds into an input-major fused tensor, so its members stay views of it.
+- `lay_out_for_gemv(model)` stores linear weights input-major (CPU serving: faster one-row products), and so the
+  stacked `[E, out, in]` weights a module names in its `gemv_input_major` attribute (the routed experts: the decode
+  MoE then reads a chosen expert's rows in place, kernels/moe/grouped.py `moe_experts_bagged`); a group of such
+  members binds into an input-major fused tensor, so its members stay views of it.
 - `bind_fused_weights(model)` binds every `ParamGroup` / `FusedLinear` reachable as a module attribute. The loader
   calls it once the parameters have their final device and dtype, before any weights are read.
 """
@@ -49,13 +51,15 @@ class ParamGroup:
         parts = [p.data for p in self.params]
         total = sum(part.shape[self.dim] for part in parts)
         padding = -total % self.pad_multiple
-        input_major = self.dim == 0 and all(column_major(part) for part in parts)  # keep the members' layout
+        # keep the members' layout: input-major members (concatenated along their output dim) stay input-major
+        input_major = self.dim == parts[0].dim() - 2 and all(column_major(part) for part in parts)
         if padding:
             shape = list(parts[0].shape)
             shape[self.dim] = padding
-            parts.append(parts[0].new_zeros(shape[::-1]).t() if input_major else parts[0].new_zeros(shape))
+            zeros = parts[0].new_zeros(shape[:-2] + shape[:-3:-1]).transpose(-1, -2) if input_major else None
+            parts.append(zeros if input_major else parts[0].new_zeros(shape))
         if input_major:
-            fused = torch.cat([part.t() for part in parts], dim=1).t()
+            fused = torch.cat([part.transpose(-1, -2) for part in parts], dim=-1).transpose(-1, -2)
         else:
             fused = torch.cat(parts, dim=self.dim)
         start = 0
@@ -97,8 +101,9 @@ class FusedLinear:
 
 
 def column_major(weight: torch.Tensor) -> bool:
-    """A 2-D weight `[out, in]` stored input-major: consecutive outputs of one input are adjacent (stride 1)."""
-    return weight.dim() == 2 and weight.stride(0) == 1 and weight.shape[0] > 1
+    """A weight `[..., out, in]` (2-D, or stacked experts `[E, out, in]`) stored input-major: consecutive outputs
+    of one input are adjacent (stride 1)."""
+    return weight.dim() >= 2 and weight.stride(-2) == 1 and weight.shape[-2] > 1
 
 
 def lay_out_for_gemv(model: nn.Module, keep_row_major: tuple[str, ...] = ROW_MAJOR_WEIGHTS) -> None:
@@ -115,6 +120,10 @@ def lay_out_for_gemv(model: nn.Module, keep_row_major: tuple[str, ...] = ROW_MAJ
         if (isinstance(module, nn.Linear) and weight is not None and weight.dim() == 2 and id(weight) not in tied
                 and not name.endswith(keep_row_major) and weight.is_contiguous() and weight.shape[0] > 1):
             weight.data = weight.data.t().contiguous().t()
+        for attribute in getattr(module, "gemv_input_major", ()):  # stacked expert weights [E, out, in]
+            stacked = getattr(module, attribute)
+            if stacked.is_contiguous() and stacked.shape[-2] > 1:
+                stacked.data = stacked.data.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def bind_fused_weights(model: nn.Module) -> None:

@@ -6,6 +6,9 @@ Contract:
   `w{1,3}_packed` [E, I, Dm/2] + `w{1,3}_scale` [E, I, Dm/32] and `w2_packed` [E, Dm, I/2] + `w2_scale` [E, Dm, I/32]
   (uint8, compressed-tensors `mxfp4-pack-quantized`, kept resident at ≈0.53 bytes per parameter and dequantised per
   expert tile inside the MoE kernel). Bound, w1/w3 (and their packed/scale halves) are one `[E, 2I, ·]` tensor.
+  Loaded for CPU serving, dense experts are stored input-major (`gemv_input_major`, engine/model/fused.py
+  `lay_out_for_gemv`; same shapes and values): decode then reads each chosen expert's rows in place
+  (kernels/moe/grouped.py `moe_experts_bagged`) instead of copying its weights.
 - Under tensor parallelism the router (fp32) is replicated; routed experts are split by their intermediate size
   (w1/w3 column-, w2 row-parallel), or with `enable_expert_parallel` by expert: rank r holds experts
   `[r*E/N, (r+1)*E/N)` at full width and the tokens routed elsewhere add nothing on this rank. Either way every rank
@@ -62,6 +65,7 @@ class StackedExperts(nn.Module):
             self.w2 = nn.Parameter(torch.empty(num_experts, width, intermediate))  # [E, D, I]
             self.gate_up = ParamGroup([(self, "w1"), (self, "w3")], dim=1)  # bound: halves of [E, 2I, D]
             names = ["w1", "w3", "w2"]
+            self.gemv_input_major = ("w1", "w3", "w2")  # CPU serving lays these out input-major (fused.py)
         if split_intermediate:
             self.tp_dims = {n: 1 if n.startswith("w2") else 0 for n in names}
 

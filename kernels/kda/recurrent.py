@@ -122,22 +122,22 @@ def kda_verify_pooled(q, k, v, g, beta, scale, state_pool, state_indices, cu_seq
         o_c, final = chunk_kda(q[rows], k[rows], v[rows], g[rows], beta[rows], scale, init[chunked], sub_cu)
         o[rows] = o_c.to(dtype)
         writes.extend((out[cu[n + 1] - 1], final[i]) for i, n in enumerate(chunked) if out[cu[n + 1] - 1] >= 0)
-    if stepped:
-        writes.extend(_step_keeping(q, k, v, g, beta, scale, init, cu, out, stepped, o, dtype))
+    if stepped:  # `init` holds copies of every in-slot's state: kept states go straight into the pool
+        _step_keeping(q, k, v, g, beta, scale, init, cu, out, stepped, o, dtype, state_pool)
     if writes:
         slots = torch.tensor([s for s, _ in writes], dtype=torch.int64, device=state_pool.device)
         state_pool.index_copy_(0, slots, torch.stack([s for _, s in writes]).to(state_pool.dtype))
     return o.to(v.dtype)
 
 
-def _step_keeping(q, k, v, g, beta, scale, init, cu, out, seqs, o, dtype):
-    """Steps sequences `seqs` token by token from `init`, filling `o`; -> (slot, state) after each kept token."""
+def _step_keeping(q, k, v, g, beta, scale, init, cu, out, seqs, o, dtype, state_pool):
+    """Steps sequences `seqs` token by token from `init`, filling `o` and copying the state after each kept token
+    into its out-slot of `state_pool` (one copy per kept state: no clone, stack and scatter)."""
     order = sorted(seqs, key=lambda n: cu[n] - cu[n + 1])  # longest first: the running ones are a prefix
     state = init[order].clone()  # [B, H, K, V]
     starts = torch.tensor([cu[n] for n in order], dtype=torch.int64, device=q.device)
     lens = [cu[n + 1] - cu[n] for n in order]
     inputs = [x.to(dtype) for x in (q, k, v, g, beta)]
-    kept = []
     for t in range(lens[0]):
         active = sum(1 for n in lens if n > t)
         tok = starts[:active] + t  # [a]
@@ -145,5 +145,4 @@ def _step_keeping(q, k, v, g, beta, scale, init, cu, out, seqs, o, dtype):
         for i in range(active):
             slot = out[cu[order[i]] + t]
             if slot >= 0:
-                kept.append((slot, state[i].clone()))
-    return kept
+                state_pool[slot].copy_(state[i])

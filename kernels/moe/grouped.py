@@ -18,6 +18,11 @@ tensors per 2,048-token chunk were page-fault bound on CPU). `sort_assignments` 
 packed-MXFP4 path (kernels/moe/mxfp4.py).
 
 Small batches (decode, verification) read nothing back to the host either way; the choice depends only on shapes:
+- `T·k <= E` with input-major experts bound as `[E, D, 2I]` (`bag_layout`; how engine/model/fused.py
+  `lay_out_for_gemv` stores them on CPU): `moe_experts_bagged` reads each assignment's expert rows in place, each
+  product a weighted `embedding_bag` over the rows `e·K + j` (no weights copied; E = 32 top-4, 1 token, 8 layers
+  with cold caches: 4.0-4.3 ms vs 3.9-4.5 ms gathered, both at ~9 GB/s; a demo-k3 decode step 1.05x, small-linear
+  1.01x, paired in one process). The other paths read either layout (no reshape of the weights).
 - `3·T·k <= E` (`moe_experts_gathered`, `GATHER_TRAFFIC`): each assignment's expert weights are gathered and
   multiplied in one batched matrix-vector product per projection — no sort, no counts. The copy costs each chosen
   expert three passes over its weights, so more assignments take the sorted form, which reads each used expert
@@ -44,6 +49,9 @@ DENSE_MAX_TOKENS = 64  # compiled batches up to this many tokens (not gathered) 
 # Gathering an assignment's expert weights copies them once and reads them twice (the copy, the product): it beats
 # the sorted form only while GATHER_TRAFFIC * T * k <= E.
 GATHER_TRAFFIC = 3
+# With input-major expert weights, reading each assignment's expert rows in place (no copy) beats the sorted form
+# while T * k <= this * E (bench/bench_decode_step.py, small-linear: E = 32, top-4 -> up to 8 tokens).
+BAG_MAX_ASSIGNMENTS_PER_EXPERT = 1
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -95,10 +103,58 @@ def gate_up_storage(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
     return w1.as_strided((E, 2 * I, D), w1.stride())
 
 
+def gate_up_input_major(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
+    """The contiguous `[E, D, 2I]` tensor whose columns `[..., :I]` are `w1` and `[..., I:]` are `w3` (each
+    `[E, I, D]` stored input-major, as `engine.model.fused.lay_out_for_gemv` lays the routed experts out on CPU),
+    or None (other layouts, or inside a compiled step, which cannot inspect storages)."""
+    if torch.compiler.is_compiling():
+        return None
+    E, I, D = w1.shape
+    if w3.shape != w1.shape or w1.dtype != w3.dtype or w1.device != w3.device or D == 0 or I == 0:
+        return None
+    if w1.stride() != (2 * I * D, 1, 2 * I) or w3.stride() != w1.stride():
+        return None
+    if w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr():
+        return None
+    if w3.storage_offset() != w1.storage_offset() + I:
+        return None
+    return w1.as_strided((E, D, 2 * I), (2 * I * D, 2 * I, 1))
+
+
+def bound_gate_up(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
+    """The `[E, 2I, D]` view over `w1` and `w3` bound into one tensor, row- or input-major, else None."""
+    gate_up = gate_up_storage(w1, w3)
+    if gate_up is not None:
+        return gate_up
+    gate_up = gate_up_input_major(w1, w3)
+    return None if gate_up is None else gate_up.transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class BagLayout:
+    """Expert weights as embedding-bag tables: row `e * K + j` is input `j` of expert `e`'s product."""
+
+    gate_up: torch.Tensor  # [E*D, 2I] gate and up outputs of each (expert, input)
+    down: torch.Tensor  # [E*I, D] down outputs of each (expert, intermediate unit)
+
+
+def bag_layout(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> BagLayout | None:
+    """`BagLayout` views (no copy) of input-major experts with gate/up bound into one tensor, else None."""
+    gate_up = gate_up_input_major(w1, w3)
+    if gate_up is None or w2.dtype != w1.dtype:
+        return None
+    E, D, I = w2.shape
+    if w2.stride() != (D * I, 1, D):  # w2 [E, D, I] input-major: its transpose [E, I, D] is contiguous
+        return None
+    return BagLayout(gate_up.view(E * D, 2 * I), w2.transpose(1, 2).view(E * I, D))
+
+
 def moe_experts_grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, act: GatedActivation) -> torch.Tensor:
     T, D = x.shape
     k = topk_ids.shape[1]
+    if T * k <= BAG_MAX_ASSIGNMENTS_PER_EXPERT * w1.shape[0] and bag_layout(w1, w3, w2) is not None:
+        return moe_experts_bagged(x, w1, w3, w2, topk_weights, topk_ids, act)
     if GATHER_TRAFFIC * T * k <= w1.shape[0]:
         return moe_experts_gathered(x, w1, w3, w2, topk_weights, topk_ids, act)
     if torch.compiler.is_compiling() and T <= DENSE_MAX_TOKENS:  # grouped_mm has no fp32 tracing support
@@ -116,7 +172,7 @@ def _experts_grouped_mm(rows, w1, w3, w2, counts, act) -> torch.Tensor:
     """rows [R, D] sorted by expert, counts [E] -> [R, D] expert outputs in sorted order."""
     I = w1.shape[1]
     offs = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert
-    gate_up = gate_up_storage(w1, w3)
+    gate_up = bound_gate_up(w1, w3)
     if gate_up is not None:
         h = _grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)  # [R, 2I]
         gate, up = h[:, :I], h[:, I:]
@@ -129,7 +185,7 @@ def _experts_grouped_mm(rows, w1, w3, w2, counts, act) -> torch.Tensor:
 def _experts_loop(rows, w1, w3, w2, counts, act) -> torch.Tensor:
     """The per-expert form of `_experts_grouped_mm` (any dtype and device)."""
     I = w1.shape[1]
-    gate_up = gate_up_storage(w1, w3)
+    gate_up = bound_gate_up(w1, w3)
     out = torch.empty(rows.shape[0], w2.shape[1], dtype=rows.dtype, device=rows.device)  # [R, D]
     start = 0
     for e, count in enumerate(counts.tolist()):
@@ -162,7 +218,7 @@ def moe_experts_gathered(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2
     weights, ids = _local_weights(topk_weights, topk_ids, E)
     flat = ids.reshape(-1)  # [T*k]
     rows = x.unsqueeze(1).expand(T, k, D).reshape(T * k, 1, D)  # [Tk, 1, D]
-    gate_up = gate_up_storage(w1, w3)
+    gate_up = bound_gate_up(w1, w3)
     if gate_up is not None:
         h = torch.bmm(rows, gate_up.index_select(0, flat).transpose(1, 2))  # [Tk, 1, 2I]
         gate, up = h[..., :I], h[..., I:]
@@ -173,6 +229,32 @@ def moe_experts_gathered(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2
     return cast(torch.bmm(weights.view(T, 1, k), fp32(out.view(T, k, D))).view(T, D), x.dtype)
 
 
+def moe_experts_bagged(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, act: GatedActivation) -> torch.Tensor:
+    """Each (token, choice)'s products read its expert's input-major rows in place, as weighted embedding bags:
+    `W @ v = Σ_j v_j · W[:, j]`, the bag of rows `e·K + j` weighted by `v` (no weights copied, no host read).
+    x [T, D] -> [T, D]; needs `bag_layout(w1, w3, w2)`."""
+    T, D = x.shape
+    k = topk_ids.shape[1]
+    E, I, _ = w1.shape
+    tables = bag_layout(w1, w3, w2)
+    weights, ids = _local_weights(topk_weights, topk_ids, E)
+    flat = ids.reshape(-1, 1)  # [Tk, 1]
+    rows_in = (flat * D + torch.arange(D, device=x.device)).view(-1)  # [Tk*D] table rows of each assignment
+    starts_in = torch.arange(0, T * k * D, D, device=x.device)  # [Tk] one bag per assignment
+    h = F.embedding_bag(rows_in, tables.gate_up, starts_in, mode="sum",
+                        per_sample_weights=x.repeat_interleave(k, dim=0).view(-1))  # [Tk, 2I]
+    hidden = act(h[:, :I], h[:, I:])  # [Tk, I]
+    rows_mid = (flat * I + torch.arange(I, device=x.device)).view(-1)  # [Tk*I]
+    if x.dtype == torch.float32:  # the routing weights scale the bags' inputs: one bag per token sums its choices
+        scaled = (hidden.view(T, k, I) * weights.view(T, k, 1)).view(-1)
+        starts = torch.arange(0, T * k * I, k * I, device=x.device)  # [T]
+        return F.embedding_bag(rows_mid, tables.down, starts, mode="sum", per_sample_weights=scaled)
+    starts = torch.arange(0, T * k * I, I, device=x.device)  # [Tk]: outputs per choice, summed in fp32
+    out = F.embedding_bag(rows_mid, tables.down, starts, mode="sum", per_sample_weights=hidden.reshape(-1))
+    return cast(torch.bmm(weights.view(T, 1, k), fp32(out.view(T, k, D))).view(T, D), x.dtype)
+
+
 def moe_experts_every_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                              topk_weights: torch.Tensor, topk_ids: torch.Tensor, act: GatedActivation) -> torch.Tensor:
     """Every expert on every token, summed with dense routing weights [T, E]. x [T, D] -> [T, D]."""
@@ -180,13 +262,12 @@ def moe_experts_every_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor
     E, I, _ = w1.shape
     weights, ids = _local_weights(topk_weights, topk_ids, E)
     dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, ids, weights)  # [T, E]
-    gate_up = gate_up_storage(w1, w3)
+    gate_up = bound_gate_up(w1, w3)  # products by expert: no reshape, which would copy input-major weights
     if gate_up is not None:
-        h = (x @ gate_up.reshape(E * 2 * I, D).t()).view(T, E, 2 * I)  # [T, E, 2I]
+        h = torch.matmul(x, gate_up.transpose(1, 2))  # [E, T, 2I]
         gate, up = h[..., :I], h[..., I:]
     else:
-        gate = (x @ w1.reshape(E * I, D).t()).view(T, E, I)
-        up = (x @ w3.reshape(E * I, D).t()).view(T, E, I)
-    out = torch.bmm(act(gate, up).transpose(0, 1), w2.transpose(1, 2))  # [E, T, D]
+        gate, up = torch.matmul(x, w1.transpose(1, 2)), torch.matmul(x, w3.transpose(1, 2))  # [E, T, I]
+    out = torch.bmm(act(gate, up), w2.transpose(1, 2))  # [E, T, D]
     per_token = fp32(out.transpose(0, 1))  # [T, E, D]
     return cast(torch.bmm(dense.unsqueeze(1), per_token).view(T, D), x.dtype)  # [T, 1, E] x [T, E, D]

@@ -226,3 +226,49 @@ def test_situ_saturates():
 def test_unknown_activation_rejected():
     with pytest.raises(ValueError):
         GatedActivation("gelu")
+
+
+def _input_major(w1, w3, w2):
+    """The routed experts as `lay_out_for_gemv` + binding store them on CPU: gate/up one input-major [E, D, 2I]
+    tensor, down input-major (same shapes and values)."""
+    gate_up = torch.cat([w1, w3], dim=1).transpose(1, 2).contiguous().transpose(1, 2)  # [E, 2I, D] input-major
+    I = w1.shape[1]
+    return gate_up[:, :I], gate_up[:, I:], w2.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (4, 16, 4), (2, 32, 4)])
+def test_bagged_path_equals_naive(monkeypatch, dtype, tol, T, E, k):
+    """Input-major experts with T·k <= E take the in-place (embedding-bag) path, which equals the oracle, including
+    an assignment on another rank's expert (adds nothing); negative control: another expert changes the output."""
+    from kernels.moe import grouped
+
+    called = []
+    for name in ("moe_experts_bagged", "moe_experts_gathered", "sort_assignments"):
+        real = getattr(grouped, name)
+        monkeypatch.setattr(grouped, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
+    x, w1, w3, w2, weights, ids = _experts(T, 32, 24, E, k, dtype=dtype)
+    w1, w3, w2 = _input_major(w1, w3, w2)
+    assert grouped.bag_layout(w1, w3, w2) is not None and grouped.gate_up_storage(w1, w3) is None
+    ids = ids.clone()
+    ids[0, -1] = E + 3  # an expert on another rank (expert parallelism)
+    out = moe_experts_grouped(x, w1, w3, w2, weights, ids, SITU)
+    assert called == ["moe_experts_bagged"] and out.dtype == dtype
+    torch.testing.assert_close(out, moe_experts_naive(x, w1, w3, w2, weights, ids, SITU), atol=tol, rtol=tol)
+    ids[0, 0] = (ids[0, 0] + 1) % E  # negative control
+    assert not torch.allclose(moe_experts_grouped(x, w1, w3, w2, weights, ids, SITU)[0], out[0], atol=10 * tol)
+
+
+@pytest.mark.parametrize("T,compiling", [(40, False), (6, True)], ids=["sorted", "every_expert"])
+def test_input_major_experts_on_the_other_paths(monkeypatch, T, compiling):
+    """More assignments than experts (sorted grouped form) and a compiled step (every expert) read input-major
+    experts without reshaping them: equal to the oracle."""
+    from kernels.moe import grouped
+
+    if compiling:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    x, w1, w3, w2, weights, ids = _experts(T, 32, 24, 8, 2)
+    w1, w3, w2 = _input_major(w1, w3, w2)
+    assert (grouped.bound_gate_up(w1, w3) is None) == compiling
+    out = moe_experts_grouped(x, w1, w3, w2, weights, ids, SITU)
+    torch.testing.assert_close(out, moe_experts_naive(x, w1, w3, w2, weights, ids, SITU), atol=1e-5, rtol=1e-5)

@@ -11,6 +11,7 @@ from engine.model.fused import FusedLinear, ParamGroup
 from engine.model.init import init_random_weights
 from engine.model.loader import LoadConfig, checkpoint_layout, load_model
 from engine.model.model import KimiForCausalLM
+from kernels.moe.grouped import bag_layout
 from tests.model_driver import SequenceDriver
 
 
@@ -98,9 +99,12 @@ def test_cpu_load_stores_linears_input_major(tmp_path, preset):
     assert all(p.is_contiguous() for n, p in weights.items() if "kv_b_proj" in n)
     groups = _groups(model)
     assert all((g.group if isinstance(g, FusedLinear) else g).tensor() is not None for g in groups)
+    experts = [m for m in model.modules() if type(m).__name__ == "StackedExperts"]
+    assert experts and all(column_major(getattr(m, n)) for m in experts for n in ("w1", "w3", "w2"))
+    assert all(bag_layout(m.w1, m.w3, m.w2) is not None for m in experts)  # the decode MoE reads rows in place
     row_major = KimiForCausalLM(model.config)
     row_major.load_state_dict({n: p.contiguous() for n, p in model.state_dict().items()})
-    assert not any(column_major(p) for n, p in row_major.named_parameters() if n.endswith("proj.weight"))
+    assert not any(column_major(p) for n, p in row_major.named_parameters() if n.endswith(("proj.weight", ".w2")))
     prompts = [[3, 9, 27, 81, 243], [7, 49, 343]]
     want = _logits(row_major.eval(), prompts)
     torch.testing.assert_close(_logits(model, prompts), want, atol=1e-4, rtol=1e-4)
