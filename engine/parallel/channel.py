@@ -23,6 +23,7 @@ import dataclasses
 import io
 import pickle
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,47 +59,51 @@ def _dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+_RECURSE = object()  # a `_rebuild` leaf function's answer: not a leaf, look inside
+
+
+def _rebuild(x: Any, leaf: Callable[[Any], Any]) -> Any:
+    """`x` rebuilt through dataclasses, lists, tuples and dicts, each value replaced by `leaf(value)` unless that
+    is `_RECURSE`; values of other types stay as they are."""
+    out = leaf(x)
+    if out is not _RECURSE:
+        return out
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: _rebuild(getattr(x, f.name), leaf) for f in dataclasses.fields(x)
+                                         if f.init})
+    if isinstance(x, (list, tuple)):
+        items = [_rebuild(v, leaf) for v in x]
+        return items if isinstance(x, list) else tuple(items)
+    if isinstance(x, dict):
+        return {k: _rebuild(v, leaf) for k, v in x.items()}
+    return x
+
+
 def split_tensors(obj: Any) -> tuple[Any, list[torch.Tensor], list[Sharded]]:
     """(skeleton, broadcast tensors, sharded values): tensors replaced with `TensorRef`s, in walk order."""
     tensors: list[torch.Tensor] = []
     sharded: list[Sharded] = []
 
-    def walk(x: Any) -> Any:
+    def leaf(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             tensors.append(x)
             return TensorRef(len(tensors) - 1)
         if isinstance(x, Sharded):
             sharded.append(x)
             return TensorRef(-len(sharded))
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            return dataclasses.replace(x, **{f.name: walk(getattr(x, f.name)) for f in dataclasses.fields(x)
-                                             if f.init})
-        if isinstance(x, (list, tuple)):
-            items = [walk(v) for v in x]
-            return items if isinstance(x, list) else tuple(items)
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        return x
+        return _RECURSE
 
-    return walk(obj), tensors, sharded
+    return _rebuild(obj, leaf), tensors, sharded
 
 
 def join_tensors(skeleton: Any, tensors: list[torch.Tensor], parts: list[torch.Tensor]) -> Any:
     """The inverse of `split_tensors` (`parts[k]`: this rank's part of the k-th sharded value)."""
-    def walk(x: Any) -> Any:
+    def leaf(x: Any) -> Any:
         if isinstance(x, TensorRef):
             return tensors[x.index] if x.index >= 0 else parts[-x.index - 1]
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            return dataclasses.replace(x, **{f.name: walk(getattr(x, f.name)) for f in dataclasses.fields(x)
-                                             if f.init})
-        if isinstance(x, (list, tuple)):
-            items = [walk(v) for v in x]
-            return items if isinstance(x, list) else tuple(items)
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        return x
+        return _RECURSE
 
-    return walk(skeleton)
+    return _rebuild(skeleton, leaf)
 
 
 ALIGN = 16  # each tensor's bytes start at a multiple of this in the payload, so views need no copy
