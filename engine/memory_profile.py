@@ -9,7 +9,8 @@ Contract:
     bytes the profile steps allocated above what was allocated before them (`max_memory_allocated`).
   - CPU: `total` is `args.cpu_memory` (`--cpu-memory`), else the machine's physical memory; `in_use` this process's
     resident memory after loading (weights, libraries, allocator); `activation_peak` the resident high-water mark
-    during the profile steps above the resident memory before them (`/proc/self/clear_refs` resets the mark;
+    during the profile steps above the resident memory before them (free heap pages are first returned with
+    glibc's `malloc_trim`, so activations cannot hide in them; `/proc/self/clear_refs` resets the mark;
     where it cannot, the mark since start-up counts, with a warning: larger, never smaller).
   A budget of zero or less raises `EngineConfigError` naming gpu_memory_utilization, with every term.
 - The profile steps are the largest forwards the engine runs (`profile_batches`): one prefill piece of
@@ -28,6 +29,8 @@ Contract:
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import math
 import os
@@ -196,6 +199,7 @@ class HostMeter:
         return _status_bytes("VmRSS")
 
     def start(self) -> None:
+        _return_free_heap()  # freed memory still resident would hold the steps' activations unseen
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # the resident high-water mark restarts at the current resident size
@@ -206,6 +210,17 @@ class HostMeter:
 
     def peak(self) -> int:
         return max(0, _status_bytes("VmHWM") - self._base)
+
+
+def _return_free_heap() -> None:
+    """glibc's `malloc_trim(0)`: free heap pages go back to the system, so activations allocated next raise the
+    resident size (in a long-lived process they would otherwise reuse freed, still-resident pages). A no-op off
+    glibc."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _status_bytes(field: str) -> int:

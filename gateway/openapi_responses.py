@@ -35,8 +35,12 @@ STATUSES: dict[str, tuple[int, ...]] = {
     "/health": (503,), "/metrics": (401,), "/v1/models": (401,), "/v1/models/{model_id}": (401, 404),
     "/v1/chat/completions": _GENERATION, "/v1/completions": _GENERATION,
     "/tokenize": (400, 401, 404, 413, 415, 500), "/detokenize": (400, 401, 404, 413, 415, 500),
-    "/version": (), "/tokenizer_info": (401,)}
-SUCCESS_MEDIA = {"/v1/chat/completions": ("text/event-stream",), "/v1/completions": ("text/event-stream",)}
+    "/version": (), "/tokenizer_info": (401,),
+    # the translated APIs (gateway/responses, gateway/anthropic): their own error bodies carry the same `error` object
+    "/v1/responses": _GENERATION, "/v1/responses/{response_id}": (401, 404),
+    "/v1/messages": _GENERATION, "/v1/messages/count_tokens": (400, 401, 404, 413, 415, 429, 500)}
+SUCCESS_MEDIA = {"/v1/chat/completions": ("text/event-stream",), "/v1/completions": ("text/event-stream",),
+                 "/v1/responses": ("text/event-stream",), "/v1/messages": ("text/event-stream",)}
 HEALTH_SCHEMA = {"type": "object", "required": ["status", "workers"], "properties": {
     "status": {"type": "string", "enum": ["ok", "degraded", "unavailable"]},
     "workers": {"type": "object", "additionalProperties": {"type": "boolean"}}}}

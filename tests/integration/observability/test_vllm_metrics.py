@@ -8,6 +8,9 @@ with the repeated prompt)."""
 
 from __future__ import annotations
 
+import asyncio
+
+from gateway.worker_metrics import ScrapeSettings
 from telemetry.metrics import start_metrics_server
 from telemetry.vllm import ENGINE_SERIES, HISTOGRAM_SERIES, REQUEST_SERIES
 from tests.integration.gateway_harness import checkpoint_fixture, run, running_gateway
@@ -44,6 +47,7 @@ async def _two_requests(model_dir):
                 assert reply.status_code == 200, reply.text
                 assert reply.json()["choices"][0]["finish_reason"] == "length"
             await mesh.drain()
+            await asyncio.sleep(ScrapeSettings.min_interval_s)  # the gateway asks a worker again only after this
             after = await _scrape_all(gw, ports)
             local = await mesh.run(PROMPT, greedy(MAX_TOKENS), route="local")  # colocated: all on the decode worker
             assert local.finish[0] == "length"

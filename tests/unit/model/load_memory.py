@@ -30,7 +30,8 @@ def main(model_dir: str, load_format: str, files_per_rank: int) -> dict:
     model = load_model(model_dir, LoadConfig(load_format=load_format, dtype="bfloat16", files_per_rank=files_per_rank))
     peak = status_kib("VmHWM")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"peak_added": (peak - before) * 1024, "weights": weights}
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    return {"peak_added": (peak - before) * 1024, "weights": weights, "largest_parameter": largest}
 
 
 if __name__ == "__main__":
