@@ -61,7 +61,7 @@ def route_responses(method: str, path: str) -> dict:
     responses: dict = {}
     extra = SUCCESS_MEDIA.get(path, ())
     if extra:
-        responses[200] = {"content": {media: {"schema": {"type": "string"}} for media in extra}}
+        responses[200] = {"content": {media: {"schema": {}} for media in extra}}  # SSE: each event a JSON chunk
     for status in STATUSES.get(path, ()):
         schema = HEALTH_SCHEMA if path == "/health" else ERROR_SCHEMA
         responses[status] = {"description": DESCRIPTIONS.get(status, "Unavailable"),
