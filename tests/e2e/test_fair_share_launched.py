@@ -29,6 +29,7 @@ from tests.e2e.launched import launch, stop
 SLOTS = 64
 FLOOD_TOKENS = 160
 SHORT_TOKENS = 8
+WATCHED_TOKENS = 64  # B's chat whose gauges are read: long enough for a few scrapes of the busy worker
 MODEL = "tiny-k3"
 
 
@@ -94,9 +95,11 @@ async def _flood(mesh, during=None):
         return await asyncio.gather(*flood), result, widest
 
 
-async def _watched(mesh, http: httpx.AsyncClient) -> tuple[float, dict]:
-    """One short chat of B -> (its seconds, the tenant series the first time they showed B running)."""
-    task, seen = asyncio.create_task(_short(mesh, "key-b")), {}
+async def _watched(mesh, http: httpx.AsyncClient) -> tuple[dict, dict]:
+    """One chat of B of WATCHED_TOKENS -> (its message, the tenant series the first time they showed B running)
+    (an 8-token chat can end between two scrapes on an idle machine)."""
+    task = asyncio.create_task(_chat(_client(mesh, "key-b"), "Name three lighthouses.", WATCHED_TOKENS))
+    seen = {}
     while not task.done():
         series = await _scrape(http, mesh["metrics"]["decode"])
         if not seen and series.get(("tenant_running_requests", "tenant-b")):
@@ -113,9 +116,9 @@ def test_a_flooding_tenant_cannot_hold_another_tenants_short_chat(mesh):
         assert widest == SLOTS  # a lone tenant gets the whole engine
 
         async def during(http, flood):
-            first, seen = await _watched(mesh, http)
+            _, seen = await _watched(mesh, http)
             held = asyncio.create_task(_held(mesh, flood))  # negative control: the same chat as tenant A
-            fair = [first] + [await _short(mesh, "key-b") for _ in range(2)]
+            fair = [await _short(mesh, "key-b") for _ in range(3)]
             assert not any(t.done() for t in flood), "B waited for one of A's chats to end"
             return fair, seen, held
         flooded, (fair, seen, held), _ = await _flood(mesh, during)
