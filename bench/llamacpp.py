@@ -8,8 +8,8 @@ Usage: `python -m bench.llamacpp [--models small-linear-kda12,demo-k3] [--thread
   in a copy (the patches are printed: our pre-tokenizer hash is mapped to `kimi-k2`; K3's MTP layer is skipped).
 - Models: `small-linear-kda12` is the `small-linear` preset with `linear_attn_config.num_heads` = 12 =
   `num_attention_heads` (llama.cpp's `kimi-linear` takes the KDA head count from `num_attention_heads`), fp32 on
-  both sides; `demo-k3` is the shipped trained checkpoint (deploy/models/demo-k3): kdamesh runs its bf16 weights as
-  shipped, llama.cpp the f32 GGUF.
+  both sides; `demo-k3` is the shipped trained checkpoint (deploy/models/demo-k3, bf16 files): kdamesh loads it with
+  `--dtype auto`, which is fp32 on CPU (engine/model/loader.py `resolve_dtype`), llama.cpp the f32 GGUF.
 - Sanity first, per model: llama.cpp's greedy continuation (`llama-simple`, prompt ids from `llama-tokenize`) against
   kdamesh's greedy tokens from the same ids, compared as bytes; a difference is printed, not hidden.
 - Measurements (each side at the same thread count: `-t n` / `torch.set_num_threads(n)`; each repetition runs
