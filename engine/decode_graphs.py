@@ -51,6 +51,8 @@ class DecodeGraphs:
         self.max_blocks = max(max_blocks, MIN_TABLE_WIDTH)
         self.capture = config.captures(self.device.type)
         self.compiled = config.compiles(self.device.type)
+        # inductor on CPU writes the KDA pools in place from plain traced ops (kernels/graph_ops.py)
+        self.inline_cache_ops = self.compiled and self.device.type == "cpu" and config.backend == "inductor"
         top, dev = self.buckets[-1], self.device
         self.ids = torch.zeros(top, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(top, dtype=torch.int64, device=dev)
@@ -65,9 +67,10 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.num_runs = 0  # steps run here (tests tell graph steps from eager ones by it)
         if self.compiled:
-            for op in ("moe_experts", "moe_experts_mxfp4"):  # the ops a traced step reaches through the registry
+            # the ops a traced step reaches through the registry
+            for op in ("moe_experts", "moe_experts_mxfp4", "conv_decode", "kda_decode"):
                 get_kernel(op, self.device)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets))
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 3 * len(self.buckets))
         logger.info("decode graphs: buckets %s, %s%s", list(self.buckets),
                     f"torch.compile({config.backend})" if self.compiled else "eager",
                     ", CUDA graphs" if self.capture else "")
@@ -124,7 +127,8 @@ class DecodeGraphs:
     def _call(self, b: int, width: int) -> tuple[torch.Tensor, ...]:
         tables = self.block_tables[:b, :width]
         if self.compiled:
-            torch._dynamo.mark_dynamic(tables, 1, min=MIN_TABLE_WIDTH, max=max(self.max_blocks, MIN_TABLE_WIDTH + 1))
+            # dynamic, and the graph may narrow it (the inline MLA decode guards on a one-tile width)
+            torch._dynamo.maybe_mark_dynamic(tables, 1)
         torch.set_flush_denormal(True)  # as KimiForCausalLM.forward (subnormal KDA states slow every matmul)
         try:
             with torch.inference_mode():
@@ -136,7 +140,8 @@ class DecodeGraphs:
     def _forward(self, ids, cu_seqlens, seq_lens, block_tables, slot_mapping, state_indices
                  ) -> tuple[torch.Tensor, ...]:
         batch = ForwardBatch(input_ids=ids, cu_seqlens=cu_seqlens, seq_lens=seq_lens, block_tables=block_tables,
-                             slot_mapping=slot_mapping, state_indices=state_indices, traced=True)
+                             slot_mapping=slot_mapping, state_indices=state_indices, traced=True,
+                             inline_cache_ops=self.inline_cache_ops)
         model = self.model
         if self.taps:
             hidden, tapped = model.model(batch, self.cache, self.taps)  # [B, D], [B, len(taps) * D]

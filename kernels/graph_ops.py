@@ -14,6 +14,14 @@ implementations directly.
   windows shift in place.
 - `kdamesh::kda_decode(q, k, g [N, H, K], v [N, H, V], beta [N, H], scale, state_indices [N], cache_key, layer)
   -> [N, H, V]`: the layer's recurrent states advance in place.
+- `conv_decode_step(x, weight, state_indices, cache, layer, inline)` / `kda_decode_step(q, k, v, g, beta, scale,
+  state_indices, cache, layer, inline)` / `mla_decode_step(q, latent, slot_mapping, block_tables, seq_lens, scale,
+  v_dim, cache, layer, inline)`: what a traced layer calls. `inline=False`: the custom ops above.
+  `inline=True` (a CPU step compiled by inductor): the registry's torch implementation on the layer's pool,
+  traced as plain ops — inductor fuses the gather, the update and the in-place scatter into the pool with the math
+  around them (one generated kernel instead of ~10 dispatched ops and a custom-op call), and writes the pool in
+  place; MLA inline only while the step's keys fit one gathered tile (longer contexts use the op's split-KV) (no functionalised copy: tests/unit/engine/test_decode_graphs.py checks the pool's storage and values).
+  Not for CUDA graphs or the aot_eager backend, which would copy the pool.
 - `kdamesh::mla_decode(q [N, H, Dk], latent [N, Dk], slot_mapping [N], block_tables [N, nb], seq_lens [N], scale,
   v_dim, cache_key, layer) -> [N, H, v_dim]`: writes the new latents at `slot_mapping`, then attends (one query per
   sequence) with the registry's `mla_decode_graph` op (Triton on CUDA, torch elsewhere; not FlashInfer, whose
@@ -66,6 +74,22 @@ def _kda_decode_fake(q, k, v, g, beta, scale, state_indices, cache_key, layer):
     return v.new_empty(v.shape)
 
 
+def conv_decode_step(x: torch.Tensor, weight: torch.Tensor, state_indices: torch.Tensor, cache, layer: int,
+                     inline: bool) -> torch.Tensor:
+    """x [N, C] -> [N, C]; the layer's conv windows shift in place (see the module docstring)."""
+    if inline:
+        return get_kernel("conv_decode", x.device)(x, weight, cache.conv[layer], state_indices)
+    return conv_decode(x, weight, state_indices, cache.graph_key, layer)
+
+
+def kda_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    scale: float, state_indices: torch.Tensor, cache, layer: int, inline: bool) -> torch.Tensor:
+    """-> o [N, H, V]; the layer's recurrent states advance in place (see the module docstring)."""
+    if inline:
+        return get_kernel("kda_decode", q.device)(q, k, v, g, beta, scale, cache.recurrent[layer], state_indices)
+    return kda_decode(q, k, v, g, beta, scale, state_indices, cache.graph_key, layer)
+
+
 @torch.library.custom_op("kdamesh::mla_decode", mutates_args=())
 def mla_decode(q: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, v_dim: int, cache_key: int, layer: int) -> torch.Tensor:
@@ -75,6 +99,20 @@ def mla_decode(q: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor
     write_kv_cache(kv_cache, slot_mapping, latent)
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int64, device=q.device)  # one query per sequence
     return get_kernel("mla_decode_graph", q.device)(q, kv_cache, block_tables, cu, seq_lens, scale, v_dim)
+
+
+def mla_decode_step(q: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, v_dim: int, cache, layer: int,
+                    inline: bool) -> torch.Tensor:
+    """-> [N, H, v_dim]: writes the new latents, then attends (see the module docstring). Inline only while the
+    step's gather fits one tile (a guard on the table's width: wider tables compile once more, to the op)."""
+    from kernels.attention.torch_paged import decode_attention_one_tile, fits_one_tile, write_kv_cache
+
+    kv_cache = cache.kv[layer]
+    if inline and fits_one_tile(q.shape[0], block_tables, kv_cache):
+        write_kv_cache(kv_cache, slot_mapping, latent)
+        return decode_attention_one_tile(q, kv_cache, block_tables, seq_lens, scale, v_dim).to(q.dtype)
+    return mla_decode(q, latent, slot_mapping, block_tables, seq_lens, scale, v_dim, cache.graph_key, layer)
 
 
 @mla_decode.register_fake

@@ -16,7 +16,9 @@ Contract:
   consecutive state slots, verification out-slots), so ops never read them back from the device. `traced=True`
   marks a batch run by a compiled or captured decode step (engine/decode_graphs.py): the model then reaches the
   caches through `kernels.graph_ops`' custom ops and uses no host metadata, so the traced graph holds no Python
-  value that changes between steps.
+  value that changes between steps. With `inline_cache_ops` as well (a CPU step compiled by inductor) the KDA
+  conv and recurrent updates are traced as plain torch ops on the state pools, which inductor fuses with the math
+  around them and writes in place (`kernels.graph_ops.conv_decode_step` / `kda_decode_step`).
 - `CacheTensors` holds per-layer tensors only; which blocks and slots belong to whom is the engine's business.
   Under tensor parallelism a rank's state slots hold its `kda_heads` = H/N heads (conv channels `3*(H/N)*D`);
   the MLA latent cache is replicated (every rank writes the same latents).
@@ -57,6 +59,7 @@ class ForwardBatch:
     state_out_slots: torch.Tensor | None = None  # [T] int64 KDA slot receiving the state after each token (-1: none)
     host: HostMeta | None = None  # host copies of the index tensors (None: ops read the tensors)
     traced: bool = False  # run by a compiled or captured decode step: cache ops as kernels.graph_ops custom ops
+    inline_cache_ops: bool = False  # traced by inductor on CPU: the KDA cache ops inline (kernels/graph_ops.py)
 
     @property
     def num_seqs(self) -> int:

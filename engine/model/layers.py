@@ -82,7 +82,8 @@ class KDAMixer(nn.Module):
         verify = batch.state_out_slots is not None  # speculative verification: keep the state after each token
         host = batch.host
         if batch.traced:
-            qkv = graph_ops.conv_decode(qkv, conv_w, batch.state_indices, cache.graph_key, self.layer_index)
+            qkv = graph_ops.conv_decode_step(qkv, conv_w, batch.state_indices, cache, self.layer_index,
+                                             batch.inline_cache_ops)
         elif verify:
             qkv = get_kernel("conv_verify", x.device)(qkv, conv_w, conv_pool, batch.state_indices, batch.cu_seqlens,
                                                       batch.state_out_slots, _verify_host(host))
@@ -99,8 +100,8 @@ class KDAMixer(nn.Module):
         state_pool = cache.recurrent[self.layer_index]
         scale = dh ** -0.5
         if batch.traced:
-            o = graph_ops.kda_decode(q, k, v, g, beta, scale, batch.state_indices, cache.graph_key,
-                                     self.layer_index)
+            o = graph_ops.kda_decode_step(q, k, v, g, beta, scale, batch.state_indices, cache, self.layer_index,
+                                          batch.inline_cache_ops)
         elif verify:
             o = get_kernel("kda_verify", x.device)(q, k, v, g, beta, scale, state_pool, batch.state_indices,
                                                    batch.cu_seqlens, batch.state_out_slots, _verify_host(host))
@@ -195,8 +196,9 @@ class MLAMixer(nn.Module):
         q_latent = torch.einsum("thn,hnl->thl", q[..., :nope], w_uk)  # [T, H, lora]
         q_abs = cast(torch.cat([q_latent, q[..., nope:]], dim=-1), cache_dtype)  # [T, H, lora+rope]
         if batch.traced:  # the latent write and the attention as one op (kernels/graph_ops.py)
-            o_latent = graph_ops.mla_decode(q_abs, latent, batch.slot_mapping, batch.block_tables, batch.seq_lens,
-                                            mla.softmax_scale, lora, cache.graph_key, self.layer_index)
+            o_latent = graph_ops.mla_decode_step(q_abs, latent, batch.slot_mapping, batch.block_tables,
+                                                 batch.seq_lens, mla.softmax_scale, lora, cache, self.layer_index,
+                                                 batch.inline_cache_ops)
         else:
             write_kv_cache(kv_cache, batch.slot_mapping, latent)
             host = (batch.host.cu_seqlens, batch.host.seq_lens) if batch.host else None

@@ -170,6 +170,19 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     return out
 
 
+def decode_attention_one_tile(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                              seq_lens: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
+    """One query per sequence over every listed block in one gather: q [N, H, Dk] -> [N, H, v_dim] fp32. For
+    steps whose gather fits a tile (`fits_one_tile`): no Python loop over the table's width, so a compiled step
+    with a dynamic width traces it as plain ops. Reads nothing back."""
+    return _decode_partial(q, kv_cache, block_tables, seq_lens, 0, scale, v_dim)[0]
+
+
+def fits_one_tile(num_seqs: int, block_tables: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether `num_seqs` sequences' gathered keys over `block_tables`' width fit `DECODE_KEY_ELEMS` values."""
+    return num_seqs * block_tables.shape[1] * kv_cache.shape[1] * kv_cache.shape[2] <= DECODE_KEY_ELEMS
+
+
 def write_kv_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor) -> None:
     """Writes latent [T, Dk] into kv_cache [num_blocks, block_size, Dk] at flat slots slot_mapping [T] (in place).
     Slots must be valid and distinct (padding rows of a bucketed step write to a scratch block): no host read."""
