@@ -55,11 +55,10 @@ from gateway.chat_run import ChatRun
 from gateway.completion_run import CompletionRun
 from gateway.config import GatewayConfig
 from gateway.discovery import Discovery
-from gateway.media import load_media_config
 from gateway.media_fetch import MediaFetcher
 from gateway.mesh_client import MeshClient
 from gateway.metrics import GatewayMetrics
-from gateway.plan import ChatPlan, ChatPlanner, check_prompt_length
+from gateway.plan import ChatPlan, ChatPlanner, check_prompt_length, planner_for
 from gateway.protocol.completions import encode_prompt_text
 from gateway.prepare import PrepPool
 from gateway.protocol import (ApiError, ChatCompletionRequest, CompletionJob, TokenizeChatRequest,
@@ -109,10 +108,11 @@ class GatewayCore:
         self.prep.start()
         if self.tokenizer is None:
             self.tokenizer = KimiTokenizer.from_pretrained(self.config.model)
-        self.renderer = ChatRenderer.from_pretrained(self.config.model, self.tokenizer)
+        self.planner = planner_for(self.config, self.tokenizer, lambda: self.max_model_len)
+        self.renderer = self.planner.renderer
         specials = self.tokenizer.special_tokens
-        self.planner = ChatPlanner(self.renderer, self.config, lambda: self.max_model_len,
-                                   load_media_config(self.config.model), frozenset(specials.values()))
+        self.prep.use_processes(self.config, {"tokenizer": self.tokenizer, "renderer": self.renderer,
+                                              "planner": self.planner}, lambda: self.max_model_len)
         self.marker_ids = frozenset(specials[m] for m in OUTPUT_MARKERS if m in specials)
         if self.mesh is None:
             self.mesh = (await self.discovery.resolve_config()).make_mesh()
