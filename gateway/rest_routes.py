@@ -64,8 +64,8 @@ async def health(request: Request):
     else:
         status = "unavailable"
     identity = {"X-Kdamesh-Instance": core.config.instance_id} if core.config.instance_id else None
-    return JSONResponse({"status": status, "workers": workers}, status_code=503 if status == "unavailable" else 200,
-                        headers=identity)
+    return JSONResponse({"status": status, "workers": workers, "max_model_len": core.max_model_len},
+                        status_code=503 if status == "unavailable" else 200, headers=identity)
 
 
 def _unless_public(request: Request, public: bool) -> None:
