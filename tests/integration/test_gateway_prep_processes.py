@@ -63,6 +63,7 @@ def test_process_lane_prepares_what_the_gateway_would(tiny_k3):
             assert pool.processes is not None and len(pool.processes._live) == 1
             chat = _schema_chat()
             assert await pool.run(planner.plan, chat, size=LARGE) == planner.plan(chat)
+            assert await pool.run(planner.render, chat, size=LARGE) == planner.render(chat)  # /tokenize's chat
             text = "a prompt <|im_end|> with a special token " * 50
             assert await pool.run(encode_prompt_text, tokenizer, text, size=LARGE) == \
                 encode_prompt_text(tokenizer, text)
