@@ -3,10 +3,10 @@
 Contract:
 - `PrepPool(settings)` runs synchronous work (`await pool.run(fn, *args, size=...)`: JSON decoding of a request
   body, chat rendering and structure hints, tokenisation, structured-output preparation, image decoding) on
-  threads or preparation processes, never on the event loop; what `fn` raises is re-raised (an `ApiError` reaches the client as is).
-- Two lanes: work for a request of at most `small_bytes` (`size`: its body and fetched
-  images, in bytes) runs on the small lane, larger work on the large lane, so a small request never waits behind
-  a worst-case one.
+  threads or preparation processes, never on the event loop; what `fn` raises is re-raised (an `ApiError` reaches
+  the client as is).
+- Two lanes: work for a request of at most `small_bytes` (`size`: its body and fetched images, in bytes) runs on
+  the small lane, larger work on the large lane, so a small request never waits behind a worst-case one.
 - Per lane, at most `workers + queue_limit` requests are being prepared or waiting at once; one more is refused at
   once with `ApiError` 503 `server_busy` and `Retry-After` (nothing is queued without bound).
 - Each request waits at most `timeout_s` for its preparation (queueing included): then `ApiError` 503
@@ -23,7 +23,8 @@ Contract:
   1 ms; Python's default is 5 ms), so the event loop waits about that long for the GIL at each wake-up. Measured
   (tests/integration/test_gateway_event_loop.py, docs/benchmarks.md): /health p99 stays under 100 ms while
   worst-case requests are prepared, where it froze for seconds before the pool and reached ~110 ms with threads.
-- `close()` stops the threads (work in flight finishes; nothing new starts), kills the processes and restores the switch interval.
+- `close()` stops the threads (work in flight finishes; nothing new starts), kills the processes and restores the
+  switch interval.
 """
 
 from __future__ import annotations
