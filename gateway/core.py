@@ -13,7 +13,8 @@ Contract:
   worker health checks and the KV event subscriptions (routing); `close()` stops them (and closes a mesh it created).
 - `authenticate(authorization)` -> `Principal`, or `ApiError` 401 (open mode: every request is anonymous).
 - `await prepare(fn, *args)`: CPU work of a request in the bounded preparation pool (gateway/prepare.py; 503
-  `server_busy` / `prepare_timeout` with `Retry-After`), never on the event loop: the fronts decode bodies and
+  `server_busy` / `prepare_timeout` with `Retry-After`; its large lane on preparation processes unless the core was
+  given its tokenizer, which those processes could not load), never on the event loop: the fronts decode bodies and
   build completion jobs there, and `plan_chat` / `tokenize` render, tokenise and decode images there.
 - `await plan_chat(request, size)` -> `ChatPlan` (gateway.plan; `size`: the body's bytes, to which the fetched
   images add, choose the preparation lane); `ApiError` 400 for what cannot be served. Its image URLs
@@ -82,6 +83,7 @@ class GatewayCore:
         self.discovery = discovery or Discovery(config)
         self.mesh = mesh
         self.tokenizer = tokenizer
+        self._own_tokenizer = tokenizer is None  # loaded from config.model by `start()`
         self.renderer: ChatRenderer | None = None
         self.planner: ChatPlanner | None = None
         self.marker_ids: frozenset[int] = frozenset()  # special ids the output parsers read (others are dropped)
@@ -111,8 +113,9 @@ class GatewayCore:
         self.planner = planner_for(self.config, self.tokenizer, lambda: self.max_model_len)
         self.renderer = self.planner.renderer
         specials = self.tokenizer.special_tokens
-        self.prep.use_processes(self.config, {"tokenizer": self.tokenizer, "renderer": self.renderer,
-                                              "planner": self.planner}, lambda: self.max_model_len)
+        if self._own_tokenizer:  # the processes load the same one from config.model (a given one stays on threads)
+            self.prep.use_processes(self.config, {"tokenizer": self.tokenizer, "renderer": self.renderer,
+                                                  "planner": self.planner}, lambda: self.max_model_len)
         self.marker_ids = frozenset(specials[m] for m in OUTPUT_MARKERS if m in specials)
         if self.mesh is None:
             self.mesh = (await self.discovery.resolve_config()).make_mesh()
