@@ -8,7 +8,8 @@ Contract:
   the cache service, then the prefill (disaggregated mode only) and decode workers, then the gateway, each as its
   own process (`python -m deploy.cli serve --role …`) on the given ports or free ones; waits until each reports
   ready (gRPC health SERVING; the gateway's `GET /health` 200 carrying the launch's random nonce in
-  X-Kdamesh-Instance, so another server on the port never passes); prints the endpoints; and serves until SIGINT
+  X-Kdamesh-Instance, so another server on the port never passes, and a `max_model_len`: the gateway has heard
+  its workers' context length, so the first request is admitted, never a 503 "retry shortly"); prints the endpoints; and serves until SIGINT
   (Ctrl-C) or SIGTERM. A service that exits is restarted with backoff on the same ports (deploy/supervisor.py;
   `restart=False`, `--no-restart`: the mesh stops instead). Then it stops everything — gateway first, cache last —
   with SIGTERM, and SIGKILL after `stop_timeout_s`. Returns 0 after a requested stop, 1 when a service failed.
@@ -71,12 +72,14 @@ def _grpc_ready(address: str) -> bool:
 
 
 def _http_ready(base_url: str, instance_id: str | None = None) -> bool:
-    """GET /health answers 200 — from our own gateway when `instance_id` is given (its X-Kdamesh-Instance header)."""
+    """GET /health answers 200 with the workers' context length (the gateway has heard from its workers, so it
+    admits requests rather than answering 503 "retry shortly") — from our own gateway when `instance_id` is given
+    (its X-Kdamesh-Instance header)."""
     try:
         with urllib.request.urlopen(f"{base_url}/health", timeout=2.0) as reply:
             ours = instance_id is None or reply.headers.get(INSTANCE_HEADER) == instance_id
-            return reply.status == 200 and ours
-    except (urllib.error.URLError, OSError, ValueError):
+            return reply.status == 200 and ours and json.loads(reply.read()).get("max_model_len") is not None
+    except (urllib.error.URLError, OSError, ValueError, AttributeError):
         return False
 
 

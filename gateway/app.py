@@ -5,9 +5,10 @@ Contract:
   (gateway/core.py: the pipeline shared with the gRPC API). Without `core` it makes one; a core the app made is
   started and closed by the app's lifespan (a given core is the caller's to start and close). `shutdown` (a
   `gateway.rest_io.ShutdownClock`) lets running streams end cleanly when the server stops.
-- `GET /health`: `{"status", "workers": {address: serving}}` — 200 "ok" when every mesh worker reports SERVING,
-  200 "degraded" when some do not but a decode worker does (requests are routed around the others), else 503
-  "unavailable".
+- `GET /health`: `{"status", "workers": {address: serving}, "max_model_len"}` — 200 "ok" when every mesh worker
+  reports SERVING, 200 "degraded" when some do not but a decode worker does (requests are routed around the
+  others), else 503 "unavailable"; `max_model_len` is null until a worker has reported its context length (until
+  then requests get 503 "retry shortly": `kdamesh up` waits for it before it prints its endpoints).
   `GET /metrics`: Prometheus text format (gateway/metrics.py): the gateway's series and its workers'; `HEAD
   /metrics` and `HEAD /health` answer as GET without a body (scrapers such as aiperf probe with HEAD).
 - With API keys configured (`KDAMESH_API_KEYS`, `--api-keys-file`) every endpoint but `/health` needs

@@ -23,7 +23,7 @@ Contract:
   Responses API responses the gateway keeps in memory, in how many MiB (gateway/responses/store.py); 0 responses
   turns the store off.
 - `prepare_settings()` bounds the preparation pool (gateway/prepare.py: `--prepare-workers`,
-  `--prepare-queue-limit`, `--prepare-timeout-s`, `--prepare-small-bytes`, `--switch-interval-ms`); `stall_policy()` is when a silent worker ends a request
+  `--prepare-queue-limit`, `--prepare-timeout-s`, `--prepare-small-bytes`, `--switch-interval-ms`, `--prepare-processes`); `stall_policy()` is when a silent worker ends a request
   (gateway/stall.py: `--stall-timeout-s`, `--stall-prefill-tokens-per-s`); `sse_keepalive_s` spaces the SSE
   `: keep-alive` comments (0: none).
 - `public_docs` / `public_metrics`: with API keys configured, `/openapi.json`, `/docs`, `/redoc` (and `/metrics`)
@@ -168,6 +168,10 @@ class GatewayConfig:
     prepare_small_bytes: int = option("--prepare-small-bytes", default=64 << 10, parse=parse_bytes,
                                       help="requests of at most this many bytes (body and fetched images) are "
                                            "prepared on their own threads, never behind larger ones")
+    prepare_processes: int = option("--prepare-processes", default=2, parse=int,
+                                    help="processes that prepare the requests over --prepare-small-bytes (off the "
+                                         "gateway process's GIL; a cancelled request's process is killed); 0: "
+                                         "threads")
     switch_interval_ms: float = option("--switch-interval-ms", default=1.0, parse=float,
                                        help="the gateway process's thread switch interval (milliseconds; Python's "
                                             "default 5): how long the event loop may wait for a preparing thread")
@@ -293,7 +297,7 @@ class GatewayConfig:
 
     def prepare_settings(self) -> PrepSettings:
         return PrepSettings(self.prepare_workers, self.prepare_queue_limit, self.prepare_timeout_s,
-                            self.prepare_small_bytes, self.switch_interval_ms)
+                            self.prepare_small_bytes, self.switch_interval_ms, self.prepare_processes)
 
     def stall_policy(self) -> StallPolicy:
         return StallPolicy(self.stall_timeout_s, self.stall_prefill_tokens_per_s)

@@ -13,7 +13,8 @@ Contract:
   worker health checks and the KV event subscriptions (routing); `close()` stops them (and closes a mesh it created).
 - `authenticate(authorization)` -> `Principal`, or `ApiError` 401 (open mode: every request is anonymous).
 - `await prepare(fn, *args)`: CPU work of a request in the bounded preparation pool (gateway/prepare.py; 503
-  `server_busy` / `prepare_timeout` with `Retry-After`), never on the event loop: the fronts decode bodies and
+  `server_busy` / `prepare_timeout` with `Retry-After`; its large lane on preparation processes unless the core was
+  given its tokenizer, which those processes could not load), never on the event loop: the fronts decode bodies and
   build completion jobs there, and `plan_chat` / `tokenize` render, tokenise and decode images there.
 - `await plan_chat(request, size)` -> `ChatPlan` (gateway.plan; `size`: the body's bytes, to which the fetched
   images add, choose the preparation lane); `ApiError` 400 for what cannot be served. Its image URLs
@@ -55,11 +56,10 @@ from gateway.chat_run import ChatRun
 from gateway.completion_run import CompletionRun
 from gateway.config import GatewayConfig
 from gateway.discovery import Discovery
-from gateway.media import load_media_config
 from gateway.media_fetch import MediaFetcher
 from gateway.mesh_client import MeshClient
 from gateway.metrics import GatewayMetrics
-from gateway.plan import ChatPlan, ChatPlanner, check_prompt_length
+from gateway.plan import ChatPlan, ChatPlanner, check_prompt_length, planner_for
 from gateway.protocol.completions import encode_prompt_text
 from gateway.prepare import PrepPool
 from gateway.protocol import (ApiError, ChatCompletionRequest, CompletionJob, TokenizeChatRequest,
@@ -83,6 +83,7 @@ class GatewayCore:
         self.discovery = discovery or Discovery(config)
         self.mesh = mesh
         self.tokenizer = tokenizer
+        self._own_tokenizer = tokenizer is None  # loaded from config.model by `start()`
         self.renderer: ChatRenderer | None = None
         self.planner: ChatPlanner | None = None
         self.marker_ids: frozenset[int] = frozenset()  # special ids the output parsers read (others are dropped)
@@ -109,10 +110,12 @@ class GatewayCore:
         self.prep.start()
         if self.tokenizer is None:
             self.tokenizer = KimiTokenizer.from_pretrained(self.config.model)
-        self.renderer = ChatRenderer.from_pretrained(self.config.model, self.tokenizer)
+        self.planner = planner_for(self.config, self.tokenizer, lambda: self.max_model_len)
+        self.renderer = self.planner.renderer
         specials = self.tokenizer.special_tokens
-        self.planner = ChatPlanner(self.renderer, self.config, lambda: self.max_model_len,
-                                   load_media_config(self.config.model), frozenset(specials.values()))
+        if self._own_tokenizer:  # the processes load the same one from config.model (a given one stays on threads)
+            self.prep.use_processes(self.config, {"tokenizer": self.tokenizer, "renderer": self.renderer,
+                                                  "planner": self.planner}, lambda: self.max_model_len)
         self.marker_ids = frozenset(specials[m] for m in OUTPUT_MARKERS if m in specials)
         if self.mesh is None:
             self.mesh = (await self.discovery.resolve_config()).make_mesh()

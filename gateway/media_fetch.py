@@ -26,7 +26,8 @@ Contract:
   - 400 `media_url_not_allowed` too for a file: URL holding a NUL byte (`%00`).
   - 400 `not_an_image`: a Content-Type other than image/*, application/octet-stream or none.
 - `close()` closes its HTTP client. Nothing blocks the event loop: HTTP is httpx's async client (no proxies from the
-  environment, redirects followed here so each hop is checked), files are read in a thread.
+  environment, redirects followed here so each hop is checked); a file: URL's path is resolved and checked (symlinks
+  and `..`: the file system) and the file read on a thread.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ class MediaFetcher:
                 wanted.setdefault(url, where)
         if not wanted:
             return {}
-        for url, where in wanted.items():
-            self._check(where, url)  # every URL allowed before any is fetched
+        local = [(where, url) for url, where in wanted.items() if self._check(where, url)]
+        if local:  # every URL allowed before any is fetched; resolving a path touches the file system: a thread
+            await asyncio.to_thread(lambda: [self._local_path(where, url) for where, url in local])
         tasks: dict[str, asyncio.Task] = {}
         try:
             async with asyncio.TaskGroup() as group:
@@ -127,14 +129,15 @@ class MediaFetcher:
             await self._client.aclose()
             self._client = None
 
-    def _check(self, where: str, url: str) -> None:
+    def _check(self, where: str, url: str) -> bool:
+        """Checks an http(s) URL; -> whether it is a file: URL (its path is checked on a thread, `_local_path`)."""
         scheme = url.split(":", 1)[0].lower()
         if scheme in ("http", "https"):
             self._check_host(where, url)
-        elif scheme == "file":
-            self._local_path(where, url)
-        else:
-            raise _fail(where, 400, "image_url.url must be a base64 data: URL, an http(s) URL or a file: URL", None)
+            return False
+        if scheme == "file":
+            return True
+        raise _fail(where, 400, "image_url.url must be a base64 data: URL, an http(s) URL or a file: URL", None)
 
     def _check_host(self, where: str, url: str) -> None:
         try:

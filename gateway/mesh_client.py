@@ -19,7 +19,8 @@ Contract:
 - The decision's inputs come from here: the chosen decode worker's prefix hit (its KV-event index, the same
   `Pick` that chose it; no call), and the prefills this gateway has in flight.
 - Stalls (`gateway.stall.StallPolicy`, `stall`): a decode stream silent past the policy's limit (the first message:
-  the prompt's expected prefill time more) raises `gateway.stall.WorkerStalled`; a prefill silent past its first
+  the prompt's expected prefill time more) from a worker that has not answered its health check SERVING for as
+  long (a queued or preempted request of a busy worker waits on) raises `gateway.stall.WorkerStalled`; a prefill silent past its first
   message limit is redone on the decode worker (the fallback path, counted in `stats.prefill_stalls` too).
 - Errors: `MeshError` with the gRPC status code and message of the failing call (INVALID_ARGUMENT, NOT_FOUND,
   DEADLINE_EXCEEDED, UNAVAILABLE, ...); the REST layer maps it to an HTTP status.
@@ -242,7 +243,8 @@ class MeshClient(WorkerPool):
         try:
             while True:
                 try:
-                    chunk = await next_message(messages, limit_s, describe)
+                    chunk = await next_message(messages, limit_s, describe,
+                                               lambda: self.since_serving(decoder.address))
                 except StopAsyncIteration:
                     break
                 limit_s = self.stall.gap_s()

@@ -43,7 +43,8 @@ SUCCESS_MEDIA = {"/v1/chat/completions": ("text/event-stream",), "/v1/completion
                  "/v1/responses": ("text/event-stream",), "/v1/messages": ("text/event-stream",)}
 HEALTH_SCHEMA = {"type": "object", "required": ["status", "workers"], "properties": {
     "status": {"type": "string", "enum": ["ok", "degraded", "unavailable"]},
-    "workers": {"type": "object", "additionalProperties": {"type": "boolean"}}}}
+    "workers": {"type": "object", "additionalProperties": {"type": "boolean"}},
+    "max_model_len": {"type": ["integer", "null"]}}}
 
 
 def _schema_path(path: str) -> str:

@@ -16,6 +16,7 @@ Contract:
   (`gateway.hints`: where the system block and every message but the last end, plus the client's
   `kdamesh_snapshot_hints`, 400 `param: "kdamesh_snapshot_hints"` for one outside the prompt), as positions in the
   prompt the mesh gets (shifted past expanded image pads).
+- `planner_for(config, tokenizer, max_model_len)`: the planner of `config.model`, as the gateway builds it.
 - `render(request, fetched)` renders a chat (or /tokenize chat) request with the same checks, nothing else decided
   (its ids hold one pad per image, as the chat template writes it).
 - `check_prompt_length(prompt_tokens, max_tokens, limit, param)`: 400 `context_length_exceeded` when the prompt
@@ -33,7 +34,7 @@ from types import MappingProxyType
 
 from gateway.chat import ChatFormatError, ChatRenderer, RenderedPrompt
 from gateway.config import GatewayConfig
-from gateway.media import DecodedImage, MediaConfig, collect_images, expand
+from gateway.media import DecodedImage, MediaConfig, collect_images, expand, load_media_config
 from gateway.hints import check_client_hints, merge_hints, shift_past_media, structure_hints
 from gateway.protocol import ApiError, ChatCompletionRequest, TokenizeChatRequest, sampling_from_chat
 from gateway.protocol.errors import RETRY_AFTER_S
@@ -62,6 +63,14 @@ class ChatPlan:
     @property
     def prompt_ids(self) -> list[int]:
         return self.expanded_ids if self.expanded_ids is not None else self.prompt.token_ids
+
+
+def planner_for(config: GatewayConfig, tokenizer, max_model_len: Callable[[], int | None]) -> ChatPlanner:
+    """The planner of `config.model` (its chat template, images, the tokenizer's specials), as the gateway and its
+    preparation processes (gateway/prep_worker.py) build it."""
+    renderer = ChatRenderer.from_pretrained(config.model, tokenizer)
+    return ChatPlanner(renderer, config, max_model_len, load_media_config(config.model),
+                       frozenset(tokenizer.special_tokens.values()))
 
 
 def check_prompt_length(prompt_tokens: int, max_tokens: int | None, limit: int | None, param: str) -> None:

@@ -6,7 +6,8 @@ Contract (the endpoints are listed in gateway/app.py):
 - `/v1/chat/completions` and `/v1/completions` differ only in how they start a run (`_start_chat`,
   `_start_completion`); both then go through `gateway.handler.open_run` and `_respond`: a stream as Server-Sent
   Events (`: keep-alive` comments while the mesh is silent, `--sse-keepalive-s`), else one JSON body; the CPU
-  work (JSON decoding, validation, planning, tokenising) runs in the preparation pool (`GatewayCore.prepare`);
+  work (JSON decoding, validation, planning, tokenising) runs in the preparation pool (`GatewayCore.prepare`), and a
+  client that disconnects while its request is prepared cancels that work (a preparation process is killed);
   every response names the request id (`X-Request-Id`). A client that disconnects
   before its response started cancels the run (499, nothing sent).
 - `/metrics` and the API docs (`/openapi.json`, `/docs`, `/redoc`) need a key when keys are configured, unless
@@ -20,9 +21,11 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from gateway.caps import RequestCaps
 from gateway.core import GatewayCore
 from gateway.handler import Start, open_run
 from gateway.info import tokenizer_info_body, version_body
+from gateway.plan import ChatPlan, check_prompt_length
 from gateway.protocol import (ApiError, ClientGone, failure_of, not_found_model, parse_chat, parse_completion,
                               parse_detokenize, parse_tokenize)
 from gateway.request_trace import RequestTrace
@@ -61,8 +64,8 @@ async def health(request: Request):
     else:
         status = "unavailable"
     identity = {"X-Kdamesh-Instance": core.config.instance_id} if core.config.instance_id else None
-    return JSONResponse({"status": status, "workers": workers}, status_code=503 if status == "unavailable" else 200,
-                        headers=identity)
+    return JSONResponse({"status": status, "workers": workers, "max_model_len": core.max_model_len},
+                        status_code=503 if status == "unavailable" else 200, headers=identity)
 
 
 def _unless_public(request: Request, public: bool) -> None:
@@ -148,8 +151,12 @@ async def chat_completions(request: Request):
     async def start(principal: Principal, trace: RequestTrace) -> Run:
         core = _core(request)
         raw = await read_body(request)
-        chat = await core.prepare(_parsed, parse_chat, raw, core.served, size=len(raw))
-        return core.chat(principal, await core.plan_chat(chat, len(raw)), trace=trace)
+
+        async def plan() -> ChatPlan:
+            chat = await core.prepare(_parsed, parse_chat, raw, core.served, size=len(raw))
+            return await core.plan_chat(chat, len(raw))
+
+        return core.chat(principal, await unless_disconnected(request, plan()), trace=trace)
 
     return await _respond(request, "chat", start, CHAT)
 
@@ -158,7 +165,8 @@ async def completions(request: Request):
     async def start(principal: Principal, trace: RequestTrace) -> Run:
         core = _core(request)
         raw = await read_body(request)
-        job = await core.prepare(_parsed, parse_completion, raw, core.tokenizer, core.served, size=len(raw))
+        job = await unless_disconnected(request, core.prepare(_checked_completion, raw, core.tokenizer, core.served,
+                                                              core.caps, core.max_model_len, size=len(raw)))
         return core.complete(principal, job, trace=trace)
 
     return await _respond(request, "completions", start, COMPLETION)
@@ -167,6 +175,17 @@ async def completions(request: Request):
 def _parsed(parse, raw: bytes, *args):
     """`parse(decoded body, *args)`: a request's CPU work up to its validated form (run in the preparation pool)."""
     return parse(decode_json(raw), *args)
+
+
+def _checked_completion(raw: bytes, tokenizer, served: set[str], caps: RequestCaps, limit: int | None):
+    """The completion job of a body, its prompts already held to the caps and the context length (`limit`), so a
+    refused 10 MB prompt's millions of ids never travel back from a preparation process (`GatewayCore.complete`
+    checks the same again)."""
+    job = _parsed(parse_completion, raw, tokenizer, served)
+    caps.check([len(p) for p in job.prompts], job.request.n, "prompt")
+    for prompt in job.prompts:
+        check_prompt_length(len(prompt), job.max_tokens, limit, "prompt")
+    return job
 
 
 async def _respond(request: Request, endpoint: str, start: Start, fmt: RestFormat) -> Response:

@@ -7,9 +7,14 @@ Contract:
   expected prefill time on top, `first_message_s(prompt_tokens)` = `timeout_s + prompt_tokens /
   prefill_tokens_per_s`. The limit is per message gap, never the whole request: a long generation that keeps
   streaming is never cut (the request deadline, `--request-timeout-s`, bounds that).
-- `next_message(iterator, limit_s, describe)`: the iterator's next item, or `WorkerStalled` (a
-  `gateway.mesh_client`-independent exception carrying `describe` and the limit) when none came within `limit_s`;
-  the pending read is cancelled. `StopAsyncIteration` passes through.
+- `next_message(iterator, limit_s, describe, since_serving)`: the iterator's next item, or `WorkerStalled` (a
+  `gateway.mesh_client`-independent exception carrying `describe` and the limit) when none came within `limit_s`
+  and the worker has not shown it is alive meanwhile: `since_serving()` (seconds since the worker last answered its
+  health check SERVING; None: no such evidence) below `limit_s` means it answers — it is busy, the request waits
+  in its queue or was preempted to give another tenant its share (engine/fair_share.py) — and the wait goes on
+  until `limit_s` after its last SERVING answer. A paused or wedged worker stops answering its health checks too,
+  so it is still given up on within `limit_s` of its last sign of life. Then the pending read is cancelled (also
+  when the caller is). `StopAsyncIteration` passes through.
 - `WorkerStalled.api_error(request_id)`: the client's error, 503 `worker_stalled` with `Retry-After` (the request
   may be retried; the worker is avoided once the health checks mark it), naming the silence and the request id.
 """
@@ -17,7 +22,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,11 +60,21 @@ class WorkerStalled(Exception):
                         headers={"Retry-After": RETRY_AFTER_S})
 
 
-async def next_message(iterator: AsyncIterator, limit_s: float, describe: str) -> Any:
-    # asyncio.timeout, not wait_for: Python 3.11's wait_for may swallow a cancellation that races the item (the
-    # run of a client that went away would go on)
+async def next_message(iterator: AsyncIterator, limit_s: float, describe: str,
+                       since_serving: Callable[[], float | None] = lambda: None) -> Any:
+    # asyncio.wait, not wait_for: Python 3.11's wait_for may swallow a cancellation that races the item (the run
+    # of a client that went away would go on); and a read that timed out is still the one waited on after
+    read = asyncio.ensure_future(iterator.__anext__())
     try:
-        async with asyncio.timeout(limit_s):
-            return await iterator.__anext__()
-    except TimeoutError:
-        raise WorkerStalled(describe, limit_s) from None
+        wait_s = limit_s
+        while True:
+            done, _ = await asyncio.wait({read}, timeout=wait_s)
+            if done:
+                return read.result()
+            quiet = since_serving()
+            if quiet is None or quiet >= limit_s:
+                raise WorkerStalled(describe, limit_s)
+            wait_s = limit_s - quiet
+    finally:
+        if not read.done():
+            read.cancel()

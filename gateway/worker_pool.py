@@ -243,6 +243,11 @@ class WorkerPool:
         await self.refresh_info(timeout_s)
         return results
 
+    def since_serving(self, address: str) -> float | None:
+        """Seconds since `address` last answered its health check SERVING; None before it ever did."""
+        at = self._serving_at.get(address)
+        return None if at is None else time.monotonic() - at
+
     def _verdict(self, address: str, answer: str, healthy: bool) -> bool:
         now = time.monotonic()
         self._serving_at.setdefault(address, now)  # a worker never SERVING counts from its first check

@@ -58,6 +58,9 @@ class ApiError(Exception):
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
         self.headers = headers or {}
 
+    def __reduce__(self):  # pickled by the preparation processes (gateway/prep_procs.py)
+        return (ApiError, (self.status, self.message, self.param, self.code, self.type, self.headers))
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 

@@ -95,20 +95,6 @@ async def _flood(mesh, during=None):
         return await asyncio.gather(*flood), result, widest
 
 
-async def _warm_up(mesh, deadline_s: float = 60.0) -> None:
-    """B's first chat, retried while the gateway answers 503 "retry shortly": the launcher prints its endpoints
-    before the gateway has heard the decode worker's context length (seen once on a loaded machine)."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            await _short(mesh, "key-b")
-            return
-        except openai.APIStatusError as exc:
-            if exc.status_code != 503 or time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.5)
-
-
 async def _watched(mesh, http: httpx.AsyncClient) -> tuple[dict, dict]:
     """One chat of B of WATCHED_TOKENS -> (its message, the tenant series the first time they showed B running)
     (an 8-token chat can end between two scrapes on an idle machine)."""
@@ -124,7 +110,7 @@ async def _watched(mesh, http: httpx.AsyncClient) -> tuple[dict, dict]:
 
 def test_a_flooding_tenant_cannot_hold_another_tenants_short_chat(mesh):
     async def main():
-        await _warm_up(mesh)
+        await _short(mesh, "key-b")  # warm; the launcher printed its endpoints once the gateway could admit it
         idle = [await _short(mesh, "key-b") for _ in range(3)]
         alone, _, widest = await _flood(mesh)
         assert widest == SLOTS  # a lone tenant gets the whole engine

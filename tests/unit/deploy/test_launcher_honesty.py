@@ -1,11 +1,13 @@
 """The launcher's readiness check accepts only its own gateway (the nonce its /health echoes), never another HTTP
-server answering 200 on the port; the gateway tells clients when to come back (Retry-After) when no worker can serve
+server answering 200 on the port, and only once the gateway knows its workers' context length (its /health's
+`max_model_len`; before that every request gets 503 "retry shortly"); the gateway tells clients when to come back (Retry-After) when no worker can serve
 them (503), which is what they see while the launcher restarts a worker; the supervisor's backoff doubles while a
 service keeps failing, is logged with the service's name and exit code, and `--no-restart` raises instead."""
 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
@@ -18,12 +20,14 @@ from gateway.protocol.errors import mesh_api_error
 
 class _Health(BaseHTTPRequestHandler):
     nonce: str | None = None
+    body = b'{"status": "ok", "workers": {}, "max_model_len": 4096}'
 
     def do_GET(self):  # noqa: N802 - http.server's name
         self.send_response(200)
         if self.nonce:
             self.send_header(INSTANCE_HEADER, self.nonce)
         self.end_headers()
+        self.wfile.write(self.body)
 
     def log_message(self, *args):
         pass
@@ -31,13 +35,23 @@ class _Health(BaseHTTPRequestHandler):
 
 @pytest.mark.parametrize("served_nonce, ready", [(None, False), ("other", False), ("ours", True)])
 def test_readiness_needs_the_launchs_own_nonce(served_nonce, ready):
-    handler = type("Handler", (_Health,), {"nonce": served_nonce})
+    with _serving(type("Handler", (_Health,), {"nonce": served_nonce})) as url:
+        assert _http_ready(url, "ours") is ready
+        assert _http_ready(url)  # without a nonce (other callers): any 200 that knows the context length
+
+
+@pytest.mark.parametrize("body", [b'{"status": "ok", "workers": {}, "max_model_len": null}', b"ok", b""])
+def test_readiness_needs_the_workers_context_length(body):
+    with _serving(type("Handler", (_Health,), {"nonce": "ours", "body": body})) as url:
+        assert not _http_ready(url, "ours")
+
+
+@contextmanager
+def _serving(handler):
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        assert _http_ready(url, "ours") is ready
-        assert _http_ready(url)  # without a nonce (other callers): any 200
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()

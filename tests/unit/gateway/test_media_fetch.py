@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -183,3 +184,25 @@ def test_a_fifo_or_a_nul_byte_is_a_prompt_400_and_holds_no_thread(tmp_path):
         assert await _fetch(fetcher, good) == {good: PNG}
 
     asyncio.run(main())
+
+
+def test_local_paths_are_resolved_off_the_event_loop(tmp_path, monkeypatch):
+    """Resolving a file: URL's path touches the file system (symlinks, `..`; a slow or network mount): it happens
+    on a thread, both the check before any URL is fetched and the read's."""
+    (tmp_path / "a.png").write_bytes(PNG)
+    threads = []
+    original = MediaFetcher._local_path
+
+    def recorded(self, where, url):
+        threads.append(threading.get_ident())
+        return original(self, where, url)
+
+    monkeypatch.setattr(MediaFetcher, "_local_path", recorded)
+
+    async def main():
+        fetcher = MediaFetcher(MediaFetchConfig(allowed_local_path=str(tmp_path)))
+        assert await _fetch(fetcher, (tmp_path / "a.png").as_uri()) == {(tmp_path / "a.png").as_uri(): PNG}
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    assert len(threads) == 2 and loop_thread not in threads, (threads, loop_thread)

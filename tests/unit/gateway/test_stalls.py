@@ -1,7 +1,8 @@
 """Stall deadlines and SSE keep-alives without a network (gateway/stall.py, gateway/mesh_client.py,
 gateway/rest_io.py): a decode stream silent past the gap limit raises `WorkerStalled` (the first message gets the
 prompt's prefill time more), a silent prefill falls back to the decode worker, a stream that keeps talking is never
-cut, and `with_keepalive` yields keep-alives while it waits without losing the item it waits for. The real
+cut, a busy worker that answers its health checks is waited on (a queued or preempted request) until its answers
+stop, and `with_keepalive` yields keep-alives while it waits without losing the item it waits for. The real
 SIGSTOPped worker is tests/faults/test_paused_worker.py."""
 
 from __future__ import annotations
@@ -58,16 +59,28 @@ class _SilentPrefill:
                                    "Deadline Exceeded")
 
 
-async def _generate(gaps_s, route="local", prompt=(1, 2, 3, 4), policy=StallPolicy(timeout_s=0.3)):
+async def _generate(gaps_s, route="local", prompt=(1, 2, 3, 4), policy=StallPolicy(timeout_s=0.3),
+                    serving_for_s: float = 0.0):
+    """The events and stats of one request; the decode worker answers its health checks SERVING every 0.05 s for
+    `serving_for_s` seconds (as the gateway's health loop records them)."""
     client = MeshClient(["127.0.0.1:1"], ["127.0.0.1:2"], stall=policy)
     client.decoders["127.0.0.1:1"].stub = _Decode(gaps_s)
     client.prefillers["127.0.0.1:2"].stub = _SilentPrefill()
     client._route = lambda *_args: route
     request = MeshRequest(request_id="r", prompt_token_ids=tuple(prompt), sampling=common_pb2.SamplingParams(),
                           timeout_s=60)
+
+    async def serving():
+        end = time.monotonic() + serving_for_s
+        while time.monotonic() < end:
+            client._serving_at["127.0.0.1:1"] = time.monotonic()
+            await asyncio.sleep(0.05)
+
+    health = asyncio.create_task(serving())
     try:
         return [e async for e in client.generate(request)], client.stats
     finally:
+        health.cancel()
         await client.close()
 
 
@@ -85,6 +98,18 @@ def test_a_stream_that_keeps_talking_is_never_cut():
     """Eight gaps of 0.2 s (1.6 s in all) under a 0.3 s gap limit: the limit is per gap, not per request."""
     events, _ = asyncio.run(_generate([0.2] * 8))
     assert len(events) == 8 and events[-1].finish_reason == "length"
+
+
+def test_a_busy_worker_that_answers_its_health_checks_is_waited_on():
+    """A request queued or preempted on a busy worker (fair share) is silent far past the gap limit while the worker
+    keeps answering SERVING: it waits (1.2 s under a 0.3 s limit). Once the answers stop, the silence ends it within
+    the limit of the last one. The control is the test above: the same silence without answers stalls."""
+    events, _ = asyncio.run(_generate([1.2, 0.0], serving_for_s=5.0))
+    assert len(events) == 2 and events[-1].finish_reason == "length"
+    start = time.monotonic()
+    with pytest.raises(WorkerStalled):
+        asyncio.run(_generate([0.0, 5.0], serving_for_s=0.6))
+    assert 0.6 < time.monotonic() - start < 0.6 + 0.3 + 0.5
 
 
 def test_the_first_message_gets_the_prompts_prefill_time_more():
