@@ -94,3 +94,29 @@ def test_the_same_budget_holds_twice_the_blocks(model_dir):
 def test_refusals_name_the_option(bad, words):
     with pytest.raises(EngineConfigError, match=words):
         EngineArgs(model="m", **bad)
+
+
+def test_dcp_groups_within_a_larger_tp_group():
+    """TP=4 with DCP=2: two DCP groups (ranks 0-1, 2-3) made with `new_group`; each rank's heads over a prompt, a
+    chunk over cached context and a decode equal the naive attention over the replicated cache, and ranks with the
+    same DCP rank hold the same token share (the layout of kernels/attention/context_parallel.py)."""
+    import torch
+
+    from engine.parallel.launch import run_ranks
+    from kernels.attention.context_parallel import scatter_blocks
+    from kernels.attention.naive import mla_paged_attention_naive
+    from tests.unit.parallel import dcp_ranks as d
+
+    ranks = run_ranks(d.run_dcp, 4, (4, 2), timeout_s=240)
+    p = d.problem()
+    full = p["lat"].view(d.NUM_BLOCKS, d.BS, d.DK).clone()
+    written = torch.zeros(d.NUM_BLOCKS * d.BS, dtype=torch.bool)
+    for step, ((new, lens), q) in enumerate(zip(p["steps"], p["qs"])):
+        batch = d._batch(p, new, lens)
+        written[batch.slot_mapping] = True
+        want = mla_paged_attention_naive(q, full, p["tables"], batch.cu_seqlens, batch.seq_lens, 0.3, d.V)
+        got = torch.cat([r[step] for r in ranks], dim=1)  # the ranks' heads in order
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for r, result in enumerate(ranks):
+        share = scatter_blocks(torch.where(written.view(d.NUM_BLOCKS, d.BS, 1), full, 0.0), r % 2, 2)
+        assert torch.equal(result[-1], share)
