@@ -120,3 +120,18 @@ def test_dcp_groups_within_a_larger_tp_group():
     for r, result in enumerate(ranks):
         share = scatter_blocks(torch.where(written.view(d.NUM_BLOCKS, d.BS, 1), full, 0.0), r % 2, 2)
         assert torch.equal(result[-1], share)
+
+
+def test_speculative_verification_under_dcp_equals_dcp1(model_dir):
+    """ngram drafts are verified as multi-query pieces: the per-sequence DCP path with its causal limit."""
+    prompt = [(31 * i + 7) % 7900 for i in range(20)] * 3  # repeats: the ngram drafter proposes
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    spec = dict(ARGS, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    got = {}
+    for tp, dcp in ((1, 1), (2, 2)):
+        llm = LLM(model_dir, tensor_parallel_size=tp, decode_context_parallel_size=dcp, **spec)
+        try:
+            got[dcp] = _tokens(llm.generate([prompt], params))
+        finally:
+            llm.close()
+    assert got[1] == got[2]
