@@ -7,8 +7,10 @@ Contract:
   block manager, block tables and slot mapping stay logical (rank 0 plans them as at DCP=1); each rank translates
   slots on the device. The groups are N consecutive ranks of the TP group (`ParallelConfig.dcp_groups`); the ranks
   of different groups with the same DCP rank hold the same tokens.
-- `open_dcp_comm(config)`: every rank of the TP group calls it once, in the same order (`new_group` is collective),
-  and gets its own group's communicator (None at N = 1; the TP communicator's group at N = TP).
+- `open_dcp_comm(config, tp_group, stages, stage)`: every rank of the whole group calls it once, in the same order
+  (`new_group` is collective), and gets its own group's communicator (None at N = 1; the TP communicator's group at
+  N = TP). Under pipeline parallelism (`stages` > 1; global rank = stage * TP + TP rank) each stage's TP ranks form
+  their own DCP groups: every rank creates every stage's groups, in stage order.
 - `dcp_attention(ctx, q [T, h, Dk], latent [T, Dk], kv_cache, batch, scale, v_dim, scratch_slot)` is the MLA
   attention of this rank's h heads over the whole context: (1) this rank writes only the latents of the new tokens
   it owns (the others go to `scratch_slot`); (2) the queries are all-gathered over the group (every rank needs all
@@ -34,19 +36,22 @@ from kernels.attention.context_parallel import local_write_slots, partial_attent
 from kernels.attention.torch_paged import write_kv_cache
 
 
-def open_dcp_comm(config: ParallelConfig, tp_group: Any = None) -> TorchDistributed | None:
-    """This rank's DCP group communicator (see the module docstring); `tp_group` is used when N equals the TP size."""
+def open_dcp_comm(config: ParallelConfig, tp_group: Any = None, stages: int = 1,
+                  stage: int = 0) -> TorchDistributed | None:
+    """This rank's DCP group communicator (see the module docstring); `tp_group` is used when N equals the TP size.
+    `config.rank` is the rank within its stage's TP group."""
     import torch.distributed as dist
 
     if config.dcp_size == 1:
         return None
     if config.dcp_size == config.tensor_parallel_size:
         return TorchDistributed(tp_group)
-    mine = None
-    for ranks in config.dcp_groups():
-        group = dist.new_group(ranks)  # every rank creates every group, in order
-        if config.rank in ranks:
-            mine = group
+    tp, mine = config.tensor_parallel_size, None
+    for s in range(stages):
+        for ranks in config.dcp_groups():
+            group = dist.new_group([s * tp + r for r in ranks])  # every rank creates every group, in order
+            if s == stage and config.rank in ranks:
+                mine = group
     return TorchDistributed(mine)
 
 

@@ -48,3 +48,10 @@ def run_dcp(comm, rank: int, tp: int, dcp: int) -> list[torch.Tensor]:
         outs.append(dcp_attention(ctx, q[:, rank * h: (rank + 1) * h], latent, cache, batch, 0.3, V,
                                   NUM_BLOCKS * (BS // dcp)))
     return outs + [cache[:NUM_BLOCKS]]
+
+
+def dcp_members(comm, rank: int, tp: int, dcp: int, stages: int) -> list[int]:
+    """The global ranks of this rank's DCP group (an all-gather over it), with `stages` pipeline stages of TP ranks."""
+    config = ParallelConfig(tp, rank % tp, False, dcp)
+    dcp_comm = open_dcp_comm(config, None, stages, rank // tp)
+    return dcp_comm.all_gather(torch.tensor([rank]), dim=0).tolist()

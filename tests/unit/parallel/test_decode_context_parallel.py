@@ -135,3 +135,12 @@ def test_speculative_verification_under_dcp_equals_dcp1(model_dir):
         finally:
             llm.close()
     assert got[1] == got[2]
+
+
+def test_dcp_groups_per_pipeline_stage():
+    """Two stages of TP=4 (global rank = stage * 4 + TP rank), DCP=2: each stage's TP ranks pair up on their own."""
+    from engine.parallel.launch import run_ranks
+    from tests.unit.parallel import dcp_ranks as d
+
+    members = run_ranks(d.dcp_members, 8, (4, 2, 2), timeout_s=240)
+    assert members == [[0, 1], [0, 1], [2, 3], [2, 3], [4, 5], [4, 5], [6, 7], [6, 7]]
