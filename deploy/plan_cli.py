@@ -2,7 +2,7 @@
 concurrency that fits, load peak, handoff cost.
 
 Contract: `add_arguments(parser)` adds the flags (`--tensor-parallel-size`, `--enable-expert-parallel`,
-`--kv-cache-dtype`, `--gpus`, `--gpu-memory`, `--gpu-memory-utilization`, `--context-len`, `--link-gbps`, `--dtype`,
+`--kv-cache-dtype`, `--decode-context-parallel-size`, `--gpus`, `--gpu-memory`, `--gpu-memory-utilization`, `--context-len`, `--link-gbps`, `--dtype`,
 `--experts-format`, `--pipeline-parallel-size`, `--speculative-method`, `--num-speculative-tokens`, `--drafter-dir`,
 `--vision-bytes`, `--runtime-memory`, `--max-num-batched-tokens`, `--shard-bytes`, `--json`) and the positional
 MODEL_DIR (a folder with `config.json`; no weights are read: a `--drafter-dir` DSpark folder's tensor sizes come
@@ -33,7 +33,8 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = PlanArgs()
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="folder with config.json (weights are not read)")
-    add_options(parser, EngineArgs, only=("tensor_parallel_size", "enable_expert_parallel", "kv_cache_dtype"))
+    add_options(parser, EngineArgs, only=("tensor_parallel_size", "enable_expert_parallel", "kv_cache_dtype",
+                                          "decode_context_parallel_size"))
     parser.add_argument("--gpus", type=int, default=None, help="GPUs in all (default: one replica)")
     parser.add_argument("--gpu-memory", default="141GB", help="memory per GPU, e.g. 141GB (H200), 288GB (B300)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
@@ -94,6 +95,7 @@ def plan_args(args: argparse.Namespace, config: ModelConfig) -> PlanArgs:
                     gpu_memory_utilization=args.gpu_memory_utilization, context_len=args.context_len,
                     link_gbps=args.link_gbps, dtype_bytes=d, experts_format=args.experts_format,
                     kv_cache_dtype=args.kv_cache_dtype, pipeline_parallel_size=args.pipeline_parallel_size,
+                    decode_context_parallel_size=args.decode_context_parallel_size,
                     num_speculative_tokens=args.num_speculative_tokens, speculative_method=args.speculative_method,
                     drafter=drafter_bytes(args.drafter_dir, d) if args.drafter_dir else None,
                     vision_bytes=(parse_bytes(args.vision_bytes, "vision_bytes") if args.vision_bytes is not None

@@ -20,6 +20,9 @@ Contract (importing this module loads no torch: the command lines parse `EngineA
   the priorities of engine/memory/policy.py, and `snapshot_policy` ("hybrid" | "periodic") chooses which snapshot
   points exist.
   Under tensor parallelism the budget is per rank and a state slot costs one rank's heads (`tensor_parallel_size`).
+  Under decode-context parallelism (`decode_context_parallel_size` N) a rank holds block_size / N tokens of each
+  block (engine/parallel/context.py): a block costs 1/N of its replicated bytes, so the same budget holds N times
+  the blocks (`CachePlan.rank_block_size`; `bytes_per_token` stays the replicated figure).
 - `speculative_config` (`--speculative-config`, engine/spec/config.py: a JSON string, a dict or a
   `SpeculativeConfig`) is parsed into a `SpeculativeConfig`; it sets `num_speculative_tokens` (which must then be
   unset or equal), so the state pool reserves 1 + k slots per running request. `num_speculative_tokens` alone
@@ -113,6 +116,10 @@ class EngineArgs:
     tensor_parallel_size: int = option(  # rank processes the model is split over (engine/parallel/executor.py)
         "--tensor-parallel-size", "-tp", default=1, parse=int,
         help="rank processes each worker splits its model over (engine/parallel/executor.py)")
+    decode_context_parallel_size: int = option(  # MLA latents split by token over groups of N TP ranks
+        "--decode-context-parallel-size", "-dcp", default=1, parse=int,
+        help="split the MLA latent cache by token over groups of N tensor-parallel ranks (N divides "
+             "--tensor-parallel-size and --block-size; engine/parallel/context.py); KDA state is unaffected")
     enable_expert_parallel: bool = option(  # split the routed experts by expert across those ranks
         "--enable-expert-parallel", default=False, kind="switch", help="split the routed experts by expert")
     collective_timeout_s: float = 60.0  # a rank collective waiting longer fails the engine (a hung or lost rank)
@@ -190,6 +197,7 @@ class EngineArgs:
             raise EngineConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         self._check_timeouts()
         self._check_choices()
+        self._check_context_parallel()
         if self.snapshot_budget is not None and parse_bytes(self.snapshot_budget, "snapshot_budget") < 0:
             raise EngineConfigError(f"snapshot_budget must be >= 0, got {self.snapshot_budget!r}")
 
@@ -197,6 +205,18 @@ class EngineArgs:
         for name in ("collective_timeout_s", "grammar_compile_timeout_s"):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+    def _check_context_parallel(self) -> None:
+        dcp = self.decode_context_parallel_size
+        if isinstance(dcp, bool) or not isinstance(dcp, int) or dcp < 1 or self.tensor_parallel_size % dcp:
+            raise EngineConfigError(f"--decode-context-parallel-size (decode_context_parallel_size) must be a positive "
+                                    f"integer dividing --tensor-parallel-size {self.tensor_parallel_size}, got {dcp!r}")
+        if dcp > 1 and self.block_size % dcp:
+            raise EngineConfigError(f"--decode-context-parallel-size {dcp} must divide --block-size {self.block_size} "
+                                    "(each rank's block holds block_size / N tokens)")
+        if dcp > 1 and self.compilation_config is not None:
+            raise EngineConfigError(f"--decode-context-parallel-size {dcp} runs eager steps only; drop "
+                                    "--compilation-config (compiled / captured decode steps are not built for it)")
 
     def _check_choices(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -259,6 +279,12 @@ class CachePlan:
     bytes_per_state: int
     snapshot_policy: str = "hybrid"  # engine/memory/policy.py
     kv_cache_dtype: str = "auto"  # EngineArgs.kv_cache_dtype
+    decode_context_parallel_size: int = 1  # EngineArgs.decode_context_parallel_size: a rank holds 1/N of a block
+
+    @property
+    def rank_block_size(self) -> int:
+        """Tokens of each block one rank's cache holds (block_size / N under DCP)."""
+        return self.block_size // self.decode_context_parallel_size
 
     @property
     def snapshot_budget_bytes(self) -> int:
@@ -271,7 +297,7 @@ class CachePlan:
 
     @property
     def kv_bytes(self) -> int:
-        return self.num_blocks * self.block_size * self.bytes_per_token
+        return self.num_blocks * self.rank_block_size * self.bytes_per_token  # one rank's
 
     @property
     def state_bytes(self) -> int:
@@ -317,7 +343,7 @@ def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int, budget: 
             snapshots = int(max(rest, 0) * args.snapshot_memory_fraction) // state_b
     num_blocks = args.num_kv_blocks
     if num_blocks is None:
-        num_blocks = (rest - snapshots * state_b) // max(1, bs * token_b)
+        num_blocks = (rest - snapshots * state_b) // max(1, bs // args.decode_context_parallel_size * token_b)
         if num_blocks <= 0:
             raise EngineConfigError(f"{what} {budget} B leaves no room for KV blocks after the state pool")
     interval = 0
@@ -333,4 +359,5 @@ def plan_cache(args: EngineArgs, config: ModelConfig, dtype_bytes: int, budget: 
     return CachePlan(block_size=bs, num_blocks=int(num_blocks), slots_per_request=slots_per_request,
                      num_running_slots=running, num_snapshot_slots=int(snapshots), snapshot_interval=interval,
                      max_model_len=int(max_len), bytes_per_token=token_b, bytes_per_state=state_b,
-                     snapshot_policy=args.snapshot_policy, kv_cache_dtype=args.kv_cache_dtype)
+                     snapshot_policy=args.snapshot_policy, kv_cache_dtype=args.kv_cache_dtype,
+                     decode_context_parallel_size=args.decode_context_parallel_size)

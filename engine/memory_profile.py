@@ -125,7 +125,8 @@ def profiled_kv_budget(args: EngineArgs, model: KimiForCausalLM, media=None) -> 
     batches = profile_batches(args, args.block_size, device.type, model.config.vocab_size)
     meter = CudaMeter(device) if device.type == "cuda" else HostMeter(args)
     in_use = meter.in_use()
-    cache = _cache_for(model, batches, args.block_size, args.kv_cache_dtype)
+    rows = args.block_size // args.decode_context_parallel_size  # a rank's rows of a block (DCP: 1/N)
+    cache = _cache_for(model, batches, rows, args.kv_cache_dtype)
     meter.start()
     with torch.no_grad():
         for batch in batches:

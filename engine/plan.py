@@ -18,7 +18,8 @@ Contract:
   weights (MTP layers from the config, or a DSpark folder's; last stage) and the vision tower (first stage); what
   remains holds requests. A
   request at `context_len` costs per rank its KDA state slice times `1 + num_speculative_tokens` (the verification
-  scratch slots) plus `context_len` tokens of latents, and on the lead rank the drafter's context rows (capacity
+  scratch slots) plus `context_len` tokens of latents (`ceil(context_len / N)` under decode-context parallelism
+  `decode_context_parallel_size` N: each rank of a DCP group holds every N-th token, engine/parallel/context.py), and on the lead rank the drafter's context rows (capacity
   rounded up to a power of two, engine/spec/draft_cache.py). `concurrency` (per replica) is the smallest over the
   ranks; `load_peak` (weights + one checkpoint file per rank, engine/model/loader.py's bound) must fit the GPU too.
   With `pipeline_parallel_size` > 1 the layers are split into contiguous stages (computed here, not built: the
@@ -102,6 +103,7 @@ class PlanArgs:
     experts_format: str = "auto"  # auto: as the config declares (MXFP4 stays packed)
     kv_cache_dtype: str = "auto"  # EngineArgs.kv_cache_dtype: auto (dtype_bytes) or fp8 rows
     pipeline_parallel_size: int = 1  # contiguous layer stages (computed here; the engine does not run them yet)
+    decode_context_parallel_size: int = 1  # DCP: a rank holds 1/N of the tokens' MLA latents (N divides TP)
     num_speculative_tokens: int = 0  # k: each running request holds 1 + k KDA state slots
     speculative_method: str = "none"  # none | ngram | mtp | dspark: the drafter the lead rank holds
     drafter: DrafterBytes | None = None  # dspark: measured from its folder (deploy/plan_cli.py); mtp: from config
@@ -117,6 +119,8 @@ class PlanArgs:
             raise ValueError("speculative_method dspark needs the drafter's folder (--drafter-dir)")
         if (self.speculative_method == "none") != (self.num_speculative_tokens == 0):
             raise ValueError("num_speculative_tokens and speculative_method go together (both set or neither)")
+        ParallelConfig(self.tensor_parallel_size, 0, self.enable_expert_parallel,
+                       self.decode_context_parallel_size)  # DCP must divide TP: ParallelError naming the flag
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,7 @@ class Plan:
     args: PlanArgs
     experts_format: str
     weights: WeightBytes  # the heaviest stage's rank
-    kv_per_token: int  # the heaviest stage's
+    kv_per_token: int  # the heaviest stage's (all ranks of a DCP group together)
     state_per_request: int  # per rank, the heaviest stage's
     request_bytes: int  # per rank, at context_len (the heaviest rank's)
     usable_bytes: int  # per GPU after everything fixed (the tightest rank's)
@@ -185,7 +189,8 @@ def _rank(config: ModelConfig, args: PlanArgs, fmt: str, stage: int, lead: bool,
     drafter = _drafter(config, args, fmt) if lead and stage == pp - 1 else DrafterBytes(0, 0)  # reads final hidden
     state = state_bytes_per_request(config, d, tp, layers) * (1 + args.num_speculative_tokens)
     rows = drafter.row_bytes * (1 << max(0, args.context_len - 1).bit_length())  # SlotRows: powers of two
-    request = state + args.context_len * kv_bytes_per_token(config, d, args.kv_cache_dtype, layers) + rows
+    tokens = -(-args.context_len // args.decode_context_parallel_size)  # this rank's share of the latents
+    request = state + tokens * kv_bytes_per_token(config, d, args.kv_cache_dtype, layers) + rows
     vision = args.vision_bytes if lead and stage == 0 else 0  # feeds the embeddings
     fixed = weights + drafter.weights + vision + args.runtime_bytes + activations
     return RankBytes(stage, lead, weights, drafter.weights, vision, args.runtime_bytes, activations, request,
@@ -236,6 +241,13 @@ def _verdict(args: PlanArgs, ranks: list[RankBytes], replicas: int, gpus: int, t
     return not reason, reason
 
 
+def _per_rank_kv(p: Plan) -> str:
+    n = p.args.decode_context_parallel_size
+    if n == 1:
+        return f"{p.kv_per_token} B (replicated on every rank)"
+    return f"{p.kv_per_token / n:g} B (decode-context parallel {n}: each rank holds every {n}th token)"
+
+
 def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.2f} GB"
 
@@ -252,7 +264,7 @@ def format_plan(p: Plan) -> str:
         f"{'FP8 (e4m3 + per-token scale)' if a.kv_cache_dtype != 'auto' else f'{a.dtype_bytes}-byte'} KV{spec}",
         f"weights per rank: {_gb(w.total)} (split {_gb(w.split)}, replicated {_gb(w.replicated)}, "
         f"routed experts {_gb(w.experts)})",
-        f"KV per token (MLA latents, every rank): {p.kv_per_token} B; KDA state per request per rank: "
+        f"KV per token (MLA latents): {p.kv_per_token} B, per rank {_per_rank_kv(p)}; KDA state per request per rank: "
         f"{p.state_per_request / 2**20:.2f} MiB",
         f"activations of a {a.max_num_batched_tokens}-token step per rank (estimate): "
         + ", ".join(f"{k} {_gb(v)}" for k, v in p.activation_terms.items()),

@@ -17,7 +17,10 @@ Contract:
   (plain data: slot inits in the TP-independent layout and the packed `ForwardBatch`es) and `run_step` applies it.
   Under tensor parallelism every rank runs `run_step` with the same `RankStep` (rank 0 plans it and, in phase 2,
   broadcasts it); each rank writes its slice of a loaded state. The model's forward is a collective.
-- The cache holds this rank's KDA heads (`model.num_local_kda_heads`); MLA blocks are replicated.
+- The cache holds this rank's KDA heads (`model.num_local_kda_heads`); MLA blocks are replicated, or under
+  decode-context parallelism (`plan.decode_context_parallel_size` N > 1, engine/parallel/context.py) each rank's
+  blocks hold its block_size / N tokens of every block, and `read_blocks` (a collective then) / `write_blocks`
+  gather / scatter them so blocks leave and enter in the DCP-independent layout. DCP steps run eager.
 - Images (`media`, an `engine.vision.feed.MediaFeeder`, None for a text-only model): `plan_step` encodes the step's
   new images in one call before the first forward, and every forward's batch carries the image rows its pieces
   cover (`mm_embeds` / `mm_positions`).
@@ -124,7 +127,8 @@ class ModelRunner:
         self.block_size = plan.block_size
         self.ctx = model.ctx
         # One more block and slot than the engine manages: the scratch that padding rows of a decode bucket write.
-        self.cache = CacheTensors.allocate(model.config, num_blocks=plan.num_blocks + 1, block_size=plan.block_size,
+        self.dcp = plan.decode_context_parallel_size  # > 1: this rank holds plan.rank_block_size rows of a block
+        self.cache = CacheTensors.allocate(model.config, num_blocks=plan.num_blocks + 1, block_size=plan.rank_block_size,
                                            num_slots=plan.num_slots + 1, dtype=model.dtype, device=self.device,
                                            kda_heads=model.num_local_kda_heads, kv_cache_dtype=plan.kv_cache_dtype)
         self.mla_layers = sorted(self.cache.kv)
@@ -134,7 +138,10 @@ class ModelRunner:
         self.graphs = self._decode_graphs(plan, graphs)
 
     def _decode_graphs(self, plan: CachePlan, options: GraphOptions | None) -> DecodeGraphs | None:
-        """The compiled / captured decode step, or None (enforce_eager, or nothing to compile or capture here)."""
+        """The compiled / captured decode step, or None (enforce_eager, decode-context parallelism, or nothing to
+        compile or capture here)."""
+        if plan.decode_context_parallel_size > 1:
+            return None
         if options is None:
             return None
         kind = self.device.type
@@ -281,10 +288,20 @@ class ModelRunner:
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[num_mla_layers, n, block_size, cache_dim] copies of the given blocks."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return torch.stack([self.cache.kv[i].index_select(0, index) for i in self.mla_layers]).cpu()
+        local = torch.stack([self.cache.kv[i].index_select(0, index) for i in self.mla_layers])
+        if self.dcp > 1:  # [L, n, bs/N, row] per rank -> [L, n, bs, row] (a collective over the DCP group)
+            from kernels.attention.context_parallel import gather_blocks
+
+            return gather_blocks(self.ctx.dcp_comm.all_gather(local[None], dim=0).unbind(0)).cpu()
+        return local.cpu()
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """`data` [L, n, block_size, row] in the DCP-independent layout (this rank keeps its rows under DCP)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        if self.dcp > 1:
+            from kernels.attention.context_parallel import scatter_blocks
+
+            data = scatter_blocks(data, self.ctx.config.dcp_rank, self.dcp)
         for layer, i in enumerate(self.mla_layers):
             kv = self.cache.kv[i]
             kv.index_copy_(0, index, data[layer].to(kv.device, kv.dtype))
@@ -316,7 +333,7 @@ class ModelRunner:
 
     def block_shape(self) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of one block's data across MLA layers: [num_mla_layers, block_size, cache_dim]."""
-        first = self.cache.kv[self.mla_layers[0]]
+        first = self.cache.kv[self.mla_layers[0]]  # rank_block_size rows per block under DCP; blocks move whole
         return (len(self.mla_layers), self.block_size, first.shape[-1]), first.dtype
 
 

@@ -21,7 +21,8 @@ Contract:
   around them and writes in place (`kernels.graph_ops.conv_decode_step` / `kda_decode_step`).
 - `CacheTensors` holds per-layer tensors only; which blocks and slots belong to whom is the engine's business.
   Under tensor parallelism a rank's state slots hold its `kda_heads` = H/N heads (conv channels `3*(H/N)*D`);
-  the MLA latent cache is replicated (every rank writes the same latents).
+  the MLA latent cache is replicated (every rank writes the same latents), except under decode-context
+  parallelism, where a rank's blocks hold `block_size / N` rows: its share of the tokens (engine/parallel/context.py).
 """
 
 from __future__ import annotations

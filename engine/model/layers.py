@@ -187,6 +187,8 @@ class MLAMixer(nn.Module):
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]  # [H, nope, lora], [H, v, lora]
         cache_dtype = x.dtype if is_fp8_cache(kv_cache) else kv_cache.dtype  # FP8 rows: quantised on write
         latent = cast(latent, cache_dtype)
+        if self.ctx.config.dcp_size > 1:  # the latents split by token across the DCP group
+            return self._output(self._dcp_attention(q, latent, kv_cache, w_uk, w_uv, batch), out_gate)
         host = self._long_prefill(batch)
         if host is not None:  # prompts: the non-absorbed form (kernels/attention/mla_prefill.py)
             write_kv_cache(kv_cache, batch.slot_mapping, latent)
@@ -206,6 +208,23 @@ class MLAMixer(nn.Module):
                                                              batch.seq_lens, mla.softmax_scale, lora, host)
         o = torch.einsum("thl,hvl->thv", cast(o_latent, x.dtype), w_uv).reshape(t, h * mla.v_head_dim)
         return self._output(o, out_gate)
+
+    def _dcp_attention(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor, w_uk: torch.Tensor,
+                       w_uv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Absorbed attention with the cache split by token (engine/parallel/context.py): q [T, H, nope+rope] ->
+        [T, H*v]. The scratch row of a token another rank owns is in the last block (the runner's scratch block)."""
+        from engine.parallel.context import dcp_attention
+
+        if batch.traced:
+            raise NotImplementedError("--decode-context-parallel-size > 1 runs eager steps only (--enforce-eager)")
+        mla, t, h = self.mla, q.shape[0], self.num_heads
+        nope, lora = mla.qk_nope_head_dim, mla.kv_lora_rank
+        q_latent = torch.einsum("thn,hnl->thl", q[..., :nope], w_uk)  # [T, H, lora]
+        q_abs = cast(torch.cat([q_latent, q[..., nope:]], dim=-1), latent.dtype)  # [T, H, lora+rope]
+        scratch = (kv_cache.shape[0] - 1) * kv_cache.shape[1]
+        o_latent = dcp_attention(self.ctx, q_abs, latent, kv_cache, batch, mla.softmax_scale, lora, scratch)
+        o = torch.einsum("thl,hvl->thv", cast(o_latent, q.dtype), w_uv)  # [T, H, v]
+        return o.reshape(t, h * mla.v_head_dim)
 
     def _output(self, o: torch.Tensor, out_gate: list[torch.Tensor]) -> torch.Tensor:
         """Heads' outputs [T, H*v] -> the layer's output [T, D] (gated, projected, summed over ranks)."""

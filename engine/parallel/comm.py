@@ -10,7 +10,9 @@ Contract:
   process group (gloo on CPU, NCCL on CUDA; see engine/parallel/launch.py).
 - `RankContext(config, comm)` is what layers are built with: the `ParallelConfig` decides which slices a rank holds
   (and so which it loads), the communicator combines them. `RankContext.single()` is the unsharded model.
-  `comm.size` must equal `config.tensor_parallel_size`.
+  `comm.size` must equal `config.tensor_parallel_size`. `dcp_comm` runs the collectives of this rank's
+  decode-context-parallel group (engine/parallel/context.py): None when `decode_context_parallel_size` is 1, the
+  TP communicator itself when it equals the TP size.
 """
 
 from __future__ import annotations
@@ -102,11 +104,15 @@ class TorchDistributed:
 class RankContext:
     config: ParallelConfig = field(default_factory=ParallelConfig)
     comm: Communicator = field(default_factory=SingleProcess)
+    dcp_comm: Communicator | None = None  # the decode-context-parallel group's collectives (DCP > 1 only)
 
     def __post_init__(self) -> None:
         if self.comm.size != self.config.tensor_parallel_size:
             raise ParallelError(f"the process group has {self.comm.size} ranks but tensor_parallel_size is "
                                 f"{self.config.tensor_parallel_size}")
+        dcp = self.config.decode_context_parallel_size
+        if dcp > 1 and (self.dcp_comm is None or self.dcp_comm.size != dcp):
+            raise ParallelError(f"--decode-context-parallel-size {dcp} needs a communicator over its {dcp} ranks")
 
     @classmethod
     def single(cls) -> "RankContext":

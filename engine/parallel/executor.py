@@ -16,7 +16,9 @@ Contract:
   state goes to each rank as its own heads only) before running it itself, so every rank executes the
   same commands, and so the same collectives, in the same order: `run_step` (the `RankStep` rank 0 planned),
   `copy_slots`, `read_state` (an all-gather), `write_state` / `write_blocks` (each rank keeps its heads), `shutdown`.
-  MLA blocks are replicated, so `read_blocks` reads rank 0's copy and sends no command.
+  MLA blocks are replicated, so `read_blocks` reads rank 0's copy and sends no command — except under
+  decode-context parallelism (`decode_context_parallel_size` > 1, engine/parallel/context.py), where each rank
+  holds a token share of every block and `read_blocks` is a command (a gather over the DCP group).
 - Idle ranks wait for the next command inside a collective: when no command was sent for a quarter of
   `collective_timeout_s`, a heartbeat thread sends `ping` (a barrier on every rank), so an idle group stays up and a
   rank that hangs while idle is noticed too. Commands are serialised by a lock.
@@ -47,6 +49,7 @@ from engine.parallel.channel import CommandChannel, Sharded
 from engine.parallel.comm import SINGLE, RankContext, TorchDistributed
 from engine.parallel.config import ParallelConfig
 from engine.parallel.config import ParallelError
+from engine.parallel.context import open_dcp_comm
 from engine.parallel.launch import Rendezvous, init_rank
 from engine.parallel.state import scatter_state
 from engine.runner import ModelRunner, RankStep
@@ -60,6 +63,7 @@ class RankFailedError(RuntimeError):
 class ExecutorConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    decode_context_parallel_size: int = 1  # MLA latents split by token over groups of this many ranks
     collective_timeout_s: float = 60.0  # a collective waiting longer fails the group (a hung or lost rank)
     start_timeout_s: float = 300.0  # how long the ranks may take to start and join
     join_timeout_s: float = 10.0  # how long `close()` waits for the ranks to exit before killing them
@@ -80,7 +84,8 @@ class ExecutorConfig:
             raise ParallelError("--nnodes > 1 needs --master-addr and --master-port (rank 0's machine)")
 
     def parallel(self, rank: int) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size, rank, self.enable_expert_parallel)
+        return ParallelConfig(self.tensor_parallel_size, rank, self.enable_expert_parallel,
+                              self.decode_context_parallel_size)
 
     @property
     def ranks_per_node(self) -> int:
@@ -94,6 +99,12 @@ class ExecutorConfig:
         if self.nnodes > 1:
             return Rendezvous(master_addr=self.master_addr, master_port=self.master_port)
         return Rendezvous(file=str(Path(workdir) / "rendezvous"))
+
+
+def _rank_context(config: ExecutorConfig, rank: int, comm: TorchDistributed) -> RankContext:
+    """Rank `rank`'s context: its slices, the TP group and (DCP > 1) its DCP group, created collectively."""
+    parallel = config.parallel(rank)
+    return RankContext(parallel, comm, open_dcp_comm(parallel, comm.group))
 
 
 def _join(config: ExecutorConfig, rendezvous: Rendezvous, rank: int) -> TorchDistributed:
@@ -207,7 +218,7 @@ def _rank_main(config: ExecutorConfig, rank: int, model_dir: str, load: LoadConf
     comm = _join(config, rendezvous, rank)
     try:
         model = load_model(model_dir, _rank_load(load, rank % config.ranks_per_node),
-                           RankContext(config.parallel(rank), comm))
+                           _rank_context(config, rank, comm))
         start = TorchDistributed().broadcast_object(None)  # the start group (or first the memory profile)
         if start[0] == "profile":
             from engine.memory_profile import profiled_kv_budget
@@ -258,7 +269,7 @@ class RankGroupExecutor(LocalExecutor):
         self._closed = threading.Event()
         try:
             self.comm = _join(config, rendezvous, 0)
-            super().__init__(model_dir, _rank_load(load, 0), RankContext(config.parallel(0), self.comm))
+            super().__init__(model_dir, _rank_load(load, 0), _rank_context(config, 0, self.comm))
             self.channel = CommandChannel(self.comm, self.model.device)
         except BaseException:
             self._kill()
@@ -310,6 +321,11 @@ class RankGroupExecutor(LocalExecutor):
                 self.check_ranks()
                 raise
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        if self.config.decode_context_parallel_size > 1:  # each rank holds a token share: gathered by all
+            return self._command("read_blocks", block_ids)
+        return super().read_blocks(block_ids)
+
     def close(self) -> None:
         import torch.distributed as dist
 
@@ -357,7 +373,9 @@ def _shard_states(name: str, args: tuple, size: int) -> tuple:
 
 def executor_config(args) -> ExecutorConfig:
     """The rank group an engine's options (`EngineArgs`) describe: the one rule, for the engine and every node."""
-    return ExecutorConfig(args.tensor_parallel_size, args.enable_expert_parallel, args.collective_timeout_s,
+    return ExecutorConfig(args.tensor_parallel_size, args.enable_expert_parallel,
+                          decode_context_parallel_size=args.decode_context_parallel_size,
+                          collective_timeout_s=args.collective_timeout_s,
                           nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                           master_port=args.master_port)
 

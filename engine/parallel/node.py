@@ -23,7 +23,7 @@ from engine.parallel.executor import ExecutorConfig, executor_config, spawn_rank
 from telemetry.options import add_options
 
 NODE_OPTIONS = ("model", "dtype", "load_format", "device", "seed", "tensor_parallel_size", "enable_expert_parallel",
-                "nnodes", "node_rank", "master_addr", "master_port")
+                "decode_context_parallel_size", "nnodes", "node_rank", "master_addr", "master_port")
 
 
 def serve_node(config: ExecutorConfig, model_dir: str, load: LoadConfig) -> int:

@@ -10,7 +10,8 @@ Contract:
   the inverse (a copy of rank `rank`'s slice). `scatter_state(gather_state(s), N, r)` equals `s[r]` bitwise.
 - `all_gather_state(ctx, local)`: every rank gets the full layout (a collective: all ranks call it together).
 - MLA blocks need no conversion: every rank holds the same latents (`[c, k_rope]` per token is replicated), so any
-  rank's blocks are the full layout, and a write goes to every rank unchanged.
+  rank's blocks are the full layout, and a write goes to every rank unchanged — except under decode-context
+  parallelism, where the runner gathers and scatters token shares (kernels/attention/context_parallel.py).
 - An empty dict (a model without KDA layers) maps to an empty dict.
 """
 

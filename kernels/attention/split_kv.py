@@ -41,3 +41,13 @@ def choose_num_splits(context_capacity: int, programs: int, target_programs: int
     wanted = -(-target_programs // max(programs, 1))
     by_length = max(1, context_capacity // min_split_keys)
     return max(1, min(wanted, by_length, max_splits))
+
+
+def merge_partials_lse(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """o [S, N, H, V], lse [S, N, H] -> (merged o [N, H, V] fp32, its lse [N, H] fp32 = logsumexp_s lse[s]; -inf
+    where every split is empty). The merged pair is itself a partial that can be merged again (decode-context
+    parallelism merges each rank's split-KV result across ranks: engine/parallel/context.py)."""
+    top = lse.amax(0)  # [N, H]
+    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = torch.exp(lse - safe).sum(0)  # [N, H]
+    return merge_partials(o, lse), torch.log(total).add_(safe)  # log(0) = -inf for rows with no key
