@@ -49,6 +49,7 @@ from engine.config import CachePlan
 from engine.decode_graphs import DecodeGraphs, DecodeRows
 from engine.model.batch import CacheTensors, ForwardBatch, HostMeta
 from engine.model.model import KimiForCausalLM
+from engine.parallel.pipeline import StageParts
 from engine.parallel.state import all_gather_state, scatter_state
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
@@ -124,18 +125,21 @@ class ModelRunner:
         self.block_size = plan.block_size
         self.ctx = model.ctx
         # One more block and slot than the engine manages: the scratch that padding rows of a decode bucket write.
+        # Under pipeline parallelism only this stage's layers get a cache (the same block and slot ids everywhere).
         self.cache = CacheTensors.allocate(model.config, num_blocks=plan.num_blocks + 1, block_size=plan.block_size,
                                            num_slots=plan.num_slots + 1, dtype=model.dtype, device=self.device,
-                                           kda_heads=model.num_local_kda_heads, kv_cache_dtype=plan.kv_cache_dtype)
+                                           kda_heads=model.num_local_kda_heads, kv_cache_dtype=plan.kv_cache_dtype,
+                                           layers=model.model.owned_layers(model.config, model.ctx))
         self.mla_layers = sorted(self.cache.kv)
         self.kda_layers = sorted(self.cache.recurrent)
+        self.stages = StageParts(model.config, model.ctx.stage, plan.block_size, model.dtype, plan.kv_cache_dtype)
         self._taps: tuple[int, ...] = ()
         self._tapped: list[torch.Tensor] = []
         self.graphs = self._decode_graphs(plan, graphs)
 
     def _decode_graphs(self, plan: CachePlan, options: GraphOptions | None) -> DecodeGraphs | None:
         """The compiled / captured decode step, or None (enforce_eager, or nothing to compile or capture here)."""
-        if options is None:
+        if options is None or self.ctx.stage.pipelined:  # a pipelined step is eager (stages exchange streams)
             return None
         kind = self.device.type
         if not (options.compilation.compiles(kind) or options.compilation.captures(kind)):
@@ -279,45 +283,51 @@ class ModelRunner:
     # -- moving cache contents -------------------------------------------------------------------------------
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[num_mla_layers, n, block_size, cache_dim] copies of the given blocks."""
+        """[num_mla_layers, n, block_size, cache_dim] copies of the given blocks (every MLA layer of the model: under
+        pipeline parallelism a collective of all stages, whose parts rank 0 gathers; other ranks get None)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return torch.stack([self.cache.kv[i].index_select(0, index) for i in self.mla_layers]).cpu()
+        local = [self.cache.kv[i].index_select(0, index) for i in self.mla_layers]
+        if not self.ctx.stage.pipelined:
+            return torch.stack(local).cpu()
+        return self.stages.gather_blocks(local, len(block_ids), self.device)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """`data`: every MLA layer's blocks; a stage keeps its own layers'."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for layer, i in enumerate(self.mla_layers):
+        for i in self.mla_layers:
             kv = self.cache.kv[i]
-            kv.index_copy_(0, index, data[layer].to(kv.device, kv.dtype))
+            kv.index_copy_(0, index, data[self.stages.mla_index[i]].to(kv.device, kv.dtype))
 
     def read_state(self, slot: int) -> dict[str, torch.Tensor]:
-        if not self.kda_layers:
+        """All heads of every KDA layer (under pipeline parallelism on rank 0 only, gathered from the stages)."""
+        if not self.config.kda_layer_ids:
             return {}
-        local = {"conv": torch.stack([self.cache.conv[i][slot] for i in self.kda_layers]),
-                 "recurrent": torch.stack([self.cache.recurrent[i][slot] for i in self.kda_layers])}
-        return {k: v.cpu() for k, v in all_gather_state(self.ctx, local).items()}
+        local = {}
+        if self.kda_layers:
+            local = {"conv": torch.stack([self.cache.conv[i][slot] for i in self.kda_layers]),
+                     "recurrent": torch.stack([self.cache.recurrent[i][slot] for i in self.kda_layers])}
+            local = all_gather_state(self.ctx, local)
+        if self.ctx.stage.pipelined:
+            return self.stages.gather_state(local, self.device)
+        return {k: v.cpu() for k, v in local.items()}
 
     def write_state(self, slot: int, state: dict[str, torch.Tensor], local: bool = False) -> None:
-        """`state`: the TP-independent layout, or (`local`) this rank's heads already."""
+        """`state`: the TP-independent layout of every KDA layer, or (`local`) this rank's heads already; a pipeline
+        stage keeps its own layers'."""
         if self.ctx.size > 1 and state and not local:
             state = scatter_state(state, self.ctx.size, self.ctx.rank)
-        for layer, i in enumerate(self.kda_layers):
+        for i in self.kda_layers:
+            layer = self.stages.kda_index[i]
             self.cache.conv[i][slot].copy_(state["conv"][layer])
             self.cache.recurrent[i][slot].copy_(state["recurrent"][layer])
 
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Expected shapes and dtypes of `read_state`'s tensors."""
-        if not self.kda_layers:
-            return {}
-        first = self.kda_layers[0]
-        n, size = len(self.kda_layers), self.ctx.size
-        (channels, width), (heads, d, _) = self.cache.conv[first].shape[1:], self.cache.recurrent[first].shape[1:]
-        return {"conv": ((n, channels * size, width), self.cache.conv[first].dtype),
-                "recurrent": ((n, heads * size, d, d), torch.float32)}
+        return self.stages.state_shapes()
 
     def block_shape(self) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of one block's data across MLA layers: [num_mla_layers, block_size, cache_dim]."""
-        first = self.cache.kv[self.mla_layers[0]]
-        return (len(self.mla_layers), self.block_size, first.shape[-1]), first.dtype
+        return self.stages.block_shape()
 
 
 def split_forwards(pieces: list[Piece], limit: int) -> list[list[Piece]]:

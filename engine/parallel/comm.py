@@ -10,7 +10,8 @@ Contract:
   process group (gloo on CPU, NCCL on CUDA; see engine/parallel/launch.py).
 - `RankContext(config, comm)` is what layers are built with: the `ParallelConfig` decides which slices a rank holds
   (and so which it loads), the communicator combines them. `RankContext.single()` is the unsharded model.
-  `comm.size` must equal `config.tensor_parallel_size`.
+  `comm.size` must equal `config.tensor_parallel_size`. Under pipeline parallelism `stage` says which layers (and
+  whether the embedding / LM head) the model holds; `comm` is then the stage's TP sub-group.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.parallel.config import ParallelConfig, ParallelError
+from engine.parallel.pipeline import SINGLE_STAGE, Stage
 
 
 class Communicator(Protocol):
@@ -101,7 +103,8 @@ class TorchDistributed:
 @dataclass(frozen=True)
 class RankContext:
     config: ParallelConfig = field(default_factory=ParallelConfig)
-    comm: Communicator = field(default_factory=SingleProcess)
+    comm: Communicator = field(default_factory=SingleProcess)  # the TP group (this rank's stage's ranks)
+    stage: Stage = SINGLE_STAGE  # pipeline parallelism: the layers this rank's model owns (engine/parallel/pipeline.py)
 
     def __post_init__(self) -> None:
         if self.comm.size != self.config.tensor_parallel_size:
