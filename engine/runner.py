@@ -29,6 +29,10 @@ Contract:
 - Drafter taps (`taps`, set by the engine from `Drafter.taps`): each forward also captures the tapped hidden rows
   of all its tokens (engine/spec/capture.py); `take_tapped()` returns those of the latest step `[T, len(taps) * D]`
   (chunk order, every token of every piece) and forgets them.
+- Pipeline parallelism (`ctx.stage`): each forward's pieces are further split into up to `num_stages` micro-batches
+  of whole pieces (`micro_batches`; row order unchanged) that the stages run overlapped
+  (`KimiForCausalLM.forward_micro_batches`); only this stage's layers have a cache, and `read_*` / `write_*` keep
+  the whole-model layout (rank 0 gathers the stages' parts; a write keeps the stage's layers).
 - `copy_slots(pairs)` copies KDA state slots (snapshots after a step).
 - `read_blocks` / `write_blocks` / `read_state` / `write_state` move cache contents in and out as tensors
   (`engine.transfer` serialises them): blocks as `[num_mla_layers, n, block_size, cache_dim]` in MLA layer order,
@@ -174,6 +178,8 @@ class ModelRunner:
         if self.media is not None:
             self.media.prepare(pieces)  # encodes the step's new images (one call) before any batch takes their rows
         groups = split_forwards(pieces, self.max_forward_tokens)
+        if self.ctx.stage.pipelined:  # stages overlap on micro-batches of whole pieces (same row order)
+            groups = [mb for group in groups for mb in micro_batches(group, self.ctx.stage.num_stages)]
         return RankStep(zero, inits, [self.build_batch(group) for group in groups], self.taps)
 
     @staticmethod
@@ -221,13 +227,21 @@ class ModelRunner:
             else:
                 self.write_blocks(list(init.blocks), init.kv)
                 self.write_state(init.dst, init.state, init.state_is_local)
-        from engine.spec.capture import forward_with_taps
+        from engine.spec.capture import check_taps, forward_with_taps
 
         if step.decode is not None:
             rows, hidden = self.graphs.run(step.decode)  # [n, V], [n, len(taps) * D] or None
             self._tapped = [hidden] if hidden is not None else []
             return rows
         logits, self._tapped = [], []
+        if self.ctx.stage.pipelined:
+            outs = self.model.forward_micro_batches([b.to(self.device) for b in step.batches], self.cache,
+                                                    check_taps(self.config.num_hidden_layers, step.taps))
+            for rows, hidden in outs:
+                logits.append(rows)
+                if hidden is not None:
+                    self._tapped.append(hidden)
+            return torch.cat(logits)  # [L, V] (rank 0; [0, V] elsewhere)
         for batch in step.batches:
             rows, hidden = forward_with_taps(self.model, batch.to(self.device), self.cache, step.taps)
             logits.append(rows)
@@ -328,6 +342,20 @@ class ModelRunner:
     def block_shape(self) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of one block's data across MLA layers: [num_mla_layers, block_size, cache_dim]."""
         return self.stages.block_shape()
+
+
+def micro_batches(pieces: list[Piece], n: int) -> list[list[Piece]]:
+    """Up to `n` consecutive groups of whole pieces with about equal tokens (pipeline micro-batches), in order: a
+    piece starts the next group when its middle lies past the current group's share."""
+    total = sum(p.num_tokens for p in pieces)
+    groups: list[list[Piece]] = [[]]
+    done = 0
+    for piece in pieces:
+        if groups[-1] and len(groups) < n and done + piece.num_tokens / 2 > total * len(groups) / n:
+            groups.append([])
+        groups[-1].append(piece)
+        done += piece.num_tokens
+    return groups
 
 
 def split_forwards(pieces: list[Piece], limit: int) -> list[list[Piece]]:

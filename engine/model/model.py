@@ -88,10 +88,11 @@ class KimiTextModel(nn.Module):
             return hidden
         return hidden, torch.cat([captured[t] for t in taps], dim=-1)  # [T, D], [T, len(taps)*D]
 
-    def stage_forward(self, batch: ForwardBatch, cache: CacheTensors, taps: tuple[int, ...] = ()
-                      ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+    def stage_forward(self, batch: ForwardBatch, cache: CacheTensors, taps: tuple[int, ...] = (),
+                      sends: list | None = None) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
         """This stage's layers: (the normed final hidden `[T, D]` on the last stage, else None after handing the
-        stream on; the taps of this stage's layers, `[T, D]` each)."""
+        stream on — without blocking when `sends` collects the send handles; the taps of this stage's layers,
+        `[T, D]` each)."""
         stream = self._stream_in(batch)
         captured: dict[int, torch.Tensor] = {}
         for layer in self.owned:
@@ -99,7 +100,9 @@ class KimiTextModel(nn.Module):
             if taps and layer.spec.index in taps:
                 captured[layer.spec.index] = stream.hidden  # [T, D], the stream this layer hands on
         if self.norm is None:
-            send_stream(self.stage, stream.hidden, stream.blocks)
+            work = send_stream(self.stage, stream.hidden, stream.blocks, wait=sends is None)
+            if sends is not None:
+                sends.append(work)
             return None, captured
         hidden = stream.hidden
         if self.config.attn_res_block_size:
@@ -157,29 +160,64 @@ class KimiForCausalLM(nn.Module):
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """This stage's part of the step. Global rank 0 returns the full logits `[L, V]` (sent by the last stage's
         TP rank 0) and the taps gathered from their stages; other ranks return `[0, V]` and no taps."""
-        stage, vocab = self.ctx.stage, self.config.vocab_size
-        hidden, captured = self.model.stage_forward(batch, cache, taps)
-        rows = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
+        logits, tapped = self.forward_micro_batches([batch], cache, taps)[0]
+        return logits if not taps else (logits, tapped)
+
+    @torch.inference_mode()
+    def forward_micro_batches(self, batches: list[ForwardBatch], cache: CacheTensors, taps: tuple[int, ...] = ()
+                              ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Pipeline parallelism: the batches (micro-batches of independent sequences) in order through this stage,
+        each handed on with a non-blocking send, so stage s works on micro-batch m while stage s + 1 works on
+        m - 1. Per batch `(logits [L, V], taps [T, len(taps) * D] or None)` on global rank 0; `([0, V], None)`
+        elsewhere. Every rank calls it with the same batches."""
+        torch.set_flush_denormal(True)  # as in `forward`
+        try:
+            sends, outs = [], []
+            for batch in batches:
+                outs.append(self._stage_part(batch, cache, taps, sends))
+            results = [self._collect(batch, out, taps) for batch, out in zip(batches, outs)]
+            for work in sends:
+                work.wait()
+            return results
+        finally:
+            torch.set_flush_denormal(False)
+
+    def _stage_part(self, batch: ForwardBatch, cache: CacheTensors, taps: tuple[int, ...], sends: list
+                    ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        """This stage's layers on one batch; what goes to rank 0 (taps, then the last stage's logits) is sent
+        without blocking (`sends` keeps the handles). Returns (logits or None, this stage's taps)."""
+        stage = self.ctx.stage
+        hidden, captured = self.model.stage_forward(batch, cache, taps, sends)
         logits = None
         if hidden is not None:
+            rows = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
             logits = self.ctx.all_gather(fp32(self.lm_head(hidden[rows])), dim=-1)  # [L, V]
-        is_rank0, sends = stage.global_rank == 0, stage.tp_rank == 0 and stage.global_rank != 0
-        mine = [t for t in taps if t in captured]
-        if sends and mine:
-            to_rank0(torch.cat([captured[t] for t in mine], dim=-1))  # [T, len(mine) * D]
-        if sends and logits is not None:
-            to_rank0(logits)
-        if not is_rank0:
-            return torch.empty(0, vocab, device=self.device) if not taps else (torch.empty(0, vocab), None)
+        if stage.tp_rank == 0 and stage.global_rank != 0:
+            mine = [t for t in taps if t in captured]
+            if mine:
+                sends.append(to_rank0(torch.cat([captured[t] for t in mine], dim=-1)))  # [T, len(mine) * D]
+            if logits is not None:
+                sends.append(to_rank0(logits))
+        return logits, captured
+
+    def _collect(self, batch: ForwardBatch, out: tuple[torch.Tensor | None, dict[int, torch.Tensor]],
+                 taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rank 0: one batch's taps from their stages (in stage order) and its logits from the last stage."""
+        stage, vocab = self.ctx.stage, self.config.vocab_size
+        logits, captured = out
+        if stage.global_rank != 0:
+            return torch.empty(0, vocab, device=self.device), None
         tokens, d = batch.input_ids.shape[0], self.config.hidden_size
-        for s in range(1, stage.num_stages):  # every later stage's taps, in stage order (its TP rank 0 sends)
+        captured = dict(captured)
+        for s in range(1, stage.num_stages):
             theirs = [t for t in taps if self._stage_of_tap(t) == s]
             if theirs:
                 got = from_rank((tokens, len(theirs) * d), self.dtype, self.device, s * stage.tp_size)
                 captured.update(zip(theirs, got.split(d, dim=-1)))
         if logits is None:
+            rows = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
             logits = from_rank((rows.numel(), vocab), torch.float32, self.device, stage.last_rank0)
-        return logits if not taps else (logits, torch.cat([captured[t] for t in taps], dim=-1))
+        return logits, (torch.cat([captured[t] for t in taps], dim=-1) if taps else None)
 
     def _stage_of_tap(self, tap: int) -> int:
         num_layers = self.config.num_hidden_layers

@@ -13,8 +13,10 @@ Contract:
   a stage hands on — the hidden `[T, D]` and, with K3 attention residuals, the block snapshots `[n_blocks, T, D]`
   the next layers mix — as ONE tensor `[1 + n_blocks, T, D]` over `torch.distributed` send/recv (no pickles). Both
   sides know the shape: `T` from the step's batch, `n_blocks` from the layer indices (`blocks_before`).
-- `to_rank0(t)` / `from_rank(shape, dtype, src)`: the last stage's logits and every stage's drafter taps go to
-  global rank 0 point to point.
+- `to_rank0(t)` (non-blocking: a handle to wait on) / `from_rank(shape, dtype, src)`: the last stage's logits and
+  every stage's drafter taps go to global rank 0 point to point.
+- Micro-batches (`KimiForCausalLM.forward_micro_batches`): a stage sends each micro-batch's stream with `isend` and
+  goes on to the next, so neighbouring stages overlap; messages between two ranks match in send order.
 Every rank of the world group must call the matching send/recv in the same order (they are blocking).
 """
 
@@ -125,9 +127,24 @@ def _dist():
     return dist
 
 
-def send_stream(stage: Stage, hidden: torch.Tensor, blocks: list[torch.Tensor]) -> None:
-    """hidden [T, D], blocks n x [T, D] -> the next stage's same TP rank, as one [1 + n, T, D] tensor."""
-    _dist().send(torch.stack([hidden, *blocks]).contiguous(), dst=stage.next_rank)
+def send_stream(stage: Stage, hidden: torch.Tensor, blocks: list[torch.Tensor], wait: bool = True):
+    """hidden [T, D], blocks n x [T, D] -> the next stage's same TP rank, as one [1 + n, T, D] tensor. `wait`
+    False: a non-blocking send whose handle (`.wait()`) the caller keeps until it completes."""
+    buf = torch.stack([hidden, *blocks]).contiguous()
+    if wait:
+        _dist().send(buf, dst=stage.next_rank)
+        return None
+    return _Sent(_dist().isend(buf, dst=stage.next_rank), buf)
+
+
+class _Sent:
+    """A non-blocking send's handle, holding its buffer alive until `wait()`."""
+
+    def __init__(self, work, buf: torch.Tensor):
+        self.work, self.buf = work, buf
+
+    def wait(self) -> None:
+        self.work.wait()
 
 
 def recv_stream(stage: Stage, tokens: int, hidden_size: int, n_blocks: int, dtype: torch.dtype,
@@ -138,8 +155,10 @@ def recv_stream(stage: Stage, tokens: int, hidden_size: int, n_blocks: int, dtyp
     return buf[0], list(buf[1:].unbind(0))
 
 
-def to_rank0(t: torch.Tensor) -> None:
-    _dist().send(t.contiguous(), dst=0)
+def to_rank0(t: torch.Tensor) -> _Sent:
+    """A non-blocking send to global rank 0 (wait on the handle before the step ends)."""
+    buf = t.contiguous()
+    return _Sent(_dist().isend(buf, dst=0), buf)
 
 
 def from_rank(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
@@ -184,7 +203,7 @@ class StageParts:
         stage = self.stage
         if stage.global_rank != 0:
             if stage.tp_rank == 0 and counts[stage.stage]:
-                to_rank0(local)
+                to_rank0(local).wait()
             return None
         parts = [local] if counts[0] else []
         for s in range(1, stage.num_stages):

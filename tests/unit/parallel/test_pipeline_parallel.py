@@ -120,3 +120,13 @@ def test_stage_rules():
     with pytest.raises(ParallelError, match="pipeline-parallel-size"):
         stage_layers(2, 3)
     assert [blocks_before(i, 2) for i in range(5)] == [0, 1, 1, 2, 2] and blocks_before(3, None) == 0
+
+
+def test_micro_batches_keep_whole_pieces_in_order():
+    from engine.runner import Piece, micro_batches
+
+    pieces = [Piece(None, 0, n, i, True) for i, n in enumerate([5, 1, 1, 1, 8, 2])]
+    groups = micro_batches(pieces, 2)
+    assert [p for g in groups for p in g] == pieces and len(groups) == 2
+    assert [sum(p.num_tokens for p in g) for g in groups] == [8, 10]
+    assert micro_batches(pieces[:1], 3) == [pieces[:1]]
