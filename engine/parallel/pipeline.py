@@ -2,7 +2,8 @@
 
 Contract:
 - `stage_layers(num_layers, num_stages)`: every stage's `[start, stop)` of the decoder layers, contiguous and in
-  order; an even split, the first `num_layers % num_stages` stages one layer more. A stage with no layer is refused
+  order; an even split, the first `num_layers % num_stages` stages one layer more (the planner's rule,
+  `engine.plan_weights.stage_layers`, so `kdamesh plan`'s per-stage figures are this split's). A stage with no layer is refused
   (`ParallelError` naming --pipeline-parallel-size).
 - `Stage(num_stages, stage, start, stop, tp_size, tp_rank)` is one rank's place in the pipeline (global rank =
   `stage * tp_size + tp_rank`): stage 0 owns the embedding, the last stage the final norm, the output mix of
@@ -33,13 +34,9 @@ def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     if num_stages < 1 or num_stages > num_layers:
         raise ParallelError(f"--pipeline-parallel-size {num_stages} must be in [1, {num_layers}] (the model's "
                             f"decoder layers): every stage owns at least one layer")
-    per, extra = divmod(num_layers, num_stages)
-    out, at = [], 0
-    for s in range(num_stages):
-        n = per + (1 if s < extra else 0)
-        out.append((at, at + n))
-        at += n
-    return out
+    from engine.plan_weights import stage_layers as planned  # the planner's rule (`kdamesh plan`), shared
+
+    return [(r.start, r.stop) for r in (planned(num_layers, num_stages, s) for s in range(num_stages))]
 
 
 def blocks_before(layer: int, block_size: int | None) -> int:
