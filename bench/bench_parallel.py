@@ -1,6 +1,7 @@
 """Tensor/expert parallelism and packed MXFP4 experts on CPU: memory per rank, and the MoE step, same run.
 
-Run: `python -m bench.bench_parallel [--preset small-k3] [--tokens 32 512] [--threads 1] [--out FILE]`.
+Run: `python -m bench.bench_parallel [--preset small-k3] [--tokens 32 512] [--threads 1] [--out FILE]`
+(pipeline: `python -m bench.bench_parallel --parts pipeline --prompts 32 --max-tokens 8`).
 
 1. Memory per rank at TP=1, TP=2 and TP=2 + EP (two gloo rank processes): resident parameter bytes (distinct
    storages, so fused tensors count once), split across ranks vs replicated (with the largest replicated
@@ -13,7 +14,12 @@ Run: `python -m bench.bench_parallel [--preset small-k3] [--tokens 32 512] [--th
 3. The decode step at TP=1 and TP=2 (two gloo rank processes on this CPU, each with `--threads` threads; batch 8
    after a 32-token prefill each, median of `--repeats` <= 30), and the communication share of rank 0's step: the time
    inside the collectives (`TimedComm` around the communicator) over the step time.
-`--parts` picks among memory, moe, decode (default: all). Prints markdown; `--out` writes the numbers as JSON too.
+4. Pipeline parallelism (`--parts pipeline`): `--prompts` prompts of 32 tokens, `--max-tokens` greedy tokens each,
+   through `LLM` at PP=1 and PP=2 (two gloo rank processes, micro-batches), interleaved `--rounds` times: output
+   tokens per second; and, model level (two ranks, one prefill of all prompts as PP micro-batches then decode steps),
+   the bubble fraction: the share of each stage's step time spent waiting in a receive (stage 1 for the stream,
+   stage 0 for the logits), averaged over the stages.
+`--parts` picks among memory, moe, decode, pipeline (default: memory, moe, decode). Prints markdown; `--out` writes the numbers as JSON too.
 """
 
 from __future__ import annotations
@@ -149,9 +155,108 @@ def decode_table(folder: str, repeats: int, threads: int) -> list[dict]:
     return rows
 
 
+PIPE_ARGS = dict(kv_cache_memory=256 << 20, max_num_seqs=32, max_num_batched_tokens=2048, block_size=16,
+                 enable_prefix_caching=False, collective_timeout_s=120.0)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[(17 * s + 7 * i) % 7900 + 10 for i in range(32)] for s in range(n)]
+
+
+def pipeline_throughput(folder: str, prompts: int, max_tokens: int, rounds: int) -> dict:
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llms = {pp: LLM(folder, pipeline_parallel_size=pp, **PIPE_ARGS) for pp in (1, 2)}
+    seconds = {1: 0.0, 2: 0.0}
+    tokens = {}
+    try:
+        for _ in range(rounds):  # interleaved A/B
+            for pp, llm in llms.items():
+                t0 = time.perf_counter()
+                out = llm.generate(_prompts(prompts), greedy)
+                seconds[pp] += time.perf_counter() - t0
+                tokens[pp] = [list(o.outputs[0].token_ids) for o in out]
+    finally:
+        for llm in llms.values():
+            llm.close()
+    rate = {pp: rounds * prompts * max_tokens / seconds[pp] for pp in seconds}
+    return {"tok_s_pp1": rate[1], "tok_s_pp2": rate[2], "ratio": rate[2] / rate[1], "same_tokens": tokens[1] == tokens[2]}
+
+
+class _WaitTimer:
+    """`torch.distributed` as engine/parallel/pipeline.py uses it, adding up the time spent in `recv`."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist, self.seconds = dist, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.dist, name)
+
+    def recv(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.dist.recv(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def _pipe_bubble(comm, rank: int, folder: str, prompts: int, steps: int, threads: int) -> dict:
+    import engine.parallel.pipeline as pipeline
+    from engine.model.batch import CacheTensors
+    from engine.model.config import load_model_config
+    from engine.parallel.comm import SingleProcess
+    from tests.model_driver import SequenceDriver
+
+    torch.set_num_threads(threads)
+    timer = _WaitTimer()
+    pipeline._dist = lambda: timer
+    config = load_model_config(folder)
+    stage = pipeline.Stage.of(config.num_hidden_layers, comm.size, rank)
+    ctx = RankContext(ParallelConfig(), SingleProcess(), stage=stage)
+    model = load_model(folder, LoadConfig(), ctx)
+    driver = SequenceDriver(model, max_seqs=prompts, max_len=32 + steps + 1)
+    driver.cache = CacheTensors.allocate(config, num_blocks=prompts * driver.blocks_per_seq, block_size=16,
+                                         num_slots=prompts, dtype=model.dtype,
+                                         layers=model.model.owned_layers(config, ctx))
+    batches = []
+    driver.model = type("Split", (), {"device": model.device, "__call__": lambda self, b, c: batches.append(b)})()
+    half = prompts // 2  # the prefill as two micro-batches of whole sequences
+    driver.step({s: p for s, p in enumerate(_prompts(prompts)) if s < half})
+    driver.step({s: p for s, p in enumerate(_prompts(prompts)) if s >= half})
+    driver.model = model
+    t0 = time.perf_counter()
+    model.forward_micro_batches(batches, driver.cache)
+    prefill = time.perf_counter() - t0
+    prefill_wait, timer.seconds = timer.seconds, 0.0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        driver.step({s: [5] for s in range(prompts)})
+    decode = time.perf_counter() - t0
+    return {"prefill_s": prefill, "prefill_wait": prefill_wait / prefill, "decode_s": decode,
+            "decode_wait": timer.seconds / decode}
+
+
+def pipeline_bubble(folder: str, prompts: int, steps: int, threads: int) -> dict:
+    ranks = run_ranks(_pipe_bubble, 2, (folder, prompts, steps, threads), timeout_s=600, threads_per_rank=threads)
+    return {"prefill_bubble": sum(r["prefill_wait"] for r in ranks) / 2,
+            "decode_bubble": sum(r["decode_wait"] for r in ranks) / 2, "ranks": ranks}
+
+
 def markdown(result: dict) -> str:
     mb = 1e6
     lines = []
+    if "pipeline" in result:
+        p = result["pipeline"]
+        lines += [f"**Pipeline parallelism** ({result['preset']}, {result['prompts']} prompts x {result['max_tokens']} "
+                  f"tokens, {result['threads']} thread(s) per rank)", "",
+                  "| PP=1 tok/s | PP=2 tok/s | PP=2 / PP=1 | same tokens | bubble, prefill (2 micro-batches) | "
+                  "bubble, decode |", "| ---: | ---: | ---: | --- | ---: | ---: |",
+                  f"| {p['tok_s_pp1']:.1f} | {p['tok_s_pp2']:.1f} | {p['ratio']:.2f} | {p['same_tokens']} | "
+                  f"{100 * p['prefill_bubble']:.0f}% | {100 * p['decode_bubble']:.0f}% |", ""]
     if "decode" in result:
         lines += [f"**Decode step, batch 8** ({result['preset']}, {result['threads']} thread(s) per rank)", "",
                   "| layout | step | communication share (rank 0) |", "| --- | ---: | ---: |"]
@@ -184,12 +289,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--parts", nargs="+", choices=["memory", "moe", "decode"], default=["memory", "moe", "decode"])
+    parser.add_argument("--parts", nargs="+", choices=["memory", "moe", "decode", "pipeline"],
+                        default=["memory", "moe", "decode"])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         folder = str(make_checkpoint(args.preset, Path(tmp) / args.preset, seed=0, experts_format="mxfp4"))
-        result = {"preset": args.preset, "threads": args.threads, "tokens": args.tokens}
+        result = {"preset": args.preset, "threads": args.threads, "tokens": args.tokens, "prompts": args.prompts,
+                  "max_tokens": args.max_tokens}
+        if "pipeline" in args.parts:
+            result["pipeline"] = {**pipeline_throughput(folder, args.prompts, args.max_tokens, args.rounds),
+                                  **pipeline_bubble(folder, args.prompts, args.max_tokens, args.threads)}
         if "decode" in args.parts:
             result["decode"] = decode_table(folder, args.repeats, args.threads)
         if "memory" in args.parts or "moe" in args.parts:  # the two tables print together

@@ -4,13 +4,16 @@ concurrency that fits, load peak, handoff cost.
 Contract: `add_arguments(parser)` adds the flags (`--tensor-parallel-size`, `--enable-expert-parallel`,
 `--kv-cache-dtype`, `--decode-context-parallel-size`, `--gpus`, `--gpu-memory`, `--gpu-memory-utilization`, `--context-len`, `--link-gbps`, `--dtype`,
 `--experts-format`, `--pipeline-parallel-size`, `--speculative-method`, `--num-speculative-tokens`, `--drafter-dir`,
-`--vision-bytes`, `--runtime-memory`, `--max-num-batched-tokens`, `--shard-bytes`, `--json`) and the positional
+`--vision-bytes`, `--runtime-memory`, `--max-num-batched-tokens`, `--shard-bytes`, `--json`, `--gpus-per-node`,
+`--max-nodes`) and the positional
 MODEL_DIR (a folder with `config.json`; no weights are read: a `--drafter-dir` DSpark folder's tensor sizes come
 from its safetensors headers); `run(args)` prints the plan (engine/plan.py) and returns 0 when it fits, 1 when it
 does not; `main(argv)` parses and runs. A split that does not divide (heads, vocabulary, experts) is reported as an
 error naming the dimension (exit 2), as is a combination the planner refuses (e.g. `--speculative-method dspark`
 without `--drafter-dir`). The vision tower's bytes default to its parameters counted on the meta device when the
-config has a `vision_config` (else 0: pass `--vision-bytes`).
+config has a `vision_config` (else 0: pass `--vision-bytes`). With `--gpus-per-node G`, `run` proposes a layout
+instead: TP = G inside a node and PP = the fewest nodes (1..`--max-nodes`) whose plan fits, listing every
+candidate's verdict, then the chosen plan and its flags (exit 1 when none fits).
 """
 
 from __future__ import annotations
@@ -43,7 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16", help="weights and KV")
     parser.add_argument("--experts-format", choices=["auto", "dense", "mxfp4"], default="auto")
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                        help="layer stages (computed per stage; the engine does not run pipeline parallelism yet)")
+                        help="layer stages (computed per stage; the engine's --pipeline-parallel-size)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="propose a layout instead: TP = this node size, PP = the fewest nodes (up to "
+                             "--max-nodes) whose plan fits; the others' verdicts are listed")
+    parser.add_argument("--max-nodes", type=int, default=4, help="the most nodes --gpus-per-node tries")
     parser.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default="none")
     parser.add_argument("--num-speculative-tokens", type=int, default=0, help="k: 1 + k state slots per request")
     parser.add_argument("--drafter-dir", default=None, help="a DSpark drafter folder (--speculative-method dspark)")
@@ -105,8 +112,45 @@ def plan_args(args: argparse.Namespace, config: ModelConfig) -> PlanArgs:
                     shard_bytes=parse_bytes(args.shard_bytes, "shard_bytes"))
 
 
+def propose(config: ModelConfig, args: argparse.Namespace) -> list[tuple[int, int, object]]:
+    """(tp, pp, plan or the refusal's message) per node count 1..max_nodes: TP inside a node (its NVLink), PP across
+    nodes, as vLLM's multi-node recipes lay out a model that does not fit one node."""
+    out = []
+    for nodes in range(1, args.max_nodes + 1):
+        trial = argparse.Namespace(**{**vars(args), "tensor_parallel_size": args.gpus_per_node,
+                                      "pipeline_parallel_size": nodes, "gpus": None})
+        try:
+            out.append((args.gpus_per_node, nodes, plan(config, plan_args(trial, config))))
+        except (ParallelError, ValueError) as exc:
+            out.append((args.gpus_per_node, nodes, str(exc)))
+    return out
+
+
+def run_proposal(config: ModelConfig, args: argparse.Namespace) -> int:
+    """Prints each candidate's verdict and the proposed layout (the fewest nodes that fit): 0, or 1 if none fits."""
+    chosen = None
+    for tp, pp, result in propose(config, args):
+        if isinstance(result, str):
+            print(f"TP{tp} x PP{pp} ({pp} node(s) of {tp}): cannot split: {result}")
+            continue
+        verdict = (f"fits, {result.concurrency} requests of {args.context_len} tokens per replica" if result.fits
+                   else f"does not fit: {result.reason}")
+        print(f"TP{tp} x PP{pp} ({pp} node(s) of {tp}): {verdict}")
+        if result.fits and chosen is None:
+            chosen = (tp, pp, result)
+    if chosen is None:
+        print(f"proposed: none within {args.max_nodes} node(s) of {args.gpus_per_node}")
+        return 1
+    tp, pp, result = chosen
+    print(f"proposed: --tensor-parallel-size {tp} --pipeline-parallel-size {pp} --nnodes {pp}\n")
+    print(format_plan(result))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     config = load_model_config(args.model_dir)
+    if args.gpus_per_node is not None:
+        return run_proposal(config, args)
     try:
         result = plan(config, plan_args(args, config))
     except (ParallelError, ValueError) as exc:

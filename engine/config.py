@@ -122,6 +122,9 @@ class EngineArgs:
              "--tensor-parallel-size and --block-size; engine/parallel/context.py); KDA state is unaffected")
     enable_expert_parallel: bool = option(  # split the routed experts by expert across those ranks
         "--enable-expert-parallel", default=False, kind="switch", help="split the routed experts by expert")
+    pipeline_parallel_size: int = option(  # stages the layers are split over; ranks = TP x PP (engine/parallel/)
+        "--pipeline-parallel-size", "-pp", default=1, parse=int,
+        help="pipeline stages the model's layers are split over (contiguous layer ranges; ranks = TP x PP)")
     collective_timeout_s: float = 60.0  # a rank collective waiting longer fails the engine (a hung or lost rank)
     nnodes: int = option(  # machines the tensor-parallel group spans (engine/parallel/node.py)
         "--nnodes", default=1, parse=int, help="machines the rank group spans; node 0 runs the engine")
@@ -195,11 +198,32 @@ class EngineArgs:
         self._resolve_compilation()
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise EngineConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        self._check_pipeline()
         self._check_timeouts()
         self._check_choices()
         self._check_context_parallel()
         if self.snapshot_budget is not None and parse_bytes(self.snapshot_budget, "snapshot_budget") < 0:
             raise EngineConfigError(f"snapshot_budget must be >= 0, got {self.snapshot_budget!r}")
+
+    def _check_pipeline(self) -> None:
+        pp = self.pipeline_parallel_size
+        if not isinstance(pp, int) or pp < 1:
+            raise EngineConfigError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
+        if pp == 1:
+            return
+        spec = self.speculative_config
+        method = getattr(spec, "method", None)
+        if spec is not None and method != "ngram":
+            raise EngineConfigError(f"--speculative-config method {method!r} with --pipeline-parallel-size {pp}: a "
+                                    "model drafter reads the target's embedding and LM head on rank 0, which under "
+                                    "pipeline parallelism live on different stages; use ngram or "
+                                    "--pipeline-parallel-size 1")
+        if self.gpu_memory_utilization is not None:
+            raise EngineConfigError(f"--gpu-memory-utilization with --pipeline-parallel-size {pp}: the profile "
+                                    "sizes one rank holding every layer; set --kv-cache-memory")
+        if self.load_format == "fastsafetensors":
+            raise EngineConfigError("--load-format fastsafetensors with --pipeline-parallel-size > 1: its file "
+                                    "rounds read every tensor; use --load-format safetensors")
 
     def _check_timeouts(self) -> None:
         for name in ("collective_timeout_s", "grammar_compile_timeout_s"):

@@ -254,7 +254,7 @@ def _gb(nbytes: float) -> str:
 
 def format_plan(p: Plan) -> str:
     a, w = p.args, p.weights
-    stages = f" x {a.pipeline_parallel_size} pipeline stages (computed, not built)" if a.pipeline_parallel_size > 1 \
+    stages = f" x {a.pipeline_parallel_size} pipeline stages" if a.pipeline_parallel_size > 1 \
         else ""
     spec = f", speculative {a.speculative_method} k={a.num_speculative_tokens}" if a.num_speculative_tokens else ""
     lines = [

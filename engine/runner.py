@@ -32,6 +32,10 @@ Contract:
 - Drafter taps (`taps`, set by the engine from `Drafter.taps`): each forward also captures the tapped hidden rows
   of all its tokens (engine/spec/capture.py); `take_tapped()` returns those of the latest step `[T, len(taps) * D]`
   (chunk order, every token of every piece) and forgets them.
+- Pipeline parallelism (`ctx.stage`): each forward's pieces are further split into up to `num_stages` micro-batches
+  of whole pieces (`micro_batches`; row order unchanged) that the stages run overlapped
+  (`KimiForCausalLM.forward_micro_batches`); only this stage's layers have a cache, and `read_*` / `write_*` keep
+  the whole-model layout (rank 0 gathers the stages' parts; a write keeps the stage's layers).
 - `copy_slots(pairs)` copies KDA state slots (snapshots after a step).
 - `read_blocks` / `write_blocks` / `read_state` / `write_state` move cache contents in and out as tensors
   (`engine.transfer` serialises them): blocks as `[num_mla_layers, n, block_size, cache_dim]` in MLA layer order,
@@ -52,6 +56,7 @@ from engine.config import CachePlan
 from engine.decode_graphs import DecodeGraphs, DecodeRows
 from engine.model.batch import CacheTensors, ForwardBatch, HostMeta
 from engine.model.model import KimiForCausalLM
+from engine.parallel.pipeline import StageParts
 from engine.parallel.state import all_gather_state, scatter_state
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
@@ -127,21 +132,24 @@ class ModelRunner:
         self.block_size = plan.block_size
         self.ctx = model.ctx
         # One more block and slot than the engine manages: the scratch that padding rows of a decode bucket write.
+        # Under pipeline parallelism only this stage's layers get a cache (the same block and slot ids everywhere).
         self.dcp = plan.decode_context_parallel_size  # > 1: this rank holds plan.rank_block_size rows of a block
         self.cache = CacheTensors.allocate(model.config, num_blocks=plan.num_blocks + 1, block_size=plan.rank_block_size,
                                            num_slots=plan.num_slots + 1, dtype=model.dtype, device=self.device,
-                                           kda_heads=model.num_local_kda_heads, kv_cache_dtype=plan.kv_cache_dtype)
+                                           kda_heads=model.num_local_kda_heads, kv_cache_dtype=plan.kv_cache_dtype,
+                                           layers=model.model.owned_layers(model.config, model.ctx))
         self.mla_layers = sorted(self.cache.kv)
         self.kda_layers = sorted(self.cache.recurrent)
+        self.stages = StageParts(model.config, model.ctx.stage, plan.block_size, model.dtype, plan.kv_cache_dtype)
         self._taps: tuple[int, ...] = ()
         self._tapped: list[torch.Tensor] = []
         self.graphs = self._decode_graphs(plan, graphs)
 
     def _decode_graphs(self, plan: CachePlan, options: GraphOptions | None) -> DecodeGraphs | None:
-        """The compiled / captured decode step, or None (enforce_eager, decode-context parallelism, or nothing to
-        compile or capture here)."""
-        if plan.decode_context_parallel_size > 1:
-            return None
+        """The compiled / captured decode step, or None (enforce_eager, decode-context or pipeline parallelism, or
+        nothing to compile or capture here)."""
+        if plan.decode_context_parallel_size > 1 or self.ctx.stage.pipelined:  # eager: collectives inside attention,
+            return None  # or streams exchanged between stages
         if options is None:
             return None
         kind = self.device.type
@@ -177,6 +185,8 @@ class ModelRunner:
         if self.media is not None:
             self.media.prepare(pieces)  # encodes the step's new images (one call) before any batch takes their rows
         groups = split_forwards(pieces, self.max_forward_tokens)
+        if self.ctx.stage.pipelined:  # stages overlap on micro-batches of whole pieces (same row order)
+            groups = [mb for group in groups for mb in micro_batches(group, self.ctx.stage.num_stages)]
         return RankStep(zero, inits, [self.build_batch(group) for group in groups], self.taps)
 
     @staticmethod
@@ -224,13 +234,21 @@ class ModelRunner:
             else:
                 self.write_blocks(list(init.blocks), init.kv)
                 self.write_state(init.dst, init.state, init.state_is_local)
-        from engine.spec.capture import forward_with_taps
+        from engine.spec.capture import check_taps, forward_with_taps
 
         if step.decode is not None:
             rows, hidden = self.graphs.run(step.decode)  # [n, V], [n, len(taps) * D] or None
             self._tapped = [hidden] if hidden is not None else []
             return rows
         logits, self._tapped = [], []
+        if self.ctx.stage.pipelined:
+            outs = self.model.forward_micro_batches([b.to(self.device) for b in step.batches], self.cache,
+                                                    check_taps(self.config.num_hidden_layers, step.taps))
+            for rows, hidden in outs:
+                logits.append(rows)
+                if hidden is not None:
+                    self._tapped.append(hidden)
+            return torch.cat(logits)  # [L, V] (rank 0; [0, V] elsewhere)
         for batch in step.batches:
             rows, hidden = forward_with_taps(self.model, batch.to(self.device), self.cache, step.taps)
             logits.append(rows)
@@ -286,55 +304,75 @@ class ModelRunner:
     # -- moving cache contents -------------------------------------------------------------------------------
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[num_mla_layers, n, block_size, cache_dim] copies of the given blocks."""
+        """[num_mla_layers, n, block_size, cache_dim] copies of the given blocks (every MLA layer of the model: under
+        pipeline parallelism a collective of all stages, whose parts rank 0 gathers; other ranks get None)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        local = torch.stack([self.cache.kv[i].index_select(0, index) for i in self.mla_layers])
-        if self.dcp > 1:  # [L, n, bs/N, row] per rank -> [L, n, bs, row] (a collective over the DCP group)
+        local = [self.cache.kv[i].index_select(0, index) for i in self.mla_layers]
+        if self.dcp > 1 and local:  # [n, bs/N, row] per rank and layer -> [n, bs, row] (a DCP-group collective)
             from kernels.attention.context_parallel import gather_blocks
 
-            return gather_blocks(self.ctx.dcp_comm.all_gather(local[None], dim=0).unbind(0)).cpu()
-        return local.cpu()
+            gathered = self.ctx.dcp_comm.all_gather(torch.stack(local)[None], dim=0)  # [N, L, n, bs/N, row]
+            local = list(gather_blocks(gathered.unbind(0)).unbind(0))
+        if not self.ctx.stage.pipelined:
+            return torch.stack(local).cpu()
+        return self.stages.gather_blocks(local, len(block_ids), self.device)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """`data` [L, n, block_size, row] in the DCP-independent layout (this rank keeps its rows under DCP)."""
+        """`data`: every MLA layer's blocks [L, n, block_size, row] in the DCP-independent layout; a stage keeps its
+        own layers', a DCP rank its own rows."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         if self.dcp > 1:
             from kernels.attention.context_parallel import scatter_blocks
 
             data = scatter_blocks(data, self.ctx.config.dcp_rank, self.dcp)
-        for layer, i in enumerate(self.mla_layers):
+        for i in self.mla_layers:
             kv = self.cache.kv[i]
-            kv.index_copy_(0, index, data[layer].to(kv.device, kv.dtype))
+            kv.index_copy_(0, index, data[self.stages.mla_index[i]].to(kv.device, kv.dtype))
 
     def read_state(self, slot: int) -> dict[str, torch.Tensor]:
-        if not self.kda_layers:
+        """All heads of every KDA layer (under pipeline parallelism on rank 0 only, gathered from the stages)."""
+        if not self.config.kda_layer_ids:
             return {}
-        local = {"conv": torch.stack([self.cache.conv[i][slot] for i in self.kda_layers]),
-                 "recurrent": torch.stack([self.cache.recurrent[i][slot] for i in self.kda_layers])}
-        return {k: v.cpu() for k, v in all_gather_state(self.ctx, local).items()}
+        local = {}
+        if self.kda_layers:
+            local = {"conv": torch.stack([self.cache.conv[i][slot] for i in self.kda_layers]),
+                     "recurrent": torch.stack([self.cache.recurrent[i][slot] for i in self.kda_layers])}
+            local = all_gather_state(self.ctx, local)
+        if self.ctx.stage.pipelined:
+            return self.stages.gather_state(local, self.device)
+        return {k: v.cpu() for k, v in local.items()}
 
     def write_state(self, slot: int, state: dict[str, torch.Tensor], local: bool = False) -> None:
-        """`state`: the TP-independent layout, or (`local`) this rank's heads already."""
+        """`state`: the TP-independent layout of every KDA layer, or (`local`) this rank's heads already; a pipeline
+        stage keeps its own layers'."""
         if self.ctx.size > 1 and state and not local:
             state = scatter_state(state, self.ctx.size, self.ctx.rank)
-        for layer, i in enumerate(self.kda_layers):
+        for i in self.kda_layers:
+            layer = self.stages.kda_index[i]
             self.cache.conv[i][slot].copy_(state["conv"][layer])
             self.cache.recurrent[i][slot].copy_(state["recurrent"][layer])
 
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Expected shapes and dtypes of `read_state`'s tensors."""
-        if not self.kda_layers:
-            return {}
-        first = self.kda_layers[0]
-        n, size = len(self.kda_layers), self.ctx.size
-        (channels, width), (heads, d, _) = self.cache.conv[first].shape[1:], self.cache.recurrent[first].shape[1:]
-        return {"conv": ((n, channels * size, width), self.cache.conv[first].dtype),
-                "recurrent": ((n, heads * size, d, d), torch.float32)}
+        return self.stages.state_shapes()
 
     def block_shape(self) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of one block's data across MLA layers: [num_mla_layers, block_size, cache_dim]."""
-        first = self.cache.kv[self.mla_layers[0]]  # rank_block_size rows per block under DCP; blocks move whole
-        return (len(self.mla_layers), self.block_size, first.shape[-1]), first.dtype
+        return self.stages.block_shape()
+
+
+def micro_batches(pieces: list[Piece], n: int) -> list[list[Piece]]:
+    """Up to `n` consecutive groups of whole pieces with about equal tokens (pipeline micro-batches), in order: a
+    piece starts the next group when its middle lies past the current group's share."""
+    total = sum(p.num_tokens for p in pieces)
+    groups: list[list[Piece]] = [[]]
+    done = 0
+    for piece in pieces:
+        if groups[-1] and len(groups) < n and done + piece.num_tokens / 2 > total * len(groups) / n:
+            groups.append([])
+        groups[-1].append(piece)
+        done += piece.num_tokens
+    return groups
 
 
 def split_forwards(pieces: list[Piece], limit: int) -> list[list[Piece]]:

@@ -100,18 +100,20 @@ class CacheTensors:
     @classmethod
     def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", kda_heads: int | None = None,
-                 kv_cache_dtype: str = "auto") -> "CacheTensors":
+                 kv_cache_dtype: str = "auto", layers: range | None = None) -> "CacheTensors":
         """`kda_heads`: the KDA heads of this rank's slots (None: all of the model's). `kv_cache_dtype` 'fp8' /
-        'fp8_e4m3': the MLA latents as FP8 rows (kernels/attention/fp8_latent.py); 'auto': `dtype`."""
+        'fp8_e4m3': the MLA latents as FP8 rows (kernels/attention/fp8_latent.py); 'auto': `dtype`. `layers`: the
+        decoder layers this rank's pipeline stage owns (None: all); other layers get no cache."""
         fp8 = kv_cache_dtype in ("fp8", "fp8_e4m3")
+        owned = range(config.num_hidden_layers) if layers is None else layers
         kv = {i: allocate_latent_cache(num_blocks, block_size, config.mla.cache_dim, fp8, dtype, device)
-              for i in config.mla_layer_ids}
+              for i in config.mla_layer_ids if i in owned}
         conv, recurrent = {}, {}
         if config.kda is not None:
             k = config.kda
             heads = k.num_heads if kda_heads is None else kda_heads
             width = 3 * heads * k.head_dim
-            for i in config.kda_layer_ids:
+            for i in (i for i in config.kda_layer_ids if i in owned):
                 conv[i] = torch.zeros(num_slots, width, k.conv_kernel_size - 1, dtype=dtype, device=device)
                 recurrent[i] = torch.zeros(num_slots, heads, k.head_dim, k.head_dim,
                                            dtype=torch.float32, device=device)

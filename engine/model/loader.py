@@ -6,7 +6,8 @@ Contract:
   reading only this rank's slice of each tensor (`TensorTarget.part`; engine/model/sources.py). Before any data is
   read, the checkpoint's names and FULL shapes are checked against the model; one `CheckpointError` names every
   missing, unexpected and mis-shaped tensor (under expert parallelism other ranks' experts are expected, not
-  unexpected).
+  unexpected; under pipeline parallelism so are other stages' tensors, which are never read:
+  engine/parallel/pipeline.py `Stage.owns_tensor`).
 - Vision weights of a K3 checkpoint (`vision_tower.*`, `mm_projector.*`) are set aside with one log line: the
   vision encoder loads them (`engine.vision.loader.load_vision`). So are the MTP layers a config declares
   (`num_nextn_predict_layers`: tensors under `ModelConfig.mtp_weight_prefixes`, i.e. `model.layers.{num_hidden_layers + i}.`):
@@ -196,9 +197,11 @@ def load_model(model_dir: str | Path, load_config: LoadConfig = LoadConfig(),
         plan = dummy_plan(layout, config)
         source = DummySource({name: it.target.shape for name, it in plan.items()}, load_config.seed)
     else:
-        owner = _expert_owner(model)
-        plan = validate(header, layout, config, lambda n: owner(n) not in (None, model.ctx.rank)
-                        and owner(n) < model.ctx.size)
+        owner, stage = _expert_owner(model), model.ctx.stage
+        plan = validate(header, layout, config, lambda n: (owner(n) not in (None, model.ctx.rank)
+                                                           and owner(n) < model.ctx.size)
+                        or (stage.pipelined and not stage.owns_tensor(n, config.weight_prefix,
+                                                                        config.num_hidden_layers)))
         source = _file_source(load_config, files, header, model, owner)
     copy_tensors(model, plan, source, load_config)
     return model
@@ -206,6 +209,10 @@ def load_model(model_dir: str | Path, load_config: LoadConfig = LoadConfig(),
 
 def _file_source(load_config: LoadConfig, files: list[Path], header: dict, model: KimiForCausalLM, owner):
     if load_config.load_format == "fastsafetensors":
+        if model.ctx.stage.pipelined:
+            raise ParallelError("--load-format fastsafetensors does not split by pipeline stage (its rounds read "
+                                "every tensor of a file); use --load-format safetensors with "
+                                "--pipeline-parallel-size > 1")
         if importlib.util.find_spec("fastsafetensors") is not None:
             logger.info("loading weights through fastsafetensors on %s", load_config.device)
             return FastSafetensorsSource(files, header, model.ctx, load_config.device, owner,

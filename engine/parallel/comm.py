@@ -12,7 +12,8 @@ Contract:
   (and so which it loads), the communicator combines them. `RankContext.single()` is the unsharded model.
   `comm.size` must equal `config.tensor_parallel_size`. `dcp_comm` runs the collectives of this rank's
   decode-context-parallel group (engine/parallel/context.py): None when `decode_context_parallel_size` is 1, the
-  TP communicator itself when it equals the TP size.
+  TP communicator itself when it equals the TP size. Under pipeline parallelism `stage` says which layers (and
+  whether the embedding / LM head) the model holds; `comm` is then the stage's TP sub-group.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.parallel.config import ParallelConfig, ParallelError
+from engine.parallel.pipeline import SINGLE_STAGE, Stage
 
 
 class Communicator(Protocol):
@@ -103,8 +105,9 @@ class TorchDistributed:
 @dataclass(frozen=True)
 class RankContext:
     config: ParallelConfig = field(default_factory=ParallelConfig)
-    comm: Communicator = field(default_factory=SingleProcess)
+    comm: Communicator = field(default_factory=SingleProcess)  # the TP group (this rank's stage's ranks)
     dcp_comm: Communicator | None = None  # the decode-context-parallel group's collectives (DCP > 1 only)
+    stage: Stage = SINGLE_STAGE  # pipeline parallelism: the layers this rank's model owns (engine/parallel/pipeline.py)
 
     def __post_init__(self) -> None:
         if self.comm.size != self.config.tensor_parallel_size:

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from engine.model.config import load_model_config
 from engine.model.loader import LoadConfig, load_model
 from engine.parallel.channel import CommandChannel, Sharded
 from engine.parallel.comm import SINGLE, RankContext, TorchDistributed
@@ -51,6 +52,7 @@ from engine.parallel.config import ParallelConfig
 from engine.parallel.config import ParallelError
 from engine.parallel.context import open_dcp_comm
 from engine.parallel.launch import Rendezvous, init_rank
+from engine.parallel.pipeline import SINGLE_STAGE, Stage
 from engine.parallel.state import scatter_state
 from engine.runner import ModelRunner, RankStep
 
@@ -64,12 +66,13 @@ class ExecutorConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     decode_context_parallel_size: int = 1  # MLA latents split by token over groups of this many ranks
+    pipeline_parallel_size: int = 1  # stages; ranks = TP x PP, global rank = stage * TP + tp_rank
     collective_timeout_s: float = 60.0  # a collective waiting longer fails the group (a hung or lost rank)
     start_timeout_s: float = 300.0  # how long the ranks may take to start and join
     join_timeout_s: float = 10.0  # how long `close()` waits for the ranks to exit before killing them
     threads_per_rank: int = 1  # torch intra-op threads in each spawned rank
     backend: str | None = None  # None: NCCL with CUDA, else gloo
-    nnodes: int = 1  # machines the group spans; each runs tensor_parallel_size / nnodes ranks
+    nnodes: int = 1  # machines the group spans; each runs world_size / nnodes ranks
     node_rank: int = 0  # this machine's index; node 0 hosts rank 0 (the engine)
     master_addr: str | None = None  # rank 0's machine (the TCP rendezvous), needed when nnodes > 1
     master_port: int | None = None
@@ -77,19 +80,42 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ParallelError(f"node_rank {self.node_rank} must be in [0, nnodes {self.nnodes})")
-        if self.tensor_parallel_size % self.nnodes:
-            raise ParallelError(f"--tensor-parallel-size {self.tensor_parallel_size} is not divisible by "
-                                f"--nnodes {self.nnodes}")
+        if self.pipeline_parallel_size < 1:
+            raise ParallelError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.world_size % self.nnodes:
+            raise ParallelError(f"--tensor-parallel-size {self.tensor_parallel_size} x --pipeline-parallel-size "
+                                f"{self.pipeline_parallel_size} is not divisible by --nnodes {self.nnodes}")
         if self.nnodes > 1 and (self.master_addr is None or self.master_port is None):
             raise ParallelError("--nnodes > 1 needs --master-addr and --master-port (rank 0's machine)")
 
     def parallel(self, rank: int) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size, rank, self.enable_expert_parallel,
+        """Global rank `rank`'s tensor-parallel place (its TP rank within its stage)."""
+        return ParallelConfig(self.tensor_parallel_size, rank % self.tensor_parallel_size, self.enable_expert_parallel,
                               self.decode_context_parallel_size)
 
     @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def stage(self, rank: int, model_dir: str) -> Stage:
+        """Global rank `rank`'s pipeline stage (its layers: engine/parallel/pipeline.py)."""
+        if self.pipeline_parallel_size == 1:
+            return SINGLE_STAGE
+        config = load_model_config(model_dir)
+        return Stage.of(config.num_hidden_layers, self.pipeline_parallel_size, rank // self.tensor_parallel_size,
+                        self.tensor_parallel_size, rank % self.tensor_parallel_size, config.tie_word_embeddings)
+
+    def context(self, rank: int, tp_comm: TorchDistributed, model_dir: str) -> RankContext:
+        """Rank `rank`'s context: its slices, its stage's TP group and (DCP > 1) its DCP group, which every rank
+        creates collectively (engine/parallel/context.py)."""
+        parallel = self.parallel(rank)
+        dcp = open_dcp_comm(parallel, tp_comm.group, stages=self.pipeline_parallel_size,
+                            stage=rank // self.tensor_parallel_size)
+        return RankContext(parallel, tp_comm, dcp_comm=dcp, stage=self.stage(rank, model_dir))
+
+    @property
     def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
+        return self.world_size // self.nnodes
 
     def node_ranks(self) -> range:
         """The ranks this machine runs (rank r on machine r // ranks_per_node, device index r % ranks_per_node)."""
@@ -101,22 +127,22 @@ class ExecutorConfig:
         return Rendezvous(file=str(Path(workdir) / "rendezvous"))
 
 
-def _rank_context(config: ExecutorConfig, rank: int, comm: TorchDistributed) -> RankContext:
-    """Rank `rank`'s context: its slices, the TP group and (DCP > 1) its DCP group, created collectively."""
-    parallel = config.parallel(rank)
-    return RankContext(parallel, comm, open_dcp_comm(parallel, comm.group))
-
-
-def _join(config: ExecutorConfig, rendezvous: Rendezvous, rank: int) -> TorchDistributed:
-    """Joins the group (waiting up to `start_timeout_s` for every rank to start), then opens the group the model's
-    collectives run on, whose operations time out after `collective_timeout_s`."""
+def _join(config: ExecutorConfig, rendezvous: Rendezvous, rank: int) -> tuple[TorchDistributed, TorchDistributed]:
+    """Joins the group (waiting up to `start_timeout_s` for every rank to start), then opens the groups the
+    commands (all ranks) and the model's TP collectives (this rank's stage) run on, whose operations time out after
+    `collective_timeout_s`: (world, tp)."""
     import torch.distributed as dist
 
-    init_rank(rendezvous, config.tensor_parallel_size, rank, config.backend, config.start_timeout_s,
+    init_rank(rendezvous, config.world_size, rank, config.backend, config.start_timeout_s,
               local_rank=rank % config.ranks_per_node)
-    group = dist.new_group(list(range(config.tensor_parallel_size)),
-                           timeout=timedelta(seconds=config.collective_timeout_s))
-    return TorchDistributed(group)
+    timeout = timedelta(seconds=config.collective_timeout_s)
+    world = TorchDistributed(dist.new_group(list(range(config.world_size)), timeout=timeout))
+    if config.pipeline_parallel_size == 1:
+        return world, world
+    tp = config.tensor_parallel_size
+    groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=timeout)  # every rank creates every group
+              for s in range(config.pipeline_parallel_size)]
+    return world, TorchDistributed(groups[rank // tp])
 
 
 def _rank_load(load: LoadConfig, local_rank: int) -> LoadConfig:
@@ -215,10 +241,10 @@ def _rank_main(config: ExecutorConfig, rank: int, model_dir: str, load: LoadConf
     import torch.distributed as dist
 
     torch.set_num_threads(config.threads_per_rank)
-    comm = _join(config, rendezvous, rank)
+    comm, tp_comm = _join(config, rendezvous, rank)
     try:
         model = load_model(model_dir, _rank_load(load, rank % config.ranks_per_node),
-                           _rank_context(config, rank, comm))
+                           config.context(rank, tp_comm, model_dir))
         start = TorchDistributed().broadcast_object(None)  # the start group (or first the memory profile)
         if start[0] == "profile":
             from engine.memory_profile import profiled_kv_budget
@@ -268,12 +294,19 @@ class RankGroupExecutor(LocalExecutor):
         self._last = time.monotonic()  # when the latest command was sent
         self._closed = threading.Event()
         try:
-            self.comm = _join(config, rendezvous, 0)
-            super().__init__(model_dir, _rank_load(load, 0), _rank_context(config, 0, self.comm))
+            self.comm, tp_comm = _join(config, rendezvous, 0)
+            super().__init__(model_dir, _rank_load(load, 0), config.context(0, tp_comm, model_dir))
             self.channel = CommandChannel(self.comm, self.model.device)
         except BaseException:
             self._kill()
             raise
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Replicated across TP ranks (rank 0's copy); a command of every rank under pipeline parallelism (every
+        stage's part) and decode-context parallelism (each rank holds a token share, gathered by all)."""
+        if self.config.pipeline_parallel_size == 1 and self.config.decode_context_parallel_size == 1:
+            return super().read_blocks(block_ids)
+        return self._command("read_blocks", block_ids)
 
     def profile(self, args, media=None):
         if args.gpu_memory_utilization is None:
@@ -314,17 +347,13 @@ class RankGroupExecutor(LocalExecutor):
             self.check_ranks()
             self._last = time.monotonic()
             try:
-                name, args = self.channel.send((name, _shard_states(name, args, self.comm.size)))
+                name, args = self.channel.send((name, _shard_states(name, args, self.comm.size,
+                                                                    self.config.tensor_parallel_size)))
                 return _apply(self.runner, self.comm, name, args)
             except Exception as exc:  # a lost peer or a collective past its timeout
                 self._failed = exc
                 self.check_ranks()
                 raise
-
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        if self.config.decode_context_parallel_size > 1:  # each rank holds a token share: gathered by all
-            return self._command("read_blocks", block_ids)
-        return super().read_blocks(block_ids)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -350,22 +379,23 @@ class RankGroupExecutor(LocalExecutor):
         shutil.rmtree(self._workdir, ignore_errors=True)
 
 
-def _sharded_state(state: dict[str, torch.Tensor] | None, size: int) -> dict[str, Sharded] | None:
-    """A TP-independent KDA state as each rank's own heads (`Sharded`): a rank receives only its slice."""
+def _sharded_state(state: dict[str, torch.Tensor] | None, size: int, tp: int) -> dict[str, Sharded] | None:
+    """A TP-independent KDA state as each rank's own heads (`Sharded`): global rank r receives only the heads of
+    its TP rank r % tp (of every layer: a pipeline stage keeps its own layers')."""
     if not state:
         return state
-    parts = [scatter_state(state, size, r) for r in range(size)]
-    return {name: Sharded(tuple(p[name] for p in parts)) for name in state}
+    heads = [scatter_state(state, tp, t) for t in range(tp)] if tp > 1 else [state]
+    return {name: Sharded(tuple(heads[r % tp][name] for r in range(size))) for name in state}
 
 
-def _shard_states(name: str, args: tuple, size: int) -> tuple:
+def _shard_states(name: str, args: tuple, size: int, tp: int) -> tuple:
     """The command's KDA states sent as per-rank slices (`write_state`, a step's state loads), marked local."""
     if name == "write_state":
         slot, state = args
-        return slot, _sharded_state(state, size), True
+        return slot, _sharded_state(state, size, tp), True
     if name == "run_step" and any(i.state for i in args[0].inits):
         step: RankStep = args[0]
-        inits = [replace(i, state=_sharded_state(i.state, size), state_is_local=True) if i.state else i
+        inits = [replace(i, state=_sharded_state(i.state, size, tp), state_is_local=True) if i.state else i
                  for i in step.inits]
         return (replace(step, inits=inits),)
     return args
@@ -374,6 +404,7 @@ def _shard_states(name: str, args: tuple, size: int) -> tuple:
 def executor_config(args) -> ExecutorConfig:
     """The rank group an engine's options (`EngineArgs`) describe: the one rule, for the engine and every node."""
     return ExecutorConfig(args.tensor_parallel_size, args.enable_expert_parallel,
+                          pipeline_parallel_size=args.pipeline_parallel_size,
                           decode_context_parallel_size=args.decode_context_parallel_size,
                           collective_timeout_s=args.collective_timeout_s,
                           nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
@@ -381,6 +412,6 @@ def executor_config(args) -> ExecutorConfig:
 
 
 def open_executor(config: ExecutorConfig, model_dir: str, load: LoadConfig) -> LocalExecutor:
-    if config.tensor_parallel_size == 1:
+    if config.world_size == 1:
         return LocalExecutor(model_dir, load, RankContext(config.parallel(0)))
     return RankGroupExecutor(config, model_dir, load)

@@ -22,8 +22,9 @@ from engine.model.loader import LoadConfig
 from engine.parallel.executor import ExecutorConfig, executor_config, spawn_ranks
 from telemetry.options import add_options
 
-NODE_OPTIONS = ("model", "dtype", "load_format", "device", "seed", "tensor_parallel_size", "enable_expert_parallel",
-                "decode_context_parallel_size", "nnodes", "node_rank", "master_addr", "master_port")
+NODE_OPTIONS = ("model", "dtype", "load_format", "device", "seed", "tensor_parallel_size", "pipeline_parallel_size",
+                "enable_expert_parallel", "decode_context_parallel_size", "nnodes", "node_rank", "master_addr",
+                "master_port")
 
 
 def serve_node(config: ExecutorConfig, model_dir: str, load: LoadConfig) -> int:

@@ -100,3 +100,15 @@ def test_cli(capsys):
 def test_planner_is_torch_free():
     code = "import sys, engine.plan; assert 'torch' not in sys.modules, 'engine.plan imports torch'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3])
+
+
+def test_cli_proposes_tp_x_pp_for_a_node_size(capsys):
+    """K3 does not fit one 8 x H200 node (TP8); the fewest nodes that fit are two: TP8 x PP2. Control: on 8 x B300
+    the same call proposes one node."""
+    assert main([str(CONFIGS / "kimi-k3"), "--gpus-per-node", "8", "--gpu-memory", "141GB"]) == 0
+    out = capsys.readouterr().out
+    assert "TP8 x PP1 (1 node(s) of 8): does not fit" in out
+    assert "proposed: --tensor-parallel-size 8 --pipeline-parallel-size 2 --nnodes 2" in out
+    assert main([str(CONFIGS / "kimi-k3"), "--gpus-per-node", "8", "--gpu-memory", "288GB"]) == 0
+    assert "proposed: --tensor-parallel-size 8 --pipeline-parallel-size 1 --nnodes 1" in capsys.readouterr().out
+    assert main([str(CONFIGS / "kimi-k3"), "--gpus-per-node", "8", "--gpu-memory", "24GB", "--max-nodes", "2"]) == 1
