@@ -1,6 +1,7 @@
 """kdamesh vs llama.cpp on CPU: the same checkpoints, the same thread counts, interleaved repetitions, in one run.
 
-Usage: `python -m bench.llamacpp [--models small-linear-kda12,demo-k3] [--threads 1,2] [--reps 3] [--out FILE]`
+Usage: `python -m bench.llamacpp [--models small-linear-kda12,demo-k3] [--threads 1,2] [--reps 3] [--out FILE]
+[--compilation-config JSON]`
 
 - llama.cpp is the tree vendored in the PyPI sdist `llama-cpp-python` 0.3.36 (it has the `kimi-linear` and `kimi-k3`
   architectures), built CPU-only once and cached outside the repository (bench/llamacpp_tools.py: ~25 min on two
@@ -30,6 +31,9 @@ Usage: `python -m bench.llamacpp [--models small-linear-kda12,demo-k3] [--thread
     of run (batch-1 decode and prefill, decode at depth, the batch run); kdamesh's includes its pre-touched KV pool
     (blocks + KDA state slots, snapshot slots for the depth engine), sized to the workload (`num_kv_blocks`),
     printed apart.
+- `--compilation-config` is the engine's (vLLM's JSON, engine/compilation.py) for every kdamesh worker: e.g.
+  `'{"level": 3}'` runs decode steps compiled by inductor (CPU's default is eager); the build happens in the
+  worker's warm-up, untimed; the printed reproduce line carries the flag.
 - kdamesh runs in worker processes (`--worker`, JSON lines on stdin/stdout), one engine per kind of run, so each
   one's RSS is its own; the launcher never imports torch (a child's `ru_maxrss` starts at its launcher's RSS).
 Prints a markdown table and the reproducing command; `--out` writes the rows as JSON.
@@ -115,9 +119,10 @@ def random_prompt(length: int, seed: int) -> list[int]:
 class KdameshWorker:
     """An `EngineCore` in its own process; `call(op, **kw)` sends one command and returns its JSON answer."""
 
-    def __init__(self, model_dir: Path, max_num_seqs: int, max_context: int, prefix_caching: bool = False):
+    def __init__(self, model_dir: Path, max_num_seqs: int, max_context: int, prefix_caching: bool = False,
+                 compilation_config: str | None = None):
         config = {"model": str(model_dir), "max_num_seqs": max_num_seqs, "max_context": max_context,
-                  "prefix_caching": prefix_caching}
+                  "prefix_caching": prefix_caching, "compilation_config": compilation_config}
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.llamacpp", "--worker", json.dumps(config)],
                                      cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.info = self._read()
@@ -174,9 +179,10 @@ def _engine(config: dict):
     caching = config["prefix_caching"]  # one snapshot slot per 1K tokens of context: the prompt end stays cached
     args = EngineArgs(model=config["model"], max_num_seqs=config["max_num_seqs"], block_size=block,
                       num_kv_blocks=blocks, enable_prefix_caching=caching, kv_cache_memory=64 << 30,
-                      num_snapshot_slots=config["max_context"] // 1024 + 2 if caching else None)
+                      num_snapshot_slots=config["max_context"] // 1024 + 2 if caching else None,
+                      compilation_config=config["compilation_config"])
     core = EngineCore(args)
-    run_requests(core, [random_prompt(16, seed=1)], 4)  # warm-up
+    run_requests(core, [random_prompt(16, seed=1)], 4)  # warm-up (compiled: the bucket of one row is built)
     return core
 
 
@@ -357,9 +363,13 @@ def run_model(args: argparse.Namespace, name: str, bin_dir: Path) -> dict:
     for note in patches:
         print(f"  converter patched (a copy): {note}", flush=True)
     llama = LlamaCpp(bin_dir, gguf)
-    workers = {"single": KdameshWorker(folder, 1, max(args.prefill_len, args.decode_tokens, 64) + 8),
-               "depth": KdameshWorker(folder, 1, args.depth + args.depth_tokens + 8, prefix_caching=True),
-               "batch": KdameshWorker(folder, args.batch, args.batch_prompt_len + args.batch_gen + 8)}
+    compiled = args.compilation_config
+    workers = {"single": KdameshWorker(folder, 1, max(args.prefill_len, args.decode_tokens, 64) + 8,
+                                       compilation_config=compiled),
+               "depth": KdameshWorker(folder, 1, args.depth + args.depth_tokens + 8, prefix_caching=True,
+                                      compilation_config=compiled),
+               "batch": KdameshWorker(folder, args.batch, args.batch_prompt_len + args.batch_gen + 8,
+                                      compilation_config=compiled)}
     check = sanity(llama, workers["single"], args.sanity_tokens, max(args.threads))
     print(f"  sanity: greedy {'EQUAL' if check['equal'] else 'DIFFERENT'} over {check['tokens']} tokens "
           f"(prompt ids equal: {check['prompt_ids_equal']}, first differing byte: {check['first_differing_byte']})",
@@ -420,6 +430,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-gen", type=int, default=16)
     p.add_argument("--sanity-tokens", type=int, default=32)
     p.add_argument("--build-jobs", type=int, default=2)
+    p.add_argument("--compilation-config", default=None,
+                   help="the kdamesh engine's --compilation-config JSON (default: the engine's, eager on CPU)")
     p.add_argument("--out", type=Path)
     return p.parse_args(argv)
 

@@ -32,6 +32,7 @@ from engine.model.fused import ParamGroup
 from engine.parallel.comm import SINGLE, RankContext
 from engine.parallel.config import ParallelError
 from kernels import get_kernel
+from kernels.moe.grouped import BagLayout, bag_layout_of_fused, bags_fit, moe_experts_bags
 from kernels.casting import fp32
 from kernels.moe.mxfp4 import GROUP, MXFP4Weight
 from kernels.moe.router import route
@@ -90,10 +91,22 @@ class StackedExperts(nn.Module):
     def run(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act) -> torch.Tensor:
         """z [T, Dm], weights/ids [T, k] (local ids; outside [0, E) add nothing) -> [T, Dm] partial sum."""
         if not self.packed:
+            tables = self._compiled_bag_tables(z, ids)
+            if tables is not None:
+                return moe_experts_bags(z, tables, self.num_experts, weights, ids, act)
             return get_kernel("moe_experts", z.device)(z, self.w1, self.w3, self.w2, weights, ids, act)
         w1, w3 = MXFP4Weight(self.w1_packed, self.w1_scale), MXFP4Weight(self.w3_packed, self.w3_scale)
         w2 = MXFP4Weight(self.w2_packed, self.w2_scale)
         return get_kernel("moe_experts_mxfp4", z.device)(z, w1, w3, w2, weights, ids, act)
+
+
+    def _compiled_bag_tables(self, z: torch.Tensor, ids: torch.Tensor) -> BagLayout | None:
+        """Inside a step compiled for CPU with few assignments: the experts' rows as embedding-bag tables, from
+        the bound gate/up tensor (kernels/moe/grouped.py: a compiled step cannot find them from w1 and w3)."""
+        if not torch.compiler.is_compiling() or z.device.type != "cpu" or not bags_fit(ids, self.num_experts):
+            return None
+        gate_up = self.gate_up.tensor()  # [E, 2I, D] while w1 and w3 are its halves
+        return None if gate_up is None else bag_layout_of_fused(gate_up, self.w2)
 
 
 class MoEGate(nn.Module):

@@ -27,6 +27,10 @@ Small batches (decode, verification) read nothing back to the host either way; t
   multiplied in one batched matrix-vector product per projection — no sort, no counts. The copy costs each chosen
   expert three passes over its weights, so more assignments take the sorted form, which reads each used expert
   once (bench, E=32 top-4, CPU: gathered 0.64 ms vs sorted 0.75 at 1 token, 5.4 vs 3.1 at 4).
+- A compiled step cannot inspect storages, so `bag_layout` says None there; engine/model/moe.py hands it the
+  bound gate/up tensor instead (`bag_layout_of_fused`, strides only) and calls `moe_experts_bags` (inductor
+  would lower the gathered form's one-row products to a strided multiply-and-sum: 4.4 ms of a 21 ms small-linear
+  step).
 - Inside a compiled step (which cannot trace fp32 `grouped_mm`) up to `DENSE_MAX_TOKENS` tokens run every expert
   on every token (`moe_experts_every_expert`: one matmul over all experts' gate/up, one batched matmul for down,
   dense [T, E] routing weights, zero for experts not chosen); larger compiled batches would take the sorted form.
@@ -153,7 +157,7 @@ def moe_experts_grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2:
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, act: GatedActivation) -> torch.Tensor:
     T, D = x.shape
     k = topk_ids.shape[1]
-    if T * k <= BAG_MAX_ASSIGNMENTS_PER_EXPERT * w1.shape[0] and bag_layout(w1, w3, w2) is not None:
+    if bags_fit(topk_ids, w1.shape[0]) and bag_layout(w1, w3, w2) is not None:
         return moe_experts_bagged(x, w1, w3, w2, topk_weights, topk_ids, act)
     if GATHER_TRAFFIC * T * k <= w1.shape[0]:
         return moe_experts_gathered(x, w1, w3, w2, topk_weights, topk_ids, act)
@@ -229,15 +233,37 @@ def moe_experts_gathered(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2
     return cast(torch.bmm(weights.view(T, 1, k), fp32(out.view(T, k, D))).view(T, D), x.dtype)
 
 
+def bag_layout_of_fused(gate_up: torch.Tensor, w2: torch.Tensor) -> BagLayout | None:
+    """`BagLayout` views of a bound gate/up tensor `[E, 2I, D]` and `w2` `[E, D, I]`, both input-major, else None.
+    Decided from shapes and strides only, so a compiled step can take it (the caller vouches that `gate_up` is
+    the tensor w1 and w3 are halves of: `engine.model.fused.ParamGroup.tensor()`)."""
+    E, two_i, D = gate_up.shape
+    I = two_i // 2
+    if (gate_up.stride() != (two_i * D, 1, two_i) or w2.shape != (E, D, I) or w2.stride() != (D * I, 1, D)
+            or w2.dtype != gate_up.dtype):
+        return None
+    return BagLayout(gate_up.transpose(1, 2).reshape(E * D, two_i), w2.transpose(1, 2).reshape(E * I, D))
+
+
+def bags_fit(topk_ids: torch.Tensor, num_experts: int) -> bool:
+    """Whether a step's assignments are few enough for the bagged products (from shapes)."""
+    return topk_ids.shape[0] * topk_ids.shape[1] <= BAG_MAX_ASSIGNMENTS_PER_EXPERT * num_experts
+
+
 def moe_experts_bagged(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                        topk_weights: torch.Tensor, topk_ids: torch.Tensor, act: GatedActivation) -> torch.Tensor:
     """Each (token, choice)'s products read its expert's input-major rows in place, as weighted embedding bags:
     `W @ v = Σ_j v_j · W[:, j]`, the bag of rows `e·K + j` weighted by `v` (no weights copied, no host read).
     x [T, D] -> [T, D]; needs `bag_layout(w1, w3, w2)`."""
+    return moe_experts_bags(x, bag_layout(w1, w3, w2), w1.shape[0], topk_weights, topk_ids, act)
+
+
+def moe_experts_bags(x: torch.Tensor, tables: BagLayout, num_experts: int, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, act: GatedActivation) -> torch.Tensor:
+    """`moe_experts_bagged` over given tables (`bag_layout` / `bag_layout_of_fused`). x [T, D] -> [T, D]."""
     T, D = x.shape
     k = topk_ids.shape[1]
-    E, I, _ = w1.shape
-    tables = bag_layout(w1, w3, w2)
+    E, I = num_experts, tables.gate_up.shape[1] // 2
     weights, ids = _local_weights(topk_weights, topk_ids, E)
     flat = ids.reshape(-1, 1)  # [Tk, 1]
     rows_in = (flat * D + torch.arange(D, device=x.device)).view(-1)  # [Tk*D] table rows of each assignment

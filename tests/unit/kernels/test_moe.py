@@ -272,3 +272,20 @@ def test_input_major_experts_on_the_other_paths(monkeypatch, T, compiling):
     assert (grouped.bound_gate_up(w1, w3) is None) == compiling
     out = moe_experts_grouped(x, w1, w3, w2, weights, ids, SITU)
     torch.testing.assert_close(out, moe_experts_naive(x, w1, w3, w2, weights, ids, SITU), atol=1e-5, rtol=1e-5)
+
+
+def test_bags_from_the_fused_gate_up_equal_the_checked_ones():
+    """`bag_layout_of_fused` (what a compiled step gets from the bound tensor, strides only) gives the same tables
+    as `bag_layout` (storage checked) and the same output through `moe_experts_bags`; a row-major gate/up tensor
+    or down tensor gets None (its rows are not bags: the negative control of the stride check)."""
+    from kernels.moe import grouped
+
+    x, w1, w3, w2, weights, ids = _experts(2, 32, 24, 16, 4)
+    w1, w3, w2 = _input_major(w1, w3, w2)
+    fused = w1.as_strided((16, 48, 32), w1.stride())  # [E, 2I, D]: the tensor w1 and w3 are halves of
+    checked, from_fused = grouped.bag_layout(w1, w3, w2), grouped.bag_layout_of_fused(fused, w2)
+    assert torch.equal(checked.gate_up, from_fused.gate_up) and torch.equal(checked.down, from_fused.down)
+    out = grouped.moe_experts_bags(x, from_fused, 16, weights, ids, SITU)
+    torch.testing.assert_close(out, moe_experts_naive(x, w1, w3, w2, weights, ids, SITU), atol=1e-5, rtol=1e-5)
+    assert grouped.bag_layout_of_fused(fused.contiguous(), w2) is None
+    assert grouped.bag_layout_of_fused(fused, w2.contiguous()) is None
