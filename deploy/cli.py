@@ -91,7 +91,7 @@ def _one_machine(ns: argparse.Namespace) -> str | None:
     if getattr(ns, "nnodes", 1) != 1 or getattr(ns, "node_rank", 0) != 0:
         return ("--nnodes/--node-rank: `kdamesh up` runs on one machine; start a rank group over several machines "
                 "per worker (kdamesh serve --role decode --nnodes N --node-rank 0 --master-addr ... on rank 0's "
-                "machine, python -m engine.parallel.node --node-rank K on the others; docs/deployment.md)")
+                "machine, kdamesh node --node-rank K on the others; docs/deployment.md)")
     return None
 
 
@@ -114,6 +114,12 @@ def _plan(args: argparse.Namespace) -> int:
     return plan_cli.main(args.plan_args)
 
 
+def _node(args: argparse.Namespace) -> int:
+    from engine.parallel import node
+
+    return node.main(args.node_args, prog="kdamesh node")
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from servebench.cli import run
 
@@ -129,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up(sub)
     sub.add_parser("plan", help="MODEL_DIR [-tp N ...]: per-rank memory, the concurrency that fits, handoff cost",
                    add_help=False).set_defaults(func=_plan)  # its flags: deploy/plan_cli.py
+    sub.add_parser("node", help="--node-rank K [engine flags]: this machine's ranks of a rank group spanning "
+                                "several machines (engine/parallel/node.py)",
+                   add_help=False).set_defaults(func=_node)  # its flags: the engine's own (NODE_OPTIONS)
     sv = sub.add_parser("serve", help="`serve MODEL [flags]`: the whole mesh (`vllm serve` flags); "
                                       "`serve --role cache|prefill|decode|gateway [its flags]`: one service",
                         add_help=False)
@@ -184,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         args.role_args = rest  # the role's own flags, parsed by deploy/serve.py
     elif args.command == "plan":
         args.plan_args = rest  # parsed by deploy/plan_cli.py
+    elif args.command == "node":
+        args.node_args = rest  # parsed by engine/parallel/node.py
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     elif args.command == "up":

@@ -1,4 +1,4 @@
-"""A machine of a multi-node rank group other than rank 0's: `python -m engine.parallel.node --model DIR
+"""A machine of a multi-node rank group other than rank 0's: `kdamesh node` (or `python -m engine.parallel.node`) `--model DIR
 --tensor-parallel-size N --nnodes M --node-rank K --master-addr HOST --master-port PORT [...]`.
 
 Contract:
@@ -35,8 +35,8 @@ def serve_node(config: ExecutorConfig, model_dir: str, load: LoadConfig) -> int:
     return 0 if all(p.exitcode == 0 for p in procs) else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.parallel.node", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str = "python -m engine.parallel.node") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_options(parser, EngineArgs, only=NODE_OPTIONS)
     ns = parser.parse_args(argv)
     args = EngineArgs(**{name: getattr(ns, name) for name in NODE_OPTIONS})
