@@ -3,9 +3,9 @@
 Contract: `linear(x, weight) -> x @ weight^T` ([..., in] x [out, in] -> [..., out], no bias), equal to
 `torch.nn.functional.linear(x, weight)` within the dtype's rounding (tests/unit/kernels/test_linear.py).
 
-- oneDNN, prepacked: on CPU, bf16 at any row count, or fp32 at 2+ rows times a weight of at least `PACK_MIN_FP32`
-  elements; a 2-D fp32/bf16 weight, no autograd, not inside a compiled step (inductor packs weights itself). The
-  weight is reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) and cached per
+- oneDNN, prepacked: on CPU, bf16 at any row count (where the CPU has oneDNN's bf16 products: `onednn_bf16`),
+  or fp32 at 2+ rows times a weight of at least `PACK_MIN_FP32` elements; a 2-D fp32/bf16 weight, no autograd,
+  not inside a compiled step (inductor packs weights itself). The weight is reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) and cached per
   weight tensor (`packed_weight`): keyed by identity, checked against its data pointer and version counter at each
   call (a weight written in place or rebound is repacked), dropped when the weight dies; inference tensors (no
   version counter) are not packed. The packed copy costs the weight's bytes once more (`packed_bytes()`). On this
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import threading
 import weakref
+
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -55,10 +57,18 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
 
 
+@cache
+def onednn_bf16() -> bool:
+    """Whether this CPU runs oneDNN's bf16 products (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU does
+    not, and reordering a bf16 weight there raises)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def packable(weight: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` runs on oneDNN's prepacked path (see the module docstring)."""
     return (not torch.compiler.is_compiling()  # first: tracing cannot ask `is_inference`
             and weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in PACKED_DTYPES
+            and (weight.dtype != torch.bfloat16 or onednn_bf16())
             and x.dtype == weight.dtype and weight.shape[0] > 0 and weight.shape[1] > 0 and not weight.is_inference()
             and torch.backends.mkldnn.is_available()
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
