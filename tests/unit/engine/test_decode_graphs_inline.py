@@ -20,22 +20,11 @@ from engine import LLM, SamplingParams
 from kernels import graph_ops
 from kernels.attention import torch_paged
 from tests.unit.engine.conftest import random_prompts
+from tests.unit.engine.test_decode_graphs import assert_same, generate
 
 INDUCTOR = {"level": 3, "backend": "inductor", "cudagraph_capture_sizes": [4]}
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
 ONE_TILE_BLOCKS = 3  # the tile made to hold 4 rows x 3 blocks: 38-40-token prompts cross it while decoding
-
-
-def generate(llm: LLM, prompts: list[list[int]]):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, check_integrity=True)
-    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-            for o in outs]
-
-
-def assert_same(got, want):
-    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
-    for (_, a), (_, b) in zip(got, want):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
 
 
 def counting(op, calls: list):
@@ -72,8 +61,8 @@ def test_inductor_inline_equals_eager(pair, monkeypatch):
     pools = storages(cache)
     prompts = random_prompts(3, 38, 41, seed=23)
     runs_before = graphs.num_runs
-    assert_same(generate(compiled, prompts[:1]), generate(eager, prompts[:1]))
-    assert_same(generate(compiled, prompts), generate(eager, prompts))  # 3 rows pad the bucket of 4
+    assert_same(generate(compiled, prompts[:1], PARAMS), generate(eager, prompts[:1], PARAMS))
+    assert_same(generate(compiled, prompts, PARAMS), generate(eager, prompts, PARAMS))  # 3 rows pad the bucket of 4
     assert graphs.num_runs - runs_before >= 2 * (PARAMS.max_tokens - 1)
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert storages(cache) == pools
@@ -99,7 +88,7 @@ def test_inline_writes_only_the_rows_slots(pair, monkeypatch):
         return out
 
     monkeypatch.setattr(graphs, "run", checking)
-    generate(compiled, random_prompts(2, 8, 9, seed=3))
+    generate(compiled, random_prompts(2, 8, 9, seed=3), PARAMS)
     assert checked
 
 
@@ -118,8 +107,8 @@ def test_inline_with_its_writes_undone_differs(pair, monkeypatch):
         return out
 
     prompt = random_prompts(1, 20, 21, seed=29)
-    want = generate(eager, prompt)
+    want = generate(eager, prompt, PARAMS)
     monkeypatch.setattr(graphs, "run", forgetting)
-    got = generate(compiled, prompt)
+    got = generate(compiled, prompt, PARAMS)
     assert [t for t, _ in got] != [t for t, _ in want] or not torch.allclose(
         torch.tensor(got[0][1]), torch.tensor(want[0][1]), atol=1e-4)
