@@ -254,49 +254,10 @@ def _memory(core) -> dict:
 # -- llama.cpp side ----------------------------------------------------------------------------------------------
 
 
-class LlamaCpp:
-    """The built tools and one model's GGUF; each call runs one process and records its peak RSS."""
-
-    def __init__(self, bin_dir: Path, gguf: Path):
-        self.bin, self.gguf = bin_dir, gguf
-        self.peak_rss = {"single": 0, "depth": 0, "batch": 0}
-
-    def _bench(self, kind: str, threads: int, *flags: str) -> dict:
-        out, _, rss = tools.run_measured([str(self.bin / "llama-bench"), "-m", str(self.gguf), "-t", str(threads),
-                                          "-r", "1", "-o", "jsonl", *flags])
-        self.peak_rss[kind] = max(self.peak_rss[kind], rss)
-        (row,) = tools.parse_llama_bench_jsonl(out)
-        return row
-
-    def decode(self, threads: int, tokens: int, depth: int = 0) -> dict:
-        row = self._bench("depth" if depth else "single", threads, "-p", "0", "-n", str(tokens), "-d", str(depth))
-        return {"tok_s": row["avg_ts"], "ms_per_token": 1e3 / row["avg_ts"]}
-
-    def prefill(self, threads: int, prompt_len: int) -> dict:
-        return {"tok_s": self._bench("single", threads, "-p", str(prompt_len), "-n", "0")["avg_ts"]}
-
-    def batch(self, threads: int, n: int, prompt_len: int, tokens: int) -> dict:
-        ctx = n * (prompt_len + tokens + 1)  # divisible by n: each sequence gets its share
-        out, err, rss = tools.run_measured([str(self.bin / "llama-batched-bench"), "-m", str(self.gguf),
-                                            "-t", str(threads), "-c", str(ctx), "-npp", str(prompt_len),
-                                            "-ntg", str(tokens), "-npl", str(n), "--output-format", "jsonl"])
-        self.peak_rss["batch"] = max(self.peak_rss["batch"], rss)
-        (row,) = tools.parse_batched_bench_jsonl(out + err)
-        return {"gen_tok_s": n * tokens / row["t"], "decode_tok_s": row["speed_tg"]}
-
-    def greedy(self, prompt: str, tokens: int) -> tuple[list[int], bytes]:
-        """llama.cpp's prompt ids and its greedy continuation's printed bytes (prompt pieces first)."""
-        ids = subprocess.run([str(self.bin / "llama-tokenize"), "-m", str(self.gguf), "-p", prompt, "--ids",
-                              "--log-disable"], capture_output=True, text=True, check=True).stdout
-        printed = subprocess.run([str(self.bin / "llama-simple"), "-m", str(self.gguf), "-n", str(tokens), prompt],
-                                 capture_output=True, check=True).stdout
-        return json.loads(ids.strip().splitlines()[-1]), printed.removesuffix(b"\n")
-
-
 # -- the run -----------------------------------------------------------------------------------------------------
 
 
-def sanity(llama: LlamaCpp, worker: KdameshWorker, tokens: int, threads: int) -> dict:
+def sanity(llama: tools.LlamaCpp, worker: KdameshWorker, tokens: int, threads: int) -> dict:
     """Greedy tokens of both engines from llama.cpp's prompt ids, compared as the bytes each prints."""
     prompt_ids, llama_bytes = llama.greedy(SANITY_PROMPT, tokens)
     ours = worker.call("greedy", prompt_ids=prompt_ids, tokens=tokens, threads=threads)
@@ -309,7 +270,7 @@ def sanity(llama: LlamaCpp, worker: KdameshWorker, tokens: int, threads: int) ->
             "kdamesh_text": our_bytes.decode(errors="replace"), "llama_text": llama_bytes.decode(errors="replace")}
 
 
-def measure(args: argparse.Namespace, llama: LlamaCpp, workers: dict[str, KdameshWorker],
+def measure(args: argparse.Namespace, llama: tools.LlamaCpp, workers: dict[str, KdameshWorker],
             threads: int) -> dict[str, dict[str, list[dict]]]:
     """`--reps` interleaved repetitions of every metric; -> metric -> side -> one result per repetition."""
     samples = {m: {"llama.cpp": [], "kdamesh": []} for m in METRICS}
@@ -362,7 +323,7 @@ def run_model(args: argparse.Namespace, name: str, bin_dir: Path) -> dict:
     print(f"\n## {name}: {folder} -> {gguf}", flush=True)
     for note in patches:
         print(f"  converter patched (a copy): {note}", flush=True)
-    llama = LlamaCpp(bin_dir, gguf)
+    llama = tools.LlamaCpp(bin_dir, gguf)
     compiled = args.compilation_config
     workers = {"single": KdameshWorker(folder, 1, max(args.prefill_len, args.decode_tokens, 64) + 8,
                                        compilation_config=compiled),

@@ -14,6 +14,9 @@ Contract:
   A patch whose anchor text is missing raises `ValueError` naming it (the vendored tree changed).
 - `parse_llama_bench_jsonl` / `parse_batched_bench_jsonl`: the rows of `llama-bench -o jsonl` and
   `llama-batched-bench --output-format jsonl` (other lines are ignored).
+- `LlamaCpp(bin_dir, gguf)`: the built tools on one GGUF — `decode`, `prefill`, `batch` (llama-bench /
+  llama-batched-bench rows as tok/s) and `greedy` (llama-tokenize ids + llama-simple's printed continuation), each
+  one process, its peak RSS kept per kind of run in `peak_rss`.
 - `run_measured(cmd)`: runs a command, returns its stdout, stderr and peak RSS in bytes (`os.wait4`'s
   `ru_maxrss`, this child only); a non-zero exit raises `RuntimeError` with the tail of stderr. Linux starts a
   child's `ru_maxrss` at its launcher's RSS when it forked (kept across exec), so launch from a small process.
@@ -200,3 +203,42 @@ def run_measured(cmd: list[str], timeout_s: float = 900) -> tuple[str, str, int]
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{stderr[-3000:]}")
     return stdout, stderr, usage.ru_maxrss * 1024  # Linux reports KiB
+
+
+class LlamaCpp:
+    """The built tools and one model's GGUF; each call runs one process and records its peak RSS."""
+
+    def __init__(self, bin_dir: Path, gguf: Path):
+        self.bin, self.gguf = bin_dir, gguf
+        self.peak_rss = {"single": 0, "depth": 0, "batch": 0}
+
+    def _bench(self, kind: str, threads: int, *flags: str) -> dict:
+        out, _, rss = run_measured([str(self.bin / "llama-bench"), "-m", str(self.gguf), "-t", str(threads),
+                                          "-r", "1", "-o", "jsonl", *flags])
+        self.peak_rss[kind] = max(self.peak_rss[kind], rss)
+        (row,) = parse_llama_bench_jsonl(out)
+        return row
+
+    def decode(self, threads: int, tokens: int, depth: int = 0) -> dict:
+        row = self._bench("depth" if depth else "single", threads, "-p", "0", "-n", str(tokens), "-d", str(depth))
+        return {"tok_s": row["avg_ts"], "ms_per_token": 1e3 / row["avg_ts"]}
+
+    def prefill(self, threads: int, prompt_len: int) -> dict:
+        return {"tok_s": self._bench("single", threads, "-p", str(prompt_len), "-n", "0")["avg_ts"]}
+
+    def batch(self, threads: int, n: int, prompt_len: int, tokens: int) -> dict:
+        ctx = n * (prompt_len + tokens + 1)  # divisible by n: each sequence gets its share
+        out, err, rss = run_measured([str(self.bin / "llama-batched-bench"), "-m", str(self.gguf),
+                                            "-t", str(threads), "-c", str(ctx), "-npp", str(prompt_len),
+                                            "-ntg", str(tokens), "-npl", str(n), "--output-format", "jsonl"])
+        self.peak_rss["batch"] = max(self.peak_rss["batch"], rss)
+        (row,) = parse_batched_bench_jsonl(out + err)
+        return {"gen_tok_s": n * tokens / row["t"], "decode_tok_s": row["speed_tg"]}
+
+    def greedy(self, prompt: str, tokens: int) -> tuple[list[int], bytes]:
+        """llama.cpp's prompt ids and its greedy continuation's printed bytes (prompt pieces first)."""
+        ids = subprocess.run([str(self.bin / "llama-tokenize"), "-m", str(self.gguf), "-p", prompt, "--ids",
+                              "--log-disable"], capture_output=True, text=True, check=True).stdout
+        printed = subprocess.run([str(self.bin / "llama-simple"), "-m", str(self.gguf), "-n", str(tokens), prompt],
+                                 capture_output=True, check=True).stdout
+        return json.loads(ids.strip().splitlines()[-1]), printed.removesuffix(b"\n")

@@ -41,7 +41,7 @@ from gateway.caps import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_SEQUENCES, RequestCaps
 from gateway.discovery import DiscoverySettings, pool_target
 from gateway.media_fetch import DEFAULT_TIMEOUT_S, DOMAINS_FLAG, LOCAL_FLAG, MediaFetchConfig
 from gateway.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
-from gateway.prepare import PrepSettings
+from gateway.prep_settings import PrepSettings
 from gateway.ratelimit import TenantLimits
 from gateway.routing import RouterConfig
 from gateway.stall import StallPolicy

@@ -34,32 +34,14 @@ import functools
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gateway.prep_procs import ProcessLane
+from gateway.prep_settings import PrepSettings
 from gateway.protocol import ApiError
 
 T = TypeVar("T")
 BUSY_RETRY_AFTER_S = "1"
-
-
-@dataclass(frozen=True)
-class PrepSettings:
-    workers: int = 2  # threads preparing requests
-    queue_limit: int = 512  # requests waiting for a thread beyond those being prepared
-    timeout_s: float = 30.0  # deadline of one request's preparation, queueing included (seconds)
-    small_bytes: int = 64 << 10  # requests of at most this many bytes have their own lane
-    switch_interval_ms: float = 1.0  # the interpreter's thread switch interval in the gateway's process (ms)
-    processes: int = 2  # preparation processes of the large lane; 0: threads
-
-    def __post_init__(self):
-        if self.workers < 1 or self.queue_limit < 0 or self.timeout_s <= 0 or self.small_bytes < 0 \
-                or self.switch_interval_ms <= 0 or self.processes < 0:
-            raise ValueError("--prepare-workers must be >= 1, --prepare-queue-limit >= 0, --prepare-timeout-s > 0, "
-                             "--prepare-small-bytes >= 0, --switch-interval-ms > 0 and --prepare-processes >= 0 "
-                             f"(got {self.workers}, {self.queue_limit}, {self.timeout_s}, {self.small_bytes}, "
-                             f"{self.switch_interval_ms}, {self.processes})")
 
 
 class _Lane:
