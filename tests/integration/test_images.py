@@ -152,7 +152,9 @@ def test_bad_images_are_4xx_and_the_workers_keep_serving(tiny_k3):
                                                               "max_tokens": 2, "temperature": 0})
 
     async def main():
-        async with Mesh(tiny_k3) as mesh, running_gateway(mesh, tiny_k3, parsers=False) as gw:
+        # prepare_processes=0: the limits below are set on this process's planner; the preparation processes of
+        # the large lane build their own from the model folder (tests/integration/test_gateway_prep_processes.py)
+        async with Mesh(tiny_k3) as mesh, running_gateway(mesh, tiny_k3, parsers=False, prepare_processes=0) as gw:
             planner = gw.core.planner
             planner.media = MediaConfig(ProcessorConfig(max_image_bytes=150_000, max_pixels=50_000),
                                         planner.media.pad_id, max_images=2)
