@@ -19,21 +19,14 @@ from engine.llm import LLM
 from engine.model.checkpoint import make_checkpoint
 from engine.parallel.executor import RankFailedError
 from engine.sampling import SamplingParams
+from tests.unit.parallel.engine_prompts import GREEDY, PROMPTS, engine_args, output_tokens
 
-PREFIX = [(31 * i + 7) % 7900 for i in range(40)]
-PROMPTS = [PREFIX + [(13 * i + 2) % 7900 for i in range(5 + k)] for k in range(3)]
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-ARGS = dict(kv_cache_memory=8 << 20, max_num_seqs=4, max_num_batched_tokens=128, block_size=8, snapshot_interval=16,
-            collective_timeout_s=20.0)
+ARGS = engine_args(collective_timeout_s=20.0)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(make_checkpoint("tiny-k3", tmp_path_factory.mktemp("tp") / "tiny-k3", seed=5))
-
-
-def _tokens(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def _alive(pid: int) -> bool:
@@ -48,7 +41,7 @@ def _alive(pid: int) -> bool:
 def _rounds(llm: LLM) -> tuple[list[list[int]], int]:
     first = llm.generate(PROMPTS[:1], GREEDY)
     second = llm.generate(PROMPTS, GREEDY)  # the shared prefix now comes from the cache
-    return _tokens(first) + _tokens(second), sum(o.num_cached_tokens for o in second)
+    return output_tokens(first) + output_tokens(second), sum(o.num_cached_tokens for o in second)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +49,7 @@ def reference(model_dir):
     llm = LLM(model_dir, **ARGS)
     tokens, cached = _rounds(llm)
     exported = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), export=True)
-    resumed = _tokens(llm.resume([exported[0].exported], GREEDY))
+    resumed = output_tokens(llm.resume([exported[0].exported], GREEDY))
     return tokens, cached, exported[0].exported, resumed
 
 
@@ -73,7 +66,7 @@ def test_tp2_with_prefix_hits_equals_tp1(model_dir, reference, monkeypatch):
     try:
         got, got_cached = _rounds(llm)
         assert got == tokens and got_cached == cached
-        assert _tokens(llm.resume([state], GREEDY)) == resumed  # a TP=1 export continues at TP=2
+        assert output_tokens(llm.resume([state], GREEDY)) == resumed  # a TP=1 export continues at TP=2
         back = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), export=True)
         assert not pickled and llm.engine.executor.channel.commands > 10
     finally:
@@ -81,7 +74,7 @@ def test_tp2_with_prefix_hits_equals_tp1(model_dir, reference, monkeypatch):
         llm.close()
     assert not any(_alive(pid) for pid in llm.engine.executor.rank_pids)
     one = LLM(model_dir, **ARGS)
-    assert _tokens(one.resume([back[0].exported], GREEDY)) == resumed  # a TP=2 export continues at TP=1
+    assert output_tokens(one.resume([back[0].exported], GREEDY)) == resumed  # a TP=2 export continues at TP=1
 
 
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP])
@@ -89,7 +82,7 @@ def test_a_failed_rank_fails_the_step_and_leaves_no_process(model_dir, fault):
     llm = LLM(model_dir, tensor_parallel_size=2, **{**ARGS, "collective_timeout_s": 5.0})
     pids = llm.engine.executor.rank_pids
     try:
-        assert _tokens(llm.generate(PROMPTS[:1], GREEDY))
+        assert output_tokens(llm.generate(PROMPTS[:1], GREEDY))
         os.kill(pids[0], fault)
         t0 = time.monotonic()
         with pytest.raises(RankFailedError):
@@ -107,10 +100,10 @@ def test_an_idle_group_stays_up_and_a_rank_hung_while_idle_is_noticed(model_dir)
     llm = LLM(model_dir, tensor_parallel_size=2, **{**ARGS, "collective_timeout_s": timeout_s})
     executor = llm.engine.executor
     try:
-        first = _tokens(llm.generate(PROMPTS[:1], GREEDY))
+        first = output_tokens(llm.generate(PROMPTS[:1], GREEDY))
         time.sleep(2.5 * timeout_s)  # the ranks wait in a collective that times out: the heartbeat keeps it fed
         assert executor.healthy()
-        assert _tokens(llm.generate(PROMPTS[:1], GREEDY)) == first
+        assert output_tokens(llm.generate(PROMPTS[:1], GREEDY)) == first
         os.kill(executor.rank_pids[0], signal.SIGSTOP)
         t0 = time.monotonic()
         while executor.healthy() and time.monotonic() - t0 < 4 * timeout_s:

@@ -16,13 +16,10 @@ from engine.config import EngineArgs, EngineConfigError
 from engine.llm import LLM
 from engine.model.checkpoint import make_checkpoint
 from engine.sampling import SamplingParams
+from tests.unit.parallel.engine_prompts import GREEDY, PROMPTS, engine_args, output_tokens
 
-PREFIX = [(31 * i + 7) % 7900 for i in range(40)]
-PROMPTS = [PREFIX + [(13 * i + 2) % 7900 for i in range(5 + k)] for k in range(3)]
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-ARGS = dict(kv_cache_memory=8 << 20, max_num_seqs=4, max_num_batched_tokens=128, block_size=8, snapshot_interval=16,
-            collective_timeout_s=30.0)
+ARGS = engine_args(collective_timeout_s=30.0)
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +27,10 @@ def model_dir(tmp_path_factory):
     return str(make_checkpoint("tiny-k3", tmp_path_factory.mktemp("pp") / "tiny-k3", seed=5))
 
 
-def _tokens(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
 def _rounds(llm: LLM) -> tuple[list[list[int]], int]:
     first = llm.generate(PROMPTS[:1], GREEDY)
     second = llm.generate(PROMPTS, GREEDY)  # the shared prefix now comes from the cache
-    return _tokens(first) + _tokens(second), sum(o.num_cached_tokens for o in second)
+    return output_tokens(first) + output_tokens(second), sum(o.num_cached_tokens for o in second)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +39,8 @@ def reference(model_dir):
     tokens, cached = _rounds(llm)
     exported = llm.generate(PROMPTS[:1], SHORT, export=True)[0].exported
     other = llm.generate(PROMPTS[2:], SHORT, export=True)[0].exported
-    resumed = _tokens(llm.resume([exported], GREEDY))
-    assert _tokens(llm.resume([other], GREEDY)) != resumed  # negative control for the resume comparisons
+    resumed = output_tokens(llm.resume([exported], GREEDY))
+    assert output_tokens(llm.resume([other], GREEDY)) != resumed  # negative control for the resume comparisons
     return tokens, cached, exported, resumed
 
 
@@ -57,16 +50,16 @@ def test_pp2_with_prefix_hits_and_handoffs(model_dir, reference):
     llm = LLM(model_dir, pipeline_parallel_size=2, **ARGS)
     try:
         assert _rounds(llm) == (tokens, cached)
-        assert _tokens(llm.resume([exported], GREEDY)) == resumed  # a TP=1 export continues at PP=2
+        assert output_tokens(llm.resume([exported], GREEDY)) == resumed  # a TP=1 export continues at PP=2
         back = llm.generate(PROMPTS[:1], SHORT, export=True)[0].exported  # gathered from both stages
     finally:
         llm.close()
     tp2 = LLM(model_dir, tensor_parallel_size=2, **ARGS)
     try:
-        assert _tokens(tp2.resume([back], GREEDY)) == resumed  # a PP=2 prefill worker hands off to TP=2 decode
+        assert output_tokens(tp2.resume([back], GREEDY)) == resumed  # a PP=2 prefill worker hands off to TP=2 decode
     finally:
         tp2.close()
-    assert _tokens(LLM(model_dir, **ARGS).resume([back], GREEDY)) == resumed
+    assert output_tokens(LLM(model_dir, **ARGS).resume([back], GREEDY)) == resumed
 
 
 def test_tp2_x_pp2_equals_tp1(model_dir, reference):
