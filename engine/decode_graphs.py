@@ -24,6 +24,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +33,10 @@ import torch
 from engine.compilation import CompilationConfig
 from engine.model.batch import CacheTensors, ForwardBatch
 from engine.model.model import KimiForCausalLM
+from engine.errors import EngineConfigError
+from engine.guard_skipping import GuardSkipping
 from kernels import get_kernel, graph_ops
+from kernels.attention.torch_paged import fits_one_tile
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +66,8 @@ class DecodeGraphs:
         self.cu_seqlens = torch.arange(top + 1, dtype=torch.int64, device=dev)
         self._staging = torch.empty(4 * top + top * self.max_blocks, dtype=torch.int64,
                                     pin_memory=dev.type == "cuda")
-        self._step = torch.compile(self._forward, dynamic=False, backend=config.backend) if self.compiled \
-            else self._forward
+        self._step = self._compiled_forward() if self.compiled else self._forward
+        self.guards = GuardSkipping(self._probe_width) if self.compiled else None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.num_runs = 0  # steps run here (tests tell graph steps from eager ones by it)
         if self.compiled:
@@ -102,10 +106,12 @@ class DecodeGraphs:
 
     # -- buffers ---------------------------------------------------------------------------------------------
 
-    def _fill(self, rows: DecodeRows, b: int) -> int:
-        """Writes the step's rows (and padding up to `b`) into the buffers with one upload; -> the table width."""
+    def _fill(self, rows: DecodeRows, b: int, width: int | None = None) -> int:
+        """Writes the step's rows (and padding up to `b`) into the buffers with one upload; -> the table width
+        (`width`: a wider table than the rows need, padded with the scratch block)."""
         bs, pad = self.block_size, b - len(rows.ids)
-        width = self.max_blocks if self.capture else max([MIN_TABLE_WIDTH] + [-(-s // bs) for s in rows.seq_lens])
+        if width is None:
+            width = self.max_blocks if self.capture else max([MIN_TABLE_WIDTH] + [-(-s // bs) for s in rows.seq_lens])
         tables = []
         for blocks in rows.block_tables:
             tables.extend(blocks + [self.scratch_block] * (width - len(blocks)))
@@ -124,7 +130,31 @@ class DecodeGraphs:
 
     # -- the step --------------------------------------------------------------------------------------------
 
+    def _compiled_forward(self):
+        options = None
+        if self.config.backend == "inductor":
+            options = self.config.inductor_options(self.device.type)
+            known = torch._inductor.config.get_config_copy()
+            unknown = sorted(k for k in options if k not in known)
+            if unknown:
+                raise EngineConfigError(f"compilation_config.inductor_compile_config: unknown inductor option "
+                                        f"{unknown[0]!r}")
+        return torch.compile(self._own_forward(), dynamic=False, backend=self.config.backend, options=options)
+
+    def _own_forward(self):
+        """`_forward` bound to this instance over a copy of its code object: Dynamo caches graphs (and counts its
+        recompile limit) per code object, so each engine in a process keeps its own graphs instead of every engine's
+        piling onto one `_forward` until Dynamo falls back to eager for all of them."""
+        code = DecodeGraphs._forward.__code__.replace()  # equal, but a new object
+        return types.MethodType(types.FunctionType(code, DecodeGraphs._forward.__globals__, "_forward"), self)
+
     def _call(self, b: int, width: int) -> tuple[torch.Tensor, ...]:
+        if not self.compiled:
+            return self._run_step(b, width)
+        variant = (b, self._one_tile(b, width))
+        return self.guards.call(variant, width, lambda: self._run_step(b, width))
+
+    def _run_step(self, b: int, width: int) -> tuple[torch.Tensor, ...]:
         tables = self.block_tables[:b, :width]
         if self.compiled:
             # dynamic, and the graph may narrow it (the inline MLA decode guards on a one-tile width)
@@ -136,6 +166,22 @@ class DecodeGraphs:
                                   self.slot_mapping[:b], self.state_indices[:b])
         finally:
             torch.set_flush_denormal(False)
+
+    def _one_tile(self, b: int, width: int) -> bool:
+        """Which of the two table-width regimes a step is in (the inline MLA decode's guard, kernels/graph_ops.py)."""
+        kv = next(iter(self.cache.kv.values()), None)  # every MLA layer's pool has the same shape
+        return kv is not None and fits_one_tile(b, self.block_tables[:b, :width], kv)
+
+    def _probe_width(self, variant: tuple[int, bool], width: int) -> int | None:
+        """A padding step of `variant`'s bucket at another width of the same regime (None when it has only one):
+        compiles nothing unless the graph specialised on the width. Touches only the scratch slot and block."""
+        b, one_tile = variant
+        for other in (width + 1, width - 1):
+            if MIN_TABLE_WIDTH <= other <= self.max_blocks and self._one_tile(b, other) == one_tile:
+                self._fill(DecodeRows.padding(), b, width=other)
+                self._run_step(b, other)
+                return other
+        return None
 
     def _forward(self, ids, cu_seqlens, seq_lens, block_tables, slot_mapping, state_indices
                  ) -> tuple[torch.Tensor, ...]:

@@ -122,6 +122,18 @@ def test_compilation_config_fields():
         CompilationConfig.parse({"cudagraph_mode": "PIECEWISE_ALL"})
     with pytest.raises(EngineConfigError, match="level"):
         CompilationConfig.parse({"level": 7})
+    assert CompilationConfig().inductor_options("cpu") == {"cpp_wrapper": True}  # kernels called from C++
+    assert CompilationConfig().inductor_options("cuda") == {}
+    mine = CompilationConfig.parse('{"inductor_compile_config": {"cpp_wrapper": false, "freezing": true}}')
+    assert mine.inductor_options("cpu") == {"cpp_wrapper": False, "freezing": True}
+    with pytest.raises(EngineConfigError, match="inductor_compile_config"):
+        CompilationConfig.parse({"inductor_compile_config": ["cpp_wrapper"]})
+
+
+def test_unknown_inductor_option_is_refused_by_name(tiny_linear_dir):
+    config = {"level": 3, "backend": "inductor", "inductor_compile_config": {"cpp_wraper": True}}
+    with pytest.raises(EngineConfigError, match="cpp_wraper"):
+        LLM(tiny_linear_dir, kv_cache_memory=8 << 20, max_num_seqs=4, compilation_config=config)
 
 
 def test_compiled_tensor_parallel_equals_tp1_eager(tiny_k3_dir):

@@ -1,0 +1,69 @@
+"""`GuardSkipping` (engine/guard_skipping.py): settled variants skip Dynamo's full guard check, specialised ones
+never do, and a settled call Dynamo cannot serve is run again with its guards.
+
+The compiled functions are tiny (backend `eager`: Dynamo's tracing and guards without a code generator).
+- a width-generic graph (its width marked dynamic) settles after a clean call and a clean probe; later calls at
+  other widths skip the full check and compute the right thing;
+- a graph specialised on the width (dynamic=False) is caught by the probe and keeps its guards: calls at new widths
+  recompile and stay right;
+- negative control: the skip stance alone, on the specialised graph at a new width, cannot run it (Dynamo raises);
+  `GuardSkipping` given the same settled variant recovers by rerunning with guards.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from engine.guard_skipping import GuardSkipping
+
+
+def _body(x):
+    return x.sum(dim=1) * 2 + x.shape[1]
+
+
+def make(dynamic_width: bool):
+    body = types.FunctionType(_body.__code__.replace(), globals())  # Dynamo's cache is per code object: one each
+    compiled = torch.compile(body, backend="eager", dynamic=False)
+
+    def run(width: int):
+        x = torch.arange(3 * width, dtype=torch.float32).view(3, width)
+        if dynamic_width:
+            torch._dynamo.maybe_mark_dynamic(x, 1)
+        return compiled(x), body(x)
+
+    return run
+
+
+def test_width_generic_graph_settles_and_skips():
+    run = make(dynamic_width=True)
+    guards = GuardSkipping(lambda variant, width: run(width + 1) and width + 1)
+    for width in (4, 5, 7, 9, 12):
+        got, want = guards.call("v", width, lambda: run(width))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert "v" in guards.settled and not guards.specialised
+    assert guards.skipped_calls >= 3
+
+
+def test_specialised_graph_keeps_its_guards():
+    run = make(dynamic_width=False)
+    guards = GuardSkipping(lambda variant, width: run(width + 1) and width + 1)
+    for width in (4, 4, 6, 8):
+        got, want = guards.call("v", width, lambda: run(width))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert "v" in guards.specialised and "v" not in guards.settled and guards.skipped_calls == 0
+
+
+def test_skip_stance_alone_fails_where_guard_skipping_recovers():
+    run = make(dynamic_width=False)
+    run(4)
+    with torch.compiler.set_stance(skip_guard_eval_unsafe=True), pytest.raises(RuntimeError,
+                                                                               match="skip_guard_eval_unsafe"):
+        run(5)  # the negative control: a graph specialised on width 4 cannot serve width 5 unchecked
+    guards = GuardSkipping(lambda variant, width: None)
+    guards.settled.add("v")  # wrongly settled
+    got, want = guards.call("v", 6, lambda: run(6))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert "v" not in guards.settled
