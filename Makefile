@@ -39,7 +39,7 @@ redis-tools:
 
 test: install redis-tools
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=25
 
 test-fast: install
 	$(BIN)/python -m pytest tests/unit -x

@@ -232,7 +232,10 @@ class LlamaCpp:
                                             "-t", str(threads), "-c", str(ctx), "-npp", str(prompt_len),
                                             "-ntg", str(tokens), "-npl", str(n), "--output-format", "jsonl"])
         self.peak_rss["batch"] = max(self.peak_rss["batch"], rss)
-        (row,) = parse_batched_bench_jsonl(out + err)
+        rows = parse_batched_bench_jsonl(out + "\n" + err)  # the JSON line may be on either stream
+        if len(rows) != 1:
+            raise RuntimeError(f"llama-batched-bench printed {len(rows)} result rows:\n{out[-1500:]}\n{err[-1500:]}")
+        (row,) = rows
         return {"gen_tok_s": n * tokens / row["t"], "decode_tok_s": row["speed_tg"]}
 
     def greedy(self, prompt: str, tokens: int) -> tuple[list[int], bytes]:
