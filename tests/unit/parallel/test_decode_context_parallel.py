@@ -20,6 +20,11 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs
 ARGS = dict(num_kv_blocks=96, max_num_seqs=4, max_num_batched_tokens=128, block_size=8, snapshot_interval=16,
             collective_timeout_s=30.0, enforce_eager=True)
 
+# fp32 latents: 1e-4. FP8 latents: TP=2's all-reduced hidden states differ from TP=1's in the last fp32 bits, and
+# a latent that lands on the other side of an e4m3 rounding boundary moves by up to 1/16 of its value, so the same
+# bit-level noise shows up larger: max 1.2e-4 measured on an AVX-512 machine (below 1e-4 on an AVX2 one).
+LOGPROB_TOLERANCE = {"auto": 1e-4, "fp8": 5e-4}
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -66,7 +71,7 @@ def test_dcp2_equals_dcp1_with_prefix_hits_and_handoffs_both_ways(model_dir, ref
         assert _kv_bytes(llm) * 2 == kv_bytes  # the same 96 (+1 scratch) blocks, half the rows on each rank
         got, got_logprobs, got_cached = _rounds(llm)
         assert got == tokens and got_cached == cached
-        assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs, strict=True)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs, strict=True)) < LOGPROB_TOLERANCE[kv_dtype]
         assert _tokens(llm.resume([exported], GREEDY)) == resumed  # a DCP=1 export continues at DCP=2
         back = _export(llm).exported
     finally:
