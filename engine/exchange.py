@@ -120,15 +120,19 @@ class CacheExchange:
         layers, bs, dim = self.layout.kv_block_shape
         if tuple(kv.shape) != (layers, len(hashes), bs, dim):
             raise ShapeMismatchError(f"blocks of shape {tuple(kv.shape)} for {len(hashes)} blocks of this model")
-        self._import_blocks({h: kv[:, i] for i, h in enumerate(hashes)})
+        self._import_blocks({h: kv[:, i] for i, h in enumerate(hashes)}, kv)
         return sum(1 for h in hashes if self.manager.block_pool.get_cached(h) is not None)
 
-    def _import_blocks(self, blocks: dict[bytes, torch.Tensor]) -> int:
+    def _import_blocks(self, blocks: dict[bytes, torch.Tensor], stacked: torch.Tensor | None = None) -> int:
+        """`stacked`: the blocks as one tensor [L, n, bs, dim] in `blocks`' order, written as it is when every one
+        of them gets a block."""
         reserved = self.manager.reserve_blocks(list(blocks))
         self.manager.note_sent(blocks)
         if reserved:
             ids = [b for _, b in reserved]
-            self.runner.write_blocks(ids, torch.stack([blocks[h] for h, _ in reserved], dim=1))
+            every = stacked is not None and stacked.shape[1] == len(blocks) and \
+                [h for h, _ in reserved] == list(blocks)
+            self.runner.write_blocks(ids, stacked if every else torch.stack([blocks[h] for h, _ in reserved], dim=1))
             self.manager.release_blocks(ids)
         return len(reserved)
 

@@ -181,7 +181,7 @@ def _tensor(payload: memoryview, entry: dict) -> torch.Tensor:
     raw = bytearray(payload[offset:offset + nbytes])
     if not raw:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)  # owns `raw` (one copy, no clone)
 
 
 # -- typed objects ---------------------------------------------------------------------------------------------

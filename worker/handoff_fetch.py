@@ -15,13 +15,14 @@ caller computes; `check(state)` raises `Unusable` for a handoff of another promp
    import rule) and `Loaded.lean` is set: the state is imported lean and its blocks come from the engine's prefix
    cache (`EngineCore.import_request(..., lean=True)`). Otherwise the groups are collected and the state made whole.
 - Waits: in a streamed handoff the prefill worker is still publishing the blocks, so a block (or block part) not
-  there yet is asked for again (5 ms, doubling to 100 ms) until `part_wait_s` after that group's wait began, or the
+  there yet is asked for again (5 ms, doubling to 20 ms) until `part_wait_s` after that group's wait began, or the
   request's deadline; then the handoff is unusable (`late_part`). A whole handoff's blocks were all stored before
   the prefill answered: one missing is `missing_block` at once.
 - Failures raise `Unusable(reason, detail)`: the handoff's status (`missing`, `corrupt`, `error`, ...),
   `missing_part`, `late_part`, `missing_block`, `corrupt`, `mismatch`, `no_room` (the engine's pool could not take
   a group); the caller recomputes (or fails, by its policy). Blocks already imported stay in the prefix cache.
-- Counters (`FetchCounters`): bytes and seconds of every read, parts read, groups imported while streaming.
+- Counters (`FetchCounters`): bytes and seconds of every read, parts read, groups imported while streaming, time
+  spent waiting for parts not stored yet.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from worker.handoff_parts import Manifest, PartsError, block_part_keys, head_key
 from worker.hash_pool import parallel_map
 
 KV_BLOCK = common_pb2.OBJECT_KIND_KV_BLOCK
-FIRST_PAUSE_S, MAX_PAUSE_S = 0.005, 0.1
+FIRST_PAUSE_S, MAX_PAUSE_S = 0.005, 0.02
 # why a handoff the engine's checks refused is unusable, by the class of the error (first match)
 _REFUSALS = ((MissingBlockError, "missing_block"), (ModelMismatchError, "mismatch"), (ShapeMismatchError, "mismatch"),
              (CorruptObjectError, "corrupt"), (TransferError, "corrupt"))
@@ -63,6 +64,7 @@ class FetchCounters:
     handoff_seconds: float = 0.0  # wall time of those fetches
     handoff_parts: int = 0  # head pieces and block parts of streamed handoffs read (worker/handoff_parts.py)
     handoff_groups: int = 0  # block groups written into the engine while the rest was still coming
+    handoff_wait_seconds: float = 0.0  # of `handoff_seconds`' span, asleep waiting for parts not stored yet
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,7 @@ class HandoffFetcher:
                 raise Unusable("late_part", f"{sum(d is None for d in data)} of {len(keys)} parts still missing "
                                             f"{self.part_wait_s} s after the wait began")
             await asyncio.sleep(min(pause, left))
+            self.counters.handoff_wait_seconds += min(pause, left)
             pause = min(pause * 2, MAX_PAUSE_S)
 
     async def _get(self, keys: list[common_pb2.ObjectKey], h: _Handoff) -> list[GetResult]:
