@@ -14,7 +14,7 @@ from engine.llm import LLM
 from engine.model.checkpoint import make_checkpoint
 from engine.model.config import load_model_config
 from engine.sampling import SamplingParams
-from engine.transfer import lean_handoff
+from tests.unit.parallel.engine_prompts import stream_in
 
 PREFIX = [(31 * i + 7) % 7900 for i in range(40)]
 PROMPTS = [PREFIX + [(13 * i + 2) % 7900 for i in range(5 + k)] for k in range(3)]
@@ -47,19 +47,6 @@ def _export(llm: LLM):
     return llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), export=True)[0]
 
 
-def _stream_in(llm: LLM, state, zero_blocks: bool = False):
-    """A streamed handoff's import (worker/handoff_fetch.py): the full blocks into the prefix cache one block per
-    call, written by every rank in the DCP-independent layout, then the lean state."""
-    llm.engine.reset_prefix_cache()
-    hashes = state.block_hashes
-    for i, h in enumerate(hashes):
-        kv = state.kv[:, i:i + 1]
-        assert llm.engine.exchange.import_block_tensors([h], kv * 0 if zero_blocks else kv) == 1
-    outs = llm.resume([lean_handoff(state)], GREEDY, lean=True)
-    assert llm.engine.scheduler.num_import_recomputes == 0
-    return outs
-
-
 def _kv_bytes(llm: LLM) -> int:
     return sum(t.numel() * t.element_size() for t in llm.engine.executor.cache.kv.values())
 
@@ -83,9 +70,9 @@ def test_dcp2_equals_dcp1_with_prefix_hits_and_handoffs_both_ways(model_dir, ref
         assert got == tokens and got_cached == cached
         assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs, strict=True)) < 1e-4
         assert _tokens(llm.resume([exported], GREEDY)) == resumed  # a DCP=1 export continues at DCP=2
-        streamed = _stream_in(llm, exported)  # block by block into the rank group, then the lean state
+        streamed = stream_in(llm, exported, GREEDY)  # block by block into the rank group, then the lean state
         assert _tokens(streamed) == resumed
-        zeroed = _stream_in(llm, exported, zero_blocks=True)  # control: the streamed blocks are what it reads
+        zeroed = stream_in(llm, exported, GREEDY, zero_blocks=True)  # control: the streamed blocks are what it reads
         assert max(abs(a - b) for a, b in zip(_logprobs(zeroed), _logprobs(streamed))) > 1e-3
         back = _export(llm).exported
     finally:
