@@ -16,8 +16,9 @@ Contract (docs/architecture.md, "The mesh", step 3):
   fingerprint, block size and shapes by `engine.transfer.check_request_state`) before anything is streamed; then
   the first token is streamed at once, the handoff's own objects are removed from the cache service (claimed), and
   the engine continues with continuous batching from token N+1.
-- When the handoff cannot be used (cache service down, handoff expired, missing block, corrupt or mismatched object)
-  the worker counts the failure and, with `kv_load_failure_policy="recompute"` (default), prefills the prompt itself
+- When the handoff cannot be used (cache service down, handoff expired, missing block, corrupt or mismatched object,
+  a part still missing after `handoff_part_wait_s`, an engine pool that cannot take a group) the worker counts the
+  failure (by reason) and, with `kv_load_failure_policy="recompute"` (default), prefills the prompt itself
   (greedy and seeded outputs are unchanged); with `"fail"` it raises `HandoffUnavailableError`.
 - Local path (`handoff` None, the colocated mode): the engine prefills (using its own prefix cache, and before
   that the longer prefix the cache service may hold — offloaded snapshots included — loaded as prefill loads it,
