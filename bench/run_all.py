@@ -16,6 +16,7 @@ BENCHMARKS = [
     ["bench.bench_engine"],
     ["bench.bench_cache"],
     ["bench.bench_pd"],
+    ["bench.bench_handoff"],
     ["bench.plots"],
 ]
 

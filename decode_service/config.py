@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import EngineArgs
+from telemetry.units import byte_size
 from telemetry.options import (address_option, cache_address_option, grace_option, load_remote_prefix_option,
                                metrics_port_option, option, section, served_model_name_option, torch_threads_option)
 from worker.kv_events import KVEventConfig
@@ -33,6 +34,16 @@ class DecodeServiceConfig:
                                          choices=KV_LOAD_FAILURE_POLICIES,
                                          help="when a handoff cannot be loaded: compute the prompt here, or fail the "
                                               "request")
+    # A handoff's full KV blocks are read in groups of about this many bytes; with more than one group, each is
+    # written into the engine while the next is fetched (worker/handoff_fetch.py).
+    handoff_fetch_bytes: int = option("--handoff-fetch-bytes", default=64 << 20, parse=byte_size,
+                                      help="KV bytes of a handoff read and imported per group; more than one group "
+                                           "streams into the engine (default 64MiB)")
+    # Longest wait for a part of a streamed handoff that the prefill worker has not stored yet (seconds); past it
+    # the handoff is unusable (late_part) and the prompt is recomputed.
+    handoff_part_wait_s: float = option("--handoff-part-wait-s", default=10.0, parse=float,
+                                        help="longest wait for a part of a streamed handoff not stored yet, in "
+                                             "seconds (default 10)")
     # Colocated prompts: load the longer cached prefix (blocks + snapshot) the cache service holds before computing.
     load_remote_prefix: bool = load_remote_prefix_option()
     # Deadline of each cache service call (seconds); gRPC message limit both ways (bytes).
@@ -53,6 +64,10 @@ class DecodeServiceConfig:
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
                              f"got {self.kv_load_failure_policy!r}")
+        if self.handoff_fetch_bytes <= 0:
+            raise ValueError(f"--handoff-fetch-bytes must be positive, got {self.handoff_fetch_bytes}")
+        if not self.handoff_part_wait_s > 0:
+            raise ValueError(f"--handoff-part-wait-s must be positive, got {self.handoff_part_wait_s}")
 
     @property
     def model_name(self) -> str:

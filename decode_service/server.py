@@ -161,6 +161,8 @@ def worker_counters(worker: DecodeWorker) -> list[CounterSample]:
         CounterSample("handoffs", "Decode requests by how their handoff went", c.handoff_failures,
                       (("outcome", "failed"),)),
         CounterSample("recomputed_prompts", "Prompts computed here because their handoff was unusable", c.recomputed),
+        CounterSample("handoff_streamed_groups", "Block groups of handoffs written into the engine while the next "
+                      "was still being read", c.handoff_groups),
         CounterSample("local_requests", "Requests prefilled here (colocated)", c.local_requests),
         *transfer_samples("prefix_load", c.remote_load_bytes, c.remote_load_seconds),
         CounterSample("remote_prefix_loads", "Prefixes loaded from the cache service", c.remote_loads),
@@ -186,7 +188,10 @@ class DecodeServer(WorkerServer):
 
     def make_worker(self) -> DecodeWorker:
         return DecodeWorker(self.engine, self.cache, kv_load_failure_policy=self.config.kv_load_failure_policy,
-                            load_remote_prefix=self.config.load_remote_prefix, tracer=tracing.get_tracer("kdamesh.decode", self.tracer_provider))
+                            load_remote_prefix=self.config.load_remote_prefix,
+                            tracer=tracing.get_tracer("kdamesh.decode", self.tracer_provider),
+                            handoff_fetch_bytes=self.config.handoff_fetch_bytes,
+                            handoff_part_wait_s=self.config.handoff_part_wait_s)
 
     def worker_counters(self, worker: DecodeWorker) -> list[CounterSample]:
         return worker_counters(worker)

@@ -5,16 +5,20 @@ Contract (docs/architecture.md, "The mesh", step 3):
   iterator of `DecodeChunk`s (protos/decode.proto: the one output event a worker streams to the gateway) carrying
   every completion token of the request, the first one included, ending with one chunk per choice whose
   `finish_reason` is set; the last chunk of the stream carries `usage` and `used_handoff`.
-- Handoff path (`handoff` set): one `BatchGet` fetches the handoff object (an `engine.transfer.RequestState` after
-  all N prompt tokens, sampled token N+1 carried as its output) together with the prompt's full KV blocks, which the
-  lean handoff names by hash (the worker computes the hashes from the prompt, its model fingerprint and the tenant
-  salt, and checks them against the handoff's); a handoff stored as a manifest and parts (worker/handoff_parts.py)
-  takes a second `BatchGet` for its parts, checked against the manifest's size and sha256. The state is verified (prompt, first token, token count, block
-  hashes here; fingerprint, block size and shapes by `engine.transfer.stitch_handoff`, which also puts the full
-  blocks back into a lean handoff) before anything is streamed; then the first token is streamed at once, the handoff is
-  removed from the cache service (claimed), and the engine continues with continuous batching from token N+1.
-- When the handoff cannot be used (cache service down, handoff expired, missing block, corrupt or mismatched object)
-  the worker counts the failure and, with `kv_load_failure_policy="recompute"` (default), prefills the prompt itself
+- Handoff path (`handoff` set): worker/handoff_fetch.py reads the handoff object (an `engine.transfer.RequestState`
+  after all N prompt tokens, sampled token N+1 carried as its output; or a streamed handoff's manifest and head
+  pieces, worker/handoff_parts.py) with the first group of the prompt's full KV blocks, which the lean handoff names
+  by hash (the worker computes the hashes from the prompt, its model fingerprint and the tenant salt, and checks
+  them against the handoff's), then the other groups — each checked block by block on a thread pool and, for a
+  handoff of several groups, written into the engine's pools as it arrives while the next is fetched
+  (`handoff_fetch_bytes` per group; a streamed handoff's blocks not published yet are waited for, at most
+  `handoff_part_wait_s` per wait). The state is verified (prompt, first token, token count, block hashes here;
+  fingerprint, block size and shapes by `engine.transfer.check_request_state`) before anything is streamed; then
+  the first token is streamed at once, the handoff's own objects are removed from the cache service (claimed), and
+  the engine continues with continuous batching from token N+1.
+- When the handoff cannot be used (cache service down, handoff expired, missing block, corrupt or mismatched object,
+  a part still missing after `handoff_part_wait_s`, an engine pool that cannot take a group) the worker counts the
+  failure (by reason) and, with `kv_load_failure_policy="recompute"` (default), prefills the prompt itself
   (greedy and seeded outputs are unchanged); with `"fail"` it raises `HandoffUnavailableError`.
 - Local path (`handoff` None, the colocated mode): the engine prefills (using its own prefix cache, and before
   that the longer prefix the cache service may hold — offloaded snapshots included — loaded as prefill loads it,
@@ -43,25 +47,21 @@ from dataclasses import dataclass, field
 from opentelemetry.trace import Tracer
 
 from cache_service.client import CacheClient
-from cache_service.objects import Status, object_key
 from decode_service.config import KV_LOAD_FAILURE_POLICIES
 from engine.async_engine import AsyncEngine
 from engine.memory.policy import hint_points
 from engine.outputs import RequestOutput
-from engine.transfer import (CorruptObjectError, MissingBlockError, ModelMismatchError, RequestState,
-                             ShapeMismatchError, TransferError, stitch_handoff)
+from engine.transfer import RequestState
 from protos import common_pb2, decode_pb2
 from telemetry import tracing
 from worker.codec import FINISH_REASONS, GenerationJob, output_chunk, prompt_logprobs_to_proto
-from worker.handoff_parts import PartsError, join_parts, part_keys, read_manifest
+from worker.handoff_fetch import FetchCounters, HandoffFetcher, Loaded, Unusable
 from worker.offload import SnapshotPublisher
 from worker.prefix import PrefixCounters, RemotePrefix
 from worker.tenancy import engine_cache_salt, prompt_block_hashes
-from worker.transfers import timed_get
 
 log = logging.getLogger(__name__)
 
-KV_BLOCK = common_pb2.OBJECT_KIND_KV_BLOCK
 FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items() if name is not None}  # for the span
 
 
@@ -81,9 +81,10 @@ class Handoff:
 
 
 @dataclass
-class DecodeCounters(PrefixCounters):
+class DecodeCounters(PrefixCounters, FetchCounters):
     """Counts since the worker started (read by tests and metrics); the remote prefix and offload counts are
-    `PrefixCounters`' (worker/prefix.py)."""
+    `PrefixCounters`' (worker/prefix.py), the bytes, seconds, parts and groups of handoff reads `FetchCounters'`
+    (worker/handoff_fetch.py)."""
 
     handoff_requests: int = 0
     handoff_loaded: int = 0
@@ -91,25 +92,15 @@ class DecodeCounters(PrefixCounters):
     recomputed: int = 0  # of those, prompts computed here instead
     local_requests: int = 0
     failure_reasons: dict[str, int] = field(default_factory=dict)
-    handoff_bytes: int = 0  # handoff objects and blocks fetched from the cache service
-    handoff_parts: int = 0  # parts of handoffs that came as a manifest and parts (worker/handoff_parts.py)
-    handoff_seconds: float = 0.0  # wall time of those fetches
 
 
-class _LoadFailure(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-
-
-# why a handoff the engine's checks refused is unusable, by the class of the error (first match)
-_REFUSALS = ((MissingBlockError, "missing_block"), (ModelMismatchError, "mismatch"), (ShapeMismatchError, "mismatch"),
-             (CorruptObjectError, "corrupt"), (TransferError, "corrupt"))
+_LoadFailure = Unusable  # why a handoff is unusable (worker/handoff_fetch.py)
 
 
 class DecodeWorker:
     def __init__(self, engine: AsyncEngine, cache: CacheClient | None, *, kv_load_failure_policy: str = "recompute",
-                 load_remote_prefix: bool = True, tracer: Tracer | None = None):
+                 load_remote_prefix: bool = True, tracer: Tracer | None = None, handoff_fetch_bytes: int = 64 << 20,
+                 handoff_part_wait_s: float = 10.0):
         if kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}")
         self.engine = engine
@@ -120,8 +111,10 @@ class DecodeWorker:
         self.fingerprint: bytes = self.layout.fingerprint
         self.counters = DecodeCounters()
         self._claims: set[asyncio.Task] = set()
-        self.prefix = self.offload = None
+        self.prefix = self.offload = self.fetcher = None
         if cache is not None:
+            self.fetcher = HandoffFetcher(cache, engine, handoff_fetch_bytes, handoff_part_wait_s, self.counters,
+                                          self._claim)
             self.prefix = RemotePrefix(engine, cache, self.tracer, self.counters, enabled=load_remote_prefix)
             self.offload = SnapshotPublisher(engine, cache, self.counters)
             self.offload.start()
@@ -162,7 +155,7 @@ class DecodeWorker:
             return
         self.counters.handoff_requests += 1
         try:
-            state = await self._load_handoff(job, handoff)
+            loaded = await self._load_handoff(job, handoff)
         except _LoadFailure as exc:
             self.counters.handoff_failures += 1
             reasons = self.counters.failure_reasons
@@ -175,7 +168,7 @@ class DecodeWorker:
                 yield chunk
             return
         self.counters.handoff_loaded += 1
-        async for chunk in self._continue(job, handoff, state):
+        async for chunk in self._continue(job, handoff, loaded):
             yield chunk
 
     async def _load_remote_prefix(self, job: GenerationJob) -> tuple[int, ...]:
@@ -200,13 +193,14 @@ class DecodeWorker:
             yield chunk
 
     async def _continue(self, job: GenerationJob, handoff: Handoff,
-                        state: RequestState) -> AsyncIterator[decode_pb2.DecodeChunk]:
+                        loaded: Loaded) -> AsyncIterator[decode_pb2.DecodeChunk]:
         first = decode_pb2.DecodeChunk(index=0, token_ids=[handoff.first_token_id], cached_tokens=handoff.cached_tokens)
         if handoff.first_token_logprob is not None:
             first.logprobs.append(handoff.first_token_logprob)
         yield first
-        stream = self.engine.import_request(job.request_id, state, job.params, priority=job.priority,
-                                            deadline=job.deadline, media=job.media, tenant=job.tenant)
+        stream = self.engine.import_request(job.request_id, loaded.state, job.params, priority=job.priority,
+                                            deadline=job.deadline, media=job.media, tenant=job.tenant,
+                                            lean=loaded.lean)
         async for chunk in self._chunks(stream, job, 1, handoff.cached_tokens, used_handoff=True, carried=1,
                                          first=False):
             yield chunk
@@ -241,73 +235,35 @@ class DecodeWorker:
 
     # -- the handoff ---------------------------------------------------------------------------------------------
 
-    async def _load_handoff(self, job: GenerationJob, handoff: Handoff) -> RequestState:
-        if self.cache is None:
+    async def _load_handoff(self, job: GenerationJob, handoff: Handoff) -> Loaded:
+        if self.fetcher is None:
             raise _LoadFailure("no_cache_service", "this worker has no cache service")
         if job.params.n != 1:
             raise _LoadFailure("n", "a handoff carries one sequence")
         hashes = prompt_block_hashes(self.layout, job.prompt_token_ids, job.tenant_salt, job.media)
-        key = handoff.key
-        keys = [key] + [object_key(key.model_fingerprint, key.tenant_salt, KV_BLOCK, h) for h in hashes]
-        with tracing.child_span(self.tracer, "handoff.claim", {tracing.KEYS: len(keys),
+        with tracing.child_span(self.tracer, "handoff.claim", {tracing.KEYS: 1 + len(hashes),
                                                                tracing.BLOCKS: len(hashes)}) as span:
-            got, nbytes, seconds = await timed_get(self.cache, keys, span)
-            self.counters.handoff_bytes += nbytes
-            self.counters.handoff_seconds += seconds
             try:
-                if got[0].status != Status.FOUND:
-                    raise _LoadFailure(got[0].status.name.lower(), got[0].message or "handoff not found")
-                data = await self._whole_handoff(key, got[0].data, span)
-                blocks = [r.data if r.status == Status.FOUND else None for r in got[1:]]
-                return await asyncio.to_thread(self._assemble, job, handoff, data, hashes, blocks)
+                return await self.fetcher.load(handoff.key, hashes, lambda s: self._check(job, handoff, s, hashes),
+                                               span, job.deadline)
             except _LoadFailure as exc:
                 tracing.mark_error(span, exc.reason, str(exc))
                 raise
 
-    async def _whole_handoff(self, key: common_pb2.ObjectKey, data: bytes, span) -> bytes:
-        """The handoff's bytes — fetched part by part when `data` is a manifest (worker/handoff_parts.py) — claimed."""
-        try:
-            manifest = read_manifest(data)
-        except PartsError as exc:
-            raise _LoadFailure("corrupt", str(exc)) from None
-        if manifest is None:
-            self._claim([key])
-            return data
-        keys = part_keys(key, manifest)
-        got, nbytes, seconds = await timed_get(self.cache, keys, span)
-        self.counters.handoff_bytes += nbytes
-        self.counters.handoff_seconds += seconds
-        self.counters.handoff_parts += manifest.parts
-        self._claim([key, *keys])
-        try:
-            return join_parts(manifest, [r.data if r.status == Status.FOUND else None for r in got])
-        except PartsError as exc:
-            raise _LoadFailure("missing_part" if "missing" in str(exc) else "corrupt", str(exc)) from None
-
     def _claim(self, keys: list[common_pb2.ObjectKey]) -> None:
-        """Removes the handoff from the cache service (in the background: nobody else may use it)."""
+        """Removes the handoff's objects from the cache service (in the background: nobody else may use them)."""
         task = asyncio.create_task(self.cache.remove(keys))
         self._claims.add(task)
         task.add_done_callback(self._claims.discard)
 
-    def _assemble(self, job: GenerationJob, handoff: Handoff, data: bytes, hashes: list[bytes],
-                  blocks: list[bytes | None]) -> RequestState:
-        """Parses and checks the handoff, filling the full blocks a lean handoff leaves out. Runs in a thread."""
-        try:
-            state = RequestState.from_bytes(data)
-        except TransferError as exc:
-            raise _LoadFailure("corrupt", str(exc)) from None
+    def _check(self, job: GenerationJob, handoff: Handoff, state: RequestState, hashes: list[bytes]) -> None:
+        """The handoff belongs to this request: prompt, token count, first token, block hashes (runs in a thread)."""
         n = len(job.prompt_token_ids)
         if (state.prompt_token_ids != list(job.prompt_token_ids) or state.num_computed_tokens != n
                 or state.output_token_ids != [handoff.first_token_id]):
             raise _LoadFailure("mismatch", "the handoff belongs to another prompt or first token")
         if state.block_hashes != hashes[: n // self.layout.block_size]:
             raise _LoadFailure("mismatch", "the handoff's block hashes differ from this prompt's")
-        try:
-            return stitch_handoff(state, blocks[: len(state.block_hashes)], self.layout)
-        except TransferError as exc:
-            reason = next(why for kind, why in _REFUSALS if isinstance(exc, kind))
-            raise _LoadFailure(reason, str(exc)) from None
 
     async def drain(self) -> None:
         """Waits for background handoff removals and snapshot offloads."""

@@ -23,7 +23,8 @@ Contract:
   as soon as a rank process of a tensor-parallel engine is gone.
 - The service API of the worker services (engine/core.py), so that they never touch `EngineCore` from the event
   loop: `probe_prefix` (cached prompt tokens by the prefix hit rule, with the queues and pool usage, in one
-  command), `prefix_presence`, `import_prefix`, `export_snapshots` run on the step thread between two steps;
+  command), `prefix_presence`, `import_prefix`, `import_blocks`, `export_snapshots` run on the step thread between
+  two steps;
   `stats_snapshot()` returns the `EngineStats` the step thread published after its latest step or command batch
   (an immutable object: any thread may read it, e.g. a metrics scrape, without waiting); `layout` and
   `validate_prompt` read only what is fixed when the engine starts.
@@ -48,6 +49,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+import torch
 
 from collections.abc import Sequence
 
@@ -283,6 +286,11 @@ class AsyncEngine:
         """Imports a served prefix (see `CacheExchange.import_prefix`); raises `TransferError` for a bad object."""
         return await self.run_in_engine(lambda: self.core.exchange.import_prefix(blocks, snapshot))
 
+    async def import_blocks(self, block_hashes: list[bytes], kv: torch.Tensor) -> int:
+        """Full blocks the caller decoded and checked, `kv` [num_mla_layers, n, block_size, cache_dim], into the
+        prefix cache (`CacheExchange.import_block_tensors`) -> how many of them are cached now."""
+        return await self.run_in_engine(lambda: self.core.exchange.import_block_tensors(block_hashes, kv))
+
     async def export_snapshots(self, block_hashes: list[bytes]) -> list[tuple[bytes, bytes]]:
         return await self.run_in_engine(lambda: self.core.exchange.export_snapshots(block_hashes))
 
@@ -343,13 +351,14 @@ class AsyncEngine:
             yield out
 
     async def import_request(self, request_id: str, state: RequestState, params: SamplingParams,
-                             priority: int = 0, deadline: float | None = None,
-                             media: tuple = (), tenant: TenantShare = TenantShare()) -> AsyncIterator[RequestOutput]:
-        """Continues a request exported by another engine (see `EngineCore.import_request`), streaming deltas."""
+                             priority: int = 0, deadline: float | None = None, media: tuple = (),
+                             tenant: TenantShare = TenantShare(), lean: bool = False) -> AsyncIterator[RequestOutput]:
+        """Continues a request exported by another engine (see `EngineCore.import_request`, also for `lean`),
+        streaming deltas."""
         self._check_alive()
         media = await self._ready(params, media, deadline)
         add = lambda: self.core.import_request(request_id, state, params, priority=priority,  # noqa: E731
-                                               media=media, tenant=tenant)
+                                               media=media, tenant=tenant, lean=lean)
         async for out in self._stream(request_id, add, deadline):
             yield out
 

@@ -9,11 +9,11 @@ Contract:
   prompt, ids outside the vocabulary, `len(prompt) + max_tokens > max_model_len`, or more KV blocks than the pool.
 - `step()` is schedule -> execute -> update (vLLM v1's shape): `_schedule` (drafts, the scheduler's batch) ->
   `_execute(out)` reads that batch and never changes a request: the forward, then every logits row sampled and
-  verified at once on the device with ONE read-back (engine/step_sampling.py) -> a frozen `StepResult` -> `update_from_output(out, result)` is the one place that applies it: appended tokens (stops,
-  grammar), `num_computed_tokens` (assigned there and nowhere else in the step), verification counters and
-  settling, commits and snapshot copies, the drafter's observations, finished requests. Data-dependent control flow
-  (a row finished, a stop id) is decided on the host from the read-back. Returns one delta `RequestOutput` per
-  request that changed (see engine/outputs.py).
+  verified at once on the device with ONE read-back (engine/step_sampling.py) -> a frozen `StepResult` ->
+  `update_from_output(out, result)` is the one place that applies it: appended tokens (stops, grammar),
+  `num_computed_tokens` (assigned there and nowhere else in the step), verification counters and settling, commits
+  and snapshot copies, the drafter's observations, finished requests. Data-dependent control flow (a row finished,
+  a stop id) is decided on the host from the read-back. Returns one delta `RequestOutput` per request that changed.
 - Sampled sequences get a noise seed at admission (`params.seed + index`, else one drawn from the engine's seeded
   RNG); with the output position it decides every random number of the sequence (engine/sampling.py), so a seeded
   request reproduces in any batch and an exported request carries only its seed.
@@ -22,7 +22,8 @@ Contract:
 - Speculative decoding (`args.speculative_config`, engine/spec/): before scheduling, the drafter proposes tokens for
   the running decodes; the step verifies them in the same forward (engine/spec/decoding.py) and appends the
   accepted drafts plus one token, so a request may gain up to 1 + k tokens in a step.
-- `abort(request_id)` ends a request at once (its output finishes with "abort" on the next `step`). `add_request(..., snapshot_hints=positions)`: token positions of the prompt (where the rendered chat's system/tool
+- `abort(request_id)` ends a request at once (its output finishes with "abort" on the next `step`).
+  `add_request(..., snapshot_hints=positions)`: token positions of the prompt (where the rendered chat's system/tool
   block and each earlier message end) at which the KDA state is snapshotted, rounded down to blocks
   (engine/memory/policy.py `hint_points`; out-of-range positions are an `InvalidRequestError`), so a later prompt
   sharing that prefix resumes there. With `exchange.exporting` on, `step` collects the snapshots leaving the cache
@@ -38,9 +39,8 @@ Contract:
   loaded with the model (`load_vision`) and keeps an encoder cache by image hash.
 - Export/import (see engine/transfer.py): `add_request(..., export_on_finish=True)` attaches a `RequestState` to
   the final output (the KV and KDA state after every token but the last sampled one, so importing it and
-  continuing feeds that token next); `import_request` queues such a state in this engine after the checks of
-  `transfer.check_request_state` against `layout` (the cache shapes, fixed at start-up); `exchange`
-  (engine/exchange.py) moves prefix-cache entries (blocks, snapshots) by hash.
+  continuing feeds that token next); `import_request` queues such a state (or a lean one) after the checks of
+  `transfer.check_request_state` against `layout`; `exchange` moves prefix-cache entries (blocks, snapshots).
 - The service API (what the worker services use, through `AsyncEngine`): `validate_prompt` (admission's checks; it
   reads only start-up facts, so any thread may call it), `probe_prefix` (tokens the prefix cache would serve: the
   prefix hit rule of engine/memory/manager.py), `prefix_presence`, `stats` (queues and pool usage), `layout`.
@@ -139,9 +139,10 @@ class EngineCore:
         self.executor.start(self.plan, args.max_forward_tokens, media=self.media.feeder,  # images: rank 0 plans them
                             graphs=graphs)
         self.runner = self.executor  # the runner's interface, on every rank (engine/parallel/executor.py)
-        (layers, bs, dim), _ = self.runner.block_shape()
+        (layers, bs, dim), kv_dtype = self.runner.block_shape()
         self.layout = CacheLayout(self.fingerprint, self.plan.block_size, (layers, bs, dim),
-                                  {name: shape for name, (shape, _) in self.runner.state_shapes().items()})
+                                  {name: shape for name, (shape, _) in self.runner.state_shapes().items()},
+                                  layers * bs * dim * kv_dtype.itemsize)
         self.exchange = CacheExchange(self.manager, self.runner, self.layout)
         self.spec = open_spec_decoding(args, self.model, self.manager, self.plan, self.executor)
         self.step_sampler = StepSampler(self.spec.config.rejection_sample_method if self.spec else "standard")
@@ -419,19 +420,19 @@ class EngineCore:
 
     def import_request(self, request_id: str, state: RequestState, params: SamplingParams,
                        priority: int = 0, export_on_finish: bool = False, media: tuple[ImageInput, ...] = (),
-                       tenant: TenantShare = TenantShare()) -> None:
-        """Queues a request exported by another engine; it continues from `state.num_computed_tokens`.
-
+                       tenant: TenantShare = TenantShare(), lean: bool = False) -> None:
+        """Queues a request exported by another engine; it continues from `state.num_computed_tokens`. `lean`: the
+        state may carry only the KV after its last full block, whose full blocks the caller put in this prefix cache
+        first (`exchange.import_block_tensors`); one gone by admission makes it compute from its tokens instead.
         `media` are the prompt's images, checked as in `add_request`: their hashes make the blocks this engine
-        commits hash as where the prompt was prefilled; their bytes serve only a recompute after a preemption (the
-        carried KV covers every image, so nothing is encoded otherwise).
-        `params.max_tokens` counts the carried output tokens too (the same params as the original request give
-        the same total); carried tokens are in the cumulative outputs but never in a delta."""
+        commits hash as where the prompt was prefilled; their bytes serve only a recompute (the carried KV covers
+        every image). `params.max_tokens` counts the carried output tokens too (the same params as the original
+        request give the same total); carried tokens are in the cumulative outputs but never in a delta."""
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         if params.n != 1:
             raise InvalidRequestError("an imported request has n == 1", param="n")
-        check_request_state(state, self.layout)
+        check_request_state(state, self.layout, lean=lean)
         _, prompt, max_tokens = self.validate_prompt(state.prompt_token_ids, params)
         self.manager.note_sent(state.block_hashes)  # a handoff's full blocks came through the cache service
         media = check_images(prompt, media, self.media.pad_id if self.media.feeder else None, self.media.processor)
@@ -439,9 +440,8 @@ class EngineCore:
         req = Request(request_id=request_id, parent_id=request_id, index=0, prompt_token_ids=prompt, params=params,
                       max_tokens=max_tokens, arrival=self._arrivals, hasher=hasher, priority=priority,
                       seed=self._make_seed(params, 0) if state.sampling_seed is None else state.sampling_seed,
-                      export_on_finish=export_on_finish,
-                      token_ids=prompt + list(state.output_token_ids), imported=state, cache_salt=state.cache_salt,
-                      media=media)
+                      export_on_finish=export_on_finish, token_ids=prompt + list(state.output_token_ids),
+                      imported=state, cache_salt=state.cache_salt, media=media)
         req.num_cached_tokens = state.num_cached_tokens
         req.output = self._output_state(params)
         req.output.prime(state.output_token_ids)

@@ -5,7 +5,10 @@ wraps what the worker services need):
 - `export_request(req)` -> the `RequestState` after `req`'s computed tokens (their KV, the running KDA state, the
   full-block hashes, the sampler's seed, the cache salt).
 - `export_cached_blocks(hashes)` -> serialised blocks by hash (hashes not cached here are left out);
-  `import_cached_blocks(objects)` adds serialised blocks as free, cached blocks -> how many were added.
+  `import_cached_blocks(objects)` adds serialised blocks as free, cached blocks -> how many were added;
+  `import_block_tensors(hashes, kv)` adds blocks the caller already decoded and checked (`transfer.check_block`,
+  off this thread) -> how many of `hashes` are cached here now (a streamed handoff's full blocks, which its lean
+  state then takes from the cache: `EngineCore.import_request(..., lean=True)`).
 - `export_snapshot(hash)` -> the serialised snapshot or None; `import_snapshot(data)` adds one -> False when the
   prefix's last block is not cached here (import the blocks first); `export_snapshots(hashes)` -> the
   (hash, data) pairs of those held.
@@ -32,8 +35,8 @@ from engine.memory.manager import CacheManager
 from engine.memory.state_manager import PendingExport
 from engine.request import Request
 from engine.runner import ModelRunner
-from engine.transfer import (CacheLayout, RequestState, check_block_tensor, check_model, check_state_tensors,
-                             decode_block, decode_state, encode_block, encode_state)
+from engine.transfer import (CacheLayout, RequestState, ShapeMismatchError, check_block_tensor, check_model,
+                             check_state_tensors, decode_block, decode_state, encode_block, encode_state)
 
 MAX_OUTBOX = 256
 
@@ -110,11 +113,26 @@ class CacheExchange:
             check_model(fingerprint, self.layout, "a block")
             check_block_tensor(kv, self.layout)
             blocks[h] = kv
+        return self._import_blocks(blocks)
+
+    def import_block_tensors(self, hashes: list[bytes], kv: torch.Tensor) -> int:
+        """`kv` [num_mla_layers, len(hashes), block_size, cache_dim]: block i is the one named `hashes[i]`."""
+        layers, bs, dim = self.layout.kv_block_shape
+        if tuple(kv.shape) != (layers, len(hashes), bs, dim):
+            raise ShapeMismatchError(f"blocks of shape {tuple(kv.shape)} for {len(hashes)} blocks of this model")
+        self._import_blocks({h: kv[:, i] for i, h in enumerate(hashes)}, kv)
+        return sum(1 for h in hashes if self.manager.block_pool.get_cached(h) is not None)
+
+    def _import_blocks(self, blocks: dict[bytes, torch.Tensor], stacked: torch.Tensor | None = None) -> int:
+        """`stacked`: the blocks as one tensor [L, n, bs, dim] in `blocks`' order, written as it is when every one
+        of them gets a block."""
         reserved = self.manager.reserve_blocks(list(blocks))
         self.manager.note_sent(blocks)
         if reserved:
             ids = [b for _, b in reserved]
-            self.runner.write_blocks(ids, torch.stack([blocks[h] for h, _ in reserved], dim=1))
+            every = stacked is not None and stacked.shape[1] == len(blocks) and \
+                [h for h, _ in reserved] == list(blocks)
+            self.runner.write_blocks(ids, stacked if every else torch.stack([blocks[h] for h, _ in reserved], dim=1))
             self.manager.release_blocks(ids)
         return len(reserved)
 

@@ -67,12 +67,14 @@ class LLM:
         return self._run(ids, check_integrity)
 
     def resume(self, states: RequestState | Sequence[RequestState], sampling_params: SamplingParams,
-               check_integrity: bool = False) -> list[RequestOutput]:
-        """Continues exported requests (from this or another engine of the same model)."""
+               check_integrity: bool = False, lean: bool = False) -> list[RequestOutput]:
+        """Continues exported requests (from this or another engine of the same model); `lean`: states with only
+        the KV after their last full block, whose full blocks are in this engine's prefix cache
+        (`engine.exchange.import_block_tensors`; `EngineCore.import_request`)."""
         state_list = [states] if isinstance(states, RequestState) else list(states)
         ids = [f"llm-{next(self._ids)}" for _ in state_list]
         for request_id, state in zip(ids, state_list):
-            self.engine.import_request(request_id, state, sampling_params)
+            self.engine.import_request(request_id, state, sampling_params, lean=lean)
         return self._run(ids, check_integrity)
 
     def _run(self, ids: list[str], check_integrity: bool) -> list[RequestOutput]:

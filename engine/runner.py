@@ -232,7 +232,8 @@ class ModelRunner:
             if init.src is not None:
                 self.cache.copy_slot(init.src, init.dst)
             else:
-                self.write_blocks(list(init.blocks), init.kv)
+                if init.blocks:  # a lean import at a block boundary carries no block
+                    self.write_blocks(list(init.blocks), init.kv)
                 self.write_state(init.dst, init.state, init.state_is_local)
         from engine.spec.capture import check_taps, forward_with_taps
 

@@ -37,6 +37,9 @@ Contract:
   preempted verification loses its draft (the engine rolls the drafter back).
 - `schedule()` changes pool holdings (admission, growth, preemption) but not `num_computed_tokens` of scheduled
   chunks; the engine applies the step's results (`EngineCore.step`). `abort` and `finish` release everything.
+- An imported request is admitted with its carried state (written by the runner before its first step); a lean
+  import whose full blocks left the prefix cache drops its state and computes from its tokens
+  (`num_import_recomputes`).
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class Scheduler:
         self.fair = FairShare(max_num_seqs, manager.block_pool.num_blocks)
         self.num_preemptions = 0
         self.num_fair_preemptions = 0  # of those, to give a waiting tenant its share
+        self.num_import_recomputes = 0  # lean imports whose full blocks were evicted before admission
 
     @property
     def has_unfinished(self) -> bool:
@@ -245,9 +249,12 @@ class Scheduler:
         if not self.manager.allocate(req, n):  # can_admit said it would fit: the pools disagree with it
             raise SchedulerInvariantError(f"request {req.request_id}: admitted but {n} tokens do not fit")
         if hit.imported:  # write the carried KV and state; a later preemption recomputes from tokens
-            num_blocks = self.manager.blocks_for(hit.num_tokens)
-            init = replace(init, load=req.imported, load_blocks=tuple(req.block_ids[:num_blocks]))
+            num_blocks = self.manager.blocks_for(hit.num_tokens)  # a lean state's full blocks came from the cache
+            init = replace(init, load=req.imported, load_blocks=tuple(req.block_ids[len(hit.block_ids):num_blocks]))
             req.imported = None
+        elif req.imported is not None:  # a lean import whose full blocks left the cache: computed from its tokens
+            req.imported = None
+            self.num_import_recomputes += 1
         out.state_inits.append(init)
         if req.num_cached_tokens is None:
             req.num_cached_tokens = hit.num_tokens

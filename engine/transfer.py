@@ -32,7 +32,10 @@ travel as their own `kv_block/v1` objects, named by `block_hashes`); `stitch_han
 them back and checks the whole state against the receiving engine's `CacheLayout` (`check_request_state`, the
 checks `EngineCore.import_request` makes). A state or object of another model or block size raises
 `ModelMismatchError`, tensors of the wrong shape `ShapeMismatchError` (a `CorruptObjectError`), a full block the
-caller could not fetch `MissingBlockError`.
+caller could not fetch `MissingBlockError`. `check_block(data, hash, layout, i)` is one full block's checks (the
+object, its hash and model, its shape) -> its `kv`; a streamed import runs it per block on a thread pool and hands
+the engine the tensors (`CacheExchange.import_block_tensors`), then the lean state itself
+(`check_request_state(..., lean=True)`: the engine takes the full blocks from its prefix cache).
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class CacheLayout:
     block_size: int
     kv_block_shape: tuple[int, int, int]  # one block across MLA layers: [num_mla_layers, block_size, cache_dim]
     state_shapes: Mapping[str, tuple[int, ...]]  # KDA state tensors by name ({} without KDA layers)
+    kv_block_bytes: int = 0  # bytes of one block's data across MLA layers (0: not known)
 
     @property
     def has_kda(self) -> bool:
@@ -120,7 +124,9 @@ def pack(tensors: dict[str, torch.Tensor], layout: str, meta: dict | None = None
     header = json.dumps({"layout": layout, "meta": meta or {}, "tensors": entries},
                         sort_keys=True, separators=(",", ":")).encode()
     payload = b"".join(chunks)
-    digest = hashlib.sha256(header + payload).digest()
+    h = hashlib.sha256(header)
+    h.update(payload)  # no copy of header + payload; hashlib releases the GIL on the payload
+    digest = h.digest()
     return b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)), header,
                      _PAYLOAD.pack(len(payload), digest), payload])
 
@@ -175,7 +181,7 @@ def _tensor(payload: memoryview, entry: dict) -> torch.Tensor:
     raw = bytearray(payload[offset:offset + nbytes])
     if not raw:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)  # owns `raw` (one copy, no clone)
 
 
 # -- typed objects ---------------------------------------------------------------------------------------------
@@ -270,9 +276,10 @@ def check_block_tensor(kv: torch.Tensor, layout: CacheLayout) -> None:
         raise ShapeMismatchError(f"block shape {tuple(kv.shape)}, expected {layout.kv_block_shape}")
 
 
-def check_request_state(state: RequestState, layout: CacheLayout) -> None:
+def check_request_state(state: RequestState, layout: CacheLayout, lean: bool = False) -> None:
     """The checks an engine makes before importing a request state (model, block size, a token left to compute,
-    KV and KDA state shapes)."""
+    KV and KDA state shapes). `lean`: `kv` may instead hold only the blocks after the last full one (`lean_handoff`)
+    with `block_hashes` naming every full block."""
     check_model(state.fingerprint, layout, "the request state")
     if state.block_size != layout.block_size:
         raise ModelMismatchError(f"block size {state.block_size}, this engine uses {layout.block_size}")
@@ -280,7 +287,8 @@ def check_request_state(state: RequestState, layout: CacheLayout) -> None:
     if not 0 < n < len(state.prompt_token_ids) + len(state.output_token_ids):
         raise CorruptObjectError(f"num_computed_tokens {n} leaves no token to compute")
     layers, bs, dim = layout.kv_block_shape
-    if tuple(state.kv.shape) != (layers, layout.blocks_for(n), bs, dim):
+    full = n // bs if lean and len(state.block_hashes) == n // bs else 0
+    if tuple(state.kv.shape) not in {(layers, layout.blocks_for(n) - skip, bs, dim) for skip in {0, full}}:
         raise ShapeMismatchError(f"kv shape {tuple(state.kv.shape)} does not fit {n} tokens of this model")
     check_state_tensors(state.state, layout)
 
@@ -312,19 +320,22 @@ def stitch_handoff(state: RequestState, blocks: Sequence[bytes | None], layout: 
 
 def _full_blocks(hashes: Sequence[bytes], blocks: Sequence[bytes | None], layout: CacheLayout) -> torch.Tensor:
     """[num_mla_layers, len(hashes), block_size, dim] from the serialised blocks named by `hashes`."""
-    tensors = []
-    for i, (h, data) in enumerate(zip(hashes, blocks)):
-        if data is None:
-            raise MissingBlockError(f"KV block {i} of the prompt is not available")
-        try:
-            got_hash, fingerprint, kv = decode_block(data)
-        except TransferError as exc:
-            raise CorruptObjectError(f"KV block {i}: {exc}") from None
-        if got_hash != h or fingerprint != layout.fingerprint:
-            raise ModelMismatchError(f"KV block {i} is another block")
-        check_block_tensor(kv, layout)
-        tensors.append(kv)
-    return torch.stack(tensors, dim=1)
+    return torch.stack([check_block(data, h, layout, i) for i, (h, data) in enumerate(zip(hashes, blocks))], dim=1)
+
+
+def check_block(data: bytes | None, block_hash: bytes, layout: CacheLayout, index: int) -> torch.Tensor:
+    """Full block `index` of a prompt, serialised (`kv_block/v1`; None: not available), checked to be the block
+    named `block_hash` of this engine's model and shape -> kv [num_mla_layers, block_size, cache_dim]."""
+    if data is None:
+        raise MissingBlockError(f"KV block {index} of the prompt is not available")
+    try:
+        got_hash, fingerprint, kv = decode_block(data)
+    except TransferError as exc:
+        raise CorruptObjectError(f"KV block {index}: {exc}") from None
+    if got_hash != block_hash or fingerprint != layout.fingerprint:
+        raise ModelMismatchError(f"KV block {index} is another block")
+    check_block_tensor(kv, layout)
+    return kv
 
 
 def _hex(meta: dict, key: str) -> bytes:

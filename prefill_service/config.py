@@ -30,10 +30,11 @@ class PrefillServiceConfig:
     handoff_full_kv: bool = option("--handoff-full-kv", default=False, kind="switch",
                                    help="put every KV block in the handoff (default: the tail block; full blocks are "
                                         "shared)")
-    # A handoff bigger than this is stored as parts of at most this many bytes (worker/handoff_parts.py); keep it at
-    # or below the cache service's --max-object-bytes.
+    # A handoff bigger than this streams: a manifest, head pieces and block groups of at most this many bytes
+    # (worker/handoff_publish.py); keep it at or below the cache service's --max-object-bytes.
     handoff_part_bytes: int = option("--handoff-part-bytes", default=256 << 20, parse=byte_size,
-                                     help="largest handoff object; a bigger handoff goes as parts (default 256MiB)")
+                                     help="largest handoff object; a bigger handoff streams in parts (default "
+                                          "256MiB)")
     # Load cached prefixes (blocks + snapshots) from the cache service when it holds more than the local cache.
     load_remote_prefix: bool = load_remote_prefix_option()
     # Deadline of each cache service call (seconds); gRPC message limit both ways (bytes).

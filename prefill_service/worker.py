@@ -18,8 +18,10 @@ Contract (docs/architecture.md, "The mesh", step 2, and "Exactly-once handoff"):
   state after the whole prompt and, by default, only the KV of the tail partial block (`transfer.lean_handoff`:
   `kv` holds the last `ceil(N/bs) - N//bs` blocks); the full blocks travel as ordinary content-addressed
   `KV_BLOCK` objects named by `block_hashes`, which decode fetches with the handoff. `handoff_full_kv=True` puts
-  every block in the handoff. A handoff bigger than `handoff_part_bytes` is stored as a manifest and parts
-  (worker/handoff_parts.py), so no object exceeds the cache service's object cap.
+  every block in the handoff. What goes out in which order is worker/handoff_publish.py's: a handoff bigger than
+  `handoff_part_bytes` streams — a manifest and the head pieces are stored before `prefill` returns, the blocks
+  follow in the background in groups, each block hashed on its own — so no object exceeds the cache service's
+  object cap and the decode side imports block k while block k+1 is on its way.
 - When the first token already ends the output (EOS / stop token / stop string, or `max_tokens == 1`) no handoff is
   published and `finish_reason` is set.
 - KDA state snapshots the engine took at this prompt's block boundaries are published after the response, in the
@@ -53,25 +55,20 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.memory.policy import hint_points
 from engine.outputs import PositionLogprobs, RequestOutput
-from engine.transfer import RequestState, encode_block, lean_handoff
+from engine.transfer import RequestState
 from protos import common_pb2
 from telemetry import tracing
 from worker.codec import GenerationJob
 from worker.offload import SnapshotPublisher
 from worker.prefix import PrefixCounters, RemotePrefix
 from worker.tenancy import engine_cache_salt, prompt_block_hashes
-from worker.handoff_parts import split_handoff
+from worker.handoff_publish import HandoffPublisher, HandoffPublishError  # noqa: F401 - raised by publish, re-exported
 from worker.transfers import timed_put
 
 log = logging.getLogger(__name__)
 
-KV_BLOCK = common_pb2.OBJECT_KIND_KV_BLOCK
 SNAPSHOT = common_pb2.OBJECT_KIND_STATE_SNAPSHOT
 HANDOFF = common_pb2.OBJECT_KIND_HANDOFF
-
-
-class HandoffPublishError(RuntimeError):
-    """The handoff object could not be stored in the cache service (the request cannot be handed to decode)."""
 
 
 class PrefillAbortedError(RuntimeError):
@@ -116,7 +113,7 @@ class PrefillCounters(PrefixCounters):
     publish_failures: int = 0  # objects the cache service did not store
     # transfers to the cache service: payload bytes, and the wall time of the calls (seconds)
     published_bytes: int = 0  # blocks, handoffs and snapshots put
-    handoff_parts: int = 0  # parts of handoffs bigger than --handoff-part-bytes (worker/handoff_parts.py)
+    handoff_parts: int = 0  # head pieces and block parts of streamed handoffs (worker/handoff_parts.py)
     publish_seconds: float = 0.0
 
 
@@ -129,7 +126,7 @@ class PrefillWorker:
         self.tracer = tracer if tracer is not None else tracing.get_tracer("kdamesh.prefill")
         self.cache = cache
         self.handoff_full_kv = handoff_full_kv
-        self.handoff_part_bytes = handoff_part_bytes  # a bigger handoff goes as parts (worker/handoff_parts.py)
+        self.handoff_part_bytes = handoff_part_bytes  # a bigger handoff streams (worker/handoff_publish.py)
         self.load_remote_prefix = load_remote_prefix
         self.layout = engine.layout
         self.fingerprint: bytes = self.layout.fingerprint
@@ -139,6 +136,7 @@ class PrefillWorker:
         self.prefix = RemotePrefix(engine, cache, self.tracer, self.counters, enabled=load_remote_prefix)
         self.offload = SnapshotPublisher(engine, cache, self.counters)
         self.offload.start()
+        self.handoffs = HandoffPublisher(cache, self.fingerprint, handoff_part_bytes, handoff_full_kv, self.counters)
         self._background: set[asyncio.Task] = set()
 
     # -- the request -------------------------------------------------------------------------------------------
@@ -210,47 +208,24 @@ class PrefillWorker:
 
     async def _publish(self, job: GenerationJob, state: RequestState, hashes: list[bytes], remote_blocks: list[bool],
                        with_handoff: bool, handoff_ttl_s: float | None) -> tuple[common_pb2.ObjectKey | None, int, int]:
-        """Stores the prompt's full blocks the service lacks and (`with_handoff`) the handoff, in one BatchPut.
-        -> (handoff key or None, handoff bytes, blocks stored). Raises HandoffPublishError."""
-        salt, fp = job.tenant_salt, self.fingerprint
+        """Stores the prompt's full blocks the service lacks and (`with_handoff`) the handoff
+        (worker/handoff_publish.py). -> (handoff key or None, handoff bytes, blocks stored before returning).
+        Raises HandoffPublishError."""
         missing = [i for i, present in enumerate(remote_blocks) if not present]
         handoff_key = None
         if with_handoff:
             nonce = hashlib.sha256(f"{job.request_id}\0{uuid.uuid4().hex}".encode()).digest()
-            handoff_key = object_key(fp, salt, HANDOFF, nonce)
-
-        def serialise() -> tuple[list[PutObject], bytes]:
-            objects = [PutObject(object_key(fp, salt, KV_BLOCK, hashes[i]), encode_block(state.kv[:, i], hashes[i], fp))
-                       for i in missing]
-            handoff = b""
-            if with_handoff:
-                handoff = (state if self.handoff_full_kv else lean_handoff(state)).to_bytes()
-                objects.extend(split_handoff(handoff_key, handoff, self.handoff_part_bytes, handoff_ttl_s))
-            return objects, handoff
-
+            handoff_key = object_key(self.fingerprint, job.tenant_salt, HANDOFF, nonce)
         with tracing.child_span(self.tracer, "handoff.publish", {"kdamesh.handoff": with_handoff}) as span:
-            objects, handoff = await asyncio.to_thread(serialise)
-            nbytes = sum(len(o.data) for o in objects)
-            tracing.set_attributes(span, {tracing.KEYS: len(objects), tracing.BLOCKS: len(missing),
-                                          tracing.BYTES: nbytes, "kdamesh.handoff.bytes": len(handoff)})
-            results, _, seconds = await timed_put(self.cache, objects)
-            self.counters.published_bytes += nbytes
-            self.counters.publish_seconds += seconds
-            stored = sum(1 for r in results[:len(missing)] if r.status == Status.STORED)
-            self.counters.handoff_parts += max(0, len(objects) - len(missing) - 1)
-            self.counters.published_blocks += stored
-            self.counters.publish_failures += len(missing) - stored
-            span.set_attribute("kdamesh.blocks_stored", stored)
-            if with_handoff:
-                handoff_results = results[len(missing):]  # the handoff, or its manifest and parts
-                refused = [r for r in handoff_results if r.status != Status.STORED]
-                if refused or not handoff_results:
-                    self.counters.publish_failures += 1
-                    why = f"{refused[0].status.name}: {refused[0].message}" if refused else "no answer"
-                    raise HandoffPublishError(f"the cache service did not store the handoff ({why})")
-            elif stored < len(missing):
-                tracing.mark_error(span, "blocks_not_stored", f"{len(missing) - stored} blocks not stored")
-        return handoff_key, len(handoff), stored
+            published = await self.handoffs.publish(handoff_key, job.tenant_salt, state, hashes, missing,
+                                                    handoff_ttl_s)
+            tracing.set_attributes(span, {tracing.BLOCKS: len(missing),
+                                          "kdamesh.handoff.bytes": published.handoff_bytes,
+                                          "kdamesh.handoff.streamed": published.streamed,
+                                          "kdamesh.blocks_stored": published.blocks})
+            if not with_handoff and published.blocks < len(missing):
+                tracing.mark_error(span, "blocks_not_stored", f"{len(missing) - published.blocks} blocks not stored")
+        return handoff_key, published.handoff_bytes, published.blocks
 
     def _publish_snapshots_later(self, hashes: list[bytes], remote_snaps: list[bool], salt: bytes) -> None:
         todo = [h for h, present in zip(hashes, remote_snaps) if not present] if self.has_kda else []
@@ -277,7 +252,8 @@ class PrefillWorker:
         self.counters.publish_failures += len(results) - stored
 
     async def drain(self) -> None:
-        """Waits for the background snapshot publications and offloads started so far."""
+        """Waits for the background block groups, snapshot publications and offloads started so far."""
+        await self.handoffs.drain()
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         await self.offload.drain()

@@ -26,6 +26,8 @@ Contract:
   before anything can write their blocks or slots; without a reader they wait for `take_exports()`. A victim whose
   slot still awaits its copy is not exported.
 - Imports: `reserve_blocks(hashes)` / `release_blocks(ids)` and `reserve_snapshot(hash)` give imported objects room.
+  An imported request (`Request.imported`) resumes at its state's tokens; a lean state's full blocks must be cached
+  here by then (`lookup` hits them), else it is looked up like any request and its state dropped at admission.
 - Events: `events` (engine/memory/events.py) records the blocks and snapshots stored and removed once
   `start_events()` turned it on; that call also returns the `CacheListing` they start from.
 - Counters: `lookup_tokens` (prompt tokens of admitted requests), `hit_tokens` (of those, served from the cache),
@@ -132,13 +134,24 @@ class CacheManager:
     def lookup(self, req: Request) -> PrefixHit:
         """The longest resumable cached prefix of `req.token_ids` (no side effects); an imported request's own."""
         if req.imported is not None:
-            return PrefixHit(req.imported.num_computed_tokens, imported=True)
+            blocks = self._imported_blocks(req)
+            if blocks is not None:
+                return PrefixHit(req.imported.num_computed_tokens, blocks, imported=True)
         if req.params.prompt_logprobs is not None:  # the cached part would have no logits: compute everything
             return PrefixHit()
         hashes = req.block_hashes[: self.resumable_prefix(req.block_hashes, req.num_tokens)]
         return PrefixHit(len(hashes) * self.block_size, [self.blocks.get_cached(h) for h in hashes],
                          hashes[-1] if self.has_kda and hashes else None,
                          cached_blocks=self.blocks.cached_prefix(req.block_hashes))
+
+    def _imported_blocks(self, req: Request) -> list[int] | None:
+        """The cached blocks an imported request starts with: none for a whole state; a lean one (its KV after the
+        last full block only) takes its full blocks from this cache, where its importer put them -> None when one
+        has left (evicted): the request is then looked up and computed like any other, from its tokens."""
+        state = req.imported
+        full = self.blocks_for(state.num_computed_tokens) - state.kv.shape[1]
+        blocks = [self.blocks.get_cached(h) for h in req.block_hashes[:full]]
+        return None if None in blocks else blocks
 
     def resumable_prefix(self, hashes: Sequence[bytes], num_tokens: int) -> int:
         """Blocks of the longest prefix this cache serves to `num_tokens` tokens whose full blocks hash to

@@ -137,7 +137,7 @@ class Mesh:
                  cache_address: str | None = None, redis_key_prefix: str = "kdamesh:",
                  cache_data_plane: bool = True, prefill_tp: int = 1, decode_tp: int = 1,
                  load_remote_prefix: bool = True, max_object_bytes: int = 1 << 30,
-                 handoff_part_bytes: int = 256 << 20):
+                 handoff_part_bytes: int = 256 << 20, decode_options: dict | None = None):
         self.model_dir = model_dir
         self.backend = backend
         self.engine_overrides = engine or {}
@@ -152,7 +152,8 @@ class Mesh:
         self.cache_data_plane = cache_data_plane  # False: the workers' payloads travel over gRPC (BatchPut/BatchGet)
         self.load_remote_prefix = load_remote_prefix  # False: the workers import no prefixes from the cache service
         self.max_object_bytes = max_object_bytes  # the cache service's object cap
-        self.handoff_part_bytes = handoff_part_bytes  # prefill: a bigger handoff goes as parts
+        self.handoff_part_bytes = handoff_part_bytes  # prefill: a bigger handoff streams
+        self.decode_options = decode_options or {}  # more DecodeServiceConfig fields (handoff_fetch_bytes, ...)
         self.cache_server = self.prefill_server = self.decode_server = None
         self._channels: list[grpc.aio.Channel] = []
 
@@ -175,7 +176,7 @@ class Mesh:
         self.decode_server, dport = await serve_decode(DecodeServiceConfig(
             engine=self._engine("decode", self.decode_engine_overrides), cache_address=self.cache_address,
             address="127.0.0.1:0", kv_load_failure_policy=self.policy, cache_timeout_s=5.0,
-            load_remote_prefix=self.load_remote_prefix))
+            load_remote_prefix=self.load_remote_prefix, **self.decode_options))
         self.decode_address = f"127.0.0.1:{dport}"
         starts.append(self.decode_server.ready())
         await asyncio.gather(*starts)

@@ -1,6 +1,7 @@
 """Decode-context parallelism through the engine API: `LLM(..., tensor_parallel_size=2,
 decode_context_parallel_size=2)` on CPU gloo against the replicated cache at TP=1 — greedy tokens, logprobs within
-1e-4 (fp32 tiny-k3), prefix hits, handoffs across DCP sizes both ways, FP8 cache, per-rank MLA bytes exactly half.
+1e-4 (fp32 tiny-k3), prefix hits, handoffs across DCP sizes both ways (whole, and streamed block by block into the
+rank group with a lean state), FP8 cache, per-rank MLA bytes exactly half.
 The kernels' oracle tests and negative controls (no LSE correction, a rank reading another's token share) are in
 tests/unit/kernels/test_context_parallel.py."""
 
@@ -13,6 +14,7 @@ from engine.llm import LLM
 from engine.model.checkpoint import make_checkpoint
 from engine.model.config import load_model_config
 from engine.sampling import SamplingParams
+from tests.unit.parallel.engine_prompts import stream_in
 
 PREFIX = [(31 * i + 7) % 7900 for i in range(40)]
 PROMPTS = [PREFIX + [(13 * i + 2) % 7900 for i in range(5 + k)] for k in range(3)]
@@ -73,6 +75,10 @@ def test_dcp2_equals_dcp1_with_prefix_hits_and_handoffs_both_ways(model_dir, ref
         assert got == tokens and got_cached == cached
         assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs, strict=True)) < LOGPROB_TOLERANCE[kv_dtype]
         assert _tokens(llm.resume([exported], GREEDY)) == resumed  # a DCP=1 export continues at DCP=2
+        streamed = stream_in(llm, exported, GREEDY)  # block by block into the rank group, then the lean state
+        assert _tokens(streamed) == resumed
+        zeroed = stream_in(llm, exported, GREEDY, zero_blocks=True)  # control: the streamed blocks are what it reads
+        assert max(abs(a - b) for a, b in zip(_logprobs(zeroed), _logprobs(streamed))) > 1e-3
         back = _export(llm).exported
     finally:
         llm.close()

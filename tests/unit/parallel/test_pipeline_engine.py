@@ -3,7 +3,8 @@
 Checked: PP=2 and TP=2 x PP=2 (4 ranks) give TP=1's greedy tokens, with prefix-cache hits (a second round whose
 prompts share the first round's prefix); a state exported by the PP=2 worker (`read_state` / `read_blocks` gathered
 from the owning stages) continues on a TP=2 worker and on TP=1 exactly as the TP=1 export does, and a TP=1 export
-continues on PP=2 (`write_*` scattered to the owning stages). Negative control: a different export (another
+continues on PP=2 (`write_*` scattered to the owning stages), also streamed block by block with a lean state
+(zeroed blocks change the logprobs). Negative control: a different export (another
 prompt's) resumes to different tokens, so the resume comparison can fail. Options a pipeline cannot honour are
 refused by name.
 """
@@ -16,9 +17,11 @@ from engine.config import EngineArgs, EngineConfigError
 from engine.llm import LLM
 from engine.model.checkpoint import make_checkpoint
 from engine.sampling import SamplingParams
-from tests.unit.parallel.engine_prompts import GREEDY, PROMPTS, engine_args, output_tokens
+from tests.unit.parallel.engine_prompts import (GREEDY, PROMPTS, engine_args, output_logprobs, output_tokens,
+                                                stream_in)
 
 SHORT = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+LOGPROBS = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
 ARGS = engine_args(collective_timeout_s=30.0)
 
 
@@ -51,6 +54,10 @@ def test_pp2_with_prefix_hits_and_handoffs(model_dir, reference):
     try:
         assert _rounds(llm) == (tokens, cached)
         assert output_tokens(llm.resume([exported], GREEDY)) == resumed  # a TP=1 export continues at PP=2
+        streamed = stream_in(llm, exported, LOGPROBS)  # block by block into both stages, then the lean state
+        assert output_tokens(streamed) == resumed
+        zeroed = stream_in(llm, exported, LOGPROBS, zero_blocks=True)  # control: the streamed blocks are read
+        assert max(abs(a - b) for a, b in zip(output_logprobs(zeroed), output_logprobs(streamed))) > 1e-3
         back = llm.generate(PROMPTS[:1], SHORT, export=True)[0].exported  # gathered from both stages
     finally:
         llm.close()
