@@ -219,7 +219,8 @@ class PrefillWorker:
         with tracing.child_span(self.tracer, "handoff.publish", {"kdamesh.handoff": with_handoff}) as span:
             published = await self.handoffs.publish(handoff_key, job.tenant_salt, state, hashes, missing,
                                                     handoff_ttl_s)
-            tracing.set_attributes(span, {tracing.BLOCKS: len(missing),
+            tracing.set_attributes(span, {tracing.KEYS: published.objects, tracing.BLOCKS: len(missing),
+                                          tracing.BYTES: published.stored_bytes,
                                           "kdamesh.handoff.bytes": published.handoff_bytes,
                                           "kdamesh.handoff.streamed": published.streamed,
                                           "kdamesh.blocks_stored": published.blocks})

@@ -48,6 +48,8 @@ class Published:
     handoff_bytes: int  # the handoff object (or manifest and head pieces) and its block parts
     blocks: int  # content blocks stored before `publish` returned (streamed: the rest are on their way)
     streamed: bool
+    objects: int = 0  # objects put before `publish` returned (blocks and handoff pieces)
+    stored_bytes: int = 0  # their bytes
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,8 @@ class HandoffPublisher:
         stored = self._count_blocks(results[:len(job.missing)])
         handoff = objects[len(job.missing):]
         self._require_stored(results[len(job.missing):], bool(handoff))
-        return Published(sum(len(o.data) for o in handoff), stored, streamed=False)
+        return Published(sum(len(o.data) for o in handoff), stored, streamed=False, objects=len(objects),
+                         stored_bytes=sum(len(o.data) for o in objects))
 
     # -- streamed -------------------------------------------------------------------------------------------------
 
@@ -127,7 +130,8 @@ class HandoffPublisher:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         nbytes = sum(len(o.data) for o in objects) + (block_bytes * len(job.hashes) if self.full_kv else 0)
-        return Published(nbytes, 0, streamed=True)
+        return Published(nbytes, 0, streamed=True, objects=len(objects),
+                         stored_bytes=sum(len(o.data) for o in objects))
 
     async def _publish_groups(self, job: _Job, head_pieces: int, groups: list[list[int]]) -> None:
         """Serialises group k+1 while group k is sent; stops at the first group the service refuses."""
