@@ -122,10 +122,12 @@ def test_compilation_config_fields():
         CompilationConfig.parse({"cudagraph_mode": "PIECEWISE_ALL"})
     with pytest.raises(EngineConfigError, match="level"):
         CompilationConfig.parse({"level": 7})
-    assert CompilationConfig().inductor_options("cpu") == {"cpp_wrapper": True}  # kernels called from C++
+    assert CompilationConfig().inductor_options("cpu") == {"cpp_wrapper": True, "freezing": True,
+                                                           "cpp.weight_prepack": False}
     assert CompilationConfig().inductor_options("cuda") == {}
-    mine = CompilationConfig.parse('{"inductor_compile_config": {"cpp_wrapper": false, "freezing": true}}')
-    assert mine.inductor_options("cpu") == {"cpp_wrapper": False, "freezing": True}
+    mine = CompilationConfig.parse('{"inductor_compile_config": {"cpp_wrapper": false, "max_autotune": true}}')
+    assert mine.inductor_options("cpu") == {"cpp_wrapper": False, "freezing": True, "cpp.weight_prepack": False,
+                                            "max_autotune": True}
     with pytest.raises(EngineConfigError, match="inductor_compile_config"):
         CompilationConfig.parse({"inductor_compile_config": ["cpp_wrapper"]})
 
