@@ -37,6 +37,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -240,11 +241,11 @@ class MeshClient(WorkerPool):
         messages = call.__aiter__()
         limit_s = self.stall.first_message_s(len(request.generation.prompt.ids))
         describe = f"decode worker {decoder.address}"
+        since_serving = functools.partial(self.since_serving, decoder.address)
         try:
             while True:
                 try:
-                    chunk = await next_message(messages, limit_s, describe,
-                                               lambda: self.since_serving(decoder.address))
+                    chunk = await next_message(messages, limit_s, describe, since_serving)
                 except StopAsyncIteration:
                     break
                 limit_s = self.stall.gap_s()
