@@ -6,7 +6,8 @@ Contract:
   `timeout_s`) between two messages is stalled; before its first message a request is allowed the prompt's
   expected prefill time on top, `first_message_s(prompt_tokens)` = `timeout_s + prompt_tokens /
   prefill_tokens_per_s`. The limit is per message gap, never the whole request: a long generation that keeps
-  streaming is never cut (the request deadline, `--request-timeout-s`, bounds that).
+  streaming is never cut (the request deadline, `--request-timeout-s`, bounds that). A request the client reads
+  whole lets its decode worker batch its tokens for `output_interval_s()` (a tenth of the gap limit) at a time.
 - `next_message(iterator, limit_s, describe, since_serving)`: the iterator's next item, or `WorkerStalled` (a
   `gateway.mesh_client`-independent exception carrying `describe` and the limit) when none came within `limit_s`
   and the worker has not shown it is alive meanwhile: `since_serving()` (seconds since the worker last answered its
@@ -46,6 +47,11 @@ class StallPolicy:
 
     def first_message_s(self, prompt_tokens: int) -> float:
         return self.timeout_s + prompt_tokens / self.prefill_tokens_per_s
+
+    def output_interval_s(self) -> float:
+        """How long a decode worker may hold back the tokens of a request the client reads whole (a tenth of the gap
+        limit: batched output never comes near a stall)."""
+        return self.timeout_s / 10
 
 
 class WorkerStalled(Exception):
