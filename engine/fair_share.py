@@ -118,6 +118,19 @@ class FairShare:
                       and usages[r.tenant] > after]
         return max(candidates, key=self.victim_key(usages)) if candidates else None
 
+    def could_move(self, waiting_tenants: Iterable[str | None], running: Sequence[Request]) -> bool:
+        """Whether a tenant of `waiting_tenants` could take room from another by fair share: the necessary condition
+        of `fair_victim` without priorities and the waiter's blocks, at the cost of the holdings (the scheduler asks
+        it every step before anything dearer)."""
+        held = self.holdings(running)
+        usages = {t: self.usage(t, s, b) for t, (s, b) in held.items()}
+        for tenant in waiting_tenants:
+            slots, blocks = held.get(tenant, (0, 0))
+            after = self.usage(tenant, slots + 1, blocks)
+            if any(u > after for other, u in usages.items() if other != tenant):
+                return True
+        return False
+
     def admission_rank(self, running: Sequence[Request]):
         """-> rank(tenant, k): the usage tenant `tenant` would have with k more running requests (and the blocks it
         holds now), by which the waiting queue's tenants are ordered (the least used first)."""

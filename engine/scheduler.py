@@ -179,8 +179,10 @@ class Scheduler:
     def _move_due(self) -> bool:
         """Whether the first waiting request in admission order is a fair move: a victim that fits again, or one
         that only fair preemption can admit."""
-        if not self.waiting or not self.running or (not self._moved and len(self._turns) < 2):
-            return False  # (one tenant with work: no move)
+        if not self.waiting or not self.running:
+            return False
+        if not self._moved and not self.fair.could_move({r.tenant for r in self.waiting}, self.running):
+            return False  # (the common case, decided without ordering the queue)
         head = self.admission_order()[0]
         hit = self.manager.lookup(head)
         if self._fits(hit, min(head.num_tokens - hit.num_tokens, self.max_num_batched_tokens)):

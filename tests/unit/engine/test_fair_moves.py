@@ -2,10 +2,12 @@
 the one that brings its victim back, run only those prefill chunks — the other running requests' decodes wait one
 step instead of sharing a step with a prefill (on CPU a mixed step costs several decode steps) — and solo steps in
 a row compute at most one step's token budget, after which the moved request's rest is chunked with the decodes.
-Negative controls: an admission into a free slot, with or without another tenant, shares the step as always."""
+Negative controls: an admission into a free slot, with or without another tenant, shares the step as always. The
+scheduler looks for a move every step through `FairShare.could_move`, which never misses one `fair_victim` finds."""
 
 from __future__ import annotations
 
+from engine.fair_share import FairShare
 from engine.request import RequestStatus
 from tests.unit.engine.test_scheduler import make
 from tests.unit.engine.test_tenant_fairness import _flood, _steps, _tenant_req
@@ -59,3 +61,13 @@ def test_solo_steps_in_a_row_stay_within_one_token_budget():
     out = _steps(sched, manager, 1)[0]
     assert sorted(_ids(out)) == [(f"a{i}", 1) for i in range(7)] + [("b0", 150 - 64 - 57)]
     assert b.status is RequestStatus.RUNNING
+
+
+def test_the_cheap_check_finds_a_move_only_where_fair_victim_can():
+    fair = FairShare(num_slots=SLOTS, num_blocks=512)
+    flood = [_tenant_req(f"a{i}", "a") for i in range(SLOTS)]
+    split = flood[:4] + [_tenant_req(f"b{i}", "b") for i in range(4)]
+    waiter = _tenant_req("w", "b")
+    assert fair.could_move({"b"}, flood) and fair.fair_victim(waiter, flood, 0) is not None
+    assert not fair.could_move({"a"}, flood)  # a lone tenant never moves
+    assert not fair.could_move({"a", "b"}, split) and fair.fair_victim(waiter, split, 0) is None  # balanced
