@@ -18,6 +18,9 @@ Contract:
   request could only move back if A's usage after it were below B's, the reverse inequality, so an imbalance is
   never corrected twice and no request is re-admitted only to be preempted again. A tenant alone never preempts
   itself for fairness (the whole engine is its own), and a tenant at or under its share is never a victim.
+- `could_move(waiting_tenants, running)`: whether some waiting tenant could take room from another (`fair_victim`'s
+  condition without priorities and the waiter's blocks, so never False where `fair_victim` finds one); cheap, for
+  the scheduler's every-step look for a move.
 - `tenant_loads(running, waiting, weights)`: each tenant's running and waiting counts and weight, for the per-tenant
   gauges.
 """
