@@ -4,12 +4,13 @@ Usage: `python -m bench.bench_fair_share [--preset tiny-k3] [--flood 64] [--floo
 [--shorts 8] [--threads 1] [--out FILE]`
 
 One `EngineCore` (`--flood` slots, greedy, EOS ignored) on the preset's generated checkpoint, three arms in the same
-process: `idle` (B's short request alone), `fair` (A's flood of `--flood` requests of `--flood-tokens` tokens; once
-all run, B sends `--shorts` short requests at once, each of `--short-tokens` tokens, as its own tenant)
-and `unfair` (the same, B's requests sent under A's tenant: what an engine without fair share does, B waits for one
-of A's slots). Reported per arm: B's latency (median, max; seconds and engine steps from its arrival to its last
-token), A's output tokens per second, the preemptions, and whether A's outputs equal the unfair arm's (preempted
-requests continue exactly). Prints a markdown table; `--out` writes the numbers as JSON.
+process after a warm-up run of the first: `idle` (B's short requests alone), `fair` (A's flood of `--flood` requests
+of `--flood-tokens` tokens; once all run, B sends `--shorts` short requests at once, each of `--short-tokens`
+tokens, as its own tenant) and `unfair` (the same, B's requests sent under A's tenant: what an engine without fair
+share does, B waits for one of A's slots). Reported per arm: B's latency (median, max; seconds and engine steps from
+its arrival to its last token), A's output tokens per second, the preemptions, and whether A's outputs equal the
+unfair arm's (preempted requests continue exactly). Prints a markdown table; `--out` writes the numbers as JSON.
+The issue's own measure, through a launched mesh, is bench/bench_fair_share_mesh.py.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     engine = EngineCore(EngineArgs(model=str(model_folder(args)), max_num_seqs=args.flood,
                                    kv_cache_memory=256 << 20, max_num_batched_tokens=2048))
+    _arm(engine, "b", args, 0)  # warm-up: the first steps of a process pay one-time costs (weight packing)
     idle = _arm(engine, "b", args, 0)
     arms = {"fair": _arm(engine, "b", args, args.flood), "unfair": _arm(engine, "a", args, args.flood)}
     rows = {"idle": {k: v for k, v in idle.items() if k != "outputs"}}

@@ -4,7 +4,10 @@ Contract (docs/architecture.md, "The mesh", step 3):
 - `DecodeWorker.decode(job, handoff)` (a `worker.codec.GenerationJob`; `handoff` None: the local path) is an async
   iterator of `DecodeChunk`s (protos/decode.proto: the one output event a worker streams to the gateway) carrying
   every completion token of the request, the first one included, ending with one chunk per choice whose
-  `finish_reason` is set; the last chunk of the stream carries `usage` and `used_handoff`.
+  `finish_reason` is set; the last chunk of the stream carries `usage` and `used_handoff`. Each engine output's
+  chunks go out as they come, except for a request the client reads whole (`GenerationRequest.output_interval_ms`
+  set, a non-streamed API request): after its first chunk, its tokens are held back and merged, and sent once per
+  interval (with the first engine output after it) and at the end.
 - Handoff path (`handoff` set): worker/handoff_fetch.py reads the handoff object (an `engine.transfer.RequestState`
   after all N prompt tokens, sampled token N+1 carried as its output; or a streamed handoff's manifest and head
   pieces, worker/handoff_parts.py) with the first group of the prompt's full KV blocks, which the lean handoff names
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -54,7 +58,7 @@ from engine.outputs import RequestOutput
 from engine.transfer import RequestState
 from protos import common_pb2, decode_pb2
 from telemetry import tracing
-from worker.codec import FINISH_REASONS, GenerationJob, output_chunk, prompt_logprobs_to_proto
+from worker.codec import FINISH_REASONS, GenerationJob, extend_chunk, output_chunk, prompt_logprobs_to_proto
 from worker.handoff_fetch import FetchCounters, HandoffFetcher, Loaded, Unusable
 from worker.offload import SnapshotPublisher
 from worker.prefix import PrefixCounters, RemotePrefix
@@ -207,31 +211,42 @@ class DecodeWorker:
 
     async def _chunks(self, stream: AsyncIterator[RequestOutput], job: GenerationJob, n: int, cached_tokens: int | None,
                       used_handoff: bool, carried: int, first: bool = True) -> AsyncIterator[decode_pb2.DecodeChunk]:
-        """Engine deltas -> chunks; the first chunk (when `first`) gets the cached tokens, the last the usage."""
-        pending: decode_pb2.DecodeChunk | None = None
+        """Engine deltas -> chunks, each engine output's as it comes; the first chunk (when `first`) gets the cached
+        tokens, the last the usage. With `job.output_interval_s` (a request the client reads whole) the chunks after
+        the first are held back, merged per choice (`extend_chunk`), and sent with the first engine output that
+        interval after the last send, and at the end: one message per choice and interval instead of one per
+        token, on this loop and on the gateway's."""
+        held: dict[int, decode_pb2.DecodeChunk] = {}  # choice -> its tokens not sent yet
         top = job.params.logprobs or 0
         totals = [carried] + [0] * (n - 1)
+        sent_at = time.monotonic()
         async for out in stream:
+            send_now = first or not job.output_interval_s or out.finished
             for c in out.outputs:
-                if pending is not None:
-                    yield pending
                 totals[c.index] = len(c.token_ids)
-                pending = output_chunk(c.index, list(c.delta_token_ids), c.delta_logprobs, c.finish_reason,
-                                       c.stop_reason, top)
+                chunk = output_chunk(c.index, list(c.delta_token_ids), c.delta_logprobs, c.finish_reason,
+                                     c.stop_reason, top)
                 if first:
-                    pending.cached_tokens = out.num_cached_tokens if cached_tokens is None else cached_tokens
-                    pending.prompt_logprobs.extend(prompt_logprobs_to_proto(
+                    chunk.cached_tokens = out.num_cached_tokens if cached_tokens is None else cached_tokens
+                    chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(
                         out.prompt_logprobs, list(job.prompt_token_ids), job.params.prompt_logprobs or 0))
                     first = False
+                if c.index in held:
+                    extend_chunk(held[c.index], chunk)
+                else:
+                    held[c.index] = chunk
             if out.finished:
                 cached = out.num_cached_tokens if cached_tokens is None else cached_tokens
-                if pending is None:
-                    pending = decode_pb2.DecodeChunk(index=0)
-                pending.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(job.prompt_token_ids),
-                                                        completion_tokens=sum(totals), cached_tokens=cached))
-                pending.used_handoff = used_handoff
-        if pending is not None:
-            yield pending
+                last = list(held.values())[-1] if held else held.setdefault(0, decode_pb2.DecodeChunk(index=0))
+                last.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(job.prompt_token_ids),
+                                                     completion_tokens=sum(totals), cached_tokens=cached))
+                last.used_handoff = used_handoff
+            if held and (send_now or time.monotonic() - sent_at >= job.output_interval_s):
+                for chunk in held.values():
+                    yield chunk
+                held, sent_at = {}, time.monotonic()
+        for chunk in held.values():  # the stream ended without a finished output (not expected): what is left
+            yield chunk
 
     # -- the handoff ---------------------------------------------------------------------------------------------
 

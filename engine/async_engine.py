@@ -3,7 +3,8 @@
 Contract:
 - `await AsyncEngine.create(args)` loads the model off the event loop and starts the step thread; `await
   engine.shutdown()` (or `async with`) stops it (and the model's rank processes). Everything that touches `EngineCore` runs on the step thread: the
-  event loop only queues commands (`run_in_engine`) and receives outputs through per-request asyncio queues.
+  event loop only queues commands (`run_in_engine`) and receives outputs through per-request asyncio queues, a
+  step's outputs in one event-loop callback (per loop) after the step.
 - `generate(request_id, prompt, params, ...)` is an async iterator of delta `RequestOutput`s (token ids, text delta,
   logprobs, finish reason, `num_cached_tokens`), ending after the one with `finished=True`. Invalid input raises
   `InvalidRequestError` from the first `__anext__` and does not disturb other requests. Leaving the iteration early
@@ -180,10 +181,7 @@ class AsyncEngine:
                 if self.core.has_unfinished_requests():
                     outputs = self.core.step()
                     self._publish()  # first: a stream that sees its end finds the step's exports handed over
-                    for out in outputs:
-                        stream = self._streams.get(out.request_id)
-                        if stream is not None:
-                            stream.put(out)
+                    self._deliver(outputs)
                     self._hit_rate_log.maybe_log(self._stats)
                 else:
                     self._wakeup.wait(IDLE_POLL_S)
@@ -195,6 +193,20 @@ class AsyncEngine:
             for stream in list(self._streams.values()):
                 stream.put(dead)
             self._fail_commands(dead)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams: one event-loop callback per loop and step, not one per output (each
+        wake-up costs the step thread a write and the GIL back from the busy loop)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
 
     def _publish(self) -> None:
         """After a step or command batch: the stats snapshot, and the collected exports to the sink."""
@@ -409,6 +421,11 @@ class AsyncEngine:
         with self._lock:
             self._commands.append((lambda: self.core.abort(request_id), future))
         self._wakeup.set()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _grammar_name(structured) -> str:

@@ -18,6 +18,9 @@ Contract:
   request could only move back if A's usage after it were below B's, the reverse inequality, so an imbalance is
   never corrected twice and no request is re-admitted only to be preempted again. A tenant alone never preempts
   itself for fairness (the whole engine is its own), and a tenant at or under its share is never a victim.
+- `could_move(waiting_tenants, running)`: whether some waiting tenant could take room from another (`fair_victim`'s
+  condition without priorities and the waiter's blocks, so never False where `fair_victim` finds one); cheap, for
+  the scheduler's every-step look for a move.
 - `tenant_loads(running, waiting, weights)`: each tenant's running and waiting counts and weight, for the per-tenant
   gauges.
 """
@@ -117,6 +120,19 @@ class FairShare:
         candidates = [r for r in running if r.tenant != waiter.tenant and r.priority >= waiter.priority
                       and usages[r.tenant] > after]
         return max(candidates, key=self.victim_key(usages)) if candidates else None
+
+    def could_move(self, waiting_tenants: Iterable[str | None], running: Sequence[Request]) -> bool:
+        """Whether a tenant of `waiting_tenants` could take room from another by fair share: the necessary condition
+        of `fair_victim` without priorities and the waiter's blocks, at the cost of the holdings (the scheduler asks
+        it every step before anything dearer)."""
+        held = self.holdings(running)
+        usages = {t: self.usage(t, s, b) for t, (s, b) in held.items()}
+        for tenant in waiting_tenants:
+            slots, blocks = held.get(tenant, (0, 0))
+            after = self.usage(tenant, slots + 1, blocks)
+            if any(u > after for other, u in usages.items() if other != tenant):
+                return True
+        return False
 
     def admission_rank(self, running: Sequence[Request]):
         """-> rank(tenant, k): the usage tenant `tenant` would have with k more running requests (and the blocks it

@@ -18,6 +18,17 @@ Contract:
   their slots and blocks make it fit (planned first: nothing is preempted for a request that still would not fit),
   and is admitted in the same step; otherwise it blocks as above. A tenant alone is never preempted for
   fairness, so a lone tenant still fills every slot.
+- Fair moves run in steps of their own: the requests of a fair move — the one admitted by fair preemption and its
+  victims — are *moved*. A step in which a running moved request has prompt tokens left (a victim's: its
+  recompute), or the first waiting request in `admission_order()` is a fair move (only fair preemption can admit
+  it, or it is a moved request that fits again), is a *solo step*: only the moved requests' prefill chunks and the
+  admissions run, the other running requests' decodes and chunks wait. Solo steps in a row compute at most
+  `max_num_batched_tokens` tokens together; then a normal step runs, after which the running moved requests are
+  ordinary ones (a longer prompt's rest is chunked with the decodes as usual). So the others wait at most one full
+  step's budget of prefill per move. Why: on the CPU path a step that mixes a short prefill with N decodes costs
+  about four N-row decode steps (every row takes the prefill kernels), a short prefill alone less than one, so the
+  newcomer's first token comes one cheap step after it arrives, and the other rows lose less than the mixed step
+  would cost them (docs/benchmarks.md, "Fair share of the running slots").
 - A chunk never crosses the request's next pending snapshot point (`CacheManager.next_chunk_end`), so the state
   after it can be snapshotted; a chunk that reaches the end of the known tokens needs logits.
 - When a running request needs a block and none is free, a running request is preempted in the victim order of
@@ -97,6 +108,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_fair_preemptions = 0  # of those, to give a waiting tenant its share
         self.num_import_recomputes = 0  # lean imports whose full blocks were evicted before admission
+        self._moved: dict[Request, None] = {}  # requests of fair moves, until their solo prefill is done (ordered)
+        self._solo_tokens = 0  # tokens of the solo steps since the last normal step
 
     @property
     def has_unfinished(self) -> bool:
@@ -115,6 +128,12 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        out = self._solo_step(self.max_num_batched_tokens - self._solo_tokens)
+        if out is not None:
+            self._solo_tokens += out.num_tokens
+            return out
+        self._solo_tokens = 0
+        self._moved = {r: None for r in self._moved if r.status is not RequestStatus.RUNNING}  # solo once only
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -142,6 +161,37 @@ class Scheduler:
         draft = req.draft.tokens[: n - known] if n > known else ()
         out.chunks.append(ScheduledChunk(req, start, n, draft, self.manager.verify_slots(req, n) if draft else ()))
         return n
+
+    # -- fair moves in steps of their own (see the contract) -------------------------------------------------
+
+    def _solo_step(self, budget: int) -> SchedulerOutput | None:
+        """The moved requests' prefill chunks and the admissions alone -> that step, or None: a normal step is due
+        (no move pending, the solo budget spent, or nothing could be scheduled alone)."""
+        self._moved = {r: None for r in self._moved if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                       or (r.status is RequestStatus.RUNNING and r.num_tokens - r.num_computed_tokens > 1)}
+        prefilling = [r for r in self.running if r in self._moved] if self._moved else []
+        if budget <= 0 or not (prefilling or self._move_due()):
+            return None
+        out = SchedulerOutput()
+        for req in prefilling:
+            if budget > 0 and req.status is RequestStatus.RUNNING:
+                budget -= self._schedule_running(req, budget, out)
+        if not out.preempted:
+            self._admit_waiting(budget, out)
+        return out if out.chunks or out.preempted else None
+
+    def _move_due(self) -> bool:
+        """Whether the first waiting request in admission order is a fair move: a victim that fits again, or one
+        that only fair preemption can admit."""
+        if not self.waiting or not self.running:
+            return False
+        if not self._moved and not self.fair.could_move({r.tenant for r in self.waiting}, self.running):
+            return False  # (the common case, decided without ordering the queue)
+        head = self.admission_order()[0]
+        hit = self.manager.lookup(head)
+        if self._fits(hit, min(head.num_tokens - hit.num_tokens, self.max_num_batched_tokens)):
+            return head in self._moved
+        return self.fair.fair_victim(head, self.running, 0) is not None
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
         """Preempts `victim` by recompute -> the tokens of its chunk in this step, taken back."""
@@ -196,6 +246,7 @@ class Scheduler:
         for victim in victims or ():
             freed += self._preempt(victim, out)
             self.num_fair_preemptions += 1
+            self._moved[req] = self._moved[victim] = None
         return victims is not None and self._fits(hit, n), freed
 
     def _room_plan(self, req: Request, hit: PrefixHit, n: int) -> list[Request] | None:

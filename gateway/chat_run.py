@@ -93,7 +93,8 @@ class ChatRun(Run):
         request = MeshRequest(request_id=self.mesh_id, prompt_token_ids=tuple(self.plan.prompt_ids),
                               sampling=self.plan.sampling, model=self.model, tenant_salt=self.salt, tenant=self.tenant_share,
                               priority=self.plan.request.priority, timeout_s=self.context.request_timeout_s,
-                              media=self.plan.media, snapshot_hints=self.plan.snapshot_hints)
+                              media=self.plan.media, snapshot_hints=self.plan.snapshot_hints,
+                              streamed=self.stream)
         async with aclosing(self.context.generate(request)) as events:
             async for event in events:
                 yield event

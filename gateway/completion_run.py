@@ -66,7 +66,7 @@ class CompletionRun(Run):
         request = MeshRequest(request_id=f"{self.mesh_id}-{p}", prompt_token_ids=tuple(job.prompts[p]),
                               sampling=job.sampling, model=self.model, tenant_salt=self.salt, tenant=self.tenant_share,
                               priority=job.request.priority, timeout_s=self.context.request_timeout_s,
-                              snapshot_hints=job.snapshot_hints)
+                              snapshot_hints=job.snapshot_hints, streamed=self.stream)
         try:
             async with aclosing(self.context.generate(request)) as events:
                 async for event in events:

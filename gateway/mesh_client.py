@@ -16,6 +16,9 @@ Contract:
   down, worker gone), the request falls back to the colocated path on the decode worker (counted in
   `stats.prefill_fallbacks`).
 - Colocated path: `Decode` with a local prompt; the decode worker prefills with its own prefix cache.
+- A request the client reads whole (`MeshRequest.streamed` False: a non-streamed API request) asks decode to batch
+  its tokens after the first (`GenerationRequest.output_interval_ms` = the stall policy's `output_interval_s()`):
+  the events then carry many tokens each, one per interval instead of one per token (the first comes at once).
 - The decision's inputs come from here: the chosen decode worker's prefix hit (its KV-event index, the same
   `Pick` that chose it; no call), and the prefills this gateway has in flight.
 - Stalls (`gateway.stall.StallPolicy`, `stall`): a decode stream silent past the policy's limit (the first message:
@@ -37,6 +40,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -84,6 +88,7 @@ class MeshRequest:
     timeout_s: float | None = None  # the whole request, prefill and decode together
     media: tuple[common_pb2.MediaItem, ...] = ()  # the prompt's images (gateway/media.py), sent to both workers
     snapshot_hints: tuple[int, ...] = ()  # prompt positions to snapshot (gateway.hints); sent to prefill and decode
+    streamed: bool = True  # False: the client reads the response whole, so decode may batch its tokens
 
 
 @dataclass
@@ -141,6 +146,8 @@ class MeshClient(WorkerPool):
             raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no healthy decode worker ({exc})") from None
         decoder = self.decoders[pick.address]
         generation = generation_request(req)
+        if not req.streamed:  # after the first token, one message per interval instead of one per token
+            generation.output_interval_ms = round(self.stall.output_interval_s() * 1000)
         try:
             route = self._route(req, pick)
             source: dict = {"local": decode_pb2.LocalPrefill()}
@@ -240,11 +247,11 @@ class MeshClient(WorkerPool):
         messages = call.__aiter__()
         limit_s = self.stall.first_message_s(len(request.generation.prompt.ids))
         describe = f"decode worker {decoder.address}"
+        since_serving = functools.partial(self.since_serving, decoder.address)
         try:
             while True:
                 try:
-                    chunk = await next_message(messages, limit_s, describe,
-                                               lambda: self.since_serving(decoder.address))
+                    chunk = await next_message(messages, limit_s, describe, since_serving)
                 except StopAsyncIteration:
                     break
                 limit_s = self.stall.gap_s()

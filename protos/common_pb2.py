@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\nkdamesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe3\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\r\x12\t\n\x01n\x18\x11 \x01(\r\x12\x1b\n\x13skip_special_tokens\x18\x12 \x01(\x08\x12\x37\n\x11structured_output\x18\x13 \x01(\x0b\x32\x1c.kdamesh.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\rH\x07\x88\x01\x01\x12=\n\nlogit_bias\x18\x15 \x03(\x0b\x32).kdamesh.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\x98\x02\n\x11GenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12$\n\x06prompt\x18\x03 \x01(\x0b\x32\x14.kdamesh.v1.TokenIds\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kdamesh.v1.SamplingParams\x12\x13\n\x0btenant_salt\x18\x05 \x01(\x0c\x12$\n\x05media\x18\x06 \x03(\x0b\x32\x15.kdamesh.v1.MediaItem\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x16\n\x0esnapshot_hints\x18\x08 \x03(\r\x12\'\n\x06tenant\x18\t \x01(\x0b\x32\x17.kdamesh.v1.TenantShare\"+\n\x0bTenantShare\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x02\"\xa7\x05\n\x10StructuredOutput\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.kdamesh.v1.StructuredOutput.Kind\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\x30\n\x05tools\x18\x03 \x03(\x0b\x32!.kdamesh.v1.StructuredOutput.Tool\x12\x38\n\ttool_mode\x18\x04 \x01(\x0e\x32%.kdamesh.v1.StructuredOutput.ToolMode\x12\x11\n\ttool_name\x18\x05 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\routput_format\x18\x07 \x01(\t\x12\x1b\n\x13starts_in_reasoning\x18\x08 \x01(\x08\x12!\n\x14max_reasoning_tokens\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x1e\n\x11max_string_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x1a-\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0fparameters_json\x18\x02 \x01(\t\"k\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10KIND_JSON_OBJECT\x10\x01\x12\x14\n\x10KIND_JSON_SCHEMA\x10\x02\x12\x12\n\x0eKIND_TOOL_CALL\x10\x03\x12\r\n\tKIND_TEXT\x10\x04\"R\n\x08ToolMode\x12\x19\n\x15TOOL_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12TOOL_MODE_REQUIRED\x10\x01\x12\x13\n\x0fTOOL_MODE_NAMED\x10\x02\x42\x16\n\x14_parallel_tool_callsB\x17\n\x15_max_reasoning_tokensB\x14\n\x12_max_string_tokens\"j\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"{\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x16.kdamesh.v1.TopLogprob\x12\x11\n\x04rank\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"l\n\tMediaItem\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\x0c\x12\x14\n\x0ctoken_offset\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x11\n\tmime_type\x18\x05 \x01(\t\"w\n\tObjectKey\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\x0c\x12\x13\n\x0btenant_salt\x18\x02 \x01(\x0c\x12$\n\x04kind\x18\x03 \x01(\x0e\x32\x16.kdamesh.v1.ObjectKind\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\x0c*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*|\n\nObjectKind\x12\x1b\n\x17OBJECT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14OBJECT_KIND_KV_BLOCK\x10\x01\x12\x1e\n\x1aOBJECT_KIND_STATE_SNAPSHOT\x10\x02\x12\x17\n\x13OBJECT_KIND_HANDOFF\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\nkdamesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe3\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\r\x12\t\n\x01n\x18\x11 \x01(\r\x12\x1b\n\x13skip_special_tokens\x18\x12 \x01(\x08\x12\x37\n\x11structured_output\x18\x13 \x01(\x0b\x32\x1c.kdamesh.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\rH\x07\x88\x01\x01\x12=\n\nlogit_bias\x18\x15 \x03(\x0b\x32).kdamesh.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\xb4\x02\n\x11GenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12$\n\x06prompt\x18\x03 \x01(\x0b\x32\x14.kdamesh.v1.TokenIds\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kdamesh.v1.SamplingParams\x12\x13\n\x0btenant_salt\x18\x05 \x01(\x0c\x12$\n\x05media\x18\x06 \x03(\x0b\x32\x15.kdamesh.v1.MediaItem\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x16\n\x0esnapshot_hints\x18\x08 \x03(\r\x12\'\n\x06tenant\x18\t \x01(\x0b\x32\x17.kdamesh.v1.TenantShare\x12\x1a\n\x12output_interval_ms\x18\n \x01(\r\"+\n\x0bTenantShare\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x02\"\xa7\x05\n\x10StructuredOutput\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.kdamesh.v1.StructuredOutput.Kind\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\x30\n\x05tools\x18\x03 \x03(\x0b\x32!.kdamesh.v1.StructuredOutput.Tool\x12\x38\n\ttool_mode\x18\x04 \x01(\x0e\x32%.kdamesh.v1.StructuredOutput.ToolMode\x12\x11\n\ttool_name\x18\x05 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\routput_format\x18\x07 \x01(\t\x12\x1b\n\x13starts_in_reasoning\x18\x08 \x01(\x08\x12!\n\x14max_reasoning_tokens\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x1e\n\x11max_string_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x1a-\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0fparameters_json\x18\x02 \x01(\t\"k\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10KIND_JSON_OBJECT\x10\x01\x12\x14\n\x10KIND_JSON_SCHEMA\x10\x02\x12\x12\n\x0eKIND_TOOL_CALL\x10\x03\x12\r\n\tKIND_TEXT\x10\x04\"R\n\x08ToolMode\x12\x19\n\x15TOOL_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12TOOL_MODE_REQUIRED\x10\x01\x12\x13\n\x0fTOOL_MODE_NAMED\x10\x02\x42\x16\n\x14_parallel_tool_callsB\x17\n\x15_max_reasoning_tokensB\x14\n\x12_max_string_tokens\"j\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"{\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x16.kdamesh.v1.TopLogprob\x12\x11\n\x04rank\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"l\n\tMediaItem\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\x0c\x12\x14\n\x0ctoken_offset\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x11\n\tmime_type\x18\x05 \x01(\t\"w\n\tObjectKey\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\x0c\x12\x13\n\x0btenant_salt\x18\x02 \x01(\x0c\x12$\n\x04kind\x18\x03 \x01(\x0e\x32\x16.kdamesh.v1.ObjectKind\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\x0c*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*|\n\nObjectKind\x12\x1b\n\x17OBJECT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14OBJECT_KIND_KV_BLOCK\x10\x01\x12\x1e\n\x1aOBJECT_KIND_STATE_SNAPSHOT\x10\x02\x12\x17\n\x13OBJECT_KIND_HANDOFF\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2326
-  _globals['_FINISHREASON']._serialized_end=2501
-  _globals['_OBJECTKIND']._serialized_start=2503
-  _globals['_OBJECTKIND']._serialized_end=2627
+  _globals['_FINISHREASON']._serialized_start=2354
+  _globals['_FINISHREASON']._serialized_end=2529
+  _globals['_OBJECTKIND']._serialized_start=2531
+  _globals['_OBJECTKIND']._serialized_end=2655
   _globals['_TOKENIDS']._serialized_start=35
   _globals['_TOKENIDS']._serialized_end=58
   _globals['_SAMPLINGPARAMS']._serialized_start=61
@@ -44,25 +44,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=639
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=687
   _globals['_GENERATIONREQUEST']._serialized_start=803
-  _globals['_GENERATIONREQUEST']._serialized_end=1083
-  _globals['_TENANTSHARE']._serialized_start=1085
-  _globals['_TENANTSHARE']._serialized_end=1128
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1131
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1810
-  _globals['_STRUCTUREDOUTPUT_TOOL']._serialized_start=1501
-  _globals['_STRUCTUREDOUTPUT_TOOL']._serialized_end=1546
-  _globals['_STRUCTUREDOUTPUT_KIND']._serialized_start=1548
-  _globals['_STRUCTUREDOUTPUT_KIND']._serialized_end=1655
-  _globals['_STRUCTUREDOUTPUT_TOOLMODE']._serialized_start=1657
-  _globals['_STRUCTUREDOUTPUT_TOOLMODE']._serialized_end=1739
-  _globals['_USAGE']._serialized_start=1812
-  _globals['_USAGE']._serialized_end=1918
-  _globals['_TOPLOGPROB']._serialized_start=1920
-  _globals['_TOPLOGPROB']._serialized_end=1967
-  _globals['_TOKENLOGPROB']._serialized_start=1969
-  _globals['_TOKENLOGPROB']._serialized_end=2092
-  _globals['_MEDIAITEM']._serialized_start=2094
-  _globals['_MEDIAITEM']._serialized_end=2202
-  _globals['_OBJECTKEY']._serialized_start=2204
-  _globals['_OBJECTKEY']._serialized_end=2323
+  _globals['_GENERATIONREQUEST']._serialized_end=1111
+  _globals['_TENANTSHARE']._serialized_start=1113
+  _globals['_TENANTSHARE']._serialized_end=1156
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1159
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1838
+  _globals['_STRUCTUREDOUTPUT_TOOL']._serialized_start=1529
+  _globals['_STRUCTUREDOUTPUT_TOOL']._serialized_end=1574
+  _globals['_STRUCTUREDOUTPUT_KIND']._serialized_start=1576
+  _globals['_STRUCTUREDOUTPUT_KIND']._serialized_end=1683
+  _globals['_STRUCTUREDOUTPUT_TOOLMODE']._serialized_start=1685
+  _globals['_STRUCTUREDOUTPUT_TOOLMODE']._serialized_end=1767
+  _globals['_USAGE']._serialized_start=1840
+  _globals['_USAGE']._serialized_end=1946
+  _globals['_TOPLOGPROB']._serialized_start=1948
+  _globals['_TOPLOGPROB']._serialized_end=1995
+  _globals['_TOKENLOGPROB']._serialized_start=1997
+  _globals['_TOKENLOGPROB']._serialized_end=2120
+  _globals['_MEDIAITEM']._serialized_start=2122
+  _globals['_MEDIAITEM']._serialized_end=2230
+  _globals['_OBJECTKEY']._serialized_start=2232
+  _globals['_OBJECTKEY']._serialized_end=2351
 # @@protoc_insertion_point(module_scope)

@@ -93,7 +93,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerationRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "sampling", "tenant_salt", "media", "priority", "snapshot_hints", "tenant")
+    __slots__ = ("request_id", "model", "prompt", "sampling", "tenant_salt", "media", "priority", "snapshot_hints", "tenant", "output_interval_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class GenerationRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_HINTS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt: TokenIds
@@ -112,7 +113,8 @@ class GenerationRequest(_message.Message):
     priority: int
     snapshot_hints: _containers.RepeatedScalarFieldContainer[int]
     tenant: TenantShare
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[bytes] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., priority: _Optional[int] = ..., snapshot_hints: _Optional[_Iterable[int]] = ..., tenant: _Optional[_Union[TenantShare, _Mapping]] = ...) -> None: ...
+    output_interval_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[bytes] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., priority: _Optional[int] = ..., snapshot_hints: _Optional[_Iterable[int]] = ..., tenant: _Optional[_Union[TenantShare, _Mapping]] = ..., output_interval_ms: _Optional[int] = ...) -> None: ...
 
 class TenantShare(_message.Message):
     __slots__ = ("name", "weight")

@@ -8,7 +8,8 @@ the call's deadline. A new per-request field is decoded here once. `sampling_fro
 `InvalidRequestError` for values out of range (proto3 defaults mean vLLM's defaults); `structured_from_proto` raises
 it for an unusable structured-output spec;
 `output_chunk` turns one engine delta of a choice into the `DecodeChunk` the decode worker streams (the one
-worker -> gateway output event: tokens, logprobs with the top `top`, finish reason, stop token id).
+worker -> gateway output event: tokens, logprobs with the top `top`, finish reason, stop token id); `extend_chunk`
+appends a choice's next chunk to it (a non-streamed request's held-back tokens, `output_interval_ms`).
 `logprob_to_proto` keeps the sampled token and its top `top` alternatives (`prompt_logprobs_to_proto` does so for
 every prompt position but the first, with the token's rank); `FINISH_REASONS` maps the engine's finish reasons to
 the proto enum. `media_from_proto` turns a request's `MediaItem`s into the engine's `ImageInput`s (content hash
@@ -48,6 +49,7 @@ class GenerationJob:
     media: tuple[ImageInput, ...] = ()  # the prompt's images, in token order
     snapshot_hints: tuple[int, ...] = ()  # prompt token positions to snapshot the KDA state at (protos/common.proto)
     deadline: float | None = None  # time.monotonic() seconds; None: no deadline
+    output_interval_s: float = 0.0  # decode: hold a non-streamed choice's tokens back this long (0: send each)
 
 
 def generation_from_proto(msg: common_pb2.GenerationRequest, deadline: float | None) -> GenerationJob:
@@ -58,7 +60,7 @@ def generation_from_proto(msg: common_pb2.GenerationRequest, deadline: float | N
     return GenerationJob(request_id=msg.request_id, prompt_token_ids=prompt, params=sampling_from_proto(msg.sampling),
                          tenant_salt=msg.tenant_salt, tenant=tenant_from_proto(msg.tenant), priority=msg.priority,
                          media=media_from_proto(msg.media), snapshot_hints=tuple(msg.snapshot_hints),
-                         deadline=deadline)
+                         deadline=deadline, output_interval_s=msg.output_interval_ms / 1000)
 
 
 MAX_TENANT_NAME = 128
@@ -135,6 +137,17 @@ def output_chunk(index: int, token_ids: list[int], logprobs: list[PositionLogpro
         if stop_id is not None:
             chunk.stop_token_id = stop_id
     return chunk
+
+
+def extend_chunk(chunk: decode_pb2.DecodeChunk, later: decode_pb2.DecodeChunk) -> None:
+    """Appends `later` (the same choice's next chunk, never the stream's first: that one goes at once) to `chunk`:
+    its tokens and logprobs, and its finish reason and stop token id when it ends the choice."""
+    chunk.token_ids.extend(later.token_ids)
+    chunk.logprobs.extend(later.logprobs)
+    if later.finish_reason:
+        chunk.finish_reason = later.finish_reason
+    if later.HasField("stop_token_id"):
+        chunk.stop_token_id = later.stop_token_id
 
 
 def logprob_to_proto(entries: PositionLogprobs, token_id: int, top: int) -> common_pb2.TokenLogprob:

@@ -49,8 +49,21 @@ def keys_file(tmp_path):
     return str(path)
 
 
+_CLIENTS: dict[tuple[str, str], openai.AsyncOpenAI] = {}
+
+
 def _client(gw, key: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=gw.openai_base_url, api_key=key, max_retries=0, timeout=120)
+    """One client per gateway and key, closed at the test's end (tests/e2e/test_fair_share_launched.py: clients left
+    to the garbage collector left responses unread)."""
+    if (gw.openai_base_url, key) not in _CLIENTS:
+        _CLIENTS[gw.openai_base_url, key] = openai.AsyncOpenAI(base_url=gw.openai_base_url, api_key=key,
+                                                               max_retries=0, timeout=120)
+    return _CLIENTS[gw.openai_base_url, key]
+
+
+async def _close_clients() -> None:
+    while _CLIENTS:
+        await _CLIENTS.popitem()[1].close()
 
 
 async def _short(gw, key: str) -> float:
@@ -149,4 +162,10 @@ def test_a_flooding_tenant_cannot_hold_another_tenants_short_request(tiny_k3, ke
             assert "key-a" not in gauges and "key-b" not in gauges
             assert seen["weight"] == 2.0  # the key entry's weight travelled gateway -> worker -> engine
             print(f"fair-share mesh: B idle {sorted(idle)}, B during the flood {fair}, as tenant A {held:.2f}s")
-    run(main(), timeout_s=300)
+
+    async def closing():
+        try:
+            await main()
+        finally:
+            await _close_clients()
+    run(closing(), timeout_s=300)
