@@ -134,8 +134,10 @@ def test_negative_control_threads_keep_cancelled_work(tiny_k3):
 
 
 def test_client_gone_while_prepared_frees_the_process(tiny_k3):
+    # 30,000 messages: preparing them takes well over twice the client's 0.5 s timeout on a fast machine too
+    # (10,000 took 0.62 s on an AVX-512 EPYC, too close to the timeout for the ratio below to mean anything)
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"short message {i}"}
-                for i in range(10_000)]
+                for i in range(30_000)]
 
     async def body():
         async with Mesh(tiny_k3, with_prefill=False) as mesh, \
