@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -173,8 +174,27 @@ class LaunchConfig:
             allowed_local_media_path=str(Path(local).resolve()) if local else None)
 
 
+LISTEN_PORTS = range(20000, 32000)  # below Linux's ephemeral range (32768-60999 by default)
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port nothing listens on now, for a service started later: picked below the kernel's ephemeral range, so
+    the outgoing connections and `bind(0)` calls the mesh's own processes make meanwhile cannot take it (a port
+    from `bind(0)` was seen taken by another service's socket before its own service bound it); never the same
+    port twice in one process."""
+    for _ in range(200):
+        port = random.choice(LISTEN_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # a crowded range: the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]
 
