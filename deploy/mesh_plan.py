@@ -174,7 +174,7 @@ class LaunchConfig:
             allowed_local_media_path=str(Path(local).resolve()) if local else None)
 
 
-LISTEN_PORTS = range(20000, 32000)  # below Linux's ephemeral range (32768-60999 by default)
+LISTEN_PORTS = range(20000, 27000)  # below Linux's ephemeral range (32768-60999), clear of the CI Redis Cluster's 27100-27102
 _handed_out: set[int] = set()
 
 
