@@ -3,7 +3,7 @@ batch `--batch` (default 32), with and without `--speculative-config` (default: 
 
 Usage: `python -m bench.spec_decode [--preset small-linear] [--model DIR] [--output-len 128] [--batch 32]
 [--speculative-config JSON] [--workload prompt-lookup|loop|all] [--repeats 3] [--threads 1] [--out FILE]
-[--verify-cost] [--draft-cost]`
+[--verify-cost] [--draft-cost] [--compilation-config JSON]`
 
 Prompts: each a random 32-token segment repeated four times. Workloads (`WORKLOADS`; the same prompts and sampling
 for the plain and the speculative run):
@@ -21,6 +21,10 @@ time (with one torch thread: robust on a loaded machine, where wall time include
 also gives the drafter's own wall time per step
 (`draft ms/step`: its `propose`, `observe`, `rollback` and `release` calls in the best speculative run, divided by
 the steps it proposed in). Prints a markdown table; `--out` writes the numbers as JSON.
+
+`--compilation-config` is the engines' (plain and speculative alike; default: the engine's, eager on CPU):
+`'{"level": 3, "cudagraph_capture_sizes": [1, 8]}'` compiles decode and verification steps (engine/decode_graphs.py;
+a verification runs compiled when every row verifies the same number of drafts); the warm-up builds each bucket.
 
 `--verify-cost` measures instead what one verification step costs against a plain decode step, at batch 1: the same
 engine decodes one request plain and with a drafter that proposes `num_speculative_tokens` tokens every step (all
@@ -159,12 +163,14 @@ def _step_times(llm, prompt: list[int], steps: int) -> list[tuple[float, float]]
     return times[1:]
 
 
-def verify_cost(folder: str, k: int, steps: int, repeats: int) -> dict:
+def verify_cost(folder: str, k: int, steps: int, repeats: int, compilation_config: str | None = None) -> dict:
     """Median decode-step time (wall and CPU), plain and verifying k drafts, one request: the best median of
-    `repeats` runs each."""
+    `repeats` runs each (the first run of each also builds its compiled step: `repeats` ≥ 2 with a
+    `compilation_config`)."""
     from engine.llm import LLM
 
-    engine = dict(max_num_seqs=1, kv_cache_memory="512MiB", max_num_batched_tokens=1024)
+    engine = dict(max_num_seqs=1, kv_cache_memory="512MiB", max_num_batched_tokens=1024,
+                  compilation_config=compilation_config)
     plain = LLM(folder, **engine)
     spec = LLM(folder, **engine, speculative_config={"method": "ngram", "num_speculative_tokens": k})
     spec.engine.spec.drafter = RejectedDrafter(k)
@@ -243,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--verify-cost", action="store_true", help="a (k+1)-position verify step vs a plain step")
     p.add_argument("--draft-cost", action="store_true", help="the drafter's own time per step at batch 1 and --batch")
+    p.add_argument("--compilation-config", default=None,
+                   help="the engines' --compilation-config JSON (default: the engine's, eager on CPU)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine.llm import LLM
@@ -250,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = str(model_folder(args))
     if args.verify_cost:
         k = json.loads(args.speculative_config)["num_speculative_tokens"]
-        r = verify_cost(folder, k, args.output_len, args.repeats)
+        r = verify_cost(folder, k, args.output_len, args.repeats, args.compilation_config)
         table = ("| k | plain step ms | verify step ms | ratio | plain CPU ms | verify CPU ms | CPU ratio |\n"
                  "| --- | --- | --- | --- | --- | --- | --- |\n"
                  f"| {r['k']} | {r['plain_ms']:.2f} | {r['verify_ms']:.2f} | {r['ratio']:.2f}x | "
@@ -263,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['method']} | {r['batch']} | {r['draft_ms_per_step']:.2f} | {r['draft_cpu_ms_per_step']:.2f} | "
             f"{r['aten_calls_per_step']} |" for r in rows)
         return report(table, args, rows)
-    engine = dict(max_num_seqs=max(args.batch, 1), kv_cache_memory="2GiB", max_num_batched_tokens=4096)
+    engine = dict(max_num_seqs=max(args.batch, 1), kv_cache_memory="2GiB", max_num_batched_tokens=4096,
+                  compilation_config=args.compilation_config)
     plain, spec = LLM(folder, **engine), LLM(folder, **engine, speculative_config=args.speculative_config)
     rows = []
     default = [w for w in WORKLOADS if w not in TEXT_WORKLOADS]  # "all": the workloads any model can run

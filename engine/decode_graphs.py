@@ -3,18 +3,22 @@ captured as CUDA graphs — the GPU-shaped decode step.
 
 Contract:
 - `DecodeGraphs(model, cache, config, max_num_seqs, max_blocks, scratch_slot, scratch_block)` owns device buffers
-  for the largest bucket: token ids, `seq_lens`, `slot_mapping`, `state_indices` `[B]` and `block_tables`
-  `[B, max_blocks]`. The scratch KDA slot and scratch MLA block (one of each, allocated beyond the pools the engine
+  for the largest bucket (`StepInputs`): token ids, `seq_lens`, `slot_mapping`, `state_indices` `[B]` and
+  `block_tables` `[B, max_blocks]`. The scratch KDA slot and scratch MLA block (one of each, allocated beyond the pools the engine
   manages) absorb the writes of padding rows, so every row of a bucket computes and no op needs a mask or a host
   read.
-- `runs(pieces, taps)`: whether a step can run here — every piece is one decode token that needs logits (no prompt
-  rows, no drafts, no images) and there are at most as many as the largest bucket.
+- `runs(pieces, taps)`: whether a step can run here — at most as many pieces as the largest bucket, each needing
+  logits (no prompt rows, no images), and either every piece one decode token, or (`verifies`: CPU, inductor,
+  the inline cache ops) every piece a verification of the same number of drafts k whose MLA gather fits one tile.
+  A verification step is the same forward over Q = k + 1 tokens a row (its own buffers, `StepInputs`, and graphs
+  per bucket): logits at every position, the KDA state after each token written to the piece's out-slot and the
+  in-slot untouched (the eager verification's contract, engine/runner.py); mixed or longer verifications run eager.
 - `run(DecodeRows.of(pieces, block_size))` fills the buffers of the smallest bucket holding the step (one host
   tensor, one upload; padding rows: token 0, length 1, the scratch slot and block) and runs that bucket's step: compiled forwards on CPU (one graph
   per bucket; the block-table width is a dynamic dimension, trimmed to the longest row's blocks, so a growing
   context never recompiles), a captured CUDA graph on CUDA (captured on first use of a bucket, replayed after; the
   block tables are full width and the attention kernel reads `seq_lens` on the device). Returns the logits of the
-  real rows `[n, V]` fp32 and, with taps, their tapped hidden rows `[n, len(taps) * D]`.
+  real rows' tokens `[n*Q, V]` fp32 and, with taps, their tapped hidden rows `[n*Q, len(taps) * D]`.
 - The forward is `KimiForCausalLM`'s own layers with `ForwardBatch.traced=True`: the caches are reached through
   `kernels.graph_ops`' custom ops, so compiled and eager steps compute the same thing (tests compare their greedy
   tokens and logits).
@@ -26,7 +30,7 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,15 +61,9 @@ class DecodeGraphs:
         self.compiled = config.compiles(self.device.type)
         # inductor on CPU writes the KDA pools in place from plain traced ops (kernels/graph_ops.py)
         self.inline_cache_ops = self.compiled and self.device.type == "cpu" and config.backend == "inductor"
-        top, dev = self.buckets[-1], self.device
-        self.ids = torch.zeros(top, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(top, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((top,), scratch_block * self.block_size, dtype=torch.int64, device=dev)
-        self.state_indices = torch.full((top,), scratch_slot, dtype=torch.int64, device=dev)
-        self.block_tables = torch.full((top, self.max_blocks), scratch_block, dtype=torch.int32, device=dev)
-        self.cu_seqlens = torch.arange(top + 1, dtype=torch.int64, device=dev)
-        self._staging = torch.empty(4 * top + top * self.max_blocks, dtype=torch.int64,
-                                    pin_memory=dev.type == "cuda")
+        self.verifies = self.inline_cache_ops  # verification steps: the inline cache ops' verify forms only
+        self._inputs: dict[int, StepInputs] = {}  # tokens per row -> its buffers (1: decode)
+        self._inputs_for(1)
         self._step = self._compiled_forward() if self.compiled else self._forward
         self.guards = GuardSkipping(self._probe_width) if self.compiled else None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
@@ -74,23 +72,33 @@ class DecodeGraphs:
             # the ops a traced step reaches through the registry
             for op in ("moe_experts", "moe_experts_mxfp4", "conv_decode", "kda_decode"):
                 get_kernel(op, self.device)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 3 * len(self.buckets))
+            self._raise_recompile_limit()
         logger.info("decode graphs: buckets %s, %s%s", list(self.buckets),
                     f"torch.compile({config.backend})" if self.compiled else "eager",
                     ", CUDA graphs" if self.capture else "")
 
     def runs(self, pieces: Sequence, taps: tuple[int, ...]) -> bool:
+        """A decode step (one token a row), or (`verifies`) a verification with the same number of drafts in every
+        row whose gather fits one tile."""
         if taps != self.taps or not pieces or len(pieces) > self.buckets[-1]:
             return False
-        return all(p.num_tokens == 1 and p.needs_logits and not p.prompt_rows and not p.draft
-                   and not getattr(p.req, "media", None) for p in pieces)
+        if not all(p.needs_logits and not p.prompt_rows and not getattr(p.req, "media", None) for p in pieces):
+            return False
+        drafts = {len(p.draft) for p in pieces}
+        if drafts == {0}:
+            return all(p.num_tokens == 1 for p in pieces)
+        if len(drafts) > 1 or not self.verifies or not all(p.num_tokens == 1 + len(p.draft) for p in pieces):
+            return False
+        width = max([MIN_TABLE_WIDTH] + [-(-(p.start + p.num_tokens) // self.block_size) for p in pieces])
+        return width <= self.max_blocks and self._one_tile(self.bucket(len(pieces)), width)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
     def run(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [n, V] fp32 (and tapped hidden [n, len(taps) * D] or None) of a decode step of `rows`."""
-        n, b = len(rows.ids), self.bucket(len(rows.ids))
+        """logits [n*Q, V] fp32 (and tapped hidden [n*Q, len(taps) * D] or None) of a step of `rows` (Q tokens a
+        row: 1 for a decode)."""
+        n, b, q = rows.num_rows, self.bucket(rows.num_rows), rows.tokens_per_row
         self.num_runs += 1
         if self.capture:
             if b not in self._graphs:
@@ -100,32 +108,42 @@ class DecodeGraphs:
             graph, outputs = self._graphs[b]
             graph.replay()
         else:
-            outputs = self._call(b, self._fill(rows, b))
+            outputs = self._call(b, q, self._fill(rows, b))
         logits, hidden = outputs if self.taps else (outputs[0], None)
-        return logits[:n], (hidden[:n] if hidden is not None else None)
+        return logits[: n * q], (hidden[: n * q] if hidden is not None else None)
 
     # -- buffers ---------------------------------------------------------------------------------------------
 
+    def _inputs_for(self, tokens_per_row: int) -> "StepInputs":
+        if tokens_per_row not in self._inputs:
+            self._inputs[tokens_per_row] = StepInputs.allocate(self.buckets[-1], tokens_per_row, self.max_blocks,
+                                                               self.scratch_slot, self.scratch_block,
+                                                               self.block_size, self.device)
+            self._raise_recompile_limit()
+        return self._inputs[tokens_per_row]
+
+    def _raise_recompile_limit(self) -> None:
+        """Three graphs per bucket and tokens-per-row shape (two table-width regimes and a probe's spare)."""
+        if self.compiled:
+            wanted = 3 * len(self.buckets) * len(self._inputs)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, wanted)
+
     def _fill(self, rows: DecodeRows, b: int, width: int | None = None) -> int:
-        """Writes the step's rows (and padding up to `b`) into the buffers with one upload; -> the table width
-        (`width`: a wider table than the rows need, padded with the scratch block)."""
-        bs, pad = self.block_size, b - len(rows.ids)
+        """Writes the step's rows (and padding up to `b`) into the buffers of its tokens per row with one upload;
+        -> the table width (`width`: a wider table than the rows need, padded with the scratch block)."""
+        bs, pad, q = self.block_size, b - rows.num_rows, rows.tokens_per_row
         if width is None:
             width = self.max_blocks if self.capture else max([MIN_TABLE_WIDTH] + [-(-s // bs) for s in rows.seq_lens])
         tables = []
         for blocks in rows.block_tables:
             tables.extend(blocks + [self.scratch_block] * (width - len(blocks)))
         tables.extend([self.scratch_block] * (width * pad))
-        values = (rows.ids + [0] * pad + rows.seq_lens + [1] * pad + rows.slot_mapping
-                  + [self.scratch_block * bs] * pad + rows.state_slots + [self.scratch_slot] * pad + tables)
-        host = self._staging[: 4 * b + b * width]
-        host.copy_(torch.tensor(values, dtype=torch.int64))
-        dev = host.to(self.device, non_blocking=True)
-        self.ids[:b].copy_(dev[:b])
-        self.seq_lens[:b].copy_(dev[b: 2 * b])
-        self.slot_mapping[:b].copy_(dev[2 * b: 3 * b])
-        self.state_indices[:b].copy_(dev[3 * b: 4 * b])
-        self.block_tables[:b, :width].copy_(dev[4 * b:].view(b, width))
+        scratch_slot = self.scratch_block * bs
+        values = (rows.ids + [0] * (pad * q) + rows.seq_lens + [q] * pad + rows.slot_mapping
+                  + [scratch_slot] * (pad * q) + rows.state_slots + [self.scratch_slot] * pad)
+        if q > 1:  # an unkept state (-1) goes to the scratch slot: the verify forms write every token's
+            values += [s if s >= 0 else self.scratch_slot for s in rows.out_slots] + [self.scratch_slot] * (pad * q)
+        self._inputs_for(q).upload(values + tables, b, width)
         return width
 
     # -- the step --------------------------------------------------------------------------------------------
@@ -148,46 +166,48 @@ class DecodeGraphs:
         code = DecodeGraphs._forward.__code__.replace()  # equal, but a new object
         return types.MethodType(types.FunctionType(code, DecodeGraphs._forward.__globals__, "_forward"), self)
 
-    def _call(self, b: int, width: int) -> tuple[torch.Tensor, ...]:
+    def _call(self, b: int, q: int, width: int) -> tuple[torch.Tensor, ...]:
         if not self.compiled:
-            return self._run_step(b, width)
-        variant = (b, self._one_tile(b, width))
-        return self.guards.call(variant, width, lambda: self._run_step(b, width))
+            return self._run_step(b, q, width)
+        variant = (b, q, self._one_tile(b, width))
+        return self.guards.call(variant, width, lambda: self._run_step(b, q, width))
 
-    def _run_step(self, b: int, width: int) -> tuple[torch.Tensor, ...]:
-        tables = self.block_tables[:b, :width]
+    def _run_step(self, b: int, q: int, width: int) -> tuple[torch.Tensor, ...]:
+        step = self._inputs_for(q)
+        tables = step.block_tables[:b, :width]
         if self.compiled:
             # dynamic, and the graph may narrow it (the inline MLA decode guards on a one-tile width)
             torch._dynamo.maybe_mark_dynamic(tables, 1)
+        out_slots = step.out_slots[: b * q] if step.out_slots is not None else None
         torch.set_flush_denormal(True)  # as KimiForCausalLM.forward (subnormal KDA states slow every matmul)
         try:
             with torch.inference_mode():
-                return self._step(self.ids[:b], self.cu_seqlens[: b + 1], self.seq_lens[:b], tables,
-                                  self.slot_mapping[:b], self.state_indices[:b])
+                return self._step(step.ids[: b * q], step.cu_seqlens[: b + 1], step.seq_lens[:b], tables,
+                                  step.slot_mapping[: b * q], step.state_indices[:b], out_slots)
         finally:
             torch.set_flush_denormal(False)
 
     def _one_tile(self, b: int, width: int) -> bool:
         """Which of the two table-width regimes a step is in (the inline MLA decode's guard, kernels/graph_ops.py)."""
         kv = next(iter(self.cache.kv.values()), None)  # every MLA layer's pool has the same shape
-        return kv is not None and fits_one_tile(b, self.block_tables[:b, :width], kv)
+        return kv is not None and fits_one_tile(b, self._inputs_for(1).block_tables[:b, :width], kv)
 
-    def _probe_width(self, variant: tuple[int, bool], width: int) -> int | None:
+    def _probe_width(self, variant: tuple[int, int, bool], width: int) -> int | None:
         """A padding step of `variant`'s bucket at another width of the same regime (None when it has only one):
         compiles nothing unless the graph specialised on the width. Touches only the scratch slot and block."""
-        b, one_tile = variant
+        b, q, one_tile = variant
         for other in (width + 1, width - 1):
             if MIN_TABLE_WIDTH <= other <= self.max_blocks and self._one_tile(b, other) == one_tile:
-                self._fill(DecodeRows.padding(), b, width=other)
-                self._run_step(b, other)
+                self._fill(DecodeRows.padding(q), b, width=other)
+                self._run_step(b, q, other)
                 return other
         return None
 
-    def _forward(self, ids, cu_seqlens, seq_lens, block_tables, slot_mapping, state_indices
+    def _forward(self, ids, cu_seqlens, seq_lens, block_tables, slot_mapping, state_indices, out_slots=None
                  ) -> tuple[torch.Tensor, ...]:
         batch = ForwardBatch(input_ids=ids, cu_seqlens=cu_seqlens, seq_lens=seq_lens, block_tables=block_tables,
-                             slot_mapping=slot_mapping, state_indices=state_indices, traced=True,
-                             inline_cache_ops=self.inline_cache_ops)
+                             slot_mapping=slot_mapping, state_indices=state_indices, state_out_slots=out_slots,
+                             traced=True, inline_cache_ops=self.inline_cache_ops)
         model = self.model
         if self.taps:
             hidden, tapped = model.model(batch, self.cache, self.taps)  # [B, D], [B, len(taps) * D]
@@ -202,11 +222,11 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._call(b, self.max_blocks)
+                self._call(b, 1, self.max_blocks)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outputs = self._call(b, self.max_blocks)
+            outputs = self._call(b, 1, self.max_blocks)
         self._graphs[b] = (graph, outputs)
         logger.info("decode graphs: captured bucket %d", b)
         return graph, outputs
@@ -214,24 +234,82 @@ class DecodeGraphs:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """A decode-only step as plain host data (what every tensor-parallel rank receives): per row its input token,
-    context length after the step, flat cache slot of the new latent, KDA state slot and MLA blocks."""
+    """A decode or verification step as plain host data (what every tensor-parallel rank receives): per token its
+    input id, flat cache slot of its latent and (a verification) the KDA slot keeping the state after it (-1: not
+    kept); per row its context length after the step, KDA state slot and MLA blocks. Every row has
+    `tokens_per_row` tokens (1: a decode)."""
 
     ids: list[int]
     seq_lens: list[int]
     slot_mapping: list[int]
     state_slots: list[int]
     block_tables: list[list[int]]
+    out_slots: list[int] = field(default_factory=list)  # [n * tokens_per_row] when tokens_per_row > 1
+    tokens_per_row: int = 1
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_lens)
 
     @classmethod
     def of(cls, pieces: Sequence, block_size: int) -> "DecodeRows":
-        """From runner pieces that each compute one decode token (`DecodeGraphs.runs`)."""
-        bs = block_size
-        return cls(ids=[p.req.token_ids[p.start] for p in pieces], seq_lens=[p.start + 1 for p in pieces],
-                   slot_mapping=[p.req.block_ids[p.start // bs] * bs + p.start % bs for p in pieces],
+        """From runner pieces that `DecodeGraphs.runs` accepted: each one decode token, or each the request's last
+        token and the same number of drafts (a verification, keeping the state after each in `out_slots`)."""
+        bs, q = block_size, pieces[0].num_tokens
+        ends = [p.start + p.num_tokens for p in pieces]
+        return cls(ids=[t for p in pieces for t in (p.req.token_ids[p.start], *p.draft)], seq_lens=ends,
+                   slot_mapping=[p.req.block_ids[t // bs] * bs + t % bs for p in pieces
+                                 for t in range(p.start, p.start + p.num_tokens)],
                    state_slots=[p.slot for p in pieces],
-                   block_tables=[list(p.req.block_ids[: p.start // bs + 1]) for p in pieces])
+                   block_tables=[list(p.req.block_ids[: -(-end // bs)]) for p, end in zip(pieces, ends)],
+                   out_slots=[s for p in pieces for s in p.out_slots or [-1] * (q - 1) + [p.slot]] if q > 1 else [],
+                   tokens_per_row=q)
 
     @classmethod
-    def padding(cls) -> "DecodeRows":
-        return cls([], [], [], [], [])
+    def padding(cls, tokens_per_row: int = 1) -> "DecodeRows":
+        return cls([], [], [], [], [], tokens_per_row=tokens_per_row)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The persistent device buffers of one tokens-per-row shape Q, sized for the largest bucket B: ids,
+    `slot_mapping` (and for Q > 1 `out_slots`) `[B*Q]`, `seq_lens`, `state_indices` `[B]`, `cu_seqlens` `[B+1]`
+    (every row Q tokens) and `block_tables` `[B, max_blocks]`, plus a host staging tensor (pinned on CUDA)."""
+
+    ids: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    state_indices: torch.Tensor
+    out_slots: torch.Tensor | None
+    block_tables: torch.Tensor
+    cu_seqlens: torch.Tensor
+    staging: torch.Tensor
+
+    @classmethod
+    def allocate(cls, top: int, q: int, max_blocks: int, scratch_slot: int, scratch_block: int, block_size: int,
+                 device: torch.device) -> "StepInputs":
+        def full(n, value, dtype=torch.int64):
+            return torch.full((n,), value, dtype=dtype, device=device)
+
+        tokens = top * q
+        return cls(ids=full(tokens, 0), seq_lens=full(top, q), slot_mapping=full(tokens, scratch_block * block_size),
+                   state_indices=full(top, scratch_slot), out_slots=full(tokens, scratch_slot) if q > 1 else None,
+                   block_tables=torch.full((top, max_blocks), scratch_block, dtype=torch.int32, device=device),
+                   cu_seqlens=torch.arange(0, tokens + 1, q, dtype=torch.int64, device=device),
+                   staging=torch.empty(2 * top + (3 if q > 1 else 2) * tokens + top * max_blocks, dtype=torch.int64,
+                                       pin_memory=device.type == "cuda"))
+
+    def upload(self, values: list[int], b: int, width: int) -> None:
+        """`values` (ids, seq_lens, slot_mapping, state_indices[, out_slots], tables, as `_fill` lays them out for
+        `b` rows) into the buffers: one host tensor, one upload."""
+        q = self.ids.shape[0] // self.seq_lens.shape[0]
+        host = self.staging[: len(values)]
+        host.copy_(torch.tensor(values, dtype=torch.int64))
+        dev = host.to(self.ids.device, non_blocking=True)
+        at = 0
+        for buffer, n in ((self.ids, b * q), (self.seq_lens, b), (self.slot_mapping, b * q), (self.state_indices, b),
+                          (self.out_slots, b * q if q > 1 else 0)):
+            if n:
+                buffer[:n].copy_(dev[at: at + n])
+                at += n
+        self.block_tables[:b, :width].copy_(dev[at:].view(b, width))

@@ -22,6 +22,11 @@ implementations directly.
   around them (one generated kernel instead of ~10 dispatched ops and a custom-op call), and writes the pool in
   place; MLA inline only while the step's keys fit one gathered tile (longer contexts use the op's split-KV) (no functionalised copy: tests/unit/engine/test_decode_graphs.py checks the pool's storage and values).
   Not for CUDA graphs or the aot_eager backend, which would copy the pool.
+- A verification step (engine/decode_graphs.py: every sequence verifies Q = `tokens_per_row` tokens) passes
+  `out_slots` [N*Q] to `conv_decode_step` / `kda_decode_step` and Q to `mla_decode_step`: the inline forms only
+  (`kernels.conv.torch_ops.causal_conv1d_verify_rows`, `kernels.kda.recurrent.kda_verify_rows`,
+  `kernels.attention.torch_paged.verify_attention_one_tile` while the gather fits one tile); the in-slots keep
+  their state, each token's goes to its out-slot. The caller runs these steps eager where that does not hold.
 - `kdamesh::mla_decode(q [N, H, Dk], latent [N, Dk], slot_mapping [N], block_tables [N, nb], seq_lens [N], scale,
   v_dim, cache_key, layer) -> [N, H, v_dim]`: writes the new latents at `slot_mapping`, then attends (one query per
   sequence) with the registry's `mla_decode_graph` op (Triton on CUDA, torch elsewhere; not FlashInfer, whose
@@ -75,16 +80,32 @@ def _kda_decode_fake(q, k, v, g, beta, scale, state_indices, cache_key, layer):
 
 
 def conv_decode_step(x: torch.Tensor, weight: torch.Tensor, state_indices: torch.Tensor, cache, layer: int,
-                     inline: bool) -> torch.Tensor:
-    """x [N, C] -> [N, C]; the layer's conv windows shift in place (see the module docstring)."""
+                     inline: bool, out_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, C] -> [N, C]; the layer's conv windows shift in place (see the module docstring). With `out_slots`
+    [T] a verification: x [T, C], T // N tokens per sequence."""
+    if out_slots is not None:
+        from kernels.conv.torch_ops import causal_conv1d_verify_rows
+
+        _require_inline(inline)
+        tokens_per_row = x.shape[0] // state_indices.shape[0]
+        return causal_conv1d_verify_rows(x, weight, cache.conv[layer], state_indices, out_slots, tokens_per_row)
     if inline:
         return get_kernel("conv_decode", x.device)(x, weight, cache.conv[layer], state_indices)
     return conv_decode(x, weight, state_indices, cache.graph_key, layer)
 
 
 def kda_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    scale: float, state_indices: torch.Tensor, cache, layer: int, inline: bool) -> torch.Tensor:
-    """-> o [N, H, V]; the layer's recurrent states advance in place (see the module docstring)."""
+                    scale: float, state_indices: torch.Tensor, cache, layer: int, inline: bool,
+                    out_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """-> o [N, H, V]; the layer's recurrent states advance in place (see the module docstring). With `out_slots`
+    [T] a verification: o [T, H, V], T // N tokens per sequence."""
+    if out_slots is not None:
+        from kernels.kda.recurrent import kda_verify_rows
+
+        _require_inline(inline)
+        tokens_per_row = q.shape[0] // state_indices.shape[0]
+        return kda_verify_rows(q, k, v, g, beta, scale, cache.recurrent[layer], state_indices, out_slots,
+                               tokens_per_row)
     if inline:
         return get_kernel("kda_decode", q.device)(q, k, v, g, beta, scale, cache.recurrent[layer], state_indices)
     return kda_decode(q, k, v, g, beta, scale, state_indices, cache.graph_key, layer)
@@ -104,11 +125,19 @@ def mla_decode(q: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor
 def mla_decode_step(q: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, v_dim: int, cache, layer: int,
                     inline: bool) -> torch.Tensor:
-    """-> [N, H, v_dim]: writes the new latents, then attends (see the module docstring). Inline only while the
-    step's gather fits one tile (a guard on the table's width: wider tables compile once more, to the op)."""
-    from kernels.attention.torch_paged import decode_attention_one_tile, fits_one_tile, write_kv_cache
+    """-> [T, H, v_dim]: writes the new latents, then attends (see the module docstring). Inline only while the
+    step's gather fits one tile (a guard on the table's width: wider tables compile once more, to the op). More
+    tokens than sequences: a verification, T // N tokens per sequence (inline and one tile only)."""
+    from kernels.attention.torch_paged import (decode_attention_one_tile, fits_one_tile, verify_attention_one_tile,
+                                               write_kv_cache)
 
     kv_cache = cache.kv[layer]
+    tokens_per_row = q.shape[0] // seq_lens.shape[0]
+    if tokens_per_row > 1:
+        _require_inline(inline and fits_one_tile(seq_lens.shape[0], block_tables, kv_cache))
+        write_kv_cache(kv_cache, slot_mapping, latent)
+        return verify_attention_one_tile(q, kv_cache, block_tables, seq_lens, tokens_per_row, scale,
+                                         v_dim).to(q.dtype)
     if inline and fits_one_tile(q.shape[0], block_tables, kv_cache):
         write_kv_cache(kv_cache, slot_mapping, latent)
         return decode_attention_one_tile(q, kv_cache, block_tables, seq_lens, scale, v_dim).to(q.dtype)
@@ -118,3 +147,9 @@ def mla_decode_step(q: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.T
 @mla_decode.register_fake
 def _mla_decode_fake(q, latent, slot_mapping, block_tables, seq_lens, scale, v_dim, cache_key, layer):
     return q.new_empty(q.shape[0], q.shape[1], v_dim)
+
+
+def _require_inline(inline: bool) -> None:
+    if not inline:
+        raise NotImplementedError("a compiled verification step needs the inline cache ops (CPU, inductor) and an "
+                                  "MLA gather of one tile; the decode graphs run other verifications eager")

@@ -83,7 +83,7 @@ class KDAMixer(nn.Module):
         host = batch.host
         if batch.traced:
             qkv = graph_ops.conv_decode_step(qkv, conv_w, batch.state_indices, cache, self.layer_index,
-                                             batch.inline_cache_ops)
+                                             batch.inline_cache_ops, batch.state_out_slots)
         elif verify:
             qkv = get_kernel("conv_verify", x.device)(qkv, conv_w, conv_pool, batch.state_indices, batch.cu_seqlens,
                                                       batch.state_out_slots, _verify_host(host))
@@ -101,7 +101,7 @@ class KDAMixer(nn.Module):
         scale = dh ** -0.5
         if batch.traced:
             o = graph_ops.kda_decode_step(q, k, v, g, beta, scale, batch.state_indices, cache, self.layer_index,
-                                          batch.inline_cache_ops)
+                                          batch.inline_cache_ops, batch.state_out_slots)
         elif verify:
             o = get_kernel("kda_verify", x.device)(q, k, v, g, beta, scale, state_pool, batch.state_indices,
                                                    batch.cu_seqlens, batch.state_out_slots, _verify_host(host))

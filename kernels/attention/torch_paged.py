@@ -178,6 +178,29 @@ def decode_attention_one_tile(q: torch.Tensor, kv_cache: torch.Tensor, block_tab
     return _decode_partial(q, kv_cache, block_tables, seq_lens, 0, scale, v_dim)[0]
 
 
+def verify_attention_one_tile(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                              seq_lens: torch.Tensor, tokens_per_row: int, scale: float, v_dim: int) -> torch.Tensor:
+    """Q = `tokens_per_row` queries per sequence, its last Q positions (a verification): q [N*Q, H, Dk] ->
+    [N*Q, H, v_dim] fp32; query t of sequence n sees keys before `seq_lens[n] - Q + 1 + t`. One gather per
+    sequence, as `decode_attention_one_tile` (same fit), with a causal mask over the row's queries. Reads nothing
+    back."""
+    T, H, Dk = q.shape
+    n, block_size = T // tokens_per_row, kv_cache.shape[1]
+    rows = kv_cache.index_select(0, block_tables.to(torch.int64).clamp(min=0).reshape(-1))  # [N*nb, bs, row]
+    kv = as_fp32_rows(rows.view(n, block_tables.shape[1] * block_size, rows.shape[-1]))  # [N, S, Dk] fp32
+    key_pos = torch.arange(kv.shape[1], device=q.device)  # [S]
+    lens = seq_lens.to(torch.int64)[:, None]  # [N, 1]
+    kv.masked_fill_((key_pos >= lens)[:, :, None], 0.0)
+    limits = lens - tokens_per_row + 1 + torch.arange(tokens_per_row, device=q.device)  # [N, Q]
+    past = key_pos >= limits[:, :, None]  # [N, Q, S]
+    scores = torch.bmm(q.to(torch.float32).view(n, tokens_per_row * H, Dk), kv.transpose(1, 2)).mul_(scale)
+    scores = scores.view(n, tokens_per_row, H, -1).masked_fill_(past[:, :, None, :], float("-inf"))
+    probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # every query sees at least its own key
+    total = probs.sum(-1, keepdim=True)  # [N, Q, H, 1]
+    o = torch.bmm(probs.view(n, tokens_per_row * H, -1), kv[:, :, :v_dim])  # [N, Q*H, v_dim]
+    return o.view(n, tokens_per_row, H, v_dim).div_(total).view(T, H, v_dim)
+
+
 def fits_one_tile(num_seqs: int, block_tables: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether `num_seqs` sequences' gathered keys over `block_tables`' width fit `DECODE_KEY_ELEMS` values."""
     return num_seqs * block_tables.shape[1] * kv_cache.shape[1] * kv_cache.shape[2] <= DECODE_KEY_ELEMS

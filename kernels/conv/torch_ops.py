@@ -16,6 +16,11 @@ Contract (same math as `kernels.conv.naive.causal_conv1d_naive`; W = kernel widt
   written, so an out-slot may be an in-slot; out-slots must not repeat. The per-slot window is the rollback unit:
   the engine keeps the window after each verified position and picks the accepted one. With
   `host=(cu_seqlens, out_slots)` as host ints nothing is read back to the host.
+- `causal_conv1d_verify_rows(x [N*Q, C], weight, conv_state_pool, state_indices [N], out_slots [N*Q],
+  tokens_per_row Q) -> y` (a compiled verification step, engine/decode_graphs.py): every sequence verifies Q
+  tokens (rows n*Q … n*Q+Q-1), the decode's math Q times; the window after each token goes to its out-slot, which
+  must be a real slot (the caller points unkept ones at a scratch slot). No Python value depends on the data, so a
+  compiled step traces it as plain ops.
 - fp32 arithmetic; `y` in `x.dtype`; windows stored in the pool's dtype. No per-token Python loops: prefill loops
   over sequences and blocks of `ROW_BLOCK` rows, each tap one multiply-add over contiguous rows (a depthwise
   `F.conv1d` over the [C, T] transpose was ~10x slower on CPU).
@@ -126,3 +131,27 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state_pool:
         index = torch.tensor(slots, dtype=torch.int64, device=conv_state_pool.device)
         conv_state_pool.index_copy_(0, index, torch.cat(kept).transpose(1, 2).to(conv_state_pool.dtype))
     return y.to(x.dtype)
+
+
+def causal_conv1d_verify_rows(x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor,
+                              state_indices: torch.Tensor, out_slots: torch.Tensor, tokens_per_row: int
+                              ) -> torch.Tensor:
+    """See the module docstring: x [N*Q, C] -> y [N*Q, C]."""
+    T, C = x.shape
+    n = T // tokens_per_row
+    window = conv_state_pool.index_select(0, state_indices.to(torch.int64))  # [N, C, W-1], every read first
+    taps = fp32(weight)  # [C, W]
+    pad = taps.shape[1] - 1
+    tokens = x.view(n, tokens_per_row, C)
+    slots = out_slots.to(torch.int64).view(n, tokens_per_row)
+    ys = []
+    for t in range(tokens_per_row):
+        x_t = tokens[:, t]  # [N, C]
+        y = fp32(window[:, :, 0]) * taps[:, 0]  # [N, C], the decode's order
+        for j in range(1, pad):
+            y.addcmul_(fp32(window[:, :, j]), taps[:, j])
+        y.addcmul_(fp32(x_t), taps[:, pad])
+        window = torch.cat([window[:, :, 1:], cast(x_t, window.dtype).unsqueeze(-1)], dim=-1)  # [N, C, W-1]
+        conv_state_pool.index_copy_(0, slots[:, t], window)
+        ys.append(y)
+    return cast(F.silu(torch.stack(ys, dim=1).view(T, C)), x.dtype)

@@ -20,6 +20,11 @@ computed in fp32 (fp64 for fp64 inputs), o returned in v's dtype.
   token, and single tokens, are stepped with `kda_step` (a decode's numerics); the others (prefill chunks in the
   same batch) run in the chunked form (`kernels.kda.chunked.chunk_kda`). With `host=(cu_seqlens, out_slots)` as
   host ints, the Python loops read those and no tensor is read back to the host.
+- `kda_verify_rows(q, k, v, g, beta, scale, state_pool, state_indices [N], out_slots [N*Q], tokens_per_row Q)
+  -> o [N*Q, H, V]` (a compiled verification step, engine/decode_graphs.py): every sequence verifies Q tokens
+  (rows n*Q … n*Q+Q-1), stepped with `kda_step`; the state after each token goes to its out-slot, which must be a
+  real slot (the caller points unkept ones at a scratch slot). Every state is read before any is written. No
+  Python value depends on the data, so a compiled step traces it as plain ops.
 """
 
 from __future__ import annotations
@@ -146,3 +151,20 @@ def _step_keeping(q, k, v, g, beta, scale, init, cu, out, seqs, o, dtype, state_
             slot = out[cu[order[i]] + t]
             if slot >= 0:
                 state_pool[slot].copy_(state[i])
+
+
+def kda_verify_rows(q, k, v, g, beta, scale, state_pool, state_indices, out_slots, tokens_per_row: int):
+    """See the module docstring; returns o [N*Q, H, V] in v's dtype."""
+    dtype = compute_dtype(q, k, v, g, beta, state_pool)
+    T, H = q.shape[:2]
+    n = T // tokens_per_row
+    idx = state_indices.to(device=state_pool.device, dtype=torch.int64)
+    state = cast(state_pool.index_select(0, idx), dtype).contiguous()  # [N, H, K, V], a private copy
+    rows = [cast(x, dtype).view(n, tokens_per_row, *x.shape[1:]) for x in (q, k, v, g, beta)]
+    slots = out_slots.to(device=state_pool.device, dtype=torch.int64).view(n, tokens_per_row)
+    outs = []
+    for t in range(tokens_per_row):
+        o, state = kda_step(state, *(x[:, t] for x in rows), scale)  # [N, H, V]
+        state_pool.index_copy_(0, slots[:, t], cast(state, state_pool.dtype))
+        outs.append(o)
+    return cast(torch.stack(outs, dim=1).view(T, H, -1), v.dtype)

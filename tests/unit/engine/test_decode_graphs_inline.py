@@ -68,7 +68,7 @@ def test_inductor_inline_equals_eager(pair, monkeypatch):
     assert storages(cache) == pools
     assert wide  # the op's split-KV ran once the tables outgrew the tile (traced calls: at each build)
     # the equalities above held while settled variants ran without Dynamo's full guard check
-    assert graphs.guards.skipped_calls > 0 and (4, True) in graphs.guards.settled and not graphs.guards.specialised
+    assert graphs.guards.skipped_calls > 0 and (4, 1, True) in graphs.guards.settled and not graphs.guards.specialised
     print("settled", graphs.guards.settled, "skipped", graphs.guards.skipped_calls)
 
 
