@@ -179,6 +179,28 @@ def workload_flops(model, num_prompts: int, input_len: int, output_len: int) -> 
     return tokens * per_token + context * attn_per_context + lm_head
 
 
+def prefill_flops(model, prompt_len: int, chunk: int) -> float:
+    """Matmul FLOPs of one `prompt_len`-token prefill in chunks of `chunk` tokens (the engine's
+    `max_num_batched_tokens`): the weights as `workload_flops` counts them, the KDA state updates, and MLA in the
+    non-absorbed prefill form (kernels/attention/mla_prefill.py): per query, head and earlier key 2·(nope + rope + v),
+    and per chunk every cached key expanded once, 2·lora·(nope + v) per head."""
+    config = model.config
+    weights = workload_flops(model, 1, prompt_len, 1) - _attention_flops(config, prompt_len)
+    mla = config.mla
+    per_pair = 2 * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim) * mla.num_heads
+    pairs = prompt_len * (prompt_len + 1) // 2  # (query, key) pairs, causal
+    expanded = sum(min(start + chunk, prompt_len) for start in range(0, prompt_len, chunk))  # keys seen per chunk
+    expand = 2 * mla.kv_lora_rank * (mla.qk_nope_head_dim + mla.v_head_dim) * mla.num_heads
+    return weights + len(config.mla_layer_ids) * (pairs * per_pair + expanded * expand)
+
+
+def _attention_flops(config, prompt_len: int) -> float:
+    """`workload_flops`' absorbed attention term for one prompt of `prompt_len` tokens and one output."""
+    mla = config.mla
+    return prompt_len * (prompt_len + 1) // 2 * 2 * len(config.mla_layer_ids) * mla.num_heads * (
+        mla.cache_dim + mla.kv_lora_rank)
+
+
 # -- 2. prefix-cache TTFT ----------------------------------------------------------------------------------------
 
 

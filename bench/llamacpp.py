@@ -153,9 +153,11 @@ def worker_main(config: dict) -> int:
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     sys.stdout = sys.stderr  # the engine's prints must not interleave with the answers
     core = _engine(config)
-    answers.write(json.dumps({"pool_bytes": core.plan.kv_bytes + core.plan.state_bytes}) + "\n")
+    answers.write(json.dumps({"pool_bytes": core.plan.kv_bytes + core.plan.state_bytes,
+                              "one_tile_tokens": one_tile_tokens(core)}) + "\n")
     answers.flush()
-    ops = {"greedy": _greedy, "decode": _decode, "prefill": _prefill, "batch": _batch, "memory": _memory}
+    ops = {"greedy": _greedy, "decode": _decode, "prefill": _prefill, "batch": _batch, "memory": _memory,
+           "long": _long}
     for line in sys.stdin:
         command = json.loads(line)
         try:
@@ -165,6 +167,15 @@ def worker_main(config: dict) -> int:
         answers.write(json.dumps(answer) + "\n")
         answers.flush()
     return 0
+
+
+def one_tile_tokens(core) -> int:
+    """The longest context whose MLA decode gathers one tile (kernels/attention/torch_paged.py): a compiled step
+    builds another graph past it."""
+    from kernels.attention.torch_paged import DECODE_KEY_ELEMS
+
+    (_, block_size, row), _ = core.runner.block_shape()
+    return DECODE_KEY_ELEMS // (block_size * row) * block_size
 
 
 def _engine(config: dict):
@@ -230,6 +241,19 @@ def _decode(core, prompt_len: int, tokens: int, threads: int, seed: int) -> dict
     run = run_requests(core, [random_prompt(prompt_len, seed)], tokens + 1)
     seconds = run["end"] - run["all_first"]
     return {"tok_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens}
+
+
+def _long(core, prompt_len: int, tokens: int, threads: int, seed: int) -> dict:
+    """One request of a `prompt_len`-token prompt and `tokens` + 1 outputs (bench/long_context.py): prefill tok/s,
+    decode ms/token after it, and the FLOP model's matmul FLOPs per prompt token."""
+    from bench.bench_engine import prefill_flops
+
+    _threads(threads)
+    run = run_requests(core, [random_prompt(prompt_len, seed)], tokens + 1)
+    prefill_s, decode_s = run["all_first"] - run["start"], run["end"] - run["all_first"]
+    chunk = core.args.max_num_batched_tokens
+    return {"prefill_tok_s": prompt_len / prefill_s, "decode_ms": 1e3 * decode_s / tokens,
+            "flops_per_prompt_token": prefill_flops(core.model, prompt_len, chunk) / prompt_len}
 
 
 def _prefill(core, prompt_len: int, threads: int, seed: int) -> dict:

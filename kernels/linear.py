@@ -16,6 +16,9 @@ Contract: `linear(x, weight) -> x @ weight^T` ([..., in] x [out, in] -> [..., ou
   512 rows 42 -> 25 ms; bf16 one-row products 1.5-3.6x faster (demo-k3's LM head [1, 256] x [256, 8192]:
   378 -> 105 us). One fp32 row stays on MKL's GEMV, which streams an input-major weight faster (0.56-0.67 vs
   0.91 ms), and small fp32 products pay oneDNN's ~15 us per call, hence `PACK_MIN_FP32`.
+- Inside a compiled step (`torch.compiler.is_compiling()`): `F.linear`, one product, whatever the row count —
+  inductor picks its kernel (a compiled step of two or more rows prepacks its frozen weights:
+  engine/decode_graphs.py).
 - Otherwise `F.linear`, and on CPU 2..`SMALL_BATCH_MAX_ROWS` rows times a weight of at least `WIDE_MIN_COLUMNS`
   outputs as `SLICE_COLUMNS`-wide column slices (MKL, one thread: the LM head [32, 768] x [768, 8192] 17.4 -> 11.2
   ms; each output column is the same dot product either way, so the slicing is bitwise equal to `F.linear`).
@@ -42,6 +45,8 @@ _lock = threading.Lock()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # one product: the compiler picks its kernel (and packs frozen weights)
+        return F.linear(x, weight)
     rows = x.numel() // max(x.shape[-1], 1)
     if x.device.type == "cpu" and (x.dtype == torch.bfloat16 or (rows >= 2 and weight.numel() >= PACK_MIN_FP32)):
         packed = packed_weight(weight, x)

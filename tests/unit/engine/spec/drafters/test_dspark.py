@@ -66,6 +66,13 @@ def test_drafts_follow_the_training_forward(drafter, seq):
     assert "r" not in drafter.requests
 
 
+def assert_same_rows(got, want):
+    """Rows computed in calls of other sizes (chunks vs one call): MKL's fp32 products round a row differently with
+    the call's row count on an Intel AVX-512 CPU (up to ~1e-6 here), so equal within 1e-5, not bitwise; a wrong
+    or stale row differs by orders more."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("cut", [11, 5])
 def test_rollback_equals_a_fresh_run(k3, dspark_dir, seq, cut):
     ids, hidden = seq
@@ -74,7 +81,7 @@ def test_rollback_equals_a_fresh_run(k3, dspark_dir, seq, cut):
     a.observe("r", 4, ids[4:16], hidden[4:16])
     a.rollback("r", cut)
     b.observe("r", 0, ids[:cut], hidden[:cut])
-    torch.testing.assert_close(a.context_rows("r"), b.context_rows("r"), rtol=0, atol=0)
+    assert_same_rows(a.context_rows("r"), b.context_rows("r"))
     q = [DraftQuery("r", ids[: cut + 1], 4)]
     assert a.propose(q) == b.propose(q)
     a.rollback("r", 0)

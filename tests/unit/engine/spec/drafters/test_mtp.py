@@ -62,6 +62,13 @@ def test_first_draft_is_the_training_forward_argmax(drafter, seq):
     assert "r" not in drafter.requests
 
 
+def assert_same_rows(got, want):
+    """Rows computed in calls of other sizes (chunks vs one call): MKL's fp32 products round a row differently with
+    the call's row count on an Intel AVX-512 CPU (up to ~1e-6 here), so equal within 1e-5, not bitwise; a wrong
+    or stale row differs by orders more."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("cut", [12, 11, 10])
 def test_rollback_equals_a_fresh_run(k3, k3_dir, seq, cut):
     ids, hidden = seq
@@ -72,14 +79,14 @@ def test_rollback_equals_a_fresh_run(k3, k3_dir, seq, cut):
     b.observe("r", 0, ids[:cut], hidden[:cut])
     sa, sb = a.requests["r"], b.requests["r"]
     assert (sa.base, sa.end) == (sb.base, sb.end)
-    torch.testing.assert_close(a.cached_rows("r"), b.cached_rows("r"), rtol=0, atol=0)
+    assert_same_rows(a.cached_rows("r"), b.cached_rows("r"))
     kept = a.held_hidden("r")
     torch.testing.assert_close(kept, b.held_hidden("r")[-kept.shape[0]:], rtol=0, atol=0)
     q = [DraftQuery("r", ids[: cut + 1], 3)]
     assert a.propose(q) == b.propose(q)
     a.observe("r", cut, ids[cut:20], hidden[cut:20])
     b.observe("r", cut, ids[cut:20], hidden[cut:20])
-    torch.testing.assert_close(a.cached_rows("r"), b.cached_rows("r"), rtol=0, atol=0)
+    assert_same_rows(a.cached_rows("r"), b.cached_rows("r"))
     a.rollback("r", 0)
     assert "r" not in a.requests
 
