@@ -8,8 +8,10 @@ Contract:
   manages) absorb the writes of padding rows, so every row of a bucket computes and no op needs a mask or a host
   read.
 - `runs(pieces, taps)`: whether a step can run here — at most as many pieces as the largest bucket, each needing
-  logits (no prompt rows, no images), and either every piece one decode token, or (`verifies`: CPU, inductor,
-  the inline cache ops) every piece a verification of the same number of drafts k whose MLA gather fits one tile.
+  logits (no prompt rows, no images), and either every piece one decode token, or (`verify_tokens` > 0: CPU,
+  inductor, the inline cache ops, and a speculative engine) every piece a full verification of k =
+  `verify_tokens` - 1 drafts whose MLA gather fits one tile (shorter ones, near a request's `max_tokens`, run eager:
+  each shape would be one more build).
   A verification step is the same forward over Q = k + 1 tokens a row (its own buffers, `StepInputs`, and graphs
   per bucket): logits at every position, the KDA state after each token written to the piece's out-slot and the
   in-slot untouched (the eager verification's contract, engine/runner.py); mixed or longer verifications run eager.
@@ -49,7 +51,8 @@ MIN_TABLE_WIDTH = 2  # a dynamic dimension of size 0 or 1 would be specialised b
 
 class DecodeGraphs:
     def __init__(self, model: KimiForCausalLM, cache: CacheTensors, config: CompilationConfig, max_num_seqs: int,
-                 max_blocks: int, scratch_slot: int, scratch_block: int, taps: tuple[int, ...] = ()):
+                 max_blocks: int, scratch_slot: int, scratch_block: int, taps: tuple[int, ...] = (),
+                 verify_tokens: int = 0):
         self.model, self.cache, self.config, self.taps = model, cache, config, taps
         cache.graph_key = graph_ops.register_cache(cache)
         self.device = model.device
@@ -61,7 +64,9 @@ class DecodeGraphs:
         self.compiled = config.compiles(self.device.type)
         # inductor on CPU writes the KDA pools in place from plain traced ops (kernels/graph_ops.py)
         self.inline_cache_ops = self.compiled and self.device.type == "cpu" and config.backend == "inductor"
-        self.verifies = self.inline_cache_ops  # verification steps: the inline cache ops' verify forms only
+        # verification steps: the inline cache ops' verify forms only, and only full ones (k + 1 tokens a row):
+        # each shape is a build, and the shorter ones near a request's max_tokens are rare
+        self.verify_tokens = verify_tokens if self.inline_cache_ops else 0
         self._inputs: dict[int, StepInputs] = {}  # tokens per row -> its buffers (1: decode)
         self._inputs_for(1)
         self._step = self._compiled_forward() if self.compiled else self._forward
@@ -78,8 +83,8 @@ class DecodeGraphs:
                     ", CUDA graphs" if self.capture else "")
 
     def runs(self, pieces: Sequence, taps: tuple[int, ...]) -> bool:
-        """A decode step (one token a row), or (`verifies`) a verification with the same number of drafts in every
-        row whose gather fits one tile."""
+        """A decode step (one token a row), or a full verification (`verify_tokens` tokens in every row) whose
+        gather fits one tile."""
         if taps != self.taps or not pieces or len(pieces) > self.buckets[-1]:
             return False
         if not all(p.needs_logits and not p.prompt_rows and not getattr(p.req, "media", None) for p in pieces):
@@ -87,7 +92,7 @@ class DecodeGraphs:
         drafts = {len(p.draft) for p in pieces}
         if drafts == {0}:
             return all(p.num_tokens == 1 for p in pieces)
-        if len(drafts) > 1 or not self.verifies or not all(p.num_tokens == 1 + len(p.draft) for p in pieces):
+        if drafts != {self.verify_tokens - 1} or not all(p.num_tokens == 1 + len(p.draft) for p in pieces):
             return False
         width = max([MIN_TABLE_WIDTH] + [-(-(p.start + p.num_tokens) // self.block_size) for p in pieces])
         return width <= self.max_blocks and self._one_tile(self.bucket(len(pieces)), width)

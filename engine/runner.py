@@ -113,10 +113,12 @@ class RankStep:
 @dataclass(frozen=True)
 class GraphOptions:
     """Compiled / captured decode steps (engine/decode_graphs.py): the compilation config and the most rows a
-    decode step can have. The engine passes None under `enforce_eager`."""
+    decode step can have, and the tokens a row of a full speculative verification (the one verification shape
+    compiled). The engine passes None under `enforce_eager`."""
 
     compilation: CompilationConfig
     max_num_seqs: int
+    verify_tokens: int = 0  # tokens a row of a full verification (k + 1 drafts' worth; 0: no speculation)
 
 
 class ModelRunner:
@@ -157,7 +159,8 @@ class ModelRunner:
             return None
         max_blocks = -(-plan.max_model_len // plan.block_size)
         return DecodeGraphs(self.model, self.cache, options.compilation, options.max_num_seqs, max_blocks,
-                            scratch_slot=plan.num_slots, scratch_block=plan.num_blocks)
+                            scratch_slot=plan.num_slots, scratch_block=plan.num_blocks,
+                            verify_tokens=options.verify_tokens)
 
     @property
     def taps(self) -> tuple[int, ...]:

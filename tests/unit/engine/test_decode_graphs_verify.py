@@ -4,7 +4,8 @@ the cache ops' verify forms inline, kernels/graph_ops.py).
 - A scripted drafter proposes the plain greedy continuation, wrong at one position every third step, so steps
   accept all drafts, some, or none: speculative compiled == speculative eager == plain eager (greedy tokens;
   logprobs within 1e-4), one prompt and a batch padding the bucket of 4, on tiny-k3 (KDA and MLA layers); the
-  verification steps ran compiled (counted), without a graph break.
+  full verification steps (k drafts a row) ran compiled (counted), shorter ones near `max_tokens` eager, without a
+  graph break.
 - Negative control: the same compiled steps with every kept state sent to the scratch slot (the settled state a
   lost out-slot write leaves) change the output.
 inductor builds C++ for each graph (tens of seconds on two cores): one bucket, decode and verify.
@@ -73,7 +74,7 @@ def verify_rows_run(graphs, monkeypatch) -> list[int]:
 def test_compiled_verification_equals_eager(engines, monkeypatch):
     plain, spec_eager, spec_compiled = engines
     graphs = spec_compiled.engine.runner.runner.graphs
-    assert graphs.verifies
+    assert graphs.verify_tokens == K + 1
     seen = verify_rows_run(graphs, monkeypatch)
     torch._dynamo.utils.counters.clear()
     for prompts in (random_prompts(1, 20, 21, seed=41), random_prompts(3, 12, 30, seed=43)):
@@ -82,6 +83,7 @@ def test_compiled_verification_equals_eager(engines, monkeypatch):
         assert_same(generate(spec_eager, prompts, PARAMS), want)
         assert_same(generate(spec_compiled, prompts, PARAMS), want)
     assert seen.count(K + 1) >= 6, seen  # verification steps ran compiled
+    assert set(seen) == {1, K + 1}, seen  # only full verifications: shorter ones are not compiled
     accepted = spec_compiled.engine.stats().spec_num_accepted_tokens
     assert 0 < accepted < spec_compiled.engine.stats().spec_num_draft_tokens  # some drafts accepted, some not
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
