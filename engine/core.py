@@ -62,7 +62,6 @@ from pathlib import Path
 
 import torch
 
-from engine.compilation import CompilationConfig
 from engine.config import CachePlan, EngineArgs, plan_cache
 from engine.errors import InvalidRequestError
 from engine.exchange import CacheExchange
@@ -134,10 +133,7 @@ class EngineCore:
         self.fingerprint = cache_fingerprint(weights, args.kv_cache_dtype)
         self.manager = CacheManager(self.plan, has_kda=self.config.kda is not None)
         self.scheduler = Scheduler(self.manager, args.max_num_seqs, args.max_num_batched_tokens)
-        spec = args.speculative_config
-        graphs = None if args.enforce_eager else GraphOptions(CompilationConfig.parse(args.compilation_config),
-                                                              args.max_num_seqs,
-                                                              spec.num_speculative_tokens + 1 if spec else 0)
+        graphs = None if args.enforce_eager else GraphOptions.of(args)
         self.executor.start(self.plan, args.max_forward_tokens, media=self.media.feeder,  # images: rank 0 plans them
                             graphs=graphs)
         self.runner = self.executor  # the runner's interface, on every rank (engine/parallel/executor.py)

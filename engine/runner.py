@@ -120,6 +120,13 @@ class GraphOptions:
     max_num_seqs: int
     verify_tokens: int = 0  # tokens a row of a full verification (k + 1 drafts' worth; 0: no speculation)
 
+    @classmethod
+    def of(cls, args) -> "GraphOptions":
+        """From the engine's `EngineArgs`."""
+        spec = args.speculative_config
+        return cls(CompilationConfig.parse(args.compilation_config), args.max_num_seqs,
+                   spec.num_speculative_tokens + 1 if spec else 0)
+
 
 class ModelRunner:
     def __init__(self, model: KimiForCausalLM, plan: CachePlan, max_forward_tokens: int | None = None,

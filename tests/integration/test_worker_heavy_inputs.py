@@ -184,17 +184,22 @@ async def _timed(call) -> tuple[list[int], float]:
     return tokens, time.monotonic()
 
 
+STALL_WORK_S = 1.0  # the negative control's work on the step thread (one decode took 0.21 s on a fast CPU)
+
+
 async def _stall_on_step_thread(engine, b: Stream, data: bytes) -> tuple[float, float]:
-    """Decoding the image as admission did before, on the step thread -> (its duration, B's longest gap meanwhile).
+    """Decoding the image as admission did before (repeated for `STALL_WORK_S`), on the step thread -> (its duration,
+    B's longest gap meanwhile).
     The duration is timed on the step thread itself: the caller's clock also counts the wait for the step thread
     and the hop back, which a loaded machine stretches beyond the gap B sees."""
     processor = engine.core.media.processor
     await b.wait_tokens(b.tokens + 5)
     spent: list[float] = []
 
-    def work() -> None:
+    def work() -> None:  # at least STALL_WORK_S: tokens B's transport already held cannot fill a gap that long
         began = time.monotonic()
-        decode_image(data, processor)
+        while time.monotonic() - began < STALL_WORK_S:
+            decode_image(data, processor)
         spent.append(time.monotonic() - began)
 
     start = time.monotonic()
