@@ -89,19 +89,23 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state_pool:
     rows = state_slots  # consecutive slots: work on the pool's rows in place
     slots = state_indices.to(torch.int64)
     window = conv_state_pool[rows] if rows is not None else conv_state_pool.index_select(0, slots)  # [N, C, W-1]
-    taps = fp32(weight)  # [C, W]
-    pad = taps.shape[1] - 1
-    x32 = fp32(x)  # [N, C]
-    y = fp32(window[:, :, 0]) * taps[:, 0]  # [N, C], taps in the prefill's order
-    for j in range(1, pad):
-        y.addcmul_(fp32(window[:, :, j]), taps[:, j])
-    y.addcmul_(x32, taps[:, pad])
-    shifted = torch.cat([window[:, :, 1:], cast(x, window.dtype).unsqueeze(-1)], dim=-1)  # [N, C, W-1]
+    y, shifted = _decode_token(window, x, fp32(weight))  # [N, C], [N, C, W-1]
     if rows is not None:
         window.copy_(shifted)
     else:
         conv_state_pool.index_copy_(0, slots, shifted)
     return cast(F.silu(y), x.dtype)
+
+
+def _decode_token(window: torch.Tensor, x: torch.Tensor, taps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence: window [N, C, W-1], x [N, C], taps [C, W] fp32 -> (y [N, C] fp32 before the SiLU,
+    the shifted window [N, C, W-1] in the window's dtype)."""
+    pad = taps.shape[1] - 1
+    y = fp32(window[:, :, 0]) * taps[:, 0]  # [N, C], taps in the prefill's order
+    for j in range(1, pad):
+        y.addcmul_(fp32(window[:, :, j]), taps[:, j])
+    y.addcmul_(fp32(x), taps[:, pad])
+    return y, torch.cat([window[:, :, 1:], cast(x, window.dtype).unsqueeze(-1)], dim=-1)
 
 
 def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state_pool: torch.Tensor,
@@ -141,17 +145,11 @@ def causal_conv1d_verify_rows(x: torch.Tensor, weight: torch.Tensor, conv_state_
     n = T // tokens_per_row
     window = conv_state_pool.index_select(0, state_indices.to(torch.int64))  # [N, C, W-1], every read first
     taps = fp32(weight)  # [C, W]
-    pad = taps.shape[1] - 1
     tokens = x.view(n, tokens_per_row, C)
     slots = out_slots.to(torch.int64).view(n, tokens_per_row)
     ys = []
     for t in range(tokens_per_row):
-        x_t = tokens[:, t]  # [N, C]
-        y = fp32(window[:, :, 0]) * taps[:, 0]  # [N, C], the decode's order
-        for j in range(1, pad):
-            y.addcmul_(fp32(window[:, :, j]), taps[:, j])
-        y.addcmul_(fp32(x_t), taps[:, pad])
-        window = torch.cat([window[:, :, 1:], cast(x_t, window.dtype).unsqueeze(-1)], dim=-1)  # [N, C, W-1]
+        y, window = _decode_token(window, tokens[:, t], taps)  # [N, C], [N, C, W-1]
         conv_state_pool.index_copy_(0, slots[:, t], window)
         ys.append(y)
     return cast(F.silu(torch.stack(ys, dim=1).view(T, C)), x.dtype)
