@@ -172,10 +172,10 @@ def worker_main(config: dict) -> int:
 def one_tile_tokens(core) -> int:
     """The longest context whose MLA decode gathers one tile (kernels/attention/torch_paged.py): a compiled step
     builds another graph past it."""
-    from kernels.attention.torch_paged import DECODE_KEY_ELEMS
+    from kernels.attention.torch_paged import ONE_TILE_KEY_ELEMS
 
     (_, block_size, row), _ = core.runner.block_shape()
-    return DECODE_KEY_ELEMS // (block_size * row) * block_size
+    return ONE_TILE_KEY_ELEMS // (block_size * row) * block_size
 
 
 def _engine(config: dict):

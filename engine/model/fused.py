@@ -16,7 +16,8 @@ Contract:
   split (parts are column slices of it, not copies); unbound, one matmul per member. Its fused weight is padded to
   `FUSED_ROWS_MULTIPLE` output rows: on CPU (MKL, AVX2) a [2048, 768] x [768, N] product took 1.45x longer at
   N = 2,566 than at 2,576 (bench: KDA's fused projections of small-linear, 2,566 wide), and no longer at 32 rows.
-- `lay_out_for_gemv(model)` stores linear weights input-major (CPU serving: faster one-row products), and so the
+- `lay_out_for_gemv(model)` stores a linear weight input-major where a one-row product streams it faster that way
+  (`prefers_input_major`, judged on the product the weight takes part in: a fused group's whole width), and so the
   stacked `[E, out, in]` weights a module names in its `gemv_input_major` attribute (the routed experts: the decode
   MoE then reads a chosen expert's rows in place, kernels/moe/grouped.py `moe_experts_bagged`); a group of such
   members binds into an input-major fused tensor, so its members stay views of it.
@@ -33,6 +34,7 @@ from kernels.linear import linear
 
 FUSED_ROWS_MULTIPLE = 16  # FusedLinear's output width is padded to a multiple of this (see the module docstring)
 ROW_MAJOR_WEIGHTS = ("kv_b_proj",)  # linears whose weight a module reshapes (MLA's absorbed form): kept row-major
+INPUT_MAJOR_MAX_OUT = 64  # products this narrow stream faster input-major whatever their input width (a router)
 
 
 class ParamGroup:
@@ -106,19 +108,47 @@ def column_major(weight: torch.Tensor) -> bool:
     return weight.dim() >= 2 and weight.stride(-2) == 1 and weight.shape[-2] > 1
 
 
-def lay_out_for_gemv(model: nn.Module, keep_row_major: tuple[str, ...] = ROW_MAJOR_WEIGHTS) -> None:
-    """Stores every bias-free linear's weight `[out, in]` input-major (its transpose contiguous), same values.
+def prefers_input_major(out_rows: int, in_features: int) -> bool:
+    """Whether a one-row product `x @ W^T` (W `[out_rows, in_features]`) streams W faster input-major on CPU.
 
-    Why: on CPU a one-row product `x @ W^T` streams the weight ~1.1-1.8x faster from an input-major layout (an
-    axpy over contiguous output rows) than from the checkpoint's row-major one (MKL, AVX2; bench: the LM head
-    [8192, 256] 922 -> 517 us); decode steps are such products. Weights a module reshapes (`keep_row_major`, names
-    ending so) and weights shared with an embedding stay as they are. Call before `bind_fused_weights`."""
+    Input-major, MKL runs the product as `in_features` axpys over contiguous rows of `out_rows` outputs; row-major,
+    as `out_rows` dot products of `in_features`. The longer contiguous run wins (AMD EPYC, one thread:
+    [1, 768] x [768, 8192] 1.90 -> 1.03 ms and [768, 4880] 1.13 -> 0.66 ms input-major, but [768 <- 2048] 0.35 vs
+    0.42 ms, [768 <- 1536] 0.28 vs 0.32 and [256 <- 768] 0.061 vs 0.091 row-major), except for products of at most
+    `INPUT_MAJOR_MAX_OUT` outputs ([32 <- 768]: 6.9 vs 9.8 us input-major)."""
+    return out_rows >= in_features or out_rows <= INPUT_MAJOR_MAX_OUT
+
+
+def product_rows(model: nn.Module) -> dict[int, int]:
+    """id(weight parameter) -> the output width of the product it is multiplied in: its fused group's total for a
+    member of a row-concatenated `ParamGroup` / `FusedLinear` (padding included), else absent."""
+    rows: dict[int, int] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            group = value.group if isinstance(value, FusedLinear) else value
+            if isinstance(group, ParamGroup) and group.dim == 0 and all(p.dim() == 2 for p in group.params):
+                total = sum(p.shape[0] for p in group.params)
+                total += -total % group.pad_multiple
+                rows.update((id(p), total) for p in group.params)
+    return rows
+
+
+def lay_out_for_gemv(model: nn.Module, keep_row_major: tuple[str, ...] = ROW_MAJOR_WEIGHTS) -> None:
+    """Stores each bias-free linear's weight `[out, in]` input-major (its transpose contiguous) where
+    `prefers_input_major` says so for the product it takes part in (`product_rows`), same values.
+
+    Why: on CPU a decode step's products are one-row products, bound by streaming their weights; MKL streams a wide
+    product's weight ~1.3-1.8x faster input-major (bench: the LM head [8192, 256] 922 -> 517 us on AVX2), a product
+    with fewer outputs than inputs faster row-major. Weights a module reshapes (`keep_row_major`, names ending so)
+    and weights shared with an embedding stay as they are. Call before `bind_fused_weights`."""
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) or type(m).__name__ ==
             "VocabEmbedding"}
+    rows = product_rows(model)
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if (isinstance(module, nn.Linear) and weight is not None and weight.dim() == 2 and id(weight) not in tied
-                and not name.endswith(keep_row_major) and weight.is_contiguous() and weight.shape[0] > 1):
+                and not name.endswith(keep_row_major) and weight.is_contiguous() and weight.shape[0] > 1
+                and prefers_input_major(rows.get(id(weight), weight.shape[0]), weight.shape[1])):
             weight.data = weight.data.t().contiguous().t()
         for attribute in getattr(module, "gemv_input_major", ()):  # stacked expert weights [E, out, in]
             stacked = getattr(module, attribute)

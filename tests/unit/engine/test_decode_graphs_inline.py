@@ -53,7 +53,7 @@ def test_inductor_inline_equals_eager(pair, monkeypatch):
     graphs = compiled.engine.runner.runner.graphs
     cache = compiled.engine.runner.runner.cache
     kv = next(iter(cache.kv.values()))  # [blocks, block_size, row]
-    monkeypatch.setattr(torch_paged, "DECODE_KEY_ELEMS", 4 * ONE_TILE_BLOCKS * kv.shape[1] * kv.shape[2])
+    monkeypatch.setattr(torch_paged, "ONE_TILE_KEY_ELEMS", 4 * ONE_TILE_BLOCKS * kv.shape[1] * kv.shape[2])
     assert graphs.inline_cache_ops and 38 <= ONE_TILE_BLOCKS * kv.shape[1] < 40 + PARAMS.max_tokens
     torch._dynamo.utils.counters.clear()
     wide = []

@@ -84,19 +84,35 @@ def test_fused_weight_is_padded_and_the_padding_never_reaches_an_output():
     torch.testing.assert_close(second, parts[1][0](x))
 
 
+def test_prefers_input_major_by_the_products_shape():
+    """Wide products stream faster input-major, products with fewer outputs than inputs row-major, except narrow
+    ones (a router)."""
+    from engine.model.fused import INPUT_MAJOR_MAX_OUT, prefers_input_major
+
+    assert prefers_input_major(8192, 768) and prefers_input_major(768, 768)
+    assert not prefers_input_major(768, 2048) and not prefers_input_major(256, 768)
+    assert prefers_input_major(INPUT_MAJOR_MAX_OUT, 768) and not prefers_input_major(INPUT_MAJOR_MAX_OUT + 1, 768)
+
+
 @pytest.mark.parametrize("preset", ["tiny-linear", "tiny-k3"])
 def test_cpu_load_stores_linears_input_major(tmp_path, preset):
-    """`load_model` on CPU lays linear weights out input-major (`lay_out_for_gemv`): same names, shapes and values,
-    fused groups still bound (their members views of one input-major tensor), MLA's reshaped kv_b_proj untouched,
+    """`load_model` on CPU lays linear weights out input-major where `prefers_input_major` says so for the product
+    they take part in (a fused group's whole width) and row-major elsewhere (`lay_out_for_gemv`): same names, shapes
+    and values, fused groups still bound (their members views of one tensor), MLA's reshaped kv_b_proj untouched,
     and the logits equal a row-major copy's within fp32 rounding (negative control: perturbing one weight moves
     them)."""
-    from engine.model.fused import column_major
+    from engine.model.fused import column_major, prefers_input_major, product_rows
 
     model_dir = make_checkpoint(preset, tmp_path / preset, seed=2)
     model = load_model(model_dir, LoadConfig(dtype="float32"))
     weights = {n: p for n, p in model.named_parameters() if n.endswith("proj.weight") and p.dim() == 2}
-    assert weights and all(column_major(p) for n, p in weights.items() if "kv_b_proj" not in n and p.shape[0] > 1)
-    assert all(p.is_contiguous() for n, p in weights.items() if "kv_b_proj" in n)
+    rows = product_rows(model)
+    wanted = {n: "kv_b_proj" not in n and p.shape[0] > 1 and prefers_input_major(rows.get(id(p), p.shape[0]),
+                                                                                 p.shape[1])
+              for n, p in weights.items()}
+    assert weights and {n: column_major(p) for n, p in weights.items()} == wanted
+    assert any(wanted.values()) and not all(wanted.values())  # the rule picks both layouts on these presets
+    assert all(p.is_contiguous() for n, p in weights.items() if not wanted[n])
     groups = _groups(model)
     assert all((g.group if isinstance(g, FusedLinear) else g).tensor() is not None for g in groups)
     experts = [m for m in model.modules() if type(m).__name__ == "StackedExperts"]
