@@ -87,6 +87,10 @@ class Tap:
 
 
 def corrupt(result: GetResult) -> GetResult:
+    """A found object with one byte flipped; one not stored yet (a late part, which the fetcher asks for again) as
+    it is, so the copy found on a later ask is the one corrupted."""
+    if result.data is None:
+        return result
     data = bytearray(result.data)
     data[len(data) // 2] ^= 0xFF
     return GetResult(result.key, result.status, bytes(data), result.message)
