@@ -11,6 +11,7 @@ import sys
 BENCHMARKS = [
     ["bench.bench_kda"],
     ["bench.bench_attention", "--threads", "1"],
+    ["bench.bench_gemv_layout", "--threads", "1"],
     ["bench.bench_model", "--preset", "small-linear", "--prompt-len", "1024", "--decode-steps", "8", "--threads", "1"],
     ["bench.bench_model", "--preset", "small-k3", "--prompt-len", "1024", "--decode-steps", "8", "--threads", "1"],
     ["bench.bench_engine"],
