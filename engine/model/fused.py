@@ -112,10 +112,11 @@ def prefers_input_major(out_rows: int, in_features: int) -> bool:
     """Whether a one-row product `x @ W^T` (W `[out_rows, in_features]`) streams W faster input-major on CPU.
 
     Input-major, MKL runs the product as `in_features` axpys over contiguous rows of `out_rows` outputs; row-major,
-    as `out_rows` dot products of `in_features`. The longer contiguous run wins (AMD EPYC, one thread:
-    [1, 768] x [768, 8192] 1.90 -> 1.03 ms and [768, 4880] 1.13 -> 0.66 ms input-major, but [768 <- 2048] 0.35 vs
-    0.42 ms, [768 <- 1536] 0.28 vs 0.32 and [256 <- 768] 0.061 vs 0.091 row-major), except for products of at most
-    `INPUT_MAJOR_MAX_OUT` outputs ([32 <- 768]: 6.9 vs 9.8 us input-major)."""
+    as `out_rows` dot products of `in_features`. The longer contiguous run wins where it matters (AMD EPYC, one
+    thread, bench/bench_gemv_layout.py: [1, 768] x [768, 8192] 2.02 -> 1.07 ms and [768, 4880] 1.18 -> 0.66 ms
+    input-major, [256 <- 768] 65 vs 93 us row-major; shapes near the crossover, [768 <- 1536] and [768 <- 2048],
+    are even within run-to-run noise), except for products of at most `INPUT_MAJOR_MAX_OUT` outputs ([32 <- 768]:
+    6.9 vs 9.8 us input-major)."""
     return out_rows >= in_features or out_rows <= INPUT_MAJOR_MAX_OUT
 
 
