@@ -33,7 +33,7 @@ def product_shapes(preset: str) -> Counter:
     from torch import nn
 
     from engine.model.config import ModelConfig
-    from engine.model.fused import ROW_MAJOR_WEIGHTS, product_rows
+    from engine.model.fused import ROW_MAJOR_WEIGHTS, embedding_weights, product_rows
     from engine.model.model import KimiForCausalLM
     from engine.model.presets import demo_k3_config, preset_config
 
@@ -46,7 +46,7 @@ def product_shapes(preset: str) -> Counter:
     with torch.device("meta"):
         model = KimiForCausalLM(ModelConfig.from_dict(raw))
     rows = product_rows(model)
-    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    tied = embedding_weights(model)
     counted: set[tuple[int, int]] = set()  # (group width, id of the group's first member) already counted
     shapes: Counter = Counter()
     for name, module in model.named_modules():

@@ -124,14 +124,28 @@ def product_rows(model: nn.Module) -> dict[int, int]:
     """id(weight parameter) -> the output width of the product it is multiplied in: its fused group's total for a
     member of a row-concatenated `ParamGroup` / `FusedLinear` (padding included), else absent."""
     rows: dict[int, int] = {}
+    for group in param_groups(model):
+        if group.dim == 0 and all(p.dim() == 2 for p in group.params):
+            total = sum(p.shape[0] for p in group.params)
+            total += -total % group.pad_multiple
+            rows.update((id(p), total) for p in group.params)
+    return rows
+
+
+def param_groups(model: nn.Module):
+    """Every `ParamGroup` held as an attribute of a module of `model` (a `FusedLinear`'s own group included)."""
     for module in model.modules():
         for value in vars(module).values():
-            group = value.group if isinstance(value, FusedLinear) else value
-            if isinstance(group, ParamGroup) and group.dim == 0 and all(p.dim() == 2 for p in group.params):
-                total = sum(p.shape[0] for p in group.params)
-                total += -total % group.pad_multiple
-                rows.update((id(p), total) for p in group.params)
-    return rows
+            if isinstance(value, FusedLinear):
+                yield value.group
+            elif isinstance(value, ParamGroup):
+                yield value
+
+
+def embedding_weights(model: nn.Module) -> set[int]:
+    """ids of the embedding tables' weights (a linear sharing one is tied to it and keeps its layout)."""
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) or type(m).__name__ ==
+            "VocabEmbedding"}
 
 
 def lay_out_for_gemv(model: nn.Module, keep_row_major: tuple[str, ...] = ROW_MAJOR_WEIGHTS) -> None:
@@ -142,8 +156,7 @@ def lay_out_for_gemv(model: nn.Module, keep_row_major: tuple[str, ...] = ROW_MAJ
     product's weight ~1.3-1.8x faster input-major (bench: the LM head [8192, 256] 922 -> 517 us on AVX2), a product
     with fewer outputs than inputs faster row-major. Weights a module reshapes (`keep_row_major`, names ending so)
     and weights shared with an embedding stay as they are. Call before `bind_fused_weights`."""
-    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) or type(m).__name__ ==
-            "VocabEmbedding"}
+    tied = embedding_weights(model)
     rows = product_rows(model)
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
@@ -159,9 +172,5 @@ def lay_out_for_gemv(model: nn.Module, keep_row_major: tuple[str, ...] = ROW_MAJ
 
 def bind_fused_weights(model: nn.Module) -> None:
     """Binds every `ParamGroup` and `FusedLinear` held as an attribute of a module of `model`."""
-    for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, FusedLinear):
-                value.group.bind()
-            elif isinstance(value, ParamGroup):
-                value.bind()
+    for group in param_groups(model):
+        group.bind()
