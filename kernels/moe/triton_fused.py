@@ -95,7 +95,10 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     flat = topk_ids.reshape(-1)
     total, device = flat.numel(), flat.device
     key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # [T*k], E = not on this rank
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]  # [E]
+    # [E]; a scatter-add, not `bincount`, which reads its input's max back to the host on CUDA (a sync, and a
+    # failure inside CUDA graph capture: bench/gpu_validate.py on an H200)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, key, torch.ones_like(key))[:num_experts]
     padded_ends = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0)  # [E]
     order = torch.argsort(key, stable=True)  # [T*k]
     sorted_key = key[order].clamp_max(num_experts - 1)

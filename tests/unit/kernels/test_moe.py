@@ -289,3 +289,32 @@ def test_bags_from_the_fused_gate_up_equal_the_checked_ones():
     torch.testing.assert_close(out, moe_experts_naive(x, w1, w3, w2, weights, ids, SITU), atol=1e-5, rtol=1e-5)
     assert grouped.bag_layout_of_fused(fused.contiguous(), w2) is None
     assert grouped.bag_layout_of_fused(fused, w2.contiguous()) is None
+
+
+def test_triton_align_groups_each_experts_assignments_into_its_blocks():
+    """`align` (the fused Triton MoE's routing, tensor ops only — its counts are a scatter-add, since `bincount`
+    syncs on CUDA): every on-rank assignment sits in a block of its expert, each expert's run is padded with the
+    sentinel T·k, off-rank ids (-1, >= E) are dropped; negative control: a shuffled block map breaks the check."""
+    from kernels.moe.triton_fused import align
+
+    torch.manual_seed(0)
+    num_experts, block_m = 6, 4
+    topk_ids = torch.randint(-1, num_experts + 2, (13, 3))  # [T, k], some off this rank
+    flat = topk_ids.reshape(-1)
+    sorted_ids, block_expert = align(topk_ids, num_experts, block_m)
+
+    def grouped_right(block_expert):
+        seen = []
+        for b, expert in enumerate(block_expert.tolist()):
+            ids = [i for i in sorted_ids[b * block_m:(b + 1) * block_m].tolist() if i != flat.numel()]
+            if expert < 0 or any(flat[i].item() != expert for i in ids):
+                if ids:
+                    return False
+            seen += ids
+        on_rank = [i for i, e in enumerate(flat.tolist()) if 0 <= e < num_experts]
+        return sorted(seen) == on_rank
+
+    assert grouped_right(block_expert)
+    nonempty = block_expert[block_expert >= 0]
+    assert nonempty.unique().numel() > 1
+    assert not grouped_right(block_expert.roll(1))
