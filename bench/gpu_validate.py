@@ -1,7 +1,8 @@
 """GPU validation: every kernel backend against the reference at the released models' sizes, and TP=1 / TP=2 model
 steps on CUDA, timed; a JSON and a markdown summary at `--out`.
 
-Run: `python -m bench.gpu_validate --out results/gpu_validate.json` (writes `.json` and `.md`). Meant for one H200
+Run: `python -m bench.gpu_validate --out results/gpu_validate.json` (writes `.json` and `.md`, again after each
+section, so a run stopped at its time limit keeps what finished). Meant for one H200
 in under 5 minutes; with `--quick`, smaller sizes. Without CUDA it records every check as skipped and exits 0 (the
 CPU-skipping path; tests/unit/bench runs it). Nothing here is part of the test suite's GPU requirements.
 
@@ -255,7 +256,10 @@ def markdown(report: Report) -> str:
 SECTIONS = ("kda", "conv", "mla", "moe", "model", "sync", "engine")
 
 
-def run_all(report: Report, quick: bool, engine_layers: int = 4, engine_experts: int = 64) -> None:
+def run_all(report: Report, quick: bool, engine_layers: int = 4, engine_experts: int = 64,
+            after_section=lambda: None) -> None:
+    """Every section in order; `after_section()` is called after each (main writes the report then, so a call
+    stopped at its time limit keeps the sections that finished)."""
     s = 4 if quick else 1  # --quick: smaller sizes
     steps = {
         "kda": lambda: kda_checks(report, 32, 128, [1024 // s, 1024 // s], 64 // s),
@@ -273,6 +277,7 @@ def run_all(report: Report, quick: bool, engine_layers: int = 4, engine_experts:
             steps[name]()
         except Exception:  # noqa: BLE001 - one section's failure must not hide the others
             report.add(Check(name, "-", "error", note=traceback.format_exc(limit=3)[-300:]))
+        after_section()
 
 
 def main(argv: list[str] | None = None) -> Report:
@@ -285,18 +290,24 @@ def main(argv: list[str] | None = None) -> Report:
     cuda = torch.cuda.is_available()
     report = Report(torch.cuda.get_device_name(0) if cuda else f"no CUDA device ({platform.machine()} CPU)")
     start = time.perf_counter()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write = lambda: write_report(report, out, time.perf_counter() - start)  # noqa: E731
     if cuda:
-        run_all(report, args.quick, args.engine_layers, args.engine_experts)
+        run_all(report, args.quick, args.engine_layers, args.engine_experts, after_section=write)
     else:
         for name in SECTIONS:
             report.add(Check(name, "-", "skipped", note="no CUDA device"))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"device": report.device, "seconds": time.perf_counter() - start, "torch": torch.__version__,
+    write()
+    return report
+
+
+def write_report(report: Report, out: Path, seconds: float) -> None:
+    """The report so far as `out`'s `.json` and `.md`."""
+    summary = {"device": report.device, "seconds": seconds, "torch": torch.__version__,
                "checks": [asdict(c) for c in report.checks]}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
     out.with_suffix(".md").write_text(markdown(report))
-    return report
 
 
 if __name__ == "__main__":

@@ -37,3 +37,19 @@ def test_model_steps_on_cpu(tmp_path):
     model = load_model(make_checkpoint("tiny-k3", tmp_path / "tiny-k3", seed=0))
     out = gv.model_steps(model, [[5, 6, 7, 8], [9, 10]], decode_steps=2)
     assert out["logits"].shape == (2, model.config.vocab_size) and out["decode_ms"] > 0
+
+
+def test_the_report_is_written_after_every_section(tmp_path, monkeypatch):
+    """`run_all` calls `after_section` once a section ends, an erroring one included (main writes the report there,
+    so a run stopped at its time limit keeps the sections that finished)."""
+    report = gv.Report("fake")
+    for name in ("kda_checks", "conv_checks", "mla_checks", "moe_checks", "model_checks", "engine_checks"):
+        monkeypatch.setattr(gv, name, lambda *a, _n=name, **k: report.add(gv.Check(_n, "-", "pass")))
+    monkeypatch.setattr(gv, "k3_shaped_config", lambda *a: {})
+    monkeypatch.setattr(gv, "sync_checks", lambda *a: 1 / 0)
+    written = []
+    gv.run_all(report, quick=True, after_section=lambda: (gv.write_report(report, tmp_path / "r.json", 0.0),
+                                                          written.append(len(report.checks))))
+    assert written == [1, 2, 4, 5, 6, 7, 8]  # mla runs two shapes; the sync section's error is a check too
+    summary = json.loads((tmp_path / "r.json").read_text())
+    assert [c["status"] for c in summary["checks"]].count("error") == 1 and len(summary["checks"]) == 8
