@@ -44,6 +44,7 @@ all_ok() {
   for port in "$@"; do
     [ "$(info_field "$port" cluster_state)" = ok ] || return 1
     [ "$(info_field "$port" cluster_known_nodes)" = "$#" ] || return 1
+    [ "$(info_field "$port" cluster_slots_ok)" = 16384 ] || return 1  # every slot served, as this node sees it
     cli "$port" cluster nodes | grep -q 'fail' && return 1
   done
   return 0
