@@ -1,0 +1,1 @@
+"""CPU kernels built from C at first use (see each module's docstring)."""

@@ -1,0 +1,143 @@
+"""kernels/cpu/small_gemm.py: the AVX-512 small-batch product equals `F.linear`, is batch-invariant, is taken
+exactly where `runs` says (eagerly and inside a compiled graph, without a graph break), and a failed build or the
+off switch leaves every product on MKL with one log line."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import small_gemm
+from kernels.linear import linear
+
+
+def _cpu_has_avx512f() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and " avx512f " in line + " " for line in f)
+
+
+def test_built_exactly_where_the_cpu_and_a_compiler_allow():
+    assert small_gemm.available() == (_cpu_has_avx512f() and shutil.which("c++") is not None)
+
+
+def kernel_here() -> bool:
+    """Whether this machine builds the kernel; where it cannot, a test of the kernel checks the fallback instead."""
+    if _cpu_has_avx512f():
+        return True
+    assert not small_gemm.available() and not small_gemm.runs(torch.randn(1, 512), torch.randn(512, 512))
+    return False
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("out_features,in_features", [(512, 768), (515, 520), (257, 1030)])  # tails of 3 and 8
+def test_equals_f_linear_and_a_row_does_not_depend_on_its_batch(rows, out_features, in_features):
+    if not kernel_here():
+        return
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    assert small_gemm.runs(x, weight)
+    got = small_gemm.linear(x, weight)
+    torch.testing.assert_close(got, F.linear(x, weight), atol=1e-4, rtol=1e-5)
+    alone = torch.cat([small_gemm.linear(x[i:i + 1], weight) for i in range(rows)])
+    assert torch.equal(got, alone)  # bitwise: each output is the same chain of multiply-adds
+    swapped = weight.clone()
+    swapped[[0, -1]] = weight[[-1, 0]]  # negative control: two output rows exchanged are caught
+    assert not torch.allclose(small_gemm.linear(x, swapped), F.linear(x, weight), atol=1e-4)
+
+
+def test_leading_dimensions_and_linear_routing():
+    if not kernel_here():
+        return
+    weight = torch.randn(520, 512)
+    x = torch.randn(2, 3, 512)  # 6 rows
+    assert small_gemm.runs(x, weight)
+    torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-5)
+    assert linear(x, weight).shape == (2, 3, 520)
+
+
+def test_runs_only_where_the_kernel_applies(monkeypatch):
+    monkeypatch.setattr(small_gemm, "available", lambda: True)
+    weight, x = torch.randn(512, 512), torch.randn(4, 512)
+    assert small_gemm.runs(x, weight)
+    assert not small_gemm.runs(torch.randn(small_gemm.MAX_ROWS + 1, 512), weight)
+    assert not small_gemm.runs(x.bfloat16(), weight.bfloat16())
+    assert not small_gemm.runs(x, weight.t().contiguous().t())  # input-major: the kernel reads rows
+    assert not small_gemm.runs(torch.randn(4, 256), torch.randn(4096, 256))  # short rows: MKL is faster
+    assert not small_gemm.runs(x, torch.randn(256, 512))  # under MIN_WEIGHT_ELEMS: MKL is as fast
+    with torch.enable_grad():
+        assert not small_gemm.runs(x, weight.clone().requires_grad_())
+    monkeypatch.setattr(small_gemm, "available", lambda: False)
+    assert not small_gemm.runs(x[:1], weight)
+
+
+def test_a_compiled_graph_calls_the_kernel_without_a_break():
+    if not kernel_here():
+        return
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    weight = torch.randn(520, 512)
+
+    def step(x):
+        return linear(x, weight).relu() + 1
+
+    x = torch.randn(4, 512)
+    got = torch.compile(step, backend=recording, fullgraph=True)(x)
+    torch.testing.assert_close(got, F.linear(x, weight).relu() + 1, atol=1e-4, rtol=1e-5)
+    [graph] = graphs
+    calls = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert torch.ops.kdamesh_cpu.small_gemm.default in calls or torch.ops.kdamesh_cpu.small_gemm in calls
+
+
+def test_a_failed_build_leaves_products_on_mkl_and_says_why(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(small_gemm, "build_name", lambda: "kdamesh_small_gemm_test_failed_build")
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    small_gemm._loaded.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=small_gemm.__name__):
+            assert not small_gemm._loaded()
+        assert any("small_gemm: not built" in r.getMessage() for r in caplog.records)
+    finally:
+        small_gemm._loaded.cache_clear()
+
+
+def test_the_off_switch_is_honoured():
+    code = ("import logging, torch; logging.basicConfig(level=logging.INFO)\n"
+            "from kernels.cpu import small_gemm\n"
+            "from kernels.linear import linear\n"
+            "w, x = torch.randn(512, 512), torch.randn(1, 512)\n"
+            "assert not small_gemm.available() and not small_gemm.runs(x, w)\n"
+            "torch.testing.assert_close(linear(x, w), torch.nn.functional.linear(x, w))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, small_gemm.DISABLE_ENV: "0"})
+    assert done.returncode == 0, done.stderr
+    assert f"small_gemm: off ({small_gemm.DISABLE_ENV}=0)" in done.stderr
+
+
+def test_threads_split_the_outputs_and_change_no_bit():
+    if not kernel_here():
+        return
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(1030, 768, generator=gen)  # 258 blocks of four rows: split over the threads
+    x = torch.randn(3, 768, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = small_gemm.linear(x, weight)
+        torch.set_num_threads(2)
+        assert torch.equal(small_gemm.linear(x, weight), alone)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(alone, F.linear(x, weight), atol=1e-4, rtol=1e-5)
