@@ -1,16 +1,19 @@
-"""One-row products on CPU: a decode step's weights read row-major vs input-major, and the layout the loader picks.
+"""Small-batch products on CPU: a decode step's weights read row-major vs input-major by MKL and by our AVX-512 kernel.
 
-Usage: `python -m bench.bench_gemv_layout [--presets small-linear-kda12,demo-k3] [--threads 1] [--repeats 7] [--out FILE]`
+Usage: `python -m bench.bench_gemv_layout [--presets small-linear-kda12,demo-k3] [--rows 1] [--threads 1] [--repeats 7]
+[--out FILE]`
 
 For each preset (`demo-k3`: its architecture, `engine.model.presets.demo_k3_config`; `NAME-kda12`: the preset
 with as many KDA heads as attention heads, as bench/llamacpp.py compares it), the model is built on the meta
 device and every dense product a decode token runs is listed as it runs: a fused group's members as one product of
 the group's width (`engine.model.fused.product_rows`), MLA's reshaped `kv_b_proj`, tied and MoE expert weights
-left out. Each distinct shape `[1, in] x [in, out]` is timed as `torch.mm` with the weight row-major (the
-checkpoint's layout: `F.linear` on `[out, in]`) and input-major (`[in, out]` contiguous), on enough copies of the
-weight to exceed the caches (cold weights, as in a step), interleaved, best of `--repeats`. Reported per shape: how
-many the step runs, both times, GB/s, which is faster and which `prefers_input_major` picks; and the step's total
-for all-input-major (the layout before the rule), all-row-major, the rule and the per-shape best.
+left out. Each distinct shape `[rows, in] x [in, out]` (`--rows`: 1 for a decode token, k + 1 for a verification
+of k drafts; several values give a table each) is timed as `torch.mm` with the weight row-major (the checkpoint's
+layout: `F.linear` on `[out, in]`) and input-major (`[in, out]` contiguous) through MKL, and row-major through
+kernels/cpu/small_gemm.py where it is built (`small_gemm us`), on enough copies of the weight to exceed the caches
+(cold weights, as in a step), interleaved, best of `--repeats`. Reported per shape: how many the step runs, the
+times, GB/s of the fastest MKL layout, which MKL layout is faster and which `prefers_input_major` picks; and the
+step's total for all-input-major, all-row-major, the rule, the per-shape best MKL layout and the kernel.
 """
 
 from __future__ import annotations
@@ -64,66 +67,81 @@ def product_shapes(preset: str) -> Counter:
     return shapes
 
 
-def time_layouts(out: int, inp: int, repeats: int) -> tuple[float, float]:
-    """(row-major s, input-major s) of one `[1, inp] x [inp, out]` product, cold weights, best of `repeats`."""
+def time_layouts(out: int, inp: int, repeats: int, rows: int = 1) -> tuple[float, float, float | None]:
+    """(MKL row-major s, MKL input-major s, small_gemm s or None where it is not built) of one
+    `[rows, inp] x [inp, out]` product, cold weights, best of `repeats`."""
+    from kernels.cpu import small_gemm
+
     copies = max(2, COLD_BYTES // (out * inp * 4))
     row_major = [torch.randn(out, inp) for _ in range(copies)]
     input_major = [torch.randn(inp, out) for _ in range(copies)]
-    x = torch.randn(1, inp)
-    best = [float("inf"), float("inf")]
-    for _ in range(repeats):  # interleaved: both layouts see the same load
-        for i, run in enumerate((lambda w: F.linear(x, w), lambda w: torch.mm(x, w))):
-            weights = row_major if i == 0 else input_major
+    x = torch.randn(rows, inp)
+    runs = [(row_major, lambda w: F.linear(x, w)), (input_major, lambda w: torch.mm(x, w))]
+    if small_gemm.runs(x, row_major[0]):
+        runs.append((row_major, lambda w: small_gemm.linear(x, w)))
+    best = [float("inf")] * len(runs)
+    for _ in range(repeats):  # interleaved: every path sees the same load
+        for i, (weights, run) in enumerate(runs):
             start = time.perf_counter()
             for w in weights:
                 run(w)
             best[i] = min(best[i], (time.perf_counter() - start) / len(weights))
-    return best[0], best[1]
+    return best[0], best[1], best[2] if len(best) > 2 else None
 
 
-def measure(preset: str, repeats: int) -> list[dict]:
+def measure(preset: str, repeats: int, rows: int = 1) -> list[dict]:
     from engine.model.fused import prefers_input_major
 
-    rows = []
+    out_rows = []
     for (out, inp), count in sorted(product_shapes(preset).items()):
-        row_s, input_s = time_layouts(out, inp, repeats)
-        rows.append({"preset": preset, "out": out, "in": inp, "count": count, "row_major_us": row_s * 1e6,
-                     "input_major_us": input_s * 1e6, "gb_s": out * inp * 4 / min(row_s, input_s) / 1e9,
-                     "faster": "input" if input_s < row_s else "row",
-                     "rule": "input" if prefers_input_major(out, inp) else "row"})
-    return rows
+        row_s, input_s, kernel_s = time_layouts(out, inp, repeats, rows)
+        out_rows.append({"preset": preset, "rows": rows, "out": out, "in": inp, "count": count,
+                         "row_major_us": row_s * 1e6, "input_major_us": input_s * 1e6,
+                         "small_gemm_us": None if kernel_s is None else kernel_s * 1e6,
+                         "gb_s": out * inp * 4 / min(row_s, input_s) / 1e9,
+                         "faster": "input" if input_s < row_s else "row",
+                         "rule": "input" if prefers_input_major(out, inp) else "row"})
+    return out_rows
 
 
 def totals(rows: list[dict]) -> dict[str, float]:
     """A token's product time (us) under each layout policy."""
     pick = {"input": "input_major_us", "row": "row_major_us"}
-    return {"all input-major": sum(r["count"] * r["input_major_us"] for r in rows),
+    sums = {"all input-major": sum(r["count"] * r["input_major_us"] for r in rows),
             "all row-major": sum(r["count"] * r["row_major_us"] for r in rows),
             "the rule": sum(r["count"] * r[pick[r["rule"]]] for r in rows),
             "best per shape": sum(r["count"] * min(r["row_major_us"], r["input_major_us"]) for r in rows)}
+    if rows and all(r["small_gemm_us"] is not None for r in rows):
+        sums["small_gemm"] = sum(r["count"] * r["small_gemm_us"] for r in rows)
+    return sums
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| preset | product [1, in] x [in, out] | per token | row-major us | input-major us | GB/s | faster | "
-             "rule |", "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    lines = ["| preset | rows | product [rows, in] x [in, out] | per token | row-major us | input-major us | "
+             "small_gemm us | GB/s | faster | rule |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['preset']} | {r['in']} -> {r['out']} | {r['count']} | {r['row_major_us']:.1f} | "
-                     f"{r['input_major_us']:.1f} | {r['gb_s']:.1f} | {r['faster']} | {r['rule']} |")
-    for preset in dict.fromkeys(r["preset"] for r in rows):
-        sums = totals([r for r in rows if r["preset"] == preset])
-        lines.append(f"\n{preset}, a token's products: " + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in sums.items()))
+        kernel = "-" if r["small_gemm_us"] is None else f"{r['small_gemm_us']:.1f}"
+        lines.append(f"| {r['preset']} | {r['rows']} | {r['in']} -> {r['out']} | {r['count']} | "
+                     f"{r['row_major_us']:.1f} | {r['input_major_us']:.1f} | {kernel} | {r['gb_s']:.1f} | "
+                     f"{r['faster']} | {r['rule']} |")
+    for preset, n in dict.fromkeys((r["preset"], r["rows"]) for r in rows):
+        sums = totals([r for r in rows if (r["preset"], r["rows"]) == (preset, n)])
+        lines.append(f"\n{preset}, {n} row(s), a token's products: "
+                     + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in sums.items()))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", default="small-linear-kda12,demo-k3")
+    parser.add_argument("--rows", default="1", help="comma-separated row counts (1: decode; k + 1: a verification)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = [row for preset in args.presets.split(",") for row in measure(preset, args.repeats)]
+    rows = [row for preset in args.presets.split(",") for n in map(int, args.rows.split(","))
+            for row in measure(preset, args.repeats, n)]
     return report(table(rows), args, rows)
 
 

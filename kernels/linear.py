@@ -3,6 +3,10 @@
 Contract: `linear(x, weight) -> x @ weight^T` ([..., in] x [out, in] -> [..., out], no bias), equal to
 `torch.nn.functional.linear(x, weight)` within the dtype's rounding (tests/unit/kernels/test_linear.py).
 
+- First, eager or compiled: kernels/cpu/small_gemm.py where it `runs` (fp32, 1..8 rows, a row-major weight, an
+  AVX-512 CPU where its C source built; more than one row only at one thread): it reads the weight once for all
+  rows. The paths below are what every other product takes.
+
 - oneDNN, prepacked: on CPU, bf16 at any row count (where the CPU has oneDNN's bf16 products: `onednn_bf16`),
   or fp32 at 2+ rows times a weight of at least `PACK_MIN_FP32` elements; a 2-D fp32/bf16 weight, no autograd,
   not inside a compiled step (inductor packs weights itself). The weight is reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) and cached per
@@ -34,6 +38,8 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import small_gemm
+
 SLICE_COLUMNS = 512
 SMALL_BATCH_MAX_ROWS = 128
 WIDE_MIN_COLUMNS = 2048
@@ -45,6 +51,8 @@ _lock = threading.Lock()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if small_gemm.runs(x, weight):
+        return small_gemm.linear(x, weight)
     if torch.compiler.is_compiling():  # one product: the compiler picks its kernel (and packs frozen weights)
         return F.linear(x, weight)
     rows = x.numel() // max(x.shape[-1], 1)

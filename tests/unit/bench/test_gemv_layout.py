@@ -20,10 +20,26 @@ def test_totals_follow_each_policy(monkeypatch):
     monkeypatch.setattr(bench, "COLD_BYTES", 1 << 16)
     rows = bench.measure("tiny-linear", repeats=1)
     assert rows and all(r["row_major_us"] > 0 and r["input_major_us"] > 0 for r in rows)
-    rows = [dict(r, row_major_us=1.0, input_major_us=3.0, count=2) for r in rows]
+    rows = [dict(r, row_major_us=1.0, input_major_us=3.0, small_gemm_us=None, count=2) for r in rows]
     sums = bench.totals(rows)
     inputs = sum(r["rule"] == "input" for r in rows)
     assert sums["all row-major"] == 2.0 * len(rows) and sums["all input-major"] == 6.0 * len(rows)
     assert sums["the rule"] == 2.0 * (len(rows) - inputs) + 6.0 * inputs
     assert sums["best per shape"] == sums["all row-major"]
-    assert "tiny-linear, a token's products" in bench.table(rows)
+    assert "tiny-linear, 1 row(s), a token's products" in bench.table(rows)
+    assert "small_gemm" not in sums  # negative control below: only rows that timed the kernel total it
+
+
+def test_the_kernel_column_at_several_rows(monkeypatch):
+    from kernels.cpu import small_gemm
+
+    monkeypatch.setattr(bench, "COLD_BYTES", 1 << 16)
+    monkeypatch.setattr(small_gemm, "MIN_WEIGHT_ELEMS", 1)  # tiny-linear's products, all of them
+    monkeypatch.setattr(small_gemm, "MIN_IN_FEATURES", 16)
+    rows = bench.measure("tiny-linear", repeats=1, rows=4)
+    assert rows and all(r["rows"] == 4 for r in rows)
+    assert all((r["small_gemm_us"] is not None) == (small_gemm.available() and small_gemm.takes(r["out"], r["in"]))
+               for r in rows)
+    timed = [dict(r, small_gemm_us=5.0, count=1) for r in rows]
+    assert bench.totals(timed)["small_gemm"] == 5.0 * len(rows)
+    assert "tiny-linear, 4 row(s)" in bench.table(timed)

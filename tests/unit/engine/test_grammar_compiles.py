@@ -11,13 +11,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from engine import AsyncEngine, EngineArgs, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.structured import StructuredOutputParams, ToolSpec
-from engine.structured.requests import ConstrainedRequests
+from engine.structured.requests import COMPILE_THREADS, ConstrainedRequests
 from engine.tokenizer import KimiTokenizer
 from tests.unit.engine.conftest import random_prompts
 
@@ -42,15 +43,20 @@ def slow_schema():
 
 def test_one_compile_per_grammar(tiny_k3_dir):
     constrained = ConstrainedRequests(KimiTokenizer.from_pretrained(tiny_k3_dir), 8192)
-    try:
+    gate = threading.Event()
+    blockers = [constrained._executor.submit(gate.wait, 30) for _ in range(COMPILE_THREADS)]
+    try:  # the compile waits behind the blockers, so it is still in progress when the second request asks
         first, second = constrained.compile_async(small("a")), constrained.compile_async(small("a"))
         assert first is second  # one compile in progress serves both
+        gate.set()
+        assert all(b.result(timeout=30) for b in blockers)
         compiled = first.result(timeout=60)
         again = constrained.compile_async(small("a"))
         assert again.done() and again.result() is compiled and constrained.backend().is_cached(small("a"))
         other = constrained.compile_async(small("b"))  # negative control: another schema compiles anew
         assert other is not first and other.result(timeout=60) is not compiled
     finally:
+        gate.set()
         constrained.close()
 
 

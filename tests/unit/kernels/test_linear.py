@@ -1,5 +1,7 @@
 """Dense projections (kernels/linear.py): oneDNN's prepacked path equals F.linear within rounding and is row-invariant;
-its cache follows in-place writes and dies with the weight; the MKL fallback stays bitwise equal to F.linear."""
+its cache follows in-place writes and dies with the weight; the MKL fallback stays bitwise equal to F.linear. The
+AVX-512 small-batch kernel that takes 1-8 fp32 rows first (kernels/cpu/small_gemm.py) is switched off here, so
+these tests reach the paths behind it; tests/unit/kernels/test_small_gemm.py tests it and its routing."""
 
 from __future__ import annotations
 
@@ -11,6 +13,13 @@ import torch.nn.functional as F
 
 from kernels import linear as linear_module
 from kernels.linear import linear, onednn_bf16, packed_bytes, packed_weight
+
+
+@pytest.fixture(autouse=True)
+def _without_small_gemm(monkeypatch):
+    from kernels.cpu import small_gemm
+
+    monkeypatch.setattr(small_gemm, "runs", lambda x, weight: False)
 
 
 def amx_tiles() -> bool:

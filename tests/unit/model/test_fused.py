@@ -95,14 +95,16 @@ def test_prefers_input_major_by_the_products_shape():
 
 
 @pytest.mark.parametrize("preset", ["tiny-linear", "tiny-k3"])
-def test_cpu_load_stores_linears_input_major(tmp_path, preset):
+def test_cpu_load_stores_linears_input_major(tmp_path, preset, monkeypatch):
     """`load_model` on CPU lays linear weights out input-major where `prefers_input_major` says so for the product
     they take part in (a fused group's whole width) and row-major elsewhere (`lay_out_for_gemv`): same names, shapes
     and values, fused groups still bound (their members views of one tensor), MLA's reshaped kv_b_proj untouched,
     and the logits equal a row-major copy's within fp32 rounding (negative control: perturbing one weight moves
     them)."""
+    from engine.model import fused
     from engine.model.fused import column_major, prefers_input_major, product_rows
 
+    monkeypatch.setattr(fused, "small_gemm_reads", lambda weight, out_rows: False)  # MKL's layouts (kernel: the next test)
     model_dir = make_checkpoint(preset, tmp_path / preset, seed=2)
     model = load_model(model_dir, LoadConfig(dtype="float32"))
     weights = {n: p for n, p in model.named_parameters() if n.endswith("proj.weight") and p.dim() == 2}
@@ -127,3 +129,24 @@ def test_cpu_load_stores_linears_input_major(tmp_path, preset):
     with torch.no_grad():
         next(iter(weights.values())).add_(0.5)
     assert not torch.allclose(_logits(model, prompts), want, atol=1e-3)
+
+
+def test_linears_stay_row_major_where_the_small_gemm_kernel_reads_them(tmp_path, monkeypatch):
+    """Where kernels/cpu/small_gemm.py takes decode's fp32 products (`small_gemm_reads`), the loader keeps every
+    linear weight row-major, the layout that kernel reads; the routed experts' stacks stay input-major (the bags
+    read them); logits unchanged (negative control: the MKL rule on the same checkpoint makes some input-major)."""
+    from engine.model import fused
+    from engine.model.fused import column_major
+
+    model_dir = make_checkpoint("tiny-k3", tmp_path / "tiny-k3", seed=2)
+    monkeypatch.setattr(fused, "small_gemm_reads", lambda weight, out_rows: weight.dtype == torch.float32)
+    model = load_model(model_dir, LoadConfig(dtype="float32"))
+    weights = {n: p for n, p in model.named_parameters() if n.endswith("proj.weight") and p.dim() == 2}
+    assert weights and not any(column_major(p) for p in weights.values())
+    experts = [m for m in model.modules() if type(m).__name__ == "StackedExperts"]
+    assert experts and all(column_major(m.w1) for m in experts)
+    monkeypatch.setattr(fused, "small_gemm_reads", lambda weight, out_rows: False)
+    mkl_layout = load_model(model_dir, LoadConfig(dtype="float32"))
+    assert any(column_major(p) for n, p in mkl_layout.named_parameters() if n.endswith("proj.weight"))
+    prompts = [[3, 9, 27, 81, 243], [7, 49, 343]]
+    torch.testing.assert_close(_logits(model, prompts), _logits(mkl_layout, prompts), atol=1e-4, rtol=1e-4)
