@@ -153,15 +153,14 @@ def embedding_weights(model: nn.Module) -> set[int]:
 def small_gemm_reads(weight: torch.Tensor, out_rows: int) -> bool:
     """Whether decode's products with this weight (in a product `out_rows` wide: a fused group's width) take
     kernels/cpu/small_gemm.py, which streams it row-major."""
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and small_gemm.takes(out_rows, weight.shape[1]) and small_gemm.available())
+    return small_gemm.takes(out_rows, weight.shape[1], weight.dtype, weight.device.type) and small_gemm.available()
 
 
 def lay_out_for_gemv(model: nn.Module, keep_row_major: tuple[str, ...] = ROW_MAJOR_WEIGHTS) -> None:
     """Stores each bias-free linear's weight `[out, in]` input-major (its transpose contiguous) where
     `prefers_input_major` says so for the product it takes part in (`product_rows`), same values — unless the
-    product takes kernels/cpu/small_gemm.py (`small_gemm_reads`: fp32, a shape it `takes`, an AVX-512 CPU where it built), which reads
-    the weight row-major, one row or eight, faster than MKL reads either layout.
+    product takes kernels/cpu/small_gemm.py (`small_gemm_reads`), which reads the weight row-major, one row or
+    eight, faster than MKL reads either layout.
 
     Why: on CPU a decode step's products are one-row products, bound by streaming their weights; MKL streams a wide
     product's weight ~1.3-1.8x faster input-major (bench: the LM head [8192, 256] 922 -> 517 us on AVX2), a product
@@ -172,10 +171,10 @@ def lay_out_for_gemv(model: nn.Module, keep_row_major: tuple[str, ...] = ROW_MAJ
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if (isinstance(module, nn.Linear) and weight is not None and weight.dim() == 2 and id(weight) not in tied
-                and not name.endswith(keep_row_major) and weight.is_contiguous() and weight.shape[0] > 1
-                and not small_gemm_reads(weight, rows.get(id(weight), weight.shape[0]))
-                and prefers_input_major(rows.get(id(weight), weight.shape[0]), weight.shape[1])):
-            weight.data = weight.data.t().contiguous().t()
+                and not name.endswith(keep_row_major) and weight.is_contiguous() and weight.shape[0] > 1):
+            width = rows.get(id(weight), weight.shape[0])  # the product's output width (a fused group's)
+            if not small_gemm_reads(weight, width) and prefers_input_major(width, weight.shape[1]):
+                weight.data = weight.data.t().contiguous().t()
         for attribute in getattr(module, "gemv_input_major", ()):  # stacked expert weights [E, out, in]
             stacked = getattr(module, attribute)
             if stacked.is_contiguous() and stacked.shape[-2] > 1:

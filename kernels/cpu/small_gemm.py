@@ -3,17 +3,17 @@
 Contract:
 - `runs(x, weight)`: whether `linear(x, weight)` can take this kernel — a CPU with AVX-512F where the C source
   (kernels/cpu/small_gemm.c) built, fp32 `x` with 1..`MAX_ROWS` rows, a 2-D fp32 row-major contiguous weight
-  `[out, in]` of a shape it `takes` (`in` ≥ `MIN_IN_FEATURES` and at least `MIN_WEIGHT_ELEMS` elements), no
-  autograd. The output rows are split over torch's threads
+  `[out, in]` it `takes` (fp32 on CPU, `in` ≥ `MIN_IN_FEATURES`, at least `MIN_WEIGHT_ELEMS` elements), no
+  autograd. `takes` is also what the loader asks to keep such weights row-major (engine/model/fused.py). The output rows are split over torch's threads
   (`at::parallel_for`, blocks of at least 512 KB of weight: a small product stays on the calling thread), so a
   one-row product uses every thread, which MKL's one-row GEMV does not.
 - `linear(x, weight)` -> `x @ weight^T` (`[..., in] x [out, in] -> [..., out]`), equal to `F.linear` within fp32
   rounding. A row's result does not depend on how many rows share the call (bitwise: each output is the same
-  sequence of fused multiply-adds). Inside a compiled step it is the custom op `torch.ops.kdamesh.small_gemm`
-  (opaque to inductor, shape-checked by its fake).
+  sequence of fused multiply-adds). It calls the operator `torch.ops.kdamesh_cpu.small_gemm`, eagerly and from a
+  compiled step alike (opaque to inductor, shape-checked by its fake).
 - `available()`: built and loaded, once per process. kernels/cpu/small_gemm_op.cpp (which includes the C kernel
   and registers `torch.ops.kdamesh_cpu.small_gemm`) is compiled by `torch.utils.cpp_extension.load` at
-  `-O3 -march=native` (~10 s, once) into torch's extension build root, under a name that hashes the sources, the
+  `-O3 -march=native -fopenmp` (~8 s, once) into torch's extension build root, under a name that hashes the sources, the
   flags and this CPU's model, so a build is reused only for the CPU it was made for (`load` itself locks the folder
   against concurrent workers and rebuilds when a source changed). No compiler, no AVX-512F, a failed build or
   `KDAMESH_SMALL_GEMM=0` in the environment: not available, with one log line that says why, and every product
@@ -87,16 +87,18 @@ def available() -> bool:
     return _loaded()
 
 
-def takes(out_features: int, in_features: int) -> bool:
-    """Whether a product of this weight shape `[out, in]` is one the kernel runs faster than MKL (see `runs`)."""
-    return in_features >= MIN_IN_FEATURES and out_features * in_features >= MIN_WEIGHT_ELEMS
+def takes(out_features: int, in_features: int, dtype: torch.dtype, device_type: str) -> bool:
+    """Whether a product with a weight `[out, in]` of this dtype and device is one the kernel runs faster than MKL
+    (the shape rule of the module docstring; built or not is `available`'s business)."""
+    return (dtype == torch.float32 and device_type == "cpu" and in_features >= MIN_IN_FEATURES
+            and out_features * in_features >= MIN_WEIGHT_ELEMS)
 
 
 def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` takes this kernel (see the module docstring)."""
-    if not (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
-            and takes(weight.shape[0], weight.shape[1]) and x.shape[-1] == weight.shape[1]):
+    if not (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
+            and takes(weight.shape[0], weight.shape[1], weight.dtype, weight.device.type)
+            and x.shape[-1] == weight.shape[1]):
         return False
     rows = x.numel() // weight.shape[1]
     if not 1 <= rows <= MAX_ROWS:

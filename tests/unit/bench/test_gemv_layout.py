@@ -3,6 +3,8 @@ the totals per layout policy computed from the rows (the rule's total picks the 
 
 from __future__ import annotations
 
+import torch
+
 from bench import bench_gemv_layout as bench
 
 
@@ -38,7 +40,8 @@ def test_the_kernel_column_at_several_rows(monkeypatch):
     monkeypatch.setattr(small_gemm, "MIN_IN_FEATURES", 16)
     rows = bench.measure("tiny-linear", repeats=1, rows=4)
     assert rows and all(r["rows"] == 4 for r in rows)
-    assert all((r["small_gemm_us"] is not None) == (small_gemm.available() and small_gemm.takes(r["out"], r["in"]))
+    assert all((r["small_gemm_us"] is not None) == (small_gemm.available()
+                                                     and small_gemm.takes(r["out"], r["in"], torch.float32, "cpu"))
                for r in rows)
     timed = [dict(r, small_gemm_us=5.0, count=1) for r in rows]
     assert bench.totals(timed)["small_gemm"] == 5.0 * len(rows)
