@@ -1,4 +1,4 @@
-"""Small-batch products on CPU: a decode step's weights read row-major vs input-major by MKL and by our AVX-512 kernel.
+"""Small-batch products on CPU: a decode step's weights read row-major vs input-major by MKL and by our small-batch kernel.
 
 Usage: `python -m bench.bench_gemv_layout [--presets small-linear-kda12,demo-k3] [--rows 1] [--threads 1] [--repeats 7]
 [--out FILE]`
@@ -9,8 +9,9 @@ device and every dense product a decode token runs is listed as it runs: a fused
 the group's width (`engine.model.fused.product_rows`), MLA's reshaped `kv_b_proj`, tied and MoE expert weights
 left out. Each distinct shape `[rows, in] x [in, out]` (`--rows`: 1 for a decode token, k + 1 for a verification
 of k drafts; several values give a table each) is timed as `torch.mm` with the weight row-major (the checkpoint's
-layout: `F.linear` on `[out, in]`) and input-major (`[in, out]` contiguous) through MKL, and row-major through
-kernels/cpu/small_gemm.py where it is built (`small_gemm us`), on enough copies of the weight to exceed the caches
+layout: `F.linear` on `[out, in]`) and input-major (`[in, out]` contiguous) through MKL, and input-major through
+kernels/cpu/small_gemm.py where it is built and `takes` the shape (`small_gemm us`; at one row and one thread too,
+where `runs` leaves the product to MKL), on enough copies of the weight to exceed the caches
 (cold weights, as in a step), interleaved, best of `--repeats`. Reported per shape: how many the step runs, the
 times, GB/s of the fastest MKL layout, which MKL layout is faster and which `prefers_input_major` picks; and the
 step's total for all-input-major, all-row-major, the rule, the per-shape best MKL layout and the kernel.
@@ -77,8 +78,9 @@ def time_layouts(out: int, inp: int, repeats: int, rows: int = 1) -> tuple[float
     input_major = [torch.randn(inp, out) for _ in range(copies)]
     x = torch.randn(rows, inp)
     runs = [(row_major, lambda w: F.linear(x, w)), (input_major, lambda w: torch.mm(x, w))]
-    if small_gemm.runs(x, row_major[0]):
-        runs.append((row_major, lambda w: small_gemm.linear(x, w)))
+    if small_gemm.available() and small_gemm.takes(out, inp, torch.float32, "cpu"):  # timed at one row and thread
+        # too, where `runs` leaves the product to MKL; it reads the input-major weight, as MKL's GEMV does
+        runs.append((input_major, lambda w: small_gemm.linear(x, w.t())))
     best = [float("inf")] * len(runs)
     for _ in range(repeats):  # interleaved: every path sees the same load
         for i, (weights, run) in enumerate(runs):

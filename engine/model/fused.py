@@ -17,8 +17,8 @@ Contract:
   `FUSED_ROWS_MULTIPLE` output rows: on CPU (MKL, AVX2) a [2048, 768] x [768, N] product took 1.45x longer at
   N = 2,566 than at 2,576 (bench: KDA's fused projections of small-linear, 2,566 wide), and no longer at 32 rows.
 - `lay_out_for_gemv(model)` stores a linear weight input-major where a one-row product streams it faster that way
-  (`prefers_input_major`, judged on the product the weight takes part in: a fused group's whole width; not where
-  kernels/cpu/small_gemm.py takes the product, `small_gemm_reads`: it reads row-major), and so the
+  (`prefers_input_major`, judged on the product the weight takes part in: a fused group's whole width) or where
+  kernels/cpu/small_gemm.py takes the product (`small_gemm_reads`: it reads input-major), and so the
   stacked `[E, out, in]` weights a module names in its `gemv_input_major` attribute (the routed experts: the decode
   MoE then reads a chosen expert's rows in place, kernels/moe/grouped.py `moe_experts_bagged`); a group of such
   members binds into an input-major fused tensor, so its members stay views of it.
@@ -152,15 +152,15 @@ def embedding_weights(model: nn.Module) -> set[int]:
 
 def small_gemm_reads(weight: torch.Tensor, out_rows: int) -> bool:
     """Whether decode's products with this weight (in a product `out_rows` wide: a fused group's width) take
-    kernels/cpu/small_gemm.py, which streams it row-major."""
+    kernels/cpu/small_gemm.py, which streams it input-major."""
     return small_gemm.takes(out_rows, weight.shape[1], weight.dtype, weight.device.type) and small_gemm.available()
 
 
 def lay_out_for_gemv(model: nn.Module, keep_row_major: tuple[str, ...] = ROW_MAJOR_WEIGHTS) -> None:
     """Stores each bias-free linear's weight `[out, in]` input-major (its transpose contiguous) where
-    `prefers_input_major` says so for the product it takes part in (`product_rows`), same values — unless the
-    product takes kernels/cpu/small_gemm.py (`small_gemm_reads`), which reads the weight row-major, one row or
-    eight, faster than MKL reads either layout.
+    `prefers_input_major` says so for the product it takes part in (`product_rows`), or where the product takes
+    kernels/cpu/small_gemm.py (`small_gemm_reads`), which reads the weight input-major, one row or eight, faster
+    than MKL reads either layout; same values.
 
     Why: on CPU a decode step's products are one-row products, bound by streaming their weights; MKL streams a wide
     product's weight ~1.3-1.8x faster input-major (bench: the LM head [8192, 256] 922 -> 517 us on AVX2), a product
@@ -173,7 +173,7 @@ def lay_out_for_gemv(model: nn.Module, keep_row_major: tuple[str, ...] = ROW_MAJ
         if (isinstance(module, nn.Linear) and weight is not None and weight.dim() == 2 and id(weight) not in tied
                 and not name.endswith(keep_row_major) and weight.is_contiguous() and weight.shape[0] > 1):
             width = rows.get(id(weight), weight.shape[0])  # the product's output width (a fused group's)
-            if not small_gemm_reads(weight, width) and prefers_input_major(width, weight.shape[1]):
+            if small_gemm_reads(weight, width) or prefers_input_major(width, weight.shape[1]):
                 weight.data = weight.data.t().contiguous().t()
         for attribute in getattr(module, "gemv_input_major", ()):  # stacked expert weights [E, out, in]
             stacked = getattr(module, attribute)

@@ -1,78 +1,94 @@
-/* Small-batch fp32 products on AVX-512: out[m, n] = sum_k x[m, k] * w[n, k] for 1..8 rows of x.
+/* Small-batch fp32 products on AVX-512 or AVX2+FMA: out[m, n] = sum_k x[m, k] * wt[k, n] for 1..8 rows of x.
  *
- * w is row-major [n_out, k] (the checkpoint's layout), x [m, k] and out [m, n_out] are contiguous. Four output
- * rows are computed at once: their weights are four adjacent rows of w, read once, front to back, and each is
- * multiplied into every row of x (held in L1), so m rows cost about one pass over the weight instead of m.
- * Software prefetch runs PREFETCH_FLOATS ahead on each of the four streams (a slower loop otherwise lets the
- * hardware prefetcher fall behind at 4+ rows). Built at first use by kernels/cpu/small_gemm.py with
- * -O3 -march=native (included by small_gemm_op.cpp, which registers it as a torch operator); it refuses to build
- * without AVX-512F. */
+ * wt is the weight input-major, [k_len, n_out] contiguous (a linear's `weight.t()`), x [m, k_len] and
+ * out [m, n_out] contiguous. The product runs as axpys: for a block of up to BLOCK_COLUMNS outputs, ROWS_AT_ONCE
+ * weight rows k..k+7 (each a contiguous run of the block's columns) are read once and multiplied into every row of x,
+ * the block's outputs of all rows staying in L1/L2, so m rows cost one pass over the weight from memory instead
+ * of m, and no output needs a horizontal sum (short rows cost nothing extra). Every output is the same sequence
+ * of fused multiply-adds, k = 0, 1, 2, ... in order, whatever the number of rows, so a row's result does not
+ * depend on the rows beside it. Built at first use by kernels/cpu/small_gemm.py with -O3 -march=native (included
+ * by small_gemm_op.cpp, which registers it as a torch operator); it refuses to build on a CPU with neither
+ * AVX-512F nor AVX2 and FMA. */
 #include <immintrin.h>
+#include <math.h>
 #include <stddef.h>
 
-#ifndef __AVX512F__
-#error "small_gemm needs AVX-512F"
+#if defined(__AVX512F__)
+typedef __m512 vec_t;
+#define VEC_FLOATS 16
+#define vec_zero() _mm512_setzero_ps()
+#define vec_load(p) _mm512_loadu_ps(p)
+#define vec_store(p, v) _mm512_storeu_ps(p, v)
+#define vec_broadcast(p) _mm512_set1_ps(*(p))
+#define vec_fmadd(a, b, c) _mm512_fmadd_ps(a, b, c)
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vec_t;
+#define VEC_FLOATS 8
+#define vec_zero() _mm256_setzero_ps()
+#define vec_load(p) _mm256_loadu_ps(p)
+#define vec_store(p, v) _mm256_storeu_ps(p, v)
+#define vec_broadcast(p) _mm256_broadcast_ss(p)
+#define vec_fmadd(a, b, c) _mm256_fmadd_ps(a, b, c)
+#else
+#error "small_gemm needs AVX-512F, or AVX2 and FMA"
 #endif
 
-#define PREFETCH_FLOATS 512
+#define BLOCK_COLUMNS 8192 /* outputs per pass over the weight rows: 32 KB of each row of out */
+#define ROWS_AT_ONCE 8     /* weight rows multiplied in per round trip of an output vector through L1 */
 
-static inline void prefetch4(const float *w, size_t k_len, size_t k) {
-  _mm_prefetch((const char *)(w + k + PREFETCH_FLOATS), _MM_HINT_T0);
-  _mm_prefetch((const char *)(w + k_len + k + PREFETCH_FLOATS), _MM_HINT_T0);
-  _mm_prefetch((const char *)(w + 2 * k_len + k + PREFETCH_FLOATS), _MM_HINT_T0);
-  _mm_prefetch((const char *)(w + 3 * k_len + k + PREFETCH_FLOATS), _MM_HINT_T0);
-}
-
-/* Four output rows (w: their first weight row) for MM rows of x; out: the first of the four columns of row 0. */
-#define FOUR_ROWS_KERNEL(MM)                                                                                   \
-  static void four_rows_##MM(const float *x, const float *w, size_t k_len, float *out, size_t n_out) {       \
-    __m512 acc[MM][4];                                                                                         \
-    for (int m = 0; m < MM; m++)                                                                               \
-      for (int r = 0; r < 4; r++) acc[m][r] = _mm512_setzero_ps();                                             \
-    size_t k = 0;                                                                                              \
-    for (; k + 16 <= k_len; k += 16) {                                                                         \
-      prefetch4(w, k_len, k);                                                                                  \
-      __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + k_len + k);                                 \
-      __m512 w2 = _mm512_loadu_ps(w + 2 * k_len + k), w3 = _mm512_loadu_ps(w + 3 * k_len + k);                 \
-      for (int m = 0; m < MM; m++) {                                                                           \
-        __m512 xv = _mm512_loadu_ps(x + m * k_len + k);                                                        \
-        acc[m][0] = _mm512_fmadd_ps(w0, xv, acc[m][0]);                                                        \
-        acc[m][1] = _mm512_fmadd_ps(w1, xv, acc[m][1]);                                                        \
-        acc[m][2] = _mm512_fmadd_ps(w2, xv, acc[m][2]);                                                        \
-        acc[m][3] = _mm512_fmadd_ps(w3, xv, acc[m][3]);                                                        \
-      }                                                                                                        \
-    }                                                                                                          \
-    for (int m = 0; m < MM; m++)                                                                               \
-      for (int r = 0; r < 4; r++) {                                                                            \
-        float s = _mm512_reduce_add_ps(acc[m][r]);                                                             \
-        for (size_t kk = k; kk < k_len; kk++) s += w[r * k_len + kk] * x[m * k_len + kk];                      \
-        out[m * n_out + r] = s;                                                                                \
-      }                                                                                                        \
+/* out[m, n0:n1] = x[m, :] @ wt[:, n0:n1] for MM rows, (n1 - n0) a multiple of VEC_FLOATS. */
+#define AXPY_KERNEL(MM)                                                                                          \
+  static void axpy_##MM(const float *__restrict x, const float *__restrict wt, size_t k_len, size_t n_out,       \
+                        float *__restrict out, size_t n0, size_t n1) {                                           \
+    for (int m = 0; m < MM; m++)                                                                                 \
+      for (size_t j = n0; j < n1; j += VEC_FLOATS) vec_store(out + m * n_out + j, vec_zero());                   \
+    size_t k = 0;                                                                                                \
+    for (; k + ROWS_AT_ONCE <= k_len; k += ROWS_AT_ONCE) {                                                      \
+      const float *w = wt + k * n_out;                                                                           \
+      for (size_t j = n0; j < n1; j += VEC_FLOATS) {                                                             \
+        vec_t wv[ROWS_AT_ONCE];                                                                                  \
+        for (int r = 0; r < ROWS_AT_ONCE; r++) wv[r] = vec_load(w + r * n_out + j);                              \
+        for (int m = 0; m < MM; m++) {                                                                           \
+          const float *xm = x + m * k_len + k;                                                                   \
+          float *o = out + m * n_out + j;                                                                        \
+          vec_t acc = vec_load(o);                                                                               \
+          for (int r = 0; r < ROWS_AT_ONCE; r++) acc = vec_fmadd(wv[r], vec_broadcast(xm + r), acc);             \
+          vec_store(o, acc);                                                                                     \
+        }                                                                                                        \
+      }                                                                                                          \
+    }                                                                                                            \
+    for (; k < k_len; k++)                                                                                       \
+      for (size_t j = n0; j < n1; j += VEC_FLOATS) {                                                             \
+        vec_t a = vec_load(wt + k * n_out + j);                                                                  \
+        for (int m = 0; m < MM; m++) {                                                                           \
+          float *o = out + m * n_out + j;                                                                        \
+          vec_store(o, vec_fmadd(a, vec_broadcast(x + m * k_len + k), vec_load(o)));                             \
+        }                                                                                                        \
+      }                                                                                                          \
   }
-FOUR_ROWS_KERNEL(1)
-FOUR_ROWS_KERNEL(2)
-FOUR_ROWS_KERNEL(3)
-FOUR_ROWS_KERNEL(4)
+AXPY_KERNEL(1)
+AXPY_KERNEL(2)
+AXPY_KERNEL(3)
+AXPY_KERNEL(4)
+AXPY_KERNEL(5)
+AXPY_KERNEL(6)
+AXPY_KERNEL(7)
+AXPY_KERNEL(8)
 
-static void four_rows(const float *x, size_t m_rows, const float *w, size_t k_len, float *out, size_t n_out) {
-  size_t m = 0;
-  for (; m + 4 <= m_rows; m += 4) four_rows_4(x + m * k_len, w, k_len, out + m * n_out, n_out);
-  switch (m_rows - m) {
-    case 3: four_rows_3(x + m * k_len, w, k_len, out + m * n_out, n_out); break;
-    case 2: four_rows_2(x + m * k_len, w, k_len, out + m * n_out, n_out); break;
-    case 1: four_rows_1(x + m * k_len, w, k_len, out + m * n_out, n_out); break;
-  }
-}
+typedef void (*axpy_fn)(const float *, const float *, size_t, size_t, float *, size_t, size_t);
+static const axpy_fn AXPY[9] = {0, axpy_1, axpy_2, axpy_3, axpy_4, axpy_5, axpy_6, axpy_7, axpy_8};
 
-/* Output columns [n_begin, n_end) of out [m_rows, n_out] = x [m_rows, k_len] @ w[n_out, k_len]^T. */
-void small_gemm(const float *x, size_t m_rows, const float *w, size_t n_out, size_t k_len, float *out,
+/* Output columns [n_begin, n_end) of out [m_rows, n_out] = x [m_rows, k_len] @ wt [k_len, n_out], 1 <= m_rows <= 8;
+ * n_begin a multiple of VEC_FLOATS. Columns past the last whole vector are scalar, in the same k order. */
+void small_gemm(const float *x, size_t m_rows, const float *wt, size_t n_out, size_t k_len, float *out,
                 size_t n_begin, size_t n_end) {
-  size_t n = n_begin;
-  for (; n + 4 <= n_end; n += 4) four_rows(x, m_rows, w + n * k_len, k_len, out + n, n_out);
-  for (; n < n_end; n++)
+  size_t vec_end = n_begin + (n_end - n_begin) / VEC_FLOATS * VEC_FLOATS;
+  for (size_t n = n_begin; n < vec_end; n += BLOCK_COLUMNS)
+    AXPY[m_rows](x, wt, k_len, n_out, out, n, n + BLOCK_COLUMNS < vec_end ? n + BLOCK_COLUMNS : vec_end);
+  for (size_t n = vec_end; n < n_end; n++)
     for (size_t m = 0; m < m_rows; m++) {
       float s = 0.0f;
-      for (size_t k = 0; k < k_len; k++) s += w[n * k_len + k] * x[m * k_len + k];
+      for (size_t k = 0; k < k_len; k++) s = fmaf(wt[k * n_out + n], x[m * k_len + k], s);
       out[m * n_out + n] = s;
     }
 }

@@ -1,30 +1,36 @@
-"""Small-batch fp32 products on CPU with AVX-512: 1..`MAX_ROWS` rows times a row-major weight, read once.
+"""Small-batch fp32 products on CPU with AVX-512 or AVX2+FMA: 1..`MAX_ROWS` rows times an input-major weight, read once.
 
 Contract:
-- `runs(x, weight)`: whether `linear(x, weight)` can take this kernel — a CPU with AVX-512F where the C source
-  (kernels/cpu/small_gemm.c) built, fp32 `x` with 1..`MAX_ROWS` rows, a 2-D fp32 row-major contiguous weight
-  `[out, in]` it `takes` (fp32 on CPU, `in` ≥ `MIN_IN_FEATURES`, at least `MIN_WEIGHT_ELEMS` elements), no
-  autograd. `takes` is also what the loader asks to keep such weights row-major (engine/model/fused.py). The output rows are split over torch's threads
-  (`at::parallel_for`, blocks of at least 512 KB of weight: a small product stays on the calling thread), so a
-  one-row product uses every thread, which MKL's one-row GEMV does not.
+- `runs(x, weight)`: whether `linear(x, weight)` can take this kernel — a CPU with AVX-512F, or AVX2 and FMA,
+  where the C source (kernels/cpu/small_gemm.c) built, fp32 `x` with 1..`MAX_ROWS` rows, a 2-D fp32 weight
+  `[out, in]` stored input-major (`weight.t()` contiguous: the layout the loader gives decode's weights, see
+  `lay_out_for_gemv` in engine/model/fused.py) that it `takes` (fp32 on CPU, at least `MIN_WEIGHT_ELEMS`
+  elements), no autograd, and not one row at one thread (there MKL's GEMV on the same layout is as fast: the
+  kernel gains by sharing the weight between rows, or by splitting one row's product over threads, which MKL's
+  one-row GEMV does not). `takes` is also what the loader asks to store such weights input-major. The output
+  columns are split over torch's threads (`at::parallel_for`, shares of at least 512 KB of weight: a small product
+  stays on the calling thread).
 - `linear(x, weight)` -> `x @ weight^T` (`[..., in] x [out, in] -> [..., out]`), equal to `F.linear` within fp32
   rounding. A row's result does not depend on how many rows share the call (bitwise: each output is the same
-  sequence of fused multiply-adds). It calls the operator `torch.ops.kdamesh_cpu.small_gemm`, eagerly and from a
-  compiled step alike (opaque to inductor, shape-checked by its fake).
+  sequence of fused multiply-adds, in input order). It calls the operator `torch.ops.kdamesh_cpu.small_gemm`,
+  eagerly and from a compiled step alike (opaque to inductor, shape-checked by its fake).
 - `available()`: built and loaded, once per process. kernels/cpu/small_gemm_op.cpp (which includes the C kernel
   and registers `torch.ops.kdamesh_cpu.small_gemm`) is compiled by `torch.utils.cpp_extension.load` at
   `-O3 -march=native -fopenmp` (~8 s, once) into torch's extension build root, under a name that hashes the sources, the
   flags and this CPU's model, so a build is reused only for the CPU it was made for (`load` itself locks the folder
-  against concurrent workers and rebuilds when a source changed). No compiler, no AVX-512F, a failed build or
-  `KDAMESH_SMALL_GEMM=0` in the environment: not available, with one log line that says why, and every product
-  stays on MKL/oneDNN.
+  against concurrent workers and rebuilds when a source changed). No compiler, neither AVX-512F nor AVX2+FMA, a
+  failed build or `KDAMESH_SMALL_GEMM=0` in the environment: not available, with one log line that says why, and
+  every product stays on MKL/oneDNN.
 
-Why (Intel Xeon, AMX/AVX-512, one thread, weights streamed from memory, `python -m bench.bench_gemv_layout --rows
-1,4`): MKL runs a 4-row product at 1.7-1.9x its one-row time (it streams the weight once per row); this kernel
-reads four adjacent weight rows once and multiplies them into all rows of x: `[4, 768] x [768, 4880]` 1.18 ms
-against MKL's 1.65, `[4, 1536] x [1536, 768]` 0.33 against 0.51; one row is 0-10% faster on wide products
-(`[1, 768] x [768, 8192]` 1.43 vs 1.57 ms). With 128-256-long rows (demo-k3) or under ~1 MB of weight it is
-slower than MKL (its 16 horizontal sums per four outputs and x rows dominate): `takes` leaves those to MKL.
+How and why: the kernel runs a product as axpys over the input-major weight — eight weight rows (inputs) at a time,
+each a contiguous run of outputs, multiplied into every row of x while the outputs stay in L1/L2 — so m rows read
+the weight once, and no output needs a horizontal sum, so short rows (demo-k3's 64-256 inputs) cost nothing extra.
+MKL runs a 2-8-row fp32 product at 1.5-3x its one-row time (it streams the weight once per row). AMD EPYC, AVX2,
+weights streamed from memory (`python -m bench.bench_gemv_layout --rows 1,4,8`): `[4, 768] x [768, 4880]` 1.06 ms
+against MKL's 1.95 (input-major; 2.38 row-major), 8 rows 1.21 vs 2.14, `[4, 256] x [256, 8192]` 0.81 vs 1.23; one
+row 0.74 vs 0.71 at one thread (a tie, left to MKL) and 0.62 vs 0.71 at two. An earlier form (AVX-512 only, dot
+products over a row-major weight) lost to MKL on short rows (a horizontal sum per output) and, on AVX2, on one row
+(0.7x of MKL's input-major GEMV).
 """
 
 from __future__ import annotations
@@ -43,8 +49,7 @@ log = logging.getLogger(__name__)
 SOURCES = (Path(__file__).with_name("small_gemm_op.cpp"), Path(__file__).with_name("small_gemm.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp")  # -fopenmp: at::parallel_for runs on torch's OpenMP threads
 MAX_ROWS = 8
-MIN_IN_FEATURES = 512  # shorter rows: the per-output reductions dominate and MKL is faster (bench below)
-MIN_WEIGHT_ELEMS = 1 << 18  # smaller weights: MKL is as fast or faster, at 1 and at 4 rows
+MIN_WEIGHT_ELEMS = 1 << 18  # smaller weights: MKL is as fast or faster (demo-k3 [4, 256] x [256, 512]: 64 vs 86 us)
 DISABLE_ENV = "KDAMESH_SMALL_GEMM"
 
 
@@ -87,21 +92,30 @@ def available() -> bool:
     return _loaded()
 
 
+@torch.compiler.assume_constant_result  # traced code asks at trace time (the count is set once per process)
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
 def takes(out_features: int, in_features: int, dtype: torch.dtype, device_type: str) -> bool:
     """Whether a product with a weight `[out, in]` of this dtype and device is one the kernel runs faster than MKL
     (the shape rule of the module docstring; built or not is `available`'s business)."""
-    return (dtype == torch.float32 and device_type == "cpu" and in_features >= MIN_IN_FEATURES
-            and out_features * in_features >= MIN_WEIGHT_ELEMS)
+    return dtype == torch.float32 and device_type == "cpu" and out_features * in_features >= MIN_WEIGHT_ELEMS
+
+
+def input_major(weight: torch.Tensor) -> bool:
+    """Whether a 2-D weight `[out, in]` is stored input-major (its transpose contiguous), the layout the kernel reads."""
+    return weight.t().is_contiguous()
 
 
 def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` takes this kernel (see the module docstring)."""
-    if not (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
+    if not (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dim() == 2 and input_major(weight)
             and takes(weight.shape[0], weight.shape[1], weight.dtype, weight.device.type)
             and x.shape[-1] == weight.shape[1]):
         return False
     rows = x.numel() // weight.shape[1]
-    if not 1 <= rows <= MAX_ROWS:
+    if not 1 <= rows <= MAX_ROWS or (rows == 1 and _threads() == 1):
         return False
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
         return False

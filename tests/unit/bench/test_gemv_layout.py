@@ -37,7 +37,6 @@ def test_the_kernel_column_at_several_rows(monkeypatch):
 
     monkeypatch.setattr(bench, "COLD_BYTES", 1 << 16)
     monkeypatch.setattr(small_gemm, "MIN_WEIGHT_ELEMS", 1)  # tiny-linear's products, all of them
-    monkeypatch.setattr(small_gemm, "MIN_IN_FEATURES", 16)
     rows = bench.measure("tiny-linear", repeats=1, rows=4)
     assert rows and all(r["rows"] == 4 for r in rows)
     assert all((r["small_gemm_us"] is not None) == (small_gemm.available()

@@ -1,4 +1,4 @@
-"""kernels/cpu/small_gemm.py: the AVX-512 small-batch product equals `F.linear`, is batch-invariant, is taken
+"""kernels/cpu/small_gemm.py: the AVX-512/AVX2 small-batch product equals `F.linear`, is batch-invariant, is taken
 exactly where `runs` says (eagerly and inside a compiled graph, without a graph break), and a failed build or the
 off switch leaves every product on MKL with one log line."""
 
@@ -18,32 +18,39 @@ from kernels.cpu import small_gemm
 from kernels.linear import linear
 
 
-def _cpu_has_avx512f() -> bool:
+def _cpu_has_vector_fma() -> bool:
+    """AVX-512F, or AVX2 with FMA: what the kernel's source builds on (read here, not from the module)."""
     with open("/proc/cpuinfo") as f:
-        return any(line.startswith("flags") and " avx512f " in line + " " for line in f)
+        flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
 
 
 def test_built_exactly_where_the_cpu_and_a_compiler_allow():
-    assert small_gemm.available() == (_cpu_has_avx512f() and shutil.which("c++") is not None)
+    assert small_gemm.available() == (_cpu_has_vector_fma() and shutil.which("c++") is not None)
+
+
+def input_major(weight: torch.Tensor) -> torch.Tensor:
+    """The same `[out, in]` weight stored input-major, as the loader stores the weights the kernel takes."""
+    return weight.t().contiguous().t()
 
 
 def kernel_here() -> bool:
     """Whether this machine builds the kernel; where it cannot, a test of the kernel checks the fallback instead."""
-    if _cpu_has_avx512f():
+    if _cpu_has_vector_fma():
         return True
-    assert not small_gemm.available() and not small_gemm.runs(torch.randn(1, 512), torch.randn(512, 512))
+    assert not small_gemm.available() and not small_gemm.runs(torch.randn(1, 512), input_major(torch.randn(512, 512)))
     return False
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("out_features,in_features", [(512, 768), (515, 520), (257, 1030)])  # tails of 3 and 8
+@pytest.mark.parametrize("out_features,in_features", [(512, 768), (515, 521), (257, 1030), (4099, 64)])  # tails
 def test_equals_f_linear_and_a_row_does_not_depend_on_its_batch(rows, out_features, in_features):
     if not kernel_here():
         return
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
-    weight = torch.randn(out_features, in_features, generator=gen)
+    weight = input_major(torch.randn(out_features, in_features, generator=gen))
     x = torch.randn(rows, in_features, generator=gen)
-    assert small_gemm.runs(x, weight)
+    assert small_gemm.runs(x, weight) == (rows > 1 or torch.get_num_threads() > 1)  # one row, one thread: MKL
     got = small_gemm.linear(x, weight)
     torch.testing.assert_close(got, F.linear(x, weight), atol=1e-4, rtol=1e-5)
     alone = torch.cat([small_gemm.linear(x[i:i + 1], weight) for i in range(rows)])
@@ -56,7 +63,7 @@ def test_equals_f_linear_and_a_row_does_not_depend_on_its_batch(rows, out_featur
 def test_leading_dimensions_and_linear_routing():
     if not kernel_here():
         return
-    weight = torch.randn(520, 512)
+    weight = input_major(torch.randn(520, 512))
     x = torch.randn(2, 3, 512)  # 6 rows
     assert small_gemm.runs(x, weight)
     torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-5)
@@ -65,17 +72,25 @@ def test_leading_dimensions_and_linear_routing():
 
 def test_runs_only_where_the_kernel_applies(monkeypatch):
     monkeypatch.setattr(small_gemm, "available", lambda: True)
-    weight, x = torch.randn(512, 512), torch.randn(4, 512)
+    weight, x = input_major(torch.randn(512, 512)), torch.randn(4, 512)
     assert small_gemm.runs(x, weight)
     assert not small_gemm.runs(torch.randn(small_gemm.MAX_ROWS + 1, 512), weight)
     assert not small_gemm.runs(x.bfloat16(), weight.bfloat16())
-    assert not small_gemm.runs(x, weight.t().contiguous().t())  # input-major: the kernel reads rows
-    assert not small_gemm.runs(torch.randn(4, 256), torch.randn(4096, 256))  # short rows: MKL is faster
-    assert not small_gemm.runs(x, torch.randn(256, 512))  # under MIN_WEIGHT_ELEMS: MKL is as fast
+    assert not small_gemm.runs(x, weight.contiguous())  # row-major: the kernel reads the weight input-major
+    assert small_gemm.runs(torch.randn(4, 64), input_major(torch.randn(4096, 64)))  # short rows are no exception
+    assert not small_gemm.runs(x, input_major(torch.randn(256, 512)))  # under MIN_WEIGHT_ELEMS: MKL is as fast
     with torch.enable_grad():
         assert not small_gemm.runs(x, weight.clone().requires_grad_())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert not small_gemm.runs(x[:1], weight) and small_gemm.runs(x[:2], weight)  # one row, one thread: MKL
+        torch.set_num_threads(2)
+        assert small_gemm.runs(x[:1], weight)
+    finally:
+        torch.set_num_threads(threads)
     monkeypatch.setattr(small_gemm, "available", lambda: False)
-    assert not small_gemm.runs(x[:1], weight)
+    assert not small_gemm.runs(x[:2], weight)
 
 
 def test_a_compiled_graph_calls_the_kernel_without_a_break():
@@ -87,7 +102,7 @@ def test_a_compiled_graph_calls_the_kernel_without_a_break():
         graphs.append(gm)
         return gm.forward
 
-    weight = torch.randn(520, 512)
+    weight = input_major(torch.randn(520, 512))
 
     def step(x):
         return linear(x, weight).relu() + 1
@@ -117,7 +132,7 @@ def test_the_off_switch_is_honoured():
     code = ("import logging, torch; logging.basicConfig(level=logging.INFO)\n"
             "from kernels.cpu import small_gemm\n"
             "from kernels.linear import linear\n"
-            "w, x = torch.randn(512, 512), torch.randn(1, 512)\n"
+            "w, x = torch.randn(512, 512).t().contiguous().t(), torch.randn(1, 512)\n"
             "assert not small_gemm.available() and not small_gemm.runs(x, w)\n"
             "torch.testing.assert_close(linear(x, w), torch.nn.functional.linear(x, w))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -130,7 +145,7 @@ def test_threads_split_the_outputs_and_change_no_bit():
     if not kernel_here():
         return
     gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(1030, 768, generator=gen)  # 258 blocks of four rows: split over the threads
+    weight = input_major(torch.randn(1030, 768, generator=gen))  # 65 runs of 16 outputs: split over the threads
     x = torch.randn(3, 768, generator=gen)
     threads = torch.get_num_threads()
     try:

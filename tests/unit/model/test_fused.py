@@ -131,22 +131,26 @@ def test_cpu_load_stores_linears_input_major(tmp_path, preset, monkeypatch):
     assert not torch.allclose(_logits(model, prompts), want, atol=1e-3)
 
 
-def test_linears_stay_row_major_where_the_small_gemm_kernel_reads_them(tmp_path, monkeypatch):
-    """Where kernels/cpu/small_gemm.py takes decode's fp32 products (`small_gemm_reads`), the loader keeps every
-    linear weight row-major, the layout that kernel reads; the routed experts' stacks stay input-major (the bags
-    read them); logits unchanged (negative control: the MKL rule on the same checkpoint makes some input-major)."""
+def test_linears_are_input_major_where_the_small_gemm_kernel_reads_them(tmp_path, monkeypatch):
+    """Where kernels/cpu/small_gemm.py takes decode's fp32 products (`small_gemm_reads`), the loader stores every
+    such linear weight input-major, the layout that kernel reads (MLA's reshaped kv_b_proj excepted, as always); the
+    routed experts' stacks stay input-major (the bags read them); logits unchanged (negative control: with MKL's
+    rule made to prefer row-major everywhere, the kernel's rule alone makes them input-major, and without it they
+    stay row-major)."""
     from engine.model import fused
     from engine.model.fused import column_major
 
     model_dir = make_checkpoint("tiny-k3", tmp_path / "tiny-k3", seed=2)
+    monkeypatch.setattr(fused, "prefers_input_major", lambda out_rows, in_features: False)
     monkeypatch.setattr(fused, "small_gemm_reads", lambda weight, out_rows: weight.dtype == torch.float32)
     model = load_model(model_dir, LoadConfig(dtype="float32"))
-    weights = {n: p for n, p in model.named_parameters() if n.endswith("proj.weight") and p.dim() == 2}
-    assert weights and not any(column_major(p) for p in weights.values())
+    weights = {n: p for n, p in model.named_parameters()
+               if n.endswith("proj.weight") and p.dim() == 2 and "kv_b_proj" not in n and p.shape[0] > 1}
+    assert weights and all(column_major(p) for p in weights.values())
     experts = [m for m in model.modules() if type(m).__name__ == "StackedExperts"]
     assert experts and all(column_major(m.w1) for m in experts)
     monkeypatch.setattr(fused, "small_gemm_reads", lambda weight, out_rows: False)
     mkl_layout = load_model(model_dir, LoadConfig(dtype="float32"))
-    assert any(column_major(p) for n, p in mkl_layout.named_parameters() if n.endswith("proj.weight"))
+    assert not any(column_major(p) for n, p in mkl_layout.named_parameters() if n in weights)
     prompts = [[3, 9, 27, 81, 243], [7, 49, 343]]
     torch.testing.assert_close(_logits(model, prompts), _logits(mkl_layout, prompts), atol=1e-4, rtol=1e-4)
