@@ -3,9 +3,9 @@
 Contract: `linear(x, weight) -> x @ weight^T` ([..., in] x [out, in] -> [..., out], no bias), equal to
 `torch.nn.functional.linear(x, weight)` within the dtype's rounding (tests/unit/kernels/test_linear.py).
 
-- First, eager or compiled: kernels/cpu/small_gemm.py where it `runs` (fp32, 1..8 rows, a row-major weight, an
-  AVX-512 CPU where its C source built; more than one row only at one thread): it reads the weight once for all
-  rows. The paths below are what every other product takes.
+- First, eager or compiled: kernels/cpu/small_gemm.py where it `runs` (fp32, 1..8 rows, an input-major weight,
+  an AVX-512 or AVX2+FMA CPU where its C source built; one row only at two or more threads and a large weight): it
+  reads the weight once for all rows. The paths below are what every other product takes.
 
 - oneDNN, prepacked: on CPU, bf16 at any row count (where the CPU has oneDNN's bf16 products: `onednn_bf16`),
   or fp32 at 2+ rows times a weight of at least `PACK_MIN_FP32` elements; a 2-D fp32/bf16 weight, no autograd,

@@ -5,9 +5,10 @@ Contract:
   where the C source (kernels/cpu/small_gemm.c) built, fp32 `x` with 1..`MAX_ROWS` rows, a 2-D fp32 weight
   `[out, in]` stored input-major (`weight.t()` contiguous: the layout the loader gives decode's weights, see
   `lay_out_for_gemv` in engine/model/fused.py) that it `takes` (fp32 on CPU, at least `MIN_WEIGHT_ELEMS`
-  elements), no autograd, and not one row at one thread (there MKL's GEMV on the same layout is as fast: the
-  kernel gains by sharing the weight between rows, or by splitting one row's product over threads, which MKL's
-  one-row GEMV does not). `takes` is also what the loader asks to store such weights input-major. The output
+  elements), no autograd, and for one row only at two or more threads and a weight of at least
+  `ONE_ROW_MIN_ELEMS` (one row at one thread: MKL's GEMV on the same layout is as fast; the kernel gains by sharing
+  the weight between rows, or by splitting a large one-row product over threads, which MKL's one-row GEMV does not;
+  smaller one-row splits did not pay in demo-k3's step). `takes` is also what the loader asks to store such weights input-major. The output
   columns are split over torch's threads (`at::parallel_for`, shares of at least 512 KB of weight: a small product
   stays on the calling thread).
 - `linear(x, weight)` -> `x @ weight^T` (`[..., in] x [out, in] -> [..., out]`), equal to `F.linear` within fp32
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 SOURCES = (Path(__file__).with_name("small_gemm_op.cpp"), Path(__file__).with_name("small_gemm.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp")  # -fopenmp: at::parallel_for runs on torch's OpenMP threads
 MAX_ROWS = 8
+ONE_ROW_MIN_ELEMS = 1 << 20  # one row: only weights this large gain from the split over threads (demo-k3 bench)
 MIN_WEIGHT_ELEMS = 1 << 18  # smaller weights: MKL is as fast or faster (demo-k3 [4, 256] x [256, 512]: 64 vs 86 us)
 DISABLE_ENV = "KDAMESH_SMALL_GEMM"
 
@@ -115,7 +117,7 @@ def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[-1] == weight.shape[1]):
         return False
     rows = x.numel() // weight.shape[1]
-    if not 1 <= rows <= MAX_ROWS or (rows == 1 and _threads() == 1):
+    if not 1 <= rows <= MAX_ROWS or (rows == 1 and (_threads() == 1 or weight.numel() < ONE_ROW_MIN_ELEMS)):
         return False
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
         return False

@@ -1,6 +1,6 @@
 """Dense projections (kernels/linear.py): oneDNN's prepacked path equals F.linear within rounding and is row-invariant;
 its cache follows in-place writes and dies with the weight; the MKL fallback stays bitwise equal to F.linear. The
-AVX-512 small-batch kernel that takes 1-8 fp32 rows first (kernels/cpu/small_gemm.py) is switched off here, so
+small-batch kernel that takes 1-8 fp32 rows first (kernels/cpu/small_gemm.py) is switched off here, so
 these tests reach the paths behind it; tests/unit/kernels/test_small_gemm.py tests it and its routing."""
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def test_equals_f_linear_and_a_row_does_not_depend_on_its_batch(rows, out_featur
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     weight = input_major(torch.randn(out_features, in_features, generator=gen))
     x = torch.randn(rows, in_features, generator=gen)
-    assert small_gemm.runs(x, weight) == (rows > 1 or torch.get_num_threads() > 1)  # one row, one thread: MKL
+    one_row_on_kernel = torch.get_num_threads() > 1 and weight.numel() >= small_gemm.ONE_ROW_MIN_ELEMS
+    assert small_gemm.runs(x, weight) == (rows > 1 or one_row_on_kernel)  # one row: MKL unless split over threads
     got = small_gemm.linear(x, weight)
     torch.testing.assert_close(got, F.linear(x, weight), atol=1e-4, rtol=1e-5)
     alone = torch.cat([small_gemm.linear(x[i:i + 1], weight) for i in range(rows)])
@@ -86,7 +87,9 @@ def test_runs_only_where_the_kernel_applies(monkeypatch):
         torch.set_num_threads(1)
         assert not small_gemm.runs(x[:1], weight) and small_gemm.runs(x[:2], weight)  # one row, one thread: MKL
         torch.set_num_threads(2)
-        assert small_gemm.runs(x[:1], weight)
+        assert not small_gemm.runs(x[:1], weight)  # one row of a small weight: not worth a split over threads
+        wide = input_major(torch.randn(small_gemm.ONE_ROW_MIN_ELEMS // 512, 512))
+        assert small_gemm.runs(x[:1], wide) and small_gemm.runs(x[:2], weight)
     finally:
         torch.set_num_threads(threads)
     monkeypatch.setattr(small_gemm, "available", lambda: False)
