@@ -8,9 +8,9 @@ Contract:
   elements), no autograd, and for one row only at two or more threads and a weight of at least
   `ONE_ROW_MIN_ELEMS` (one row at one thread: MKL's GEMV on the same layout is as fast; the kernel gains by sharing
   the weight between rows, or by splitting a large one-row product over threads, which MKL's one-row GEMV does not;
-  smaller one-row splits did not pay in demo-k3's step). `takes` is also what the loader asks to store such weights input-major. The output
-  columns are split over torch's threads (`at::parallel_for`, shares of at least 512 KB of weight: a small product
-  stays on the calling thread).
+  smaller one-row splits did not pay in demo-k3's step). `takes` is also what the loader asks to store such
+  weights input-major. The output columns are split over torch's threads (`at::parallel_for`, shares of at least
+  512 KB of weight: a small product stays on the calling thread).
 - `linear(x, weight)` -> `x @ weight^T` (`[..., in] x [out, in] -> [..., out]`), equal to `F.linear` within fp32
   rounding. A row's result does not depend on how many rows share the call (bitwise: each output is the same
   sequence of fused multiply-adds, in input order). It calls the operator `torch.ops.kdamesh_cpu.small_gemm`,
