@@ -1,4 +1,4 @@
-"""Small-batch products on CPU: a decode step's weights read row-major vs input-major by MKL and by our small-batch kernel.
+"""Small-batch products on CPU: a decode step's weights read row-major vs input-major by MKL, and by our kernel.
 
 Usage: `python -m bench.bench_gemv_layout [--presets small-linear-kda12,demo-k3] [--rows 1] [--threads 1] [--repeats 7]
 [--out FILE]`

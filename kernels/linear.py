@@ -9,7 +9,8 @@ Contract: `linear(x, weight) -> x @ weight^T` ([..., in] x [out, in] -> [..., ou
 
 - oneDNN, prepacked: on CPU, bf16 at any row count (where the CPU has oneDNN's bf16 products: `onednn_bf16`),
   or fp32 at 2+ rows times a weight of at least `PACK_MIN_FP32` elements; a 2-D fp32/bf16 weight, no autograd,
-  not inside a compiled step (inductor packs weights itself). The weight is reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) and cached per
+  not inside a compiled step (inductor packs weights itself). The weight is reordered once into oneDNN's blocked
+  layout (`torch.ops.mkldnn._reorder_linear_weight`) and cached per
   weight tensor (`packed_weight`): keyed by identity, checked against its data pointer and version counter at each
   call (a weight written in place or rebound is repacked), dropped when the weight dies; inference tensors (no
   version counter) are not packed. The packed copy costs the weight's bytes once more (`packed_bytes()`). On this

@@ -106,7 +106,8 @@ def takes(out_features: int, in_features: int, dtype: torch.dtype, device_type: 
 
 
 def input_major(weight: torch.Tensor) -> bool:
-    """Whether a 2-D weight `[out, in]` is stored input-major (its transpose contiguous), the layout the kernel reads."""
+    """Whether a 2-D weight `[out, in]` is stored input-major (its transpose contiguous): the layout the kernel
+    reads."""
     return weight.t().is_contiguous()
 
 
