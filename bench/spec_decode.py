@@ -15,7 +15,8 @@ for the plain and the speculative run):
   the random model is not made to copy, its own output is). The table's speed-up is what accepted drafts buy.
 Greedy, EOS ignored, every run checks that the speculative outputs equal the plain ones token for token. Batch 1: the
 wall time of one request's `--output-len` tokens (prefill included, the same for both), as tokens/s per user. Batch
-N: N such requests at once, output tokens/s. Each side runs `--repeats` times in turn, best time kept; acceptance is
+N: N such requests at once, output tokens/s. Each side runs once untimed (the warm-up: a compiled engine builds
+its graphs there), then `--repeats` times in turn, best time kept; acceptance is
 that of the last speculative run (deterministic: greedy). `CPU-time ratio` is the same ratio of the process's CPU
 time (with one torch thread: robust on a loaded machine, where wall time includes waiting for a core). Each row
 also gives the drafter's own wall time per step
@@ -117,7 +118,9 @@ def _measure(plain, spec, workload: str, batch: int, output_len: int, repeats: i
     """One row: plain and speculative in turn on the same prompts and sampling, `repeats` times each, best time of
     each (a shared machine's noise only ever slows a run down); None when the outputs differ."""
     sampling, prompts = WORKLOADS[workload], _workload_prompts(workload, batch, plain.engine.args.model)
-    _run(plain, prompts[:1], 4, sampling), _run(spec, prompts[:1], 4, sampling)  # warm-up
+    # warm-up: one whole untimed run each, so a compiled engine builds every graph the timed runs use (a 4-token,
+    # one-prompt warm-up left the verification graphs' build to the first timed runs)
+    _run(plain, prompts, output_len, sampling), _run(spec, prompts, output_len, sampling)
     t_plain = t_spec = cpu_plain = cpu_spec = float("inf")
     clock, draft_ms = DraftClock(spec), 0.0
     for _ in range(repeats):
