@@ -5,10 +5,10 @@ Contract:
   where the C source (kernels/cpu/small_gemm.c) built, fp32 `x` with 1..`MAX_ROWS` rows, a 2-D fp32 weight
   `[out, in]` stored input-major (`weight.t()` contiguous: the layout the loader gives decode's weights, see
   `lay_out_for_gemv` in engine/model/fused.py) that it `takes` (fp32 on CPU, at least `MIN_WEIGHT_ELEMS`
-  elements), no autograd, and for one row only at two or more threads and a weight of at least
-  `ONE_ROW_MIN_ELEMS` (one row at one thread: MKL's GEMV on the same layout is as fast; the kernel gains by sharing
-  the weight between rows, or by splitting a large one-row product over threads, which MKL's one-row GEMV does not;
-  smaller one-row splits did not pay in demo-k3's step). `takes` is also what the loader asks to store such
+  elements), no autograd; one row (`one_row_runs`) at one thread only with AVX-512 (with AVX2, MKL's GEMV on the
+  same layout is as fast), and at two or more threads only for a weight of at least `ONE_ROW_MIN_ELEMS` (the
+  kernel gains by sharing the weight between rows, or by splitting a large one-row product over threads, which
+  MKL's one-row GEMV does not; smaller one-row splits did not pay in demo-k3's step). `takes` is also what the loader asks to store such
   weights input-major. The output columns are split over torch's threads (`at::parallel_for`, shares of at least
   512 KB of weight: a small product stays on the calling thread).
 - `linear(x, weight)` -> `x @ weight^T` (`[..., in] x [out, in] -> [..., out]`), equal to `F.linear` within fp32
@@ -29,7 +29,9 @@ the weight once, and no output needs a horizontal sum, so short rows (demo-k3's 
 MKL runs a 2-8-row fp32 product at 1.5-3x its one-row time (it streams the weight once per row). AMD EPYC, AVX2,
 weights streamed from memory (`python -m bench.bench_gemv_layout --rows 1,4,8`): `[4, 768] x [768, 4880]` 1.06 ms
 against MKL's 1.95 (input-major; 2.38 row-major), 8 rows 1.21 vs 2.14, `[4, 256] x [256, 8192]` 0.81 vs 1.23; one
-row 0.74 vs 0.71 at one thread (a tie, left to MKL) and 0.62 vs 0.71 at two. An earlier form (AVX-512 only, dot
+row 0.74 vs 0.71 at one thread (a tie, left to MKL) and 0.62 vs 0.71 at two. AMD EPYC with AVX-512, one row at
+one thread: `[1, 768] x [768, 4880]` 588 vs 659 us, `[1, 1536] x [1536, 768]` 266 vs 311, a token's products of
+small-linear-kda12 ~0.85 ms less of 10 ms (its compiled step 6-7% faster, kernel on/off alternated). An earlier form (AVX-512 only, dot
 products over a row-major weight) lost to MKL on short rows (a horizontal sum per output) and, on AVX2, on one row
 (0.7x of MKL's input-major GEMV).
 """
@@ -55,14 +57,20 @@ MIN_WEIGHT_ELEMS = 1 << 18  # smaller weights: MKL is as fast or faster (demo-k3
 DISABLE_ENV = "KDAMESH_SMALL_GEMM"
 
 
-def _cpu_model() -> str:
+@cache
+def _cpuinfo(field: str) -> str:
+    """The first `field` line's value in /proc/cpuinfo ("" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.split(":", 1)[0].strip() == field:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return ""
+
+
+def _cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def build_name() -> str:
@@ -99,6 +107,19 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+@torch.compiler.assume_constant_result
+def wide_vectors() -> bool:
+    """Whether the build runs 512-bit vectors: `-march=native` defines `__AVX512F__` where the CPU has AVX-512F."""
+    return "avx512f" in _cpuinfo("flags").split()
+
+
+def one_row_runs(weight_elems: int) -> bool:
+    """Whether a one-row product with a weight the kernel `takes` runs on it (see the module docstring)."""
+    if _threads() == 1:
+        return wide_vectors()
+    return weight_elems >= ONE_ROW_MIN_ELEMS
+
+
 def takes(out_features: int, in_features: int, dtype: torch.dtype, device_type: str) -> bool:
     """Whether a product with a weight `[out, in]` of this dtype and device is one the kernel runs faster than MKL
     (the shape rule of the module docstring; built or not is `available`'s business)."""
@@ -118,7 +139,7 @@ def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[-1] == weight.shape[1]):
         return False
     rows = x.numel() // weight.shape[1]
-    if not 1 <= rows <= MAX_ROWS or (rows == 1 and (_threads() == 1 or weight.numel() < ONE_ROW_MIN_ELEMS)):
+    if not 1 <= rows <= MAX_ROWS or (rows == 1 and not one_row_runs(weight.numel())):
         return False
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
         return False

@@ -50,8 +50,7 @@ def test_equals_f_linear_and_a_row_does_not_depend_on_its_batch(rows, out_featur
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     weight = input_major(torch.randn(out_features, in_features, generator=gen))
     x = torch.randn(rows, in_features, generator=gen)
-    one_row_on_kernel = torch.get_num_threads() > 1 and weight.numel() >= small_gemm.ONE_ROW_MIN_ELEMS
-    assert small_gemm.runs(x, weight) == (rows > 1 or one_row_on_kernel)  # one row: MKL unless split over threads
+    assert small_gemm.runs(x, weight) == (rows > 1 or small_gemm.one_row_runs(weight.numel()))
     got = small_gemm.linear(x, weight)
     torch.testing.assert_close(got, F.linear(x, weight), atol=1e-4, rtol=1e-5)
     alone = torch.cat([small_gemm.linear(x[i:i + 1], weight) for i in range(rows)])
@@ -85,7 +84,10 @@ def test_runs_only_where_the_kernel_applies(monkeypatch):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert not small_gemm.runs(x[:1], weight) and small_gemm.runs(x[:2], weight)  # one row, one thread: MKL
+        monkeypatch.setattr(small_gemm, "wide_vectors", lambda: False)
+        assert not small_gemm.runs(x[:1], weight) and small_gemm.runs(x[:2], weight)  # AVX2, one thread: MKL
+        monkeypatch.setattr(small_gemm, "wide_vectors", lambda: True)
+        assert small_gemm.runs(x[:1], weight)  # AVX-512, one thread: the kernel beats MKL's GEMV
         torch.set_num_threads(2)
         assert not small_gemm.runs(x[:1], weight)  # one row of a small weight: not worth a split over threads
         wide = input_major(torch.randn(small_gemm.ONE_ROW_MIN_ELEMS // 512, 512))
