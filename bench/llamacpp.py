@@ -34,8 +34,11 @@ Usage: `python -m bench.llamacpp [--models small-linear-kda12,demo-k3] [--thread
 - `--compilation-config` is the engine's (vLLM's JSON, engine/compilation.py) for every kdamesh worker: e.g.
   `'{"level": 3}'` runs decode steps compiled by inductor (CPU's default is eager); the build happens in the
   worker's warm-up, untimed; the printed reproduce line carries the flag.
-- kdamesh runs in worker processes (`--worker`, JSON lines on stdin/stdout), one engine per kind of run, so each
-  one's RSS is its own; the launcher never imports torch (a child's `ru_maxrss` starts at its launcher's RSS).
+- kdamesh runs in worker processes (`--worker`, JSON lines on stdin/stdout), one engine per kind of run and thread
+  count (a worker sets its threads before it builds its engine, as a serving worker does: a compiled step's
+  routing, kernels/cpu/small_gemm.py, is traced at that count), so each one's RSS is its own; the launcher never
+  imports torch (a child's `ru_maxrss` starts at its launcher's RSS). The depth worker runs its request once,
+  untimed, before the repetitions (its prompt cached, its decode graphs built).
 Prints a markdown table and the reproducing command; `--out` writes the rows as JSON.
 """
 
@@ -119,10 +122,10 @@ def random_prompt(length: int, seed: int) -> list[int]:
 class KdameshWorker:
     """An `EngineCore` in its own process; `call(op, **kw)` sends one command and returns its JSON answer."""
 
-    def __init__(self, model_dir: Path, max_num_seqs: int, max_context: int, prefix_caching: bool = False,
-                 compilation_config: str | None = None):
+    def __init__(self, model_dir: Path, max_num_seqs: int, max_context: int, threads: int,
+                 prefix_caching: bool = False, compilation_config: str | None = None):
         config = {"model": str(model_dir), "max_num_seqs": max_num_seqs, "max_context": max_context,
-                  "prefix_caching": prefix_caching, "compilation_config": compilation_config}
+                  "threads": threads, "prefix_caching": prefix_caching, "compilation_config": compilation_config}
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.llamacpp", "--worker", json.dumps(config)],
                                      cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.info = self._read()
@@ -152,6 +155,7 @@ def worker_main(config: dict) -> int:
     """The worker's loop: answers one JSON line per command line (stdout carries answers only)."""
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     sys.stdout = sys.stderr  # the engine's prints must not interleave with the answers
+    _threads(config["threads"])  # before the engine: a compiled step's routing is traced at this count
     core = _engine(config)
     answers.write(json.dumps({"pool_bytes": core.plan.kv_bytes + core.plan.state_bytes,
                               "one_tile_tokens": one_tile_tokens(core)}) + "\n")
@@ -348,22 +352,35 @@ def run_model(args: argparse.Namespace, name: str, bin_dir: Path) -> dict:
     for note in patches:
         print(f"  converter patched (a copy): {note}", flush=True)
     llama = tools.LlamaCpp(bin_dir, gguf)
-    compiled = args.compilation_config
-    workers = {"single": KdameshWorker(folder, 1, max(args.prefill_len, args.decode_tokens, 64) + 8,
-                                       compilation_config=compiled),
-               "depth": KdameshWorker(folder, 1, args.depth + args.depth_tokens + 8, prefix_caching=True,
-                                      compilation_config=compiled),
-               "batch": KdameshWorker(folder, args.batch, args.batch_prompt_len + args.batch_gen + 8,
-                                      compilation_config=compiled)}
-    check = sanity(llama, workers["single"], args.sanity_tokens, max(args.threads))
-    print(f"  sanity: greedy {'EQUAL' if check['equal'] else 'DIFFERENT'} over {check['tokens']} tokens "
-          f"(prompt ids equal: {check['prompt_ids_equal']}, first differing byte: {check['first_differing_byte']})",
-          flush=True)
-    per_threads = {t: summarize(measure(args, llama, workers, t)) for t in args.threads}
-    memory = {kind: worker.close() for kind, worker in workers.items()}
+    check, per_threads, memory = None, {}, None
+    for threads in args.threads:
+        workers = start_workers(args, folder, threads)
+        if check is None:
+            check = sanity(llama, workers["single"], args.sanity_tokens, threads)
+            print(f"  sanity: greedy {'EQUAL' if check['equal'] else 'DIFFERENT'} over {check['tokens']} tokens "
+                  f"(prompt ids equal: {check['prompt_ids_equal']}, first differing byte: "
+                  f"{check['first_differing_byte']})", flush=True)
+        per_threads[threads] = summarize(measure(args, llama, workers, threads))
+        closed = {kind: worker.close() for kind, worker in workers.items()}
+        memory = memory or closed  # RSS hardly depends on the thread count: the first count's workers
     return {"model": name, "gguf": str(gguf), "patches": patches, "sanity": check, "results": per_threads,
             "rss": {kind: {"kdamesh": memory[kind]["peak_rss"], "kdamesh_pool": memory[kind]["pool_bytes"],
                            "llama.cpp": llama.peak_rss[kind]} for kind in memory}}
+
+
+def start_workers(args: argparse.Namespace, folder: Path, threads: int) -> dict[str, KdameshWorker]:
+    """The kdamesh workers of one thread count, warmed up: each sets its threads before building its engine (as a
+    serving worker does), and the depth engine runs the depth request once untimed, so every repetition resumes at
+    its cached prompt and finds the decode graphs of that context built."""
+    compiled = args.compilation_config
+    workers = {"single": KdameshWorker(folder, 1, max(args.prefill_len, args.decode_tokens, 64) + 8, threads,
+                                       compilation_config=compiled),
+               "depth": KdameshWorker(folder, 1, args.depth + args.depth_tokens + 8, threads, prefix_caching=True,
+                                      compilation_config=compiled),
+               "batch": KdameshWorker(folder, args.batch, args.batch_prompt_len + args.batch_gen + 8, threads,
+                                      compilation_config=compiled)}
+    workers["depth"].call("decode", prompt_len=args.depth, tokens=args.depth_tokens, threads=threads, seed=7)
+    return workers
 
 
 def metric_labels(args: argparse.Namespace) -> dict[str, str]:
