@@ -161,8 +161,10 @@ def worker_counters(worker: DecodeWorker) -> list[CounterSample]:
         CounterSample("handoffs", "Decode requests by how their handoff went", c.handoff_failures,
                       (("outcome", "failed"),)),
         CounterSample("recomputed_prompts", "Prompts computed here because their handoff was unusable", c.recomputed),
-        CounterSample("handoff_streamed_groups", "Block groups of handoffs written into the engine while the next "
-                      "was still being read", c.handoff_groups),
+        CounterSample("handoff_streamed_groups", "Block groups of handoffs written into the engine ahead of a lean "
+                      "import, the next one being read", c.handoff_groups),
+        CounterSample("handoff_local_blocks", "Full blocks of loaded handoffs taken from this worker's prefix cache "
+                      "instead of the cache service", c.handoff_local_blocks),
         CounterSample("local_requests", "Requests prefilled here (colocated)", c.local_requests),
         *transfer_samples("prefix_load", c.remote_load_bytes, c.remote_load_seconds),
         CounterSample("remote_prefix_loads", "Prefixes loaded from the cache service", c.remote_loads),

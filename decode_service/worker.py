@@ -12,10 +12,11 @@ Contract (docs/architecture.md, "The mesh", step 3):
   after all N prompt tokens, sampled token N+1 carried as its output; or a streamed handoff's manifest and head
   pieces, worker/handoff_parts.py) with the first group of the prompt's full KV blocks, which the lean handoff names
   by hash (the worker computes the hashes from the prompt, its model fingerprint and the tenant salt, and checks
-  them against the handoff's), then the other groups — each checked block by block on a thread pool and, for a
-  handoff of several groups, written into the engine's pools as it arrives while the next is fetched
-  (`handoff_fetch_bytes` per group; a streamed handoff's blocks not published yet are waited for, at most
-  `handoff_part_wait_s` per wait). The state is verified (prompt, first token, token count, block hashes here;
+  them against the handoff's), then the other groups — only the blocks the engine's prefix cache lacks when it has
+  room (a later turn reads only the new tail), each checked block by block on a thread pool and, for a handoff of
+  several groups or one whose other blocks are held here, written into the engine's pools as it arrives while the
+  next is fetched (`handoff_fetch_bytes` per group; a streamed handoff's blocks not published yet are waited for,
+  at most `handoff_part_wait_s` per wait). The state is verified (prompt, first token, token count, block hashes here;
   fingerprint, block size and shapes by `engine.transfer.check_request_state`) before anything is streamed; then
   the first token is streamed at once, the handoff's own objects are removed from the cache service (claimed), and
   the engine continues with continuous batching from token N+1.

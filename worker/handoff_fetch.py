@@ -3,17 +3,25 @@
 Contract (`HandoffFetcher(cache, engine, group_bytes, part_wait_s, counters, claim)`;
 `await load(key, hashes, check, span, deadline) -> Loaded`; `hashes`: the prompt's full-block hashes, which the
 caller computes; `check(state)` raises `Unusable` for a handoff of another prompt; `claim(keys)` removes objects):
-1. One BatchGet reads the handoff's key together with the first group's KV_BLOCK objects. A manifest there
+1. The blocks to read: when the engine has room for every block of the prompt now, it is asked which of them its
+   prefix cache holds (`AsyncEngine.prefix_presence`, a command on the step thread) and only the others are read
+   from the cache service — a second turn of a conversation or a shared system prompt reads only the missing
+   tail; the held ones reach the request through a lean import (4.). Without room, every block is read.
+2. One BatchGet reads the handoff's key together with the first group of the blocks to read. A manifest there
    (worker/handoff_parts.py) makes it a streamed handoff: its head pieces are read (stored with the manifest, so
    one missing is `missing_part`) and checked piece by piece (sha256 in parallel); the handoff's own objects are
    then claimed. Without a manifest the object is the handoff itself.
-2. The head (a lean `RequestState`, or a whole one) is parsed and checked (`check`, `check_request_state`).
-3. The full blocks (content-addressed, or the handoff's block parts) are read in groups of about `group_bytes`:
-   group k+1 is fetched while group k is checked (`transfer.check_block` per block, on worker/hash_pool.py's
-   threads) and used. With more than one group and room for every block in the engine now, each group is written
-   into the engine's pools as it arrives (`AsyncEngine.import_blocks`: a command on the step thread, the engine's
-   import rule) and `Loaded.lean` is set: the state is imported lean and its blocks come from the engine's prefix
-   cache (`EngineCore.import_request(..., lean=True)`). Otherwise the groups are collected and the state made whole.
+3. The head (a lean `RequestState`, or a whole one) is parsed and checked (`check`, `check_request_state`).
+4. The full blocks to read (content-addressed, or the handoff's block parts) are read in groups of about
+   `group_bytes`: group k+1 is fetched while group k is checked (`transfer.check_block` per block, on
+   worker/hash_pool.py's threads) and used. When some blocks were held by the engine (1.), or with more than one
+   group and room for every block in the engine now, each group is written into the engine's pools as it arrives
+   (`AsyncEngine.import_blocks`: a command on the step thread, the engine's import rule) and `Loaded.lean` is set:
+   the state is imported lean and all its full blocks come from the engine's prefix cache
+   (`EngineCore.import_request(..., lean=True)`). Otherwise the groups are collected and the state made whole.
+   A block that leaves the prefix cache before the lean request is admitted (evicted for another request's
+   blocks, or for a later group of this one) makes the engine compute the request from its tokens
+   (`Scheduler.num_import_recomputes`): the same output, never a refetch.
 - Waits: in a streamed handoff the prefill worker is still publishing the blocks, so a block (or block part) not
   there yet is asked for again (5 ms, doubling to 20 ms) until `part_wait_s` after that group's wait began, or the
   request's deadline; then the handoff is unusable (`late_part`). A whole handoff's blocks were all stored before
@@ -21,8 +29,8 @@ caller computes; `check(state)` raises `Unusable` for a handoff of another promp
 - Failures raise `Unusable(reason, detail)`: the handoff's status (`missing`, `corrupt`, `error`, ...),
   `missing_part`, `late_part`, `missing_block`, `corrupt`, `mismatch`, `no_room` (the engine's pool could not take
   a group); the caller recomputes (or fails, by its policy). Blocks already imported stay in the prefix cache.
-- Counters (`FetchCounters`): bytes and seconds of every read, parts read, groups imported while streaming, time
-  spent waiting for parts not stored yet.
+- Counters (`FetchCounters`): bytes and seconds of every read, parts read, groups imported ahead of a lean import,
+  full blocks not read because the engine held them, time spent waiting for parts not stored yet.
 """
 
 from __future__ import annotations
@@ -63,7 +71,8 @@ class FetchCounters:
     handoff_bytes: int = 0  # handoff objects and blocks fetched from the cache service
     handoff_seconds: float = 0.0  # wall time of those fetches
     handoff_parts: int = 0  # head pieces and block parts of streamed handoffs read (worker/handoff_parts.py)
-    handoff_groups: int = 0  # block groups written into the engine while the rest was still coming
+    handoff_groups: int = 0  # block groups written into the engine ahead of a lean import (the next one on its way)
+    handoff_local_blocks: int = 0  # full blocks of loaded handoffs not read: the engine's prefix cache held them
     handoff_wait_seconds: float = 0.0  # of `handoff_seconds`' span, asleep waiting for parts not stored yet
 
 
@@ -79,16 +88,17 @@ class _Handoff:
 
     key: common_pb2.ObjectKey
     hashes: list[bytes]
-    manifest: Manifest | None
+    to_read: list[int]  # the full blocks read from the cache service, in order (the engine holds the others)
     span: object
     deadline: float | None
+    manifest: Manifest | None = None
     nbytes: int = 0  # read so far
 
-    def block_keys(self, start: int, stop: int) -> list[common_pb2.ObjectKey]:
+    def block_keys(self, blocks: Sequence[int]) -> list[common_pb2.ObjectKey]:
         if self.manifest is not None and self.manifest.block_parts:
-            return block_part_keys(self.key, len(self.manifest.head), start, stop)
+            return block_part_keys(self.key, len(self.manifest.head), blocks)
         k = self.key
-        return [object_key(k.model_fingerprint, k.tenant_salt, KV_BLOCK, h) for h in self.hashes[start:stop]]
+        return [object_key(k.model_fingerprint, k.tenant_salt, KV_BLOCK, self.hashes[i]) for i in blocks]
 
 
 class HandoffFetcher:
@@ -104,8 +114,8 @@ class HandoffFetcher:
 
     async def load(self, key: common_pb2.ObjectKey, hashes: list[bytes], check: Callable[[RequestState], None],
                    span, deadline: float | None) -> Loaded:
-        h = _Handoff(key, list(hashes), None, span, deadline)
-        first = await self._get([key] + h.block_keys(0, min(self.group_blocks, len(hashes))), h)
+        h = _Handoff(key, list(hashes), await self._to_read(hashes), span, deadline)
+        first = await self._get([key] + h.block_keys(h.to_read[:self.group_blocks]), h)
         if first[0].status != Status.FOUND:
             raise Unusable(first[0].status.name.lower(), first[0].message or "handoff not found")
         try:
@@ -122,7 +132,17 @@ class HandoffFetcher:
             return await self._blocks(h, state, full, have)
         finally:
             if h.manifest is not None and h.manifest.block_parts:
-                self.claim(h.block_keys(0, h.manifest.blocks))
+                self.claim(h.block_keys(range(h.manifest.blocks)))
+
+    async def _to_read(self, hashes: list[bytes]) -> list[int]:
+        """The full blocks to read from the cache service (step 1 of the module docstring)."""
+        if not hashes or not self._room(len(hashes) + 1):  # + 1: the tail after the last full block
+            return list(range(len(hashes)))
+        held = (await self.engine.prefix_presence(hashes)).blocks
+        return [i for i, here in enumerate(held) if not here]
+
+    def _room(self, blocks: int) -> bool:
+        return self.engine.stats_snapshot().num_free_blocks > blocks
 
     async def _head(self, h: _Handoff, data: bytes) -> bytes:
         if h.manifest is None:
@@ -152,62 +172,64 @@ class HandoffFetcher:
     # -- the blocks ---------------------------------------------------------------------------------------------
 
     async def _blocks(self, h: _Handoff, state: RequestState, full: int, have: Sequence[GetResult] | None) -> Loaded:
+        if full != len(h.hashes):
+            raise Unusable("mismatch", f"the state has {full} full blocks, the prompt {len(h.hashes)}")
         if h.manifest is not None and h.manifest.blocks != full:
             raise Unusable("mismatch", f"the manifest names {h.manifest.blocks} blocks, the state {full}")
-        groups = [(a, min(a + self.group_blocks, full)) for a in range(0, full, self.group_blocks)]
-        stream = len(groups) > 1 and self.engine.stats_snapshot().num_free_blocks > self.layout.blocks_for(
-            state.num_computed_tokens)
+        groups = [h.to_read[a:a + self.group_blocks] for a in range(0, len(h.to_read), self.group_blocks)]
+        held = full - len(h.to_read)
+        lean = held > 0 or (len(groups) > 1 and self._room(self.layout.blocks_for(state.num_computed_tokens)))
         collected: list[torch.Tensor] = []
 
-        async def use(start: int, stop: int, kv: torch.Tensor) -> None:
-            if not stream:
+        async def use(blocks: list[int], kv: torch.Tensor) -> None:
+            if not lean:
                 collected.append(kv)
                 return
-            cached = await self.engine.import_blocks(h.hashes[start:stop], kv)
-            if cached < stop - start:
-                raise Unusable("no_room", f"the engine took {cached} of blocks {start}..{stop - 1}")
+            cached = await self.engine.import_blocks([h.hashes[i] for i in blocks], kv)
+            if cached < len(blocks):
+                raise Unusable("no_room", f"the engine took {cached} of blocks {blocks[0]}..{blocks[-1]}")
             self.counters.handoff_groups += 1
 
         await self._pipeline(h, groups, have, use)
-        if stream:
+        if lean:
+            self.counters.handoff_local_blocks += held
             return Loaded(state, lean=True)
         whole = replace(state, kv=torch.cat([*collected, state.kv], dim=1))  # [layers, total, bs, dim]
         return Loaded(whole, lean=False)
 
-    async def _pipeline(self, h: _Handoff, groups: list[tuple[int, int]], have: Sequence[GetResult] | None,
-                        use: Callable[[int, int, torch.Tensor], Awaitable[None]]) -> None:
-        """Fetches group k+1 while group k is checked and used."""
+    async def _pipeline(self, h: _Handoff, groups: list[list[int]], have: Sequence[GetResult] | None,
+                        use: Callable[[list[int], torch.Tensor], Awaitable[None]]) -> None:
+        """Fetches group k+1 while group k is checked and used (a group: the indices of its full blocks)."""
         if not groups:
             return
         late_ok = h.manifest is not None
 
         def fetch(g: int) -> asyncio.Future:
-            start, stop = groups[g]
-            return asyncio.ensure_future(self._fetch(h.block_keys(start, stop), h, late_ok, "missing_block",
+            return asyncio.ensure_future(self._fetch(h.block_keys(groups[g]), h, late_ok, "missing_block",
                                                      have if g == 0 else None))
         pending = fetch(0)
         try:
-            for g, (start, stop) in enumerate(groups):
+            for g, blocks in enumerate(groups):
                 data = await pending
                 pending = fetch(g + 1) if g + 1 < len(groups) else None
                 if h.manifest is not None and h.manifest.block_parts:
                     self.counters.handoff_parts += len(data)
-                kv = await asyncio.to_thread(self._check_group, data, h.hashes, start)
-                await use(start, stop, kv)
+                kv = await asyncio.to_thread(self._check_group, data, h.hashes, blocks)
+                await use(blocks, kv)
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()
                 with contextlib.suppress(BaseException):
                     await pending
 
-    def _check_group(self, data: list[bytes], hashes: list[bytes], start: int) -> torch.Tensor:
-        """-> kv [num_mla_layers, len(data), block_size, cache_dim]; each block checked on its own thread."""
+    def _check_group(self, data: list[bytes], hashes: list[bytes], blocks: list[int]) -> torch.Tensor:
+        """-> kv [num_mla_layers, len(blocks), block_size, cache_dim]; each block checked on its own thread."""
         try:
-            blocks = parallel_map(lambda j: check_block(data[j], hashes[start + j], self.layout, start + j),
-                                  range(len(data)))
+            checked = parallel_map(lambda j: check_block(data[j], hashes[blocks[j]], self.layout, blocks[j]),
+                                   range(len(data)))
         except TransferError as exc:
             raise Unusable(_refusal(exc), str(exc)) from None
-        return torch.stack(blocks, dim=1)
+        return torch.stack(checked, dim=1)
 
     # -- reads ----------------------------------------------------------------------------------------------------
 

@@ -8,8 +8,11 @@ content hash is sha256(key's content hash ‖ i), `part_key`):
 - the prompt's n full KV blocks, in order, as `kv_block/v1` objects (each with its own sha256 inside): the
   content-addressed KV_BLOCK objects the prefix cache shares, or with `block_parts` (`--handoff-full-kv`) parts
   h .. h+n-1 under the handoff (`block_part_keys`).
-No object is larger than `part_bytes` (the prefill worker's `--handoff-part-bytes`, at or below the cache service's
-`--max-object-bytes`) unless one block is.
+
+The head's bytes are one `request_state/v1` object with its own checksum (engine/transfer.py: for a head over one
+4 MiB chunk, a digest over its chunks' digests, hashed in parallel); the pieces' digests name the piece that is
+corrupt or missing before the head is joined and parsed. No object is larger than `part_bytes` (the prefill
+worker's `--handoff-part-bytes`, at or below the cache service's `--max-object-bytes`) unless one block is.
 
 Contract:
 - `split_head(data, part_bytes)` -> the pieces; `manifest_bytes(pieces, blocks, block_parts)` hashes each piece
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cache_service.objects import object_key
@@ -58,9 +62,10 @@ def head_keys(key: common_pb2.ObjectKey, manifest: Manifest) -> list[common_pb2.
     return [part_key(key, i) for i in range(len(manifest.head))]
 
 
-def block_part_keys(key: common_pb2.ObjectKey, head_pieces: int, start: int, stop: int) -> list[common_pb2.ObjectKey]:
-    """The keys of full blocks [start, stop) stored as parts after `head_pieces` head pieces."""
-    return [part_key(key, head_pieces + i) for i in range(start, stop)]
+def block_part_keys(key: common_pb2.ObjectKey, head_pieces: int,
+                    blocks: Iterable[int]) -> list[common_pb2.ObjectKey]:
+    """The keys of the full blocks `blocks` (indices) stored as parts after `head_pieces` head pieces."""
+    return [part_key(key, head_pieces + i) for i in blocks]
 
 
 def split_head(data: bytes, part_bytes: int) -> list[bytes]:

@@ -1,50 +1,32 @@
 """Per-part hashing and (de)serialisation of handoffs on a few threads, so no single thread hashes a whole handoff.
 
 Contract:
-- `parallel_map(fn, items, threads=None)` -> `[fn(x) for x in items]`, in order, computed on a pool of
-  `threads` background threads (default `HASH_THREADS`; engine/background.py: lowest CPU priority, so a worker's
-  step thread and event loop keep their cores); `threads=1` runs in the calling thread. The first exception
-  raised by `fn` propagates. hashlib releases the GIL while it hashes a buffer over 2 KiB, and torch's copies
-  release it too, so the parts of a handoff (each serialised object carries its own sha256, engine/transfer.py)
-  are hashed on up to `threads` cores at once. Call it from a worker thread (`asyncio.to_thread`), never from the
-  event loop.
+- `parallel_map(fn, items, threads=None)` is engine/background.py's `parallel_map` (the calling thread and
+  lowest-priority helpers claim the items in order; `threads=1` runs in the calling thread; the lowest-indexed
+  failing item's exception propagates) with `HASH_THREADS` as the default, so the parts of a handoff (each
+  serialised object carries its own checksum, engine/transfer.py) are hashed on up to `threads` cores at once.
+  `HASH_THREADS` (engine/background.py's `PARALLEL_THREADS` unless changed: bench/bench_handoff.py sets it) governs
+  these per-part maps only; the chunks of one large object hash at engine/transfer.py's default (a map inside a
+  map runs in its calling thread). Call it from a worker thread (`asyncio.to_thread`), never from the event loop.
 - `sha256_hex(data)`; `digests(parts, threads=None)` -> each part's sha256 (hex), in parallel.
-- One pool per thread count and process, made on first use and kept.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
-import os
-import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from engine.background import background_executor
+from engine import background
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
-_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
-_lock = threading.Lock()
-
-
-def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    with _lock:
-        if threads not in _pools:
-            _pools[threads] = background_executor(threads, f"kdamesh-hash{threads}")
-        return _pools[threads]
+HASH_THREADS = background.PARALLEL_THREADS
 
 
 def parallel_map(fn: Callable[[T], R], items: Sequence[T], threads: int | None = None) -> list[R]:
-    threads = HASH_THREADS if threads is None else threads
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
-    if threads == 1 or len(items) < 2:
-        return [fn(x) for x in items]
-    return list(_pool(threads).map(fn, items))
+    return background.parallel_map(fn, items, HASH_THREADS if threads is None else threads)
 
 
 def sha256_hex(data: bytes | memoryview) -> str:

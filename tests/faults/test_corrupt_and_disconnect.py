@@ -41,6 +41,8 @@ def test_a_corrupt_handoff_is_recomputed(model_dir, own_redis):
     async def body():
         async with Mesh(model_dir, backend=own_redis.url) as mesh:
             local = await mesh.run(PROMPT, greedy(8), "local")
+            engine = mesh.decode_worker.engine  # emptied, or it would hold the prompt's blocks and not read them
+            await engine.run_in_engine(engine.core.reset_prefix_cache)
             generation = common_pb2.GenerationRequest(request_id="corrupt", prompt=common_pb2.TokenIds(ids=PROMPT),
                                                       sampling=greedy(8))
             response = await mesh.prefill_stub.Prefill(prefill_pb2.PrefillRequest(generation=generation), timeout=20)

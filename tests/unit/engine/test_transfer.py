@@ -15,9 +15,10 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
-from engine.transfer import (FORMAT_VERSION, LAYOUT_KV_BLOCK, CorruptObjectError, LayoutMismatchError,
-                             MissingBlockError, ModelMismatchError, RequestState, ShapeMismatchError, TransferError,
-                             VersionMismatchError, lean_handoff, pack, stitch_handoff, unpack)
+from engine.transfer import (LAYOUT_KV_BLOCK, VERSION_CHUNK_DIGESTS, VERSION_WHOLE_DIGEST, CorruptObjectError,
+                             LayoutMismatchError, MissingBlockError, ModelMismatchError, RequestState,
+                             ShapeMismatchError, TransferError, VersionMismatchError, lean_handoff, pack,
+                             stitch_handoff, unpack)
 from tests.unit.engine.conftest import random_prompts
 
 MAX_TOKENS = 16
@@ -29,7 +30,7 @@ def test_pack_round_trip():
     tensors = {"a": torch.randn(3, 4), "b": torch.randn(2, 5).to(torch.bfloat16),
                "c": torch.arange(7, dtype=torch.uint8), "empty": torch.zeros(0, 3)}
     data = pack(tensors, "test/v1", {"k": [1, 2]})
-    assert data[:4] == b"KDAM" and struct.unpack_from("<H", data, 4)[0] == FORMAT_VERSION
+    assert data[:4] == b"KDAM" and struct.unpack_from("<H", data, 4)[0] == VERSION_WHOLE_DIGEST  # a small object
     out, layout, meta = unpack(data, "test/v1")
     assert layout == "test/v1" and meta == {"k": [1, 2]}
     for name, t in tensors.items():
@@ -57,7 +58,7 @@ def test_version_and_layout_mismatch():
     data = bytearray(pack({"x": torch.ones(2)}, LAYOUT_KV_BLOCK))
     with pytest.raises(LayoutMismatchError):
         unpack(bytes(data), "kda_state/v1")
-    struct.pack_into("<H", data, 4, FORMAT_VERSION + 1)
+    struct.pack_into("<H", data, 4, VERSION_CHUNK_DIGESTS + 1)
     with pytest.raises(VersionMismatchError):
         unpack(bytes(data))
     assert issubclass(VersionMismatchError, TransferError) and issubclass(TransferError, ValueError)
