@@ -37,7 +37,7 @@ def sync_check(report: Report, label: str, fn, budget: int) -> None:
 
 def _steady_engine(folder: str, batch: int, **engine_args):
     """An `EngineCore` on CUDA whose `batch` greedy requests are past their prefill (the next step decodes)."""
-    from bench.llamacpp import random_prompt
+    from bench.llamacpp_worker import random_prompt
     from engine.config import EngineArgs
     from engine.core import EngineCore
     from engine.sampling import SamplingParams
@@ -102,7 +102,7 @@ def dummy_folder(raw: dict, out: Path) -> str:
 
 def engine_decode(folder: str, batch: int, tokens: int, device: str, dtype: str, **engine_args) -> dict:
     """Decode tok/s of `batch` greedy requests (32-token prompts) in one `EngineCore` with dummy weights."""
-    from bench.llamacpp import random_prompt, run_requests
+    from bench.llamacpp_worker import random_prompt, run_requests
     from engine.config import EngineArgs
     from engine.core import EngineCore
 

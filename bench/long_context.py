@@ -31,10 +31,11 @@ from pathlib import Path
 
 from bench import llamacpp as bench_llama
 from bench import llamacpp_tools as tools
+from bench.llamacpp_worker import KdameshWorker
 
 
 def ours(folder: Path, length: int, tokens: int, threads: int, compilation_config: str | None) -> dict:
-    worker = bench_llama.KdameshWorker(folder, 1, length + tokens + 8, threads, compilation_config=compilation_config)
+    worker = KdameshWorker(folder, 1, length + tokens + 8, threads, compilation_config=compilation_config)
     # warm-up at the measured thread count and, past the one-tile bound, in the wide-table regime: a compiled
     # step's graphs are built here, not inside the measurement
     past_one_tile = worker.info["one_tile_tokens"] + 2 * BLOCK_MARGIN
