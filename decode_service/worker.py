@@ -4,10 +4,10 @@ Contract (docs/architecture.md, "The mesh", step 3):
 - `DecodeWorker.decode(job, handoff)` (a `worker.codec.GenerationJob`; `handoff` None: the local path) is an async
   iterator of `DecodeChunk`s (protos/decode.proto: the one output event a worker streams to the gateway) carrying
   every completion token of the request, the first one included, ending with one chunk per choice whose
-  `finish_reason` is set; the last chunk of the stream carries `usage` and `used_handoff`. Each engine output's
-  chunks go out as they come, except for a request the client reads whole (`GenerationRequest.output_interval_ms`
-  set, a non-streamed API request): after its first chunk, its tokens are held back and merged, and sent once per
-  interval (with the first engine output after it) and at the end.
+  `finish_reason` is set; the last chunk of the stream carries `usage` and `used_handoff` (whether the handoff's KV
+  was used). Each engine output's chunks go out as they come, except for a request the client reads whole
+  (`GenerationRequest.output_interval_ms` set, a non-streamed API request): after its first chunk, its tokens are
+  held back and merged, and sent once per interval (with the first engine output after it) and at the end.
 - Handoff path (`handoff` set): worker/handoff_fetch.py reads the handoff object (an `engine.transfer.RequestState`
   after all N prompt tokens, sampled token N+1 carried as its output; or a streamed handoff's manifest and head
   pieces, worker/handoff_parts.py) with the first group of the prompt's full KV blocks, which the lean handoff names
@@ -16,14 +16,23 @@ Contract (docs/architecture.md, "The mesh", step 3):
   room (a later turn reads only the new tail), each checked block by block on a thread pool and, for a handoff of
   several groups or one whose other blocks are held here, written into the engine's pools as it arrives while the
   next is fetched (`handoff_fetch_bytes` per group; a streamed handoff's blocks not published yet are waited for,
-  at most `handoff_part_wait_s` per wait). The state is verified (prompt, first token, token count, block hashes here;
-  fingerprint, block size and shapes by `engine.transfer.check_request_state`) before anything is streamed; then
-  the first token is streamed at once, the handoff's own objects are removed from the cache service (claimed), and
-  the engine continues with continuous batching from token N+1.
+  at most `handoff_part_wait_s` per wait). The handoff's own objects are removed from the cache service (claimed)
+  once read or given up, also when the client leaves in between. The head state is verified (prompt, first token,
+  token count, block hashes here; fingerprint, block size and shapes by `engine.transfer.check_request_state`)
+  before anything is streamed. With `kv_load_failure_policy="recompute"` (default) the first token (N+1, from the
+  `Handoff`) is streamed as soon as the head is verified, before the blocks are read — a long prompt's blocks no
+  longer delay it; with `"fail"` it is streamed once everything is loaded (a failure must be an error before any
+  token). Then the engine continues with continuous batching from token N+1.
 - When the handoff cannot be used (cache service down, handoff expired, missing block, corrupt or mismatched object,
   a part still missing after `handoff_part_wait_s`, an engine pool that cannot take a group) the worker counts the
-  failure (by reason) and, with `kv_load_failure_policy="recompute"` (default), prefills the prompt itself
-  (greedy and seeded outputs are unchanged); with `"fail"` it raises `HandoffUnavailableError`.
+  failure (by reason: `handoff_failures`, `failure_reasons`) and, with `"recompute"`, computes it here (counted in
+  `recomputed`; greedy and seeded outputs are unchanged): a head that could not be read or verified (nothing sent
+  yet) prefills the prompt from scratch; a failure after the first token was sent (a block missing, corrupt or
+  late, no room) imports the verified head lean: the engine computes the prompt and the carried first token from
+  the tokens (resuming from the longest prefix its cache can, the blocks imported so far included) and continues
+  after that token with the carried sampler seed — the first token is neither sampled again nor sent twice; the
+  usage's cached tokens are the handoff's (as the first chunk said) and the final chunk's `used_handoff` is false
+  (the path is "recompute"). With `"fail"` it raises `HandoffUnavailableError`.
 - Local path (`handoff` None, the colocated mode): the engine prefills (using its own prefix cache, and before
   that the longer prefix the cache service may hold — offloaded snapshots included — loaded as prefill loads it,
   worker/prefix.py; not with `load_remote_prefix=False`) and decodes; `n > 1` is served here. The job's structure hints (`snapshot_hints`) and the remote
@@ -47,6 +56,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from opentelemetry.trace import Tracer
@@ -60,7 +70,7 @@ from engine.transfer import RequestState
 from protos import common_pb2, decode_pb2
 from telemetry import tracing
 from worker.codec import FINISH_REASONS, GenerationJob, extend_chunk, output_chunk, prompt_logprobs_to_proto
-from worker.handoff_fetch import FetchCounters, HandoffFetcher, Loaded, Unusable
+from worker.handoff_fetch import FetchCounters, HandoffFetcher, Loaded, Opened, Unusable
 from worker.offload import SnapshotPublisher
 from worker.prefix import PrefixCounters, RemotePrefix
 from worker.tenancy import engine_cache_salt, prompt_block_hashes
@@ -86,6 +96,24 @@ class Handoff:
 
 
 @dataclass
+class _HandoffRead:
+    """What reading one handoff got: the head (`opened`), the blocks too (`loaded`), or why not (`failure`)."""
+
+    failure: Unusable | None = None
+    opened: Opened | None = None
+    loaded: Loaded | None = None
+    first_sent: bool = False  # the first token's chunk went out once the head was checked
+
+
+def first_chunk(handoff: Handoff) -> decode_pb2.DecodeChunk:
+    """The first token (N+1, sampled by the prefill) as the stream's first chunk."""
+    chunk = decode_pb2.DecodeChunk(index=0, token_ids=[handoff.first_token_id], cached_tokens=handoff.cached_tokens)
+    if handoff.first_token_logprob is not None:
+        chunk.logprobs.append(handoff.first_token_logprob)
+    return chunk
+
+
+@dataclass
 class DecodeCounters(PrefixCounters, FetchCounters):
     """Counts since the worker started (read by tests and metrics); the remote prefix and offload counts are
     `PrefixCounters`' (worker/prefix.py), the bytes, seconds, parts and groups of handoff reads `FetchCounters'`
@@ -97,9 +125,6 @@ class DecodeCounters(PrefixCounters, FetchCounters):
     recomputed: int = 0  # of those, prompts computed here instead
     local_requests: int = 0
     failure_reasons: dict[str, int] = field(default_factory=dict)
-
-
-_LoadFailure = Unusable  # why a handoff is unusable (worker/handoff_fetch.py)
 
 
 class DecodeWorker:
@@ -159,21 +184,7 @@ class DecodeWorker:
                 yield chunk
             return
         self.counters.handoff_requests += 1
-        try:
-            loaded = await self._load_handoff(job, handoff)
-        except _LoadFailure as exc:
-            self.counters.handoff_failures += 1
-            reasons = self.counters.failure_reasons
-            reasons[exc.reason] = reasons.get(exc.reason, 0) + 1
-            if self.policy == "fail":
-                raise HandoffUnavailableError(f"handoff of {job.request_id!r} unavailable ({exc})") from None
-            log.info("request %s: handoff unusable (%s); computing the prompt here", job.request_id, exc)
-            self.counters.recomputed += 1
-            async for chunk in self._generate(job, 1, cached_tokens=None):
-                yield chunk
-            return
-        self.counters.handoff_loaded += 1
-        async for chunk in self._continue(job, handoff, loaded):
+        async for chunk in self._from_handoff(job, handoff):
             yield chunk
 
     async def _load_remote_prefix(self, job: GenerationJob) -> tuple[int, ...]:
@@ -197,16 +208,12 @@ class DecodeWorker:
         async for chunk in self._chunks(stream, job, n, cached_tokens, used_handoff=False, carried=0):
             yield chunk
 
-    async def _continue(self, job: GenerationJob, handoff: Handoff,
-                        loaded: Loaded) -> AsyncIterator[decode_pb2.DecodeChunk]:
-        first = decode_pb2.DecodeChunk(index=0, token_ids=[handoff.first_token_id], cached_tokens=handoff.cached_tokens)
-        if handoff.first_token_logprob is not None:
-            first.logprobs.append(handoff.first_token_logprob)
-        yield first
-        stream = self.engine.import_request(job.request_id, loaded.state, job.params, priority=job.priority,
-                                            deadline=job.deadline, media=job.media, tenant=job.tenant,
-                                            lean=loaded.lean)
-        async for chunk in self._chunks(stream, job, 1, handoff.cached_tokens, used_handoff=True, carried=1,
+    async def _continue(self, job: GenerationJob, handoff: Handoff, state: RequestState, lean: bool,
+                        used_handoff: bool) -> AsyncIterator[decode_pb2.DecodeChunk]:
+        """The engine continues the imported `state` after its carried first token (already sent)."""
+        stream = self.engine.import_request(job.request_id, state, job.params, priority=job.priority,
+                                            deadline=job.deadline, media=job.media, tenant=job.tenant, lean=lean)
+        async for chunk in self._chunks(stream, job, 1, handoff.cached_tokens, used_handoff=used_handoff, carried=1,
                                          first=False):
             yield chunk
 
@@ -251,20 +258,69 @@ class DecodeWorker:
 
     # -- the handoff ---------------------------------------------------------------------------------------------
 
-    async def _load_handoff(self, job: GenerationJob, handoff: Handoff) -> Loaded:
-        if self.fetcher is None:
-            raise _LoadFailure("no_cache_service", "this worker has no cache service")
-        if job.params.n != 1:
-            raise _LoadFailure("n", "a handoff carries one sequence")
+    async def _from_handoff(self, job: GenerationJob, handoff: Handoff) -> AsyncIterator[decode_pb2.DecodeChunk]:
+        """The handoff path (module docstring): the first token, then the rest from the handoff's KV, or computed
+        here when it is unusable."""
+        read = _HandoffRead(failure=self._refusal(job))
+        if read.failure is None:
+            async with aclosing(self._read_handoff(job, handoff, read)) as firsts:
+                async for first in firsts:
+                    yield first
+        if read.failure is not None:
+            self._count_failure(job, read.failure, first_sent=read.first_sent)  # raises with policy "fail"
+        if read.opened is None:  # nothing sent yet: the prompt is computed here from scratch
+            async for chunk in self._generate(job, 1, cached_tokens=None):
+                yield chunk
+            return
+        if not read.first_sent:
+            yield first_chunk(handoff)
+        if read.loaded is not None:
+            self.counters.handoff_loaded += 1
+            state, lean = read.loaded.state, read.loaded.lean
+        else:  # the blocks failed after the first token: the opened head, computed from its tokens by the engine
+            state, lean = read.opened.state, True
+        async for chunk in self._continue(job, handoff, state, lean, used_handoff=read.loaded is not None):
+            yield chunk
+
+    async def _read_handoff(self, job: GenerationJob, handoff: Handoff,
+                            read: _HandoffRead) -> AsyncIterator[decode_pb2.DecodeChunk]:
+        """Opens the handoff, yields the first token's chunk there with policy "recompute", then reads the blocks;
+        what it got (or why not) is left in `read`. The handoff's objects are claimed whatever happens."""
         hashes = prompt_block_hashes(self.layout, job.prompt_token_ids, job.tenant_salt, job.media)
         with tracing.child_span(self.tracer, "handoff.claim", {tracing.KEYS: 1 + len(hashes),
                                                                tracing.BLOCKS: len(hashes)}) as span:
             try:
-                return await self.fetcher.load(handoff.key, hashes, lambda s: self._check(job, handoff, s, hashes),
-                                               span, job.deadline)
-            except _LoadFailure as exc:
+                read.opened = await self.fetcher.open(
+                    handoff.key, hashes, lambda s: self._check(job, handoff, s, hashes), span, job.deadline)
+                if self.policy == "recompute":  # its failures continue after this token: it can go out now
+                    read.first_sent = True
+                    yield first_chunk(handoff)
+                read.loaded = await self.fetcher.finish(read.opened)
+            except Unusable as exc:
                 tracing.mark_error(span, exc.reason, str(exc))
-                raise
+                read.failure = exc
+            finally:
+                if read.opened is not None:
+                    self.fetcher.release(read.opened)
+
+    def _refusal(self, job: GenerationJob) -> Unusable | None:
+        """Why this worker cannot take the request's handoff at all, before reading anything."""
+        if self.fetcher is None:
+            return Unusable("no_cache_service", "this worker has no cache service")
+        if job.params.n != 1:
+            return Unusable("n", "a handoff carries one sequence")
+        return None
+
+    def _count_failure(self, job: GenerationJob, exc: Unusable, first_sent: bool) -> None:
+        """Counts an unusable handoff; raises `HandoffUnavailableError` with policy "fail"."""
+        self.counters.handoff_failures += 1
+        reasons = self.counters.failure_reasons
+        reasons[exc.reason] = reasons.get(exc.reason, 0) + 1
+        if self.policy == "fail":
+            raise HandoffUnavailableError(f"handoff of {job.request_id!r} unavailable ({exc})") from None
+        after = " after its first token" if first_sent else ""
+        log.info("request %s: handoff unusable%s (%s); computing the prompt here", job.request_id, after, exc)
+        self.counters.recomputed += 1
 
     def _claim(self, keys: list[common_pb2.ObjectKey]) -> None:
         """Removes the handoff's objects from the cache service (in the background: nobody else may use them)."""
@@ -277,9 +333,9 @@ class DecodeWorker:
         n = len(job.prompt_token_ids)
         if (state.prompt_token_ids != list(job.prompt_token_ids) or state.num_computed_tokens != n
                 or state.output_token_ids != [handoff.first_token_id]):
-            raise _LoadFailure("mismatch", "the handoff belongs to another prompt or first token")
+            raise Unusable("mismatch", "the handoff belongs to another prompt or first token")
         if state.block_hashes != hashes[: n // self.layout.block_size]:
-            raise _LoadFailure("mismatch", "the handoff's block hashes differ from this prompt's")
+            raise Unusable("mismatch", "the handoff's block hashes differ from this prompt's")
 
     async def drain(self) -> None:
         """Waits for background handoff removals and snapshot offloads."""

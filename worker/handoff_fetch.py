@@ -1,8 +1,13 @@
 """The decode side of a handoff: read it from the cache service and bring it into the engine, block group by group.
 
-Contract (`HandoffFetcher(cache, engine, group_bytes, part_wait_s, counters, claim)`;
-`await load(key, hashes, check, span, deadline) -> Loaded`; `hashes`: the prompt's full-block hashes, which the
-caller computes; `check(state)` raises `Unusable` for a handoff of another prompt; `claim(keys)` removes objects):
+Contract (`HandoffFetcher(cache, engine, group_bytes, part_wait_s, counters, claim)`; `hashes`: the prompt's
+full-block hashes, which the caller computes; `check(state)` raises `Unusable` for a handoff of another prompt;
+`claim(keys)` removes objects). Two phases, so the caller can act between them (the decode worker streams the first
+token there): `await open(key, hashes, check, span, deadline) -> Opened` (steps 1-3: `Opened.state` is the head,
+checked) and `await finish(opened) -> Loaded` (step 4); `await load(...)` is both. Every handoff object is claimed
+once read or given up: the handoff key and head pieces by `open` as soon as they are read, a streamed handoff's
+block parts by `finish` at its end, or by `release(opened)` when `finish` is never reached (idempotent; the caller
+calls it in a `finally`), or by `open` itself when it fails after the manifest.
 1. The blocks to read: when the engine has room for every block of the prompt now, it is asked which of them its
    prefix cache holds (`AsyncEngine.prefix_presence`, a command on the step thread) and only the others are read
    from the cache service — a second turn of a conversation or a shared system prompt reads only the missing
@@ -11,7 +16,8 @@ caller computes; `check(state)` raises `Unusable` for a handoff of another promp
    (worker/handoff_parts.py) makes it a streamed handoff: its head pieces are read (stored with the manifest, so
    one missing is `missing_part`) and checked piece by piece (sha256 in parallel); the handoff's own objects are
    then claimed. Without a manifest the object is the handoff itself.
-3. The head (a lean `RequestState`, or a whole one) is parsed and checked (`check`, `check_request_state`).
+3. The head (a lean `RequestState`, or a whole one) is parsed and checked (`check`, `check_request_state`, its
+   full blocks against the prompt's and the manifest's count). A whole head leaves nothing for `finish` to read.
 4. The full blocks to read (content-addressed, or the handoff's block parts) are read in groups of about
    `group_bytes`: group k+1 is fetched while group k is checked (`transfer.check_block` per block, on
    worker/hash_pool.py's threads) and used. When some blocks were held by the engine (1.), or with more than one
@@ -28,7 +34,9 @@ caller computes; `check(state)` raises `Unusable` for a handoff of another promp
   the prefill answered: one missing is `missing_block` at once.
 - Failures raise `Unusable(reason, detail)`: the handoff's status (`missing`, `corrupt`, `error`, ...),
   `missing_part`, `late_part`, `missing_block`, `corrupt`, `mismatch`, `no_room` (the engine's pool could not take
-  a group); the caller recomputes (or fails, by its policy). Blocks already imported stay in the prefix cache.
+  a group); the caller recomputes (or fails, by its policy). Blocks already imported stay in the prefix cache, so
+  after a failure in `finish` the opened head, imported lean, is computed from its tokens from the longest prefix
+  the engine's cache can resume (`Scheduler.num_import_recomputes`): the same output as the handoff's.
 - Counters (`FetchCounters`): bytes and seconds of every read, parts read, groups imported ahead of a lean import,
   full blocks not read because the engine held them, time spent waiting for parts not stored yet.
 """
@@ -93,12 +101,27 @@ class _Handoff:
     deadline: float | None
     manifest: Manifest | None = None
     nbytes: int = 0  # read so far
+    blocks_claimed: bool = False  # a streamed handoff's block parts removed (`HandoffFetcher.release`)
+
+    @property
+    def streams_blocks(self) -> bool:
+        """The blocks are the handoff's own parts (published as the prefill went), not content-addressed ones."""
+        return self.manifest is not None and bool(self.manifest.block_parts)
 
     def block_keys(self, blocks: Sequence[int]) -> list[common_pb2.ObjectKey]:
-        if self.manifest is not None and self.manifest.block_parts:
+        if self.streams_blocks:
             return block_part_keys(self.key, len(self.manifest.head), blocks)
         k = self.key
         return [object_key(k.model_fingerprint, k.tenant_salt, KV_BLOCK, self.hashes[i]) for i in blocks]
+
+
+@dataclass
+class Opened:
+    """A handoff whose head is read and checked (`HandoffFetcher.open`); `finish` reads its blocks."""
+
+    state: RequestState | None  # the head: a whole state, or a lean one (the KV after the last full block only)
+    handoff: _Handoff
+    first_blocks: Sequence[GetResult] | None  # the first group's blocks, read with the head (not block parts)
 
 
 class HandoffFetcher:
@@ -114,6 +137,12 @@ class HandoffFetcher:
 
     async def load(self, key: common_pb2.ObjectKey, hashes: list[bytes], check: Callable[[RequestState], None],
                    span, deadline: float | None) -> Loaded:
+        """`open`, then `finish`: the whole handoff in one call."""
+        return await self.finish(await self.open(key, hashes, check, span, deadline))
+
+    async def open(self, key: common_pb2.ObjectKey, hashes: list[bytes], check: Callable[[RequestState], None],
+                   span, deadline: float | None) -> Opened:
+        """Steps 1-3 of the module docstring: the head, read, parsed and checked; its blocks still to read."""
         h = _Handoff(key, list(hashes), await self._to_read(hashes), span, deadline)
         first = await self._get([key] + h.block_keys(h.to_read[:self.group_blocks]), h)
         if first[0].status != Status.FOUND:
@@ -122,17 +151,32 @@ class HandoffFetcher:
             h.manifest = read_manifest(first[0].data)
         except PartsError as exc:
             raise Unusable("corrupt", str(exc)) from None
+        opened = Opened(None, h, None if h.streams_blocks else first[1:])
         try:
             head = await self._head(h, first[0].data)
-            state = await asyncio.to_thread(self._parse, head, check)
-            total, full = self.layout.blocks_for(state.num_computed_tokens), len(state.block_hashes)
-            if state.kv.shape[1] == total:  # a whole state: nothing else to read
+            opened.state = await asyncio.to_thread(self._parse, head, check)
+            self._check_block_count(h, opened.state)
+        except BaseException:
+            self.release(opened)
+            raise
+        return opened
+
+    async def finish(self, opened: Opened) -> Loaded:
+        """Step 4 of the module docstring: the blocks of an opened handoff; then `release`s it."""
+        try:
+            state = opened.state
+            if state.kv.shape[1] == self.layout.blocks_for(state.num_computed_tokens):  # whole: nothing else to read
                 return Loaded(state, lean=False)
-            have = first[1:] if h.manifest is None or not h.manifest.block_parts else None
-            return await self._blocks(h, state, full, have)
+            return await self._blocks(opened.handoff, state, opened.first_blocks)
         finally:
-            if h.manifest is not None and h.manifest.block_parts:
-                self.claim(h.block_keys(range(h.manifest.blocks)))
+            self.release(opened)
+
+    def release(self, opened: Opened) -> None:
+        """Claims a streamed handoff's block parts, once: after `finish`, or when it is never reached."""
+        h = opened.handoff
+        if h.streams_blocks and not h.blocks_claimed:
+            h.blocks_claimed = True
+            self.claim(h.block_keys(range(h.manifest.blocks)))
 
     async def _to_read(self, hashes: list[bytes]) -> list[int]:
         """The full blocks to read from the cache service (step 1 of the module docstring)."""
@@ -169,13 +213,17 @@ class HandoffFetcher:
             raise Unusable(_refusal(exc), str(exc)) from None
         return state
 
-    # -- the blocks ---------------------------------------------------------------------------------------------
-
-    async def _blocks(self, h: _Handoff, state: RequestState, full: int, have: Sequence[GetResult] | None) -> Loaded:
+    def _check_block_count(self, h: _Handoff, state: RequestState) -> None:
+        full = len(state.block_hashes)
         if full != len(h.hashes):
             raise Unusable("mismatch", f"the state has {full} full blocks, the prompt {len(h.hashes)}")
         if h.manifest is not None and h.manifest.blocks != full:
             raise Unusable("mismatch", f"the manifest names {h.manifest.blocks} blocks, the state {full}")
+
+    # -- the blocks ---------------------------------------------------------------------------------------------
+
+    async def _blocks(self, h: _Handoff, state: RequestState, have: Sequence[GetResult] | None) -> Loaded:
+        full = len(h.hashes)
         groups = [h.to_read[a:a + self.group_blocks] for a in range(0, len(h.to_read), self.group_blocks)]
         held = full - len(h.to_read)
         lean = held > 0 or (len(groups) > 1 and self._room(self.layout.blocks_for(state.num_computed_tokens)))
@@ -212,7 +260,7 @@ class HandoffFetcher:
             for g, blocks in enumerate(groups):
                 data = await pending
                 pending = fetch(g + 1) if g + 1 < len(groups) else None
-                if h.manifest is not None and h.manifest.block_parts:
+                if h.streams_blocks:
                     self.counters.handoff_parts += len(data)
                 kv = await asyncio.to_thread(self._check_group, data, h.hashes, blocks)
                 await use(blocks, kv)
