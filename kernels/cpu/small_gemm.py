@@ -8,8 +8,8 @@ Contract:
   elements), no autograd; one row (`one_row_runs`) at one thread only with AVX-512 (with AVX2, MKL's GEMV on the
   same layout is as fast), and at two or more threads only for a weight of at least `ONE_ROW_MIN_ELEMS` (the
   kernel gains by sharing the weight between rows, or by splitting a large one-row product over threads, which
-  MKL's one-row GEMV does not; smaller one-row splits did not pay in demo-k3's step). `takes` is also what the loader asks to store such
-  weights input-major. The output columns are split over torch's threads (`at::parallel_for`, shares of at least
+  MKL's one-row GEMV does not; smaller one-row splits did not pay in demo-k3's step). `takes` is also what the
+  loader asks to store such weights input-major. The output columns are split over torch's threads (`at::parallel_for`, shares of at least
   512 KB of weight: a small product stays on the calling thread).
 - `linear(x, weight)` -> `x @ weight^T` (`[..., in] x [out, in] -> [..., out]`), equal to `F.linear` within fp32
   rounding. A row's result does not depend on how many rows share the call (bitwise: each output is the same
@@ -31,9 +31,9 @@ weights streamed from memory (`python -m bench.bench_gemv_layout --rows 1,4,8`):
 against MKL's 1.95 (input-major; 2.38 row-major), 8 rows 1.21 vs 2.14, `[4, 256] x [256, 8192]` 0.81 vs 1.23; one
 row 0.74 vs 0.71 at one thread (a tie, left to MKL) and 0.62 vs 0.71 at two. AMD EPYC with AVX-512, one row at
 one thread: `[1, 768] x [768, 4880]` 588 vs 659 us, `[1, 1536] x [1536, 768]` 266 vs 311, a token's products of
-small-linear-kda12 ~0.85 ms less of 10 ms (its compiled step 6-7% faster, kernel on/off alternated). An earlier form (AVX-512 only, dot
-products over a row-major weight) lost to MKL on short rows (a horizontal sum per output) and, on AVX2, on one row
-(0.7x of MKL's input-major GEMV).
+small-linear-kda12 ~0.85 ms less of 10 ms (its compiled batch-1 step 11.4-11.8 vs 13.6-14.6 ms with the one-row
+rule on and off, alternated). An earlier form (AVX-512 only, dot products over a row-major weight) lost to MKL on
+short rows (a horizontal sum per output) and, on AVX2, on one row (0.7x of MKL's input-major GEMV).
 """
 
 from __future__ import annotations
