@@ -5,35 +5,35 @@ Contract:
   where the C source (kernels/cpu/small_gemm.c) built, fp32 `x` with 1..`MAX_ROWS` rows, a 2-D fp32 weight
   `[out, in]` stored input-major (`weight.t()` contiguous: the layout the loader gives decode's weights, see
   `lay_out_for_gemv` in engine/model/fused.py) that it `takes` (fp32 on CPU, at least `MIN_WEIGHT_ELEMS`
-  elements), no autograd; one row (`one_row_runs`) at one thread only with AVX-512 (with AVX2, MKL's GEMV on the
-  same layout is as fast), and at two or more threads only for a weight of at least `ONE_ROW_MIN_ELEMS` (the
-  kernel gains by sharing the weight between rows, or by splitting a large one-row product over threads, which
-  MKL's one-row GEMV does not; smaller one-row splits did not pay in demo-k3's step). `takes` is also what the
-  loader asks to store such weights input-major. The output columns are split over torch's threads (`at::parallel_for`, shares of at least
-  512 KB of weight: a small product stays on the calling thread).
+  elements), no autograd; one row always, 2..8 rows for a weight of at least `MIN_MULTI_ROW_ELEMS` (smaller ones
+  MKL runs as fast). `takes` is also what the loader asks to store such weights input-major. The output columns
+  are split over torch's threads (`at::parallel_for`, shares of at least 512 KB of weight: a small product stays
+  on the calling thread).
 - `linear(x, weight)` -> `x @ weight^T` (`[..., in] x [out, in] -> [..., out]`), equal to `F.linear` within fp32
   rounding. A row's result does not depend on how many rows share the call (bitwise: each output is the same
   sequence of fused multiply-adds, in input order). It calls the operator `torch.ops.kdamesh_cpu.small_gemm`,
   eagerly and from a compiled step alike (opaque to inductor, shape-checked by its fake).
 - `available()`: built and loaded, once per process. kernels/cpu/small_gemm_op.cpp (which includes the C kernel
-  and registers `torch.ops.kdamesh_cpu.small_gemm`) is compiled by `torch.utils.cpp_extension.load` at
-  `-O3 -march=native -fopenmp` (~8 s, once) into torch's extension build root, under a name that hashes the sources, the
-  flags and this CPU's model, so a build is reused only for the CPU it was made for (`load` itself locks the folder
-  against concurrent workers and rebuilds when a source changed). No compiler, neither AVX-512F nor AVX2+FMA, a
-  failed build or `KDAMESH_SMALL_GEMM=0` in the environment: not available, with one log line that says why, and
-  every product stays on MKL/oneDNN.
+  and registers `torch.ops.kdamesh_cpu.small_gemm` and the routed experts' operators of kernels/cpu/expert_gemm.py)
+  is compiled by `torch.utils.cpp_extension.load` at `-O3 -march=native -fopenmp` (~8 s, once) into torch's
+  extension build root, under a name that hashes the sources, the flags and this CPU's model, so a build is reused
+  only for the CPU it was made for (`load` itself locks the folder against concurrent workers and rebuilds when a
+  source changed). No compiler, neither AVX-512F nor AVX2+FMA, a failed build or `KDAMESH_SMALL_GEMM=0` in the
+  environment: not available, with one log line that says why, and every product stays on MKL/oneDNN.
 
-How and why: the kernel runs a product as axpys over the input-major weight — eight weight rows (inputs) at a time,
-each a contiguous run of outputs, multiplied into every row of x while the outputs stay in L1/L2 — so m rows read
-the weight once, and no output needs a horizontal sum, so short rows (demo-k3's 64-256 inputs) cost nothing extra.
-MKL runs a 2-8-row fp32 product at 1.5-3x its one-row time (it streams the weight once per row). AMD EPYC, AVX2,
-weights streamed from memory (`python -m bench.bench_gemv_layout --rows 1,4,8`): `[4, 768] x [768, 4880]` 1.06 ms
-against MKL's 1.95 (input-major; 2.38 row-major), 8 rows 1.21 vs 2.14, `[4, 256] x [256, 8192]` 0.81 vs 1.23; one
-row 0.74 vs 0.71 at one thread (a tie, left to MKL) and 0.62 vs 0.71 at two. AMD EPYC with AVX-512, one row at
-one thread: `[1, 768] x [768, 4880]` 588 vs 659 us, `[1, 1536] x [1536, 768]` 266 vs 311, a token's products of
-small-linear-kda12 ~0.85 ms less of 10 ms (its compiled batch-1 step 11.4-11.8 vs 13.6-14.6 ms with the one-row
-rule on and off, alternated). An earlier form (AVX-512 only, dot products over a row-major weight) lost to MKL on
-short rows (a horizontal sum per output) and, on AVX2, on one row (0.7x of MKL's input-major GEMV).
+How and why: the kernel runs a product as axpys over the input-major weight, so no output needs a horizontal sum
+and short rows (demo-k3's 64-256 inputs) cost nothing extra. Several rows: eight weight rows (inputs) at a time,
+each a contiguous run of outputs, multiplied into every row of x while the outputs stay in L1/L2 — m rows read the
+weight once (MKL runs a 2-8-row fp32 product at 1.5-3x its one-row time: it streams the weight once per row;
+`[4, 768] x [768, 4880]` 1.06 ms against MKL's 1.95 on an AVX2 EPYC). One row whose outputs a thread computes
+whole, at most 2,048 of them: one weight row at a time, the weight read in memory order — one stream the hardware
+prefetcher follows, where eight interleaved rows of 1-8 KB each are too short for it to learn (AMD EPYC, AVX-512,
+one thread, cold weights, `python -m bench.bench_gemv_layout`: `[1, 768] x [768, 256]` 45-50 us against 83 eight
+rows at a time and MKL's 66, `[1, 1536] x [1536, 768]` 204-212 vs 237-256 and 313; wider outputs keep the
+eight-row order, 2x faster there). So every one-row product the kernel takes beats MKL's GEMV, at one thread and
+at two, with AVX-512 or (built with `-mno-avx512f` on the same CPU) AVX2: the compiled batch-1 step of
+small-linear 12.97 -> 10.63 ms at one thread and 10.99 -> 9.28 at two, demo-k3 4.81 -> 3.15 and 3.90 -> 3.01
+(AVX2 build; docs/benchmarks.md, wave 3 session 10).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ log = logging.getLogger(__name__)
 SOURCES = (Path(__file__).with_name("small_gemm_op.cpp"), Path(__file__).with_name("small_gemm.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp")  # -fopenmp: at::parallel_for runs on torch's OpenMP threads
 MAX_ROWS = 8
-ONE_ROW_MIN_ELEMS = 1 << 20  # one row: only weights this large gain from the split over threads (demo-k3 bench)
-MIN_WEIGHT_ELEMS = 1 << 18  # smaller weights: MKL is as fast or faster (demo-k3 [4, 256] x [256, 512]: 64 vs 86 us)
+MIN_WEIGHT_ELEMS = 1 << 15  # smaller weights stay on MKL (demo-k3's [1, 64] x [64, 256], 2^14: 10.5 vs 6.9 us)
+MIN_MULTI_ROW_ELEMS = 1 << 18  # 2..8 rows: smaller weights stay on MKL (demo-k3 [4, 256] x [256, 512]: 64 vs 86 us)
 DISABLE_ENV = "KDAMESH_SMALL_GEMM"
 
 
@@ -102,24 +102,6 @@ def available() -> bool:
     return _loaded()
 
 
-@torch.compiler.assume_constant_result  # traced code asks at trace time (the count is set once per process)
-def _threads() -> int:
-    return torch.get_num_threads()
-
-
-@torch.compiler.assume_constant_result
-def wide_vectors() -> bool:
-    """Whether the build runs 512-bit vectors: `-march=native` defines `__AVX512F__` where the CPU has AVX-512F."""
-    return "avx512f" in _cpuinfo("flags").split()
-
-
-def one_row_runs(weight_elems: int) -> bool:
-    """Whether a one-row product with a weight the kernel `takes` runs on it (see the module docstring)."""
-    if _threads() == 1:
-        return wide_vectors()
-    return weight_elems >= ONE_ROW_MIN_ELEMS
-
-
 def takes(out_features: int, in_features: int, dtype: torch.dtype, device_type: str) -> bool:
     """Whether a product with a weight `[out, in]` of this dtype and device is one the kernel runs faster than MKL
     (the shape rule of the module docstring; built or not is `available`'s business)."""
@@ -139,7 +121,9 @@ def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[-1] == weight.shape[1]):
         return False
     rows = x.numel() // weight.shape[1]
-    if not 1 <= rows <= MAX_ROWS or (rows == 1 and not one_row_runs(weight.numel())):
+    if not 1 <= rows <= MAX_ROWS:
+        return False
+    if rows > 1 and weight.numel() < MIN_MULTI_ROW_ELEMS:
         return False
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
         return False
@@ -148,6 +132,8 @@ def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 _LIBRARY = torch.library.Library("kdamesh_cpu", "DEF")  # the schema here; the CPU kernel comes with the build
 _LIBRARY.define("small_gemm(Tensor x, Tensor w) -> Tensor")
+_LIBRARY.define("expert_gemm(Tensor x, Tensor w, Tensor ids) -> Tensor")  # kernels/cpu/expert_gemm.py
+_LIBRARY.define("expert_gemm_sum(Tensor h, Tensor w, Tensor ids) -> Tensor")
 
 
 @torch.library.register_fake("kdamesh_cpu::small_gemm")

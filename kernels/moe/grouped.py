@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.casting import cast, fp32
+from kernels.cpu import expert_gemm
 from kernels.moe.activation import GatedActivation
 from kernels.workspace import gathered
 
@@ -265,6 +266,11 @@ def moe_experts_bags(x: torch.Tensor, tables: BagLayout, num_experts: int, topk_
     k = topk_ids.shape[1]
     E, I = num_experts, tables.gate_up.shape[1] // 2
     weights, ids = _local_weights(topk_weights, topk_ids, E)
+    gate_up, down = tables.gate_up.view(E, D, 2 * I), tables.down.view(E, I, D)  # each expert input-major
+    if expert_gemm.runs(x, gate_up) and expert_gemm.runs(x, down):  # the same rows through our kernel
+        h = expert_gemm.products(x, gate_up, ids)  # [T, k, 2I]
+        scaled = act(h[..., :I], h[..., I:]) * weights.view(T, k, 1)  # [T, k, I]
+        return expert_gemm.products_sum(scaled, down, ids)  # [T, D]
     flat = ids.reshape(-1, 1)  # [Tk, 1]
     rows_in = (flat * D + torch.arange(D, device=x.device)).view(-1)  # [Tk*D] table rows of each assignment
     starts_in = torch.arange(0, T * k * D, D, device=x.device)  # [Tk] one bag per assignment

@@ -238,22 +238,30 @@ def _input_major(w1, w3, w2):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T,E,k", [(1, 8, 2), (4, 16, 4), (2, 32, 4)])
-def test_bagged_path_equals_naive(monkeypatch, dtype, tol, T, E, k):
-    """Input-major experts with T·k <= E take the in-place (embedding-bag) path, which equals the oracle, including
-    an assignment on another rank's expert (adds nothing); negative control: another expert changes the output."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["expert_gemm", "embedding_bags"])
+def test_bagged_path_equals_naive(monkeypatch, dtype, tol, T, E, k, kernel):
+    """Input-major experts with T·k <= E take the in-place path — fp32 through kernels/cpu/expert_gemm.py where
+    it runs, else weighted embedding bags — which equals the oracle, including an assignment on another rank's
+    expert (adds nothing); negative control: another expert changes the output."""
+    from kernels.cpu import expert_gemm
     from kernels.moe import grouped
 
     called = []
     for name in ("moe_experts_bagged", "moe_experts_gathered", "sort_assignments"):
         real = getattr(grouped, name)
         monkeypatch.setattr(grouped, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
+    real_products = expert_gemm.products
+    monkeypatch.setattr(expert_gemm, "products", lambda *a: called.append("expert_gemm") or real_products(*a))
+    if not kernel:
+        monkeypatch.setattr(expert_gemm, "runs", lambda x, experts: False)
     x, w1, w3, w2, weights, ids = _experts(T, 32, 24, E, k, dtype=dtype)
     w1, w3, w2 = _input_major(w1, w3, w2)
     assert grouped.bag_layout(w1, w3, w2) is not None and grouped.gate_up_storage(w1, w3) is None
     ids = ids.clone()
     ids[0, -1] = E + 3  # an expert on another rank (expert parallelism)
     out = moe_experts_grouped(x, w1, w3, w2, weights, ids, SITU)
-    assert called == ["moe_experts_bagged"] and out.dtype == dtype
+    kernel_ran = kernel and dtype == torch.float32 and expert_gemm.runs(x, torch.zeros(1, 1, 1))
+    assert called == ["moe_experts_bagged"] + ["expert_gemm"] * kernel_ran and out.dtype == dtype
     torch.testing.assert_close(out, moe_experts_naive(x, w1, w3, w2, weights, ids, SITU), atol=tol, rtol=tol)
     ids[0, 0] = (ids[0, 0] + 1) % E  # negative control
     assert not torch.allclose(moe_experts_grouped(x, w1, w3, w2, weights, ids, SITU)[0], out[0], atol=10 * tol)

@@ -43,14 +43,17 @@ def kernel_here() -> bool:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("out_features,in_features", [(512, 768), (515, 521), (257, 1030), (4099, 64)])  # tails
+@pytest.mark.parametrize("out_features,in_features",  # tails; one row streamed (<= 2048 outputs) and in blocks
+                         [(512, 768), (515, 521), (257, 1030), (2053, 64), (4099, 64), (256, 64)])  # the last: MKL
 def test_equals_f_linear_and_a_row_does_not_depend_on_its_batch(rows, out_features, in_features):
     if not kernel_here():
         return
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     weight = input_major(torch.randn(out_features, in_features, generator=gen))
     x = torch.randn(rows, in_features, generator=gen)
-    assert small_gemm.runs(x, weight) == (rows > 1 or small_gemm.one_row_runs(weight.numel()))
+    taken = (small_gemm.takes(out_features, in_features, torch.float32, "cpu")
+             and (rows == 1 or weight.numel() >= small_gemm.MIN_MULTI_ROW_ELEMS))
+    assert small_gemm.runs(x, weight) == taken
     got = small_gemm.linear(x, weight)
     torch.testing.assert_close(got, F.linear(x, weight), atol=1e-4, rtol=1e-5)
     alone = torch.cat([small_gemm.linear(x[i:i + 1], weight) for i in range(rows)])
@@ -78,20 +81,16 @@ def test_runs_only_where_the_kernel_applies(monkeypatch):
     assert not small_gemm.runs(x.bfloat16(), weight.bfloat16())
     assert not small_gemm.runs(x, weight.contiguous())  # row-major: the kernel reads the weight input-major
     assert small_gemm.runs(torch.randn(4, 64), input_major(torch.randn(4096, 64)))  # short rows are no exception
-    assert not small_gemm.runs(x, input_major(torch.randn(256, 512)))  # under MIN_WEIGHT_ELEMS: MKL is as fast
+    assert not small_gemm.runs(x, input_major(torch.randn(256, 512)))  # 4 rows under MIN_MULTI_ROW_ELEMS: MKL
+    assert not small_gemm.takes(64, 128, torch.float32, "cpu")  # under MIN_WEIGHT_ELEMS: MKL whatever the rows
     with torch.enable_grad():
         assert not small_gemm.runs(x, weight.clone().requires_grad_())
+    small = input_major(torch.randn(256, 512))  # under MIN_MULTI_ROW_ELEMS, over MIN_WEIGHT_ELEMS
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        monkeypatch.setattr(small_gemm, "wide_vectors", lambda: False)
-        assert not small_gemm.runs(x[:1], weight) and small_gemm.runs(x[:2], weight)  # AVX2, one thread: MKL
-        monkeypatch.setattr(small_gemm, "wide_vectors", lambda: True)
-        assert small_gemm.runs(x[:1], weight)  # AVX-512, one thread: the kernel beats MKL's GEMV
-        torch.set_num_threads(2)
-        assert not small_gemm.runs(x[:1], weight)  # one row of a small weight: not worth a split over threads
-        wide = input_major(torch.randn(small_gemm.ONE_ROW_MIN_ELEMS // 512, 512))
-        assert small_gemm.runs(x[:1], wide) and small_gemm.runs(x[:2], weight)
+        for count in (1, 2):  # one row takes the kernel at any thread count (it streams the weight)
+            torch.set_num_threads(count)
+            assert small_gemm.runs(x[:1], weight) and small_gemm.runs(x[:1], small) and not small_gemm.runs(x, small)
     finally:
         torch.set_num_threads(threads)
     monkeypatch.setattr(small_gemm, "available", lambda: False)
