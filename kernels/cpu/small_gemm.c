@@ -6,8 +6,8 @@
  * the block's outputs of all rows staying in L1/L2, so m rows cost one pass over the weight from memory instead
  * of m, and no output needs a horizontal sum (short rows cost nothing extra). Every output is the same sequence
  * of fused multiply-adds, k = 0, 1, 2, ... in order, whatever the number of rows, so a row's result does not
- * depend on the rows beside it. One row of at most STREAM_MAX_COLUMNS outputs, computed whole by one thread, takes
- * the weight one row at a time instead (axpy_stream: in memory order, the same multiply-adds). Built at first use
+ * depend on the rows beside it. Rows whose outputs fit STREAM_MAX_FLOATS, computed whole by one thread, take the
+ * weight one row at a time instead (stream_MM: in memory order, the same multiply-adds). Built at first use
  * by kernels/cpu/small_gemm.py with -O3 -march=native (included by small_gemm_op.cpp, which registers it as torch
  * operators); it refuses to build on a CPU with neither AVX-512F nor AVX2 and FMA. */
 #include <immintrin.h>
@@ -76,42 +76,54 @@ AXPY_KERNEL(6)
 AXPY_KERNEL(7)
 AXPY_KERNEL(8)
 
-#define STREAM_MAX_COLUMNS 2048 /* one row, whole rows of out up to this: the weight streamed in memory order */
+#define STREAM_MAX_FLOATS 4096 /* rows x outputs of a streamed product: its outputs stay in L1 */
 
-#define STREAM_ROWS 1            /* weight rows per step of axpy_stream (see there why a loop of one) */
-
-/* out[0, n0:n1] = x[0, :] @ wt[:, n0:n1] for one row, one weight row at a time: with n0 = 0 and n1 = n_out the
+/* out[m, n0:n1] = x[m, :] @ wt[:, n0:n1] for MM rows, one weight row at a time: with n0 = 0 and n1 = n_out the
  * weight is read in memory order, one stream the hardware prefetcher follows (eight interleaved rows of a narrow
  * weight are too short for it to learn); the outputs stay in L1. The same multiply-adds in the same order as
- * axpy_1, so the result is bitwise the same. Keep the form: the broadcasts held in an array and the inner
- * STREAM_ROWS loop keep gcc -O3 from running the nest column-first (written as a plain k/j nest, the build ran
- * [1, 768] x [768, 256] in 84 us instead of 52, as slow as axpy_1). */
-static void axpy_stream(const float *__restrict x, const float *__restrict wt, size_t k_len, size_t n_out,
-                        float *__restrict out, size_t n0, size_t n1) {
-  for (size_t j = n0; j < n1; j += VEC_FLOATS) vec_store(out + j, vec_zero());
-  for (size_t k = 0; k + STREAM_ROWS <= k_len; k += STREAM_ROWS) {
-    const float *w = wt + k * n_out;
-    vec_t xb[STREAM_ROWS];
-    for (int r = 0; r < STREAM_ROWS; r++) xb[r] = vec_broadcast(x + k + r);
-    for (size_t j = n0; j < n1; j += VEC_FLOATS) {
-      vec_t acc = vec_load(out + j);
-      for (int r = 0; r < STREAM_ROWS; r++) acc = vec_fmadd(vec_load(w + r * n_out + j), xb[r], acc);
-      vec_store(out + j, acc);
-    }
+ * axpy_MM, so the result is bitwise the same. Keep the form: the broadcasts held in an array and the inner loop
+ * over rows keep gcc -O3 from running the nest column-first (written as a plain k/j nest, the one-row build ran
+ * [1, 768] x [768, 256] in 84 us instead of 52, as slow as axpy_1). Measured up to 4,096 outputs in all: 4 x 1,440
+ * streamed ran 2x slower than axpy_4. */
+#define STREAM_KERNEL(MM)                                                                                        \
+  static void stream_##MM(const float *__restrict x, const float *__restrict wt, size_t k_len, size_t n_out,     \
+                          float *__restrict out, size_t n0, size_t n1) {                                         \
+    for (int m = 0; m < MM; m++)                                                                                 \
+      for (size_t j = n0; j < n1; j += VEC_FLOATS) vec_store(out + m * n_out + j, vec_zero());                   \
+    for (size_t k = 0; k < k_len; k++) {                                                                         \
+      const float *w = wt + k * n_out;                                                                           \
+      vec_t xb[MM];                                                                                              \
+      for (int m = 0; m < MM; m++) xb[m] = vec_broadcast(x + m * k_len + k);                                     \
+      for (size_t j = n0; j < n1; j += VEC_FLOATS) {                                                             \
+        vec_t wv = vec_load(w + j);                                                                              \
+        for (int m = 0; m < MM; m++) {                                                                           \
+          float *o = out + m * n_out + j;                                                                        \
+          vec_store(o, vec_fmadd(wv, xb[m], vec_load(o)));                                                       \
+        }                                                                                                        \
+      }                                                                                                          \
+    }                                                                                                            \
   }
-}
+STREAM_KERNEL(1)
+STREAM_KERNEL(2)
+STREAM_KERNEL(3)
+STREAM_KERNEL(4)
+STREAM_KERNEL(5)
+STREAM_KERNEL(6)
+STREAM_KERNEL(7)
+STREAM_KERNEL(8)
 
 typedef void (*axpy_fn)(const float *, const float *, size_t, size_t, float *, size_t, size_t);
 static const axpy_fn AXPY[9] = {0, axpy_1, axpy_2, axpy_3, axpy_4, axpy_5, axpy_6, axpy_7, axpy_8};
+static const axpy_fn STREAM[9] = {0, stream_1, stream_2, stream_3, stream_4, stream_5, stream_6, stream_7, stream_8};
 
 /* Output columns [n_begin, n_end) of out [m_rows, n_out] = x [m_rows, k_len] @ wt [k_len, n_out], 1 <= m_rows <= 8;
- * n_begin a multiple of VEC_FLOATS. One row of whole, narrow outputs streams the weight (axpy_stream), else the
- * eight-row axpys. Columns past the last whole vector are scalar, in the same k order. */
+ * n_begin a multiple of VEC_FLOATS. Whole rows of narrow outputs stream the weight (stream_MM), else the eight-row
+ * axpys. Columns past the last whole vector are scalar, in the same k order. */
 void small_gemm(const float *x, size_t m_rows, const float *wt, size_t n_out, size_t k_len, float *out,
                 size_t n_begin, size_t n_end) {
   size_t vec_end = n_begin + (n_end - n_begin) / VEC_FLOATS * VEC_FLOATS;
-  if (m_rows == 1 && n_begin == 0 && n_end == n_out && n_out <= STREAM_MAX_COLUMNS)
-    axpy_stream(x, wt, k_len, n_out, out, 0, vec_end);
+  if (n_begin == 0 && n_end == n_out && m_rows * n_out <= STREAM_MAX_FLOATS)
+    STREAM[m_rows](x, wt, k_len, n_out, out, 0, vec_end);
   else
     for (size_t n = n_begin; n < vec_end; n += BLOCK_COLUMNS)
       AXPY[m_rows](x, wt, k_len, n_out, out, n, n + BLOCK_COLUMNS < vec_end ? n + BLOCK_COLUMNS : vec_end);

@@ -22,18 +22,22 @@ Contract:
   environment: not available, with one log line that says why, and every product stays on MKL/oneDNN.
 
 How and why: the kernel runs a product as axpys over the input-major weight, so no output needs a horizontal sum
-and short rows (demo-k3's 64-256 inputs) cost nothing extra. Several rows: eight weight rows (inputs) at a time,
-each a contiguous run of outputs, multiplied into every row of x while the outputs stay in L1/L2 — m rows read the
-weight once (MKL runs a 2-8-row fp32 product at 1.5-3x its one-row time: it streams the weight once per row;
-`[4, 768] x [768, 4880]` 1.06 ms against MKL's 1.95 on an AVX2 EPYC). One row whose outputs a thread computes
-whole, at most 2,048 of them: one weight row at a time, the weight read in memory order — one stream the hardware
-prefetcher follows, where eight interleaved rows of 1-8 KB each are too short for it to learn (AMD EPYC, AVX-512,
-one thread, cold weights, `python -m bench.bench_gemv_layout`: `[1, 768] x [768, 256]` 45-50 us against 83 eight
-rows at a time and MKL's 66, `[1, 1536] x [1536, 768]` 204-212 vs 237-256 and 313; wider outputs keep the
-eight-row order, 2x faster there). So every one-row product the kernel takes beats MKL's GEMV, at one thread and
-at two, with AVX-512 or (built with `-mno-avx512f` on the same CPU) AVX2: the compiled batch-1 step of
-small-linear 12.97 -> 10.63 ms at one thread and 10.99 -> 9.28 at two, demo-k3 4.81 -> 3.15 and 3.90 -> 3.01
-(AVX2 build; docs/benchmarks.md, wave 3 session 10).
+and short rows (demo-k3's 64-256 inputs) cost nothing extra, and m rows read the weight once (MKL runs a 2-8-row
+fp32 product at 1.5-3x its one-row time: it streams the weight once per row). Two orders (kernels/cpu/small_gemm.c):
+- the outputs of all rows at most 4,096 floats (`STREAM_MAX_FLOATS`, 16 KB in L1) and computed whole by one thread:
+  one weight row at a time, the weight read in memory order — one stream the hardware prefetcher follows, where
+  eight interleaved weight rows of 1-8 KB each are too short for it to learn. AMD EPYC, AVX-512, one thread, cold
+  weights (`python -m bench.bench_gemv_layout`): `[1, 768] x [768, 256]` 45-52 us against 83 in the eight-row
+  order and MKL's 66, `[1, 1536] x [1536, 768]` 186-216 vs 237-256 and 297-313, `[4, 768] x [768, 768]` 128-134
+  vs 168-172 and MKL's 239-253, demo-k3's `[4, 256] x [256, 1104]` 77-79 vs MKL's 125-127;
+- wider outputs: eight weight rows (inputs) at a time, each a contiguous run of up to 8,192 outputs, multiplied
+  into every row of x while those outputs stay in L1/L2 (2x faster than streaming for `[1, 768] x [768, 4880]`;
+  `[4, 768] x [768, 4880]` 1.06 ms against MKL's 1.95 on an AVX2 EPYC).
+Both are the same multiply-adds in the same order (so a row's result never depends on its batch). With the streamed
+order every one-row product the kernel takes beats MKL's GEMV, at one thread and at two, with AVX-512 or (built
+with `-mno-avx512f` on the same CPU) AVX2: the compiled batch-1 step of small-linear 12.97 -> 10.63 ms at one
+thread and 10.99 -> 9.28 at two, demo-k3 4.81 -> 3.15 and 3.90 -> 3.01 (AVX2 build; docs/benchmarks.md, wave 3
+session 10).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ SOURCES = (Path(__file__).with_name("small_gemm_op.cpp"), Path(__file__).with_na
 FLAGS = ("-O3", "-march=native", "-fopenmp")  # -fopenmp: at::parallel_for runs on torch's OpenMP threads
 MAX_ROWS = 8
 MIN_WEIGHT_ELEMS = 1 << 15  # smaller weights stay on MKL (demo-k3's [1, 64] x [64, 256], 2^14: 10.5 vs 6.9 us)
-MIN_MULTI_ROW_ELEMS = 1 << 18  # 2..8 rows: smaller weights stay on MKL (demo-k3 [4, 256] x [256, 512]: 64 vs 86 us)
+MIN_MULTI_ROW_ELEMS = 1 << 16  # 2..8 rows: smaller weights stay on MKL (demo-k3's 2^15 ones tie it at 4 and 8 rows)
 DISABLE_ENV = "KDAMESH_SMALL_GEMM"
 
 

@@ -22,7 +22,11 @@ Small batches (decode, verification) read nothing back to the host either way; t
   `lay_out_for_gemv` stores them on CPU): `moe_experts_bagged` reads each assignment's expert rows in place, each
   product a weighted `embedding_bag` over the rows `e·K + j` (no weights copied; E = 32 top-4, 1 token, 8 layers
   with cold caches: 4.0-4.3 ms vs 3.9-4.5 ms gathered, both at ~9 GB/s; a demo-k3 decode step 1.05x, small-linear
-  1.01x, paired in one process). The other paths read either layout (no reshape of the weights).
+  1.01x, paired in one process). In fp32 where kernels/cpu/small_gemm.py is built, the same rows go through its
+  kernel instead (kernels/cpu/expert_gemm.py: each chosen expert's rows one contiguous block, streamed as any
+  input-major weight — the bags ran at ~14 GB/s in small-linear's compiled step); the routing weights scale the
+  activations before the down products, which sum a token's choices. The other paths read either layout (no
+  reshape of the weights).
 - `3·T·k <= E` (`moe_experts_gathered`, `GATHER_TRAFFIC`): each assignment's expert weights are gathered and
   multiplied in one batched matrix-vector product per projection — no sort, no counts. The copy costs each chosen
   expert three passes over its weights, so more assignments take the sorted form, which reads each used expert

@@ -43,7 +43,7 @@ def kernel_here() -> bool:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("out_features,in_features",  # tails; one row streamed (<= 2048 outputs) and in blocks
+@pytest.mark.parametrize("out_features,in_features",  # tails; rows x outputs <= 4096 streamed, others in blocks
                          [(512, 768), (515, 521), (257, 1030), (2053, 64), (4099, 64), (256, 64)])  # the last: MKL
 def test_equals_f_linear_and_a_row_does_not_depend_on_its_batch(rows, out_features, in_features):
     if not kernel_here():
@@ -81,11 +81,11 @@ def test_runs_only_where_the_kernel_applies(monkeypatch):
     assert not small_gemm.runs(x.bfloat16(), weight.bfloat16())
     assert not small_gemm.runs(x, weight.contiguous())  # row-major: the kernel reads the weight input-major
     assert small_gemm.runs(torch.randn(4, 64), input_major(torch.randn(4096, 64)))  # short rows are no exception
-    assert not small_gemm.runs(x, input_major(torch.randn(256, 512)))  # 4 rows under MIN_MULTI_ROW_ELEMS: MKL
+    assert not small_gemm.runs(x, input_major(torch.randn(96, 512)))  # 4 rows under MIN_MULTI_ROW_ELEMS: MKL
     assert not small_gemm.takes(64, 128, torch.float32, "cpu")  # under MIN_WEIGHT_ELEMS: MKL whatever the rows
     with torch.enable_grad():
         assert not small_gemm.runs(x, weight.clone().requires_grad_())
-    small = input_major(torch.randn(256, 512))  # under MIN_MULTI_ROW_ELEMS, over MIN_WEIGHT_ELEMS
+    small = input_major(torch.randn(96, 512))  # under MIN_MULTI_ROW_ELEMS, over MIN_WEIGHT_ELEMS
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):  # one row takes the kernel at any thread count (it streams the weight)
