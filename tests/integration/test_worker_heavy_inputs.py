@@ -174,7 +174,10 @@ def test_heavy_inputs_keep_other_tenants_stepping_and_the_worker_in_the_pool(tin
     assert took > 1.0 and len(during) >= 10  # the work was heavy and B kept streaming through it
     assert busy <= 2 * base
     assert max(during) < took / 2
-    assert stall_gap >= 0.8 * stall_work  # negative control: on the step thread it stalls B throughout
+    # negative control: on the step thread the work stalls B for over half of it, so the bound above (longest gap
+    # under half the work) would fail; not "throughout": a CI run saw 0.96 s of 1.43 s, tokens B's transport
+    # already held arriving late on a loaded box
+    assert stall_gap > 0.5 * stall_work
     assert healthy_throughout == [] and changes == [False]  # in the pool throughout; NOT_SERVING drops it
 
 
