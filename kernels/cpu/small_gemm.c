@@ -22,6 +22,7 @@ typedef __m512 vec_t;
 #define vec_store(p, v) _mm512_storeu_ps(p, v)
 #define vec_broadcast(p) _mm512_set1_ps(*(p))
 #define vec_fmadd(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vec_mul(a, b) _mm512_mul_ps(a, b)
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256 vec_t;
 #define VEC_FLOATS 8
@@ -30,6 +31,7 @@ typedef __m256 vec_t;
 #define vec_store(p, v) _mm256_storeu_ps(p, v)
 #define vec_broadcast(p) _mm256_broadcast_ss(p)
 #define vec_fmadd(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vec_mul(a, b) _mm256_mul_ps(a, b)
 #else
 #error "small_gemm needs AVX-512F, or AVX2 and FMA"
 #endif

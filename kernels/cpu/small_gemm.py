@@ -13,8 +13,9 @@ Contract:
   rounding. A row's result does not depend on how many rows share the call (bitwise: each output is the same
   sequence of fused multiply-adds, in input order). It calls the operator `torch.ops.kdamesh_cpu.small_gemm`,
   eagerly and from a compiled step alike (opaque to inductor, shape-checked by its fake).
-- `available()`: built and loaded, once per process. kernels/cpu/small_gemm_op.cpp (which includes the C kernel
-  and registers `torch.ops.kdamesh_cpu.small_gemm` and the routed experts' operators of kernels/cpu/expert_gemm.py)
+- `available()`: built and loaded, once per process. kernels/cpu/small_gemm_op.cpp (which includes the C kernels
+  and registers `torch.ops.kdamesh_cpu.small_gemm`, the routed experts' operators of kernels/cpu/expert_gemm.py and
+  the KDA decode step of kernels/kda/cpu_step.py, kernels/cpu/kda_step.c)
   is compiled by `torch.utils.cpp_extension.load` at `-O3 -march=native -fopenmp` (~8 s, once) into torch's
   extension build root, under a name that hashes the sources, the flags and this CPU's model, so a build is reused
   only for the CPU it was made for (`load` itself locks the folder against concurrent workers and rebuilds when a
@@ -53,7 +54,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("small_gemm_op.cpp"), Path(__file__).with_name("small_gemm.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("small_gemm_op.cpp", "small_gemm.c", "kda_step.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp")  # -fopenmp: at::parallel_for runs on torch's OpenMP threads
 MAX_ROWS = 8
 MIN_WEIGHT_ELEMS = 1 << 15  # smaller weights stay on MKL (demo-k3's [1, 64] x [64, 256], 2^14: 10.5 vs 6.9 us)
@@ -138,6 +139,8 @@ _LIBRARY = torch.library.Library("kdamesh_cpu", "DEF")  # the schema here; the C
 _LIBRARY.define("small_gemm(Tensor x, Tensor w) -> Tensor")
 _LIBRARY.define("expert_gemm(Tensor x, Tensor w, Tensor ids) -> Tensor")  # kernels/cpu/expert_gemm.py
 _LIBRARY.define("expert_gemm_sum(Tensor h, Tensor w, Tensor ids) -> Tensor")
+_LIBRARY.define("kda_decode_(Tensor(a!) pool, Tensor idx, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+                "float scale) -> Tensor")  # kernels/kda/cpu_step.py
 
 
 @torch.library.register_fake("kdamesh_cpu::small_gemm")

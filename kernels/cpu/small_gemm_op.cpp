@@ -7,6 +7,9 @@
 //   input-major), ids [T, c] int64 in [0, E) -> [T, c, N], row (t, j) = x[t] @ w[ids[t, j]].
 // - `kdamesh_cpu::expert_gemm_sum(Tensor h, Tensor w, Tensor ids) -> Tensor`: h [T, c, K], w [E, K, N], ids [T, c]
 //   -> [T, N], row t = sum over j of h[t, j] @ w[ids[t, j]], the choices added in order j = 0, 1, ...
+// - `kdamesh_cpu::kda_decode_(Tensor(a!) pool, Tensor idx, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta,
+//   float scale) -> Tensor`: pool [S, H, K, V] fp32 contiguous, idx [N] int64 distinct slots in [0, S), q, k, g
+//   [N, H, K], v [N, H, V], beta [N, H] fp32 -> o [N, H, V]; the states pool[idx[n]] step in place (kda_step.c).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,6 +17,7 @@
 #include <vector>
 
 #include "small_gemm.c"
+#include "kda_step.c"
 
 static constexpr int64_t kMinShareFloats = 1 << 17;  // 512 KB of weight per thread's share, at least
 static constexpr int64_t kColumnUnit = 16;           // threads split the outputs in 64-byte runs of a row of out
@@ -104,8 +108,47 @@ static at::Tensor expert_gemm_sum_cpu(const at::Tensor &h, const at::Tensor &w, 
   return out;
 }
 
+static at::Tensor kda_decode_cpu(at::Tensor &pool, const at::Tensor &idx, const at::Tensor &q, const at::Tensor &k,
+                                 const at::Tensor &v, const at::Tensor &g, const at::Tensor &beta, double scale) {
+  TORCH_CHECK(pool.dim() == 4 && pool.scalar_type() == at::kFloat && pool.is_contiguous(),
+              "kda_decode_: a contiguous fp32 pool [S, H, K, V], got ", pool.sizes(), " ", pool.scalar_type());
+  const int64_t slots = pool.size(0), heads = pool.size(1), k_len = pool.size(2), v_len = pool.size(3);
+  const int64_t n = idx.numel();
+  TORCH_CHECK(v_len % VEC_FLOATS == 0, "kda_decode_: value width ", v_len, " not a multiple of ", VEC_FLOATS);
+  for (const at::Tensor *t : {&q, &k, &g})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->sizes() == at::IntArrayRef({n, heads, k_len}),
+                "kda_decode_: q, k, g fp32 [", n, ", ", heads, ", ", k_len, "], got ", t->sizes());
+  TORCH_CHECK(v.scalar_type() == at::kFloat && v.sizes() == at::IntArrayRef({n, heads, v_len}),
+              "kda_decode_: v fp32 [", n, ", ", heads, ", ", v_len, "], got ", v.sizes());
+  TORCH_CHECK(beta.scalar_type() == at::kFloat && beta.sizes() == at::IntArrayRef({n, heads}),
+              "kda_decode_: beta fp32 [", n, ", ", heads, "], got ", beta.sizes());
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 1, "kda_decode_: idx [N] int64, got ", idx.sizes());
+  const at::Tensor idc = idx.contiguous(), qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(),
+                   gc = g.contiguous(), bc = beta.contiguous();
+  const int64_t *slot = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; i++)
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < slots, "kda_decode_: slot ", slot[i], " outside [0, ", slots, ")");
+  at::Tensor o = at::empty({n, heads, v_len}, vc.options());
+  float *pool_data = pool.data_ptr<float>(), *o_data = o.data_ptr<float>();
+  const float *q_data = qc.data_ptr<float>(), *k_data = kc.data_ptr<float>(), *v_data = vc.data_ptr<float>(),
+              *g_data = gc.data_ptr<float>(), *b_data = bc.data_ptr<float>();
+  // (sequence, head) pairs split over threads, a share at least kMinShareFloats / 2 of state.
+  const int64_t grain = std::max<int64_t>(1, kMinShareFloats / 2 / std::max<int64_t>(k_len * v_len, 1));
+  at::parallel_for(0, n * heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(k_len + v_len);
+    for (int64_t a = begin; a < end; a++) {
+      const int64_t s = a / heads, h = a % heads;
+      kda_step_head(pool_data + (slot[s] * heads + h) * k_len * v_len, k_len, v_len, q_data + a * k_len,
+                    k_data + a * k_len, g_data + a * k_len, v_data + a * v_len, b_data[a], (float)scale,
+                    scratch.data(), scratch.data() + k_len, o_data + a * v_len);
+    }
+  });
+  return o;
+}
+
 TORCH_LIBRARY_IMPL(kdamesh_cpu, CPU, m) {
   m.impl("small_gemm", &small_gemm_cpu);
   m.impl("expert_gemm", &expert_gemm_cpu);
   m.impl("expert_gemm_sum", &expert_gemm_sum_cpu);
+  m.impl("kda_decode_", &kda_decode_cpu);
 }

@@ -11,6 +11,8 @@ Modules:
 - `naive`: `kda_naive`, the token-by-token oracle.
 - `chunked`: `chunk_kda` (chunkwise WY form, the fast torch path) and `kda_prefill_pooled` (registry op `kda_prefill`).
 - `recurrent`: `fused_recurrent_kda` (time loop, for short inputs) and `kda_decode_pooled` (registry op `kda_decode`).
+- `cpu_step`: the decode step on our CPU kernel (kernels/cpu/kda_step.c), in place on the pool; `recurrent` takes it
+  wherever it `runs` (fp32 on a CPU where the kernel built).
 - `gate`: `kda_gate_softplus` (Kimi Linear) and `kda_gate_lower_bound` (Kimi K3).
 - `triton_chunked`, `triton_recurrent`: Triton versions of the two pooled ops (imported lazily by the registry only).
 

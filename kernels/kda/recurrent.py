@@ -6,6 +6,9 @@ computed in fp32 (fp64 for fp64 inputs), o returned in v's dtype.
 - `fused_recurrent_kda(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None) -> (o, final_state)`: packed
   variable-length batch, a Python loop over time steps (the longest sequence's length), everything else batched.
   Meant for short inputs (decode, speculative verification); long prompts go to `kernels.kda.chunked`.
+- On CPU in fp32 where `kernels.kda.cpu_step.runs`, `kda_step` and `kda_decode_pooled` step the states on that
+  kernel (the same math in two passes over the states, in place on the pool: no gather or scatter); elsewhere the
+  torch form below.
 - `kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices, state_slots=None) -> o`: one token per
   sequence (q, k, g [N, H, K]; v [N, H, V]; beta [N, H]); sequence n reads its state from
   `state_pool[state_indices[n]]` ([S, H, K, V] fp32) and the updated state is written back to the same slot in
@@ -32,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from kernels.casting import cast
+from kernels.kda import cpu_step
 from kernels.kda.naive import compute_dtype, default_cu_seqlens
 
 
@@ -44,6 +48,8 @@ def kda_step(state, q, k, v, g, beta, scale):
     (`mul_`, `baddbmm_`). With u = beta (v - k^T S'), o = q^T (S' + k u^T) = q^T S' + (q·k) u.
     """
     B, H, K, V = state.shape
+    if cpu_step.runs(state, q) and state.is_contiguous():  # the CPU kernel: two passes over the states, in place
+        return cpu_step.decode_(state, torch.arange(B), q, k, v, g, beta, scale), state
     decay = torch.exp(g)  # [B, H, K]
     flat = state.view(B * H, K, V)
     rows = torch.stack([k * decay, (scale * q) * decay], dim=2).view(B * H, 2, K)  # [BH, 2, K]
@@ -94,6 +100,8 @@ def kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices, state_
     """One decode token per sequence against a state pool, updated in place; returns o [N, H, V] in v's dtype."""
     dtype = compute_dtype(q, k, v, g, beta, state_pool)
     inputs = [cast(x, dtype) for x in (q, k, v, g, beta)]
+    if cpu_step.runs(state_pool, inputs[0]):  # the CPU kernel steps the pool's states in place: no gather, no scatter
+        return cast(cpu_step.decode_(state_pool, state_indices, *inputs, scale), v.dtype)
     rows = state_slots
     if rows is not None and state_pool.dtype == dtype and state_pool.is_contiguous():  # consecutive: in place
         o, _ = kda_step(state_pool[rows], *inputs, scale)
