@@ -72,6 +72,11 @@ class ParamGroup:
             p.data = fused.narrow(self.dim, start, size)
             start += size
         self._fused = fused
+        self.note_addresses()
+
+    def note_addresses(self) -> None:
+        """Records the members' addresses: `tensor` checks them (call again after the fused tensor and its views
+        moved together, engine/model/huge_pages.py)."""
         self._ptrs = tuple(p.data_ptr() for p in self.params)
 
     def tensor(self) -> torch.Tensor | None:

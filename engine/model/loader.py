@@ -49,6 +49,7 @@ from tqdm import tqdm
 
 from engine.model.config import ModelConfig, load_model_config
 from engine.model.fused import bind_fused_weights, lay_out_for_gemv
+from engine.model.huge_pages import place_on_huge_pages
 from engine.model.init import materialize
 from engine.model.model import KimiForCausalLM
 from engine.model.moe import EXPERT_FORMATS
@@ -175,6 +176,8 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str, ctx:
     if gemv_layout:
         lay_out_for_gemv(model)
     bind_fused_weights(model)  # projections of one input share a tensor; loading fills it through the views
+    if device == "cpu":
+        place_on_huge_pages(model)  # before loading fills them: a decode step streams every weight
     return model.eval().requires_grad_(False)
 
 
