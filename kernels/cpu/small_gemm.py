@@ -141,6 +141,8 @@ _LIBRARY.define("expert_gemm(Tensor x, Tensor w, Tensor ids) -> Tensor")  # kern
 _LIBRARY.define("expert_gemm_sum(Tensor h, Tensor w, Tensor ids) -> Tensor")
 _LIBRARY.define("kda_decode_(Tensor(a!) pool, Tensor idx, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
                 "float scale) -> Tensor")  # kernels/kda/cpu_step.py
+_LIBRARY.define("kda_verify_(Tensor(a!) pool, Tensor in_idx, Tensor out_slots, Tensor q, Tensor k, Tensor v, "
+                "Tensor g, Tensor beta, float scale) -> Tensor")
 
 
 @torch.library.register_fake("kdamesh_cpu::small_gemm")

@@ -10,6 +10,11 @@ Contract:
   rounding; a sequence's result does not depend on the others in the call (bitwise). It calls the operator
   `torch.ops.kdamesh_cpu.kda_decode_`, eagerly and from a compiled step (which sees one in-place op on the pool:
   no gather, no scatter, no functionalised copy — tests/unit/kernels/test_kda_cpu_step.py).
+- `verify_(state_pool, state_indices [N], out_slots [T], q, k, g [T, H, K], v [T, H, V], beta [T, H], scale) -> o
+  [T, H, V]` (`kernels.kda.recurrent.kda_verify_rows`' contract): sequence n steps its Q = T // N tokens from
+  `state_pool[state_indices[n]]`, the state after each token written to its out-slot; every in-state is read before
+  any out-slot is written; each (sequence, head) steps its Q tokens in a private copy kept in L1/L2, so the pool is
+  read once and written once per token (the torch form also gathered, cloned and scattered every token).
 
 Why: the torch form makes five passes over the states (gather, exp-and-read, decay, rank-1 write, scatter); a
 state is 12 x 128 x 128 fp32 (768 KB) per small-linear layer, so they cost ~1.6 of ~13 ms in small-linear's
@@ -38,6 +43,19 @@ def runs(state_pool: torch.Tensor, q: torch.Tensor) -> bool:
 @torch.library.register_fake("kdamesh_cpu::kda_decode_")
 def _(state_pool, state_indices, q, k, v, g, beta, scale):
     return v.new_empty(v.shape)
+
+
+@torch.library.register_fake("kdamesh_cpu::kda_verify_")
+def _(state_pool, in_idx, out_slots, q, k, v, g, beta, scale):
+    return v.new_empty(v.shape)
+
+
+def verify_(state_pool: torch.Tensor, state_indices: torch.Tensor, out_slots: torch.Tensor, q: torch.Tensor,
+            k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float) -> torch.Tensor:
+    """N sequences of Q = T // N tokens each from `state_pool[state_indices]`; the state after token t of sequence n
+    goes to `state_pool[out_slots[n*Q + t]]` -> o [T, H, V]; the caller checked `runs`."""
+    return torch.ops.kdamesh_cpu.kda_verify_(state_pool, state_indices.to(dtype=torch.int64),
+                                             out_slots.to(dtype=torch.int64), q, k, v, g, beta, float(scale))
 
 
 def decode_(state_pool: torch.Tensor, state_indices: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -6,8 +6,8 @@ computed in fp32 (fp64 for fp64 inputs), o returned in v's dtype.
 - `fused_recurrent_kda(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None) -> (o, final_state)`: packed
   variable-length batch, a Python loop over time steps (the longest sequence's length), everything else batched.
   Meant for short inputs (decode, speculative verification); long prompts go to `kernels.kda.chunked`.
-- On CPU in fp32 where `kernels.kda.cpu_step.runs`, `kda_step` and `kda_decode_pooled` step the states on that
-  kernel (the same math in two passes over the states, in place on the pool: no gather or scatter); elsewhere the
+- On CPU in fp32 where `kernels.kda.cpu_step.runs`, `kda_step`, `kda_decode_pooled` and `kda_verify_rows` step
+  the states on that kernel (the same math in two passes over the states, in place on the pool: no gather or scatter); elsewhere the
   torch form below.
 - `kda_decode_pooled(q, k, v, g, beta, scale, state_pool, state_indices, state_slots=None) -> o`: one token per
   sequence (q, k, g [N, H, K]; v [N, H, V]; beta [N, H]); sequence n reads its state from
@@ -164,6 +164,9 @@ def _step_keeping(q, k, v, g, beta, scale, init, cu, out, seqs, o, dtype, state_
 def kda_verify_rows(q, k, v, g, beta, scale, state_pool, state_indices, out_slots, tokens_per_row: int):
     """See the module docstring; returns o [N*Q, H, V] in v's dtype."""
     dtype = compute_dtype(q, k, v, g, beta, state_pool)
+    if cpu_step.runs(state_pool, cast(q, dtype)):  # the CPU kernel: each state read once, each out-state written once
+        inputs = [cast(x, dtype) for x in (q, k, v, g, beta)]
+        return cast(cpu_step.verify_(state_pool, state_indices, out_slots, *inputs, scale), v.dtype)
     T, H = q.shape[:2]
     n = T // tokens_per_row
     idx = state_indices.to(device=state_pool.device, dtype=torch.int64)

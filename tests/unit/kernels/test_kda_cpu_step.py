@@ -1,7 +1,8 @@
 """kernels/kda/cpu_step.py: the CPU kernel's KDA decode step equals the torch form (`kda_step`'s math written out
 here), steps only the slots it is given, in place on the pool, a sequence's result does not depend on the others in
-the call, a bad slot is refused, it is taken exactly where `runs` says, and a compiled step calls it on the pool
-itself (no gather, no scatter, no copy of the pool)."""
+the call, a bad slot is refused, it is taken exactly where `runs` says, a compiled step calls it on the pool
+itself (no gather, no scatter, no copy of the pool), and its verification form equals the oracle, reading every
+in-state before writing any out-slot."""
 
 from __future__ import annotations
 
@@ -123,3 +124,28 @@ def test_a_compiled_step_calls_the_kernel_on_the_pool():
     want = kda_decode_pooled(q, k, v, g, beta, 0.125, eager_pool, slots) * 2
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     torch.testing.assert_close(pool, eager_pool, atol=0, rtol=0)
+
+
+def test_verification_equals_the_oracle_reading_every_state_before_writing_any():
+    if not kernel_here():
+        return
+    from kernels.kda.naive import kda_verify_naive
+
+    N, Q, H, K, V = 2, 3, 2, 32, 32
+    q, k, v, g, beta = _step_inputs(N * Q, H, K, V, seed=9)
+    pool = torch.randn(10, H, K, V, generator=torch.Generator().manual_seed(10)) * 0.1
+    in_slots = torch.tensor([0, 5])
+    out_slots = torch.tensor([6, 7, 5, 8, 9, 0])  # sequence 0's last state goes to sequence 1's in-slot, and back
+    oracle_pool = pool.clone()
+    assert cpu_step.runs(pool, q)
+    o = cpu_step.verify_(pool, in_slots, out_slots, q, k, v, g, beta, K ** -0.5)  # [N*Q, H, V]
+    cu = torch.arange(0, N * Q + 1, Q)
+    want = kda_verify_naive(q, k, v, g, beta, K ** -0.5, oracle_pool, in_slots, cu, out_slots)
+    torch.testing.assert_close(o, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(pool, oracle_pool, atol=2e-5, rtol=1e-4)
+    # negative control: sequence 1 stepped after sequence 0 wrote its in-slot (write before read) differs
+    late_pool, one = oracle_pool.clone(), slice(Q, 2 * Q)
+    late_pool.copy_(pool)
+    late = kda_verify_naive(q[one], k[one], v[one], g[one], beta[one], K ** -0.5, late_pool, in_slots[1:],
+                            torch.tensor([0, Q]), out_slots[one])
+    assert not torch.allclose(late, o[one], atol=1e-3)
