@@ -70,7 +70,7 @@ class DecodeGraphs:
         self._inputs: dict[int, StepInputs] = {}  # tokens per row -> its buffers (1: decode)
         self._inputs_for(1)
         self._step = self._compiled_forward() if self.compiled else self._forward
-        self.guards = GuardSkipping(self._probe_width) if self.compiled else None
+        self.guards = GuardSkipping(self._probe_width, self._forward_code, self._bind) if self.compiled else None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.num_runs = 0  # steps run here (tests tell graph steps from eager ones by it)
         if self.compiled:
@@ -168,16 +168,22 @@ class DecodeGraphs:
         """`_forward` bound to this instance over a copy of its code object: Dynamo caches graphs (and counts its
         recompile limit) per code object, so each engine in a process keeps its own graphs instead of every engine's
         piling onto one `_forward` until Dynamo falls back to eager for all of them."""
-        code = DecodeGraphs._forward.__code__.replace()  # equal, but a new object
+        self._forward_code = DecodeGraphs._forward.__code__.replace()  # equal, but a new object
+        return self._bind(self._forward_code)
+
+    def _bind(self, code: types.CodeType):
+        """`code` (`_forward`'s, or the bytecode Dynamo made of it) as a method of this instance."""
         return types.MethodType(types.FunctionType(code, DecodeGraphs._forward.__globals__, "_forward"), self)
 
     def _call(self, b: int, q: int, width: int) -> tuple[torch.Tensor, ...]:
         if not self.compiled:
             return self._run_step(b, q, width)
         variant = (b, q, self._one_tile(b, width))
-        return self.guards.call(variant, width, lambda: self._run_step(b, q, width))
+        return self.guards.call(variant, width, lambda direct: self._run_step(b, q, width, direct))
 
-    def _run_step(self, b: int, q: int, width: int) -> tuple[torch.Tensor, ...]:
+    def _run_step(self, b: int, q: int, width: int, direct=None) -> tuple[torch.Tensor, ...]:
+        """One step of bucket `b`: the compiled function, or `direct` (Dynamo's bytecode for this variant, called
+        without its frame hook: engine/guard_skipping.py)."""
         step = self._inputs_for(q)
         tables = step.block_tables[:b, :width]
         if self.compiled:
@@ -187,8 +193,8 @@ class DecodeGraphs:
         torch.set_flush_denormal(True)  # as KimiForCausalLM.forward (subnormal KDA states slow every matmul)
         try:
             with torch.inference_mode():
-                return self._step(step.ids[: b * q], step.cu_seqlens[: b + 1], step.seq_lens[:b], tables,
-                                  step.slot_mapping[: b * q], step.state_indices[:b], out_slots)
+                return (direct or self._step)(step.ids[: b * q], step.cu_seqlens[: b + 1], step.seq_lens[:b], tables,
+                                              step.slot_mapping[: b * q], step.state_indices[:b], out_slots)
         finally:
             torch.set_flush_denormal(False)
 

@@ -67,9 +67,11 @@ def test_inductor_inline_equals_eager(pair, monkeypatch):
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert storages(cache) == pools
     assert wide  # the op's split-KV ran once the tables outgrew the tile (traced calls: at each build)
-    # the equalities above held while settled variants ran without Dynamo's full guard check
+    # the equalities above held while settled variants ran without Dynamo's full guard check, and with Dynamo's
+    # bytecode called directly (no frame hook, no guard)
     assert graphs.guards.skipped_calls > 0 and (4, 1, True) in graphs.guards.settled and not graphs.guards.specialised
-    print("settled", graphs.guards.settled, "skipped", graphs.guards.skipped_calls)
+    assert graphs.guards.direct_calls > 0 and (4, 1, True) in graphs.guards.direct
+    print("settled", graphs.guards.settled, "skipped", graphs.guards.skipped_calls, "direct", graphs.guards.direct_calls)
 
 
 def test_inline_writes_only_the_rows_slots(pair, monkeypatch):

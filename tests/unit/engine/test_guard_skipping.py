@@ -41,7 +41,7 @@ def test_width_generic_graph_settles_and_skips():
     run = make(dynamic_width=True)
     guards = GuardSkipping(lambda variant, width: run(width + 1) and width + 1)
     for width in (4, 5, 7, 9, 12):
-        got, want = guards.call("v", width, lambda: run(width))
+        got, want = guards.call("v", width, lambda _: run(width))
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert "v" in guards.settled and not guards.specialised
     assert guards.skipped_calls >= 3
@@ -51,7 +51,7 @@ def test_specialised_graph_keeps_its_guards():
     run = make(dynamic_width=False)
     guards = GuardSkipping(lambda variant, width: run(width + 1) and width + 1)
     for width in (4, 4, 6, 8):
-        got, want = guards.call("v", width, lambda: run(width))
+        got, want = guards.call("v", width, lambda _: run(width))
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert "v" in guards.specialised and "v" not in guards.settled and guards.skipped_calls == 0
 
@@ -64,6 +64,36 @@ def test_skip_stance_alone_fails_where_guard_skipping_recovers():
         run(5)  # the negative control: a graph specialised on width 4 cannot serve width 5 unchecked
     guards = GuardSkipping(lambda variant, width: None)
     guards.settled.add("v")  # wrongly settled
-    got, want = guards.call("v", 6, lambda: run(6))
+    got, want = guards.call("v", 6, lambda _: run(6))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert "v" not in guards.settled
+
+
+def test_a_settled_variant_runs_dynamos_bytecode_directly():
+    body = types.FunctionType(_body.__code__.replace(), globals())
+    compiled = torch.compile(body, backend="eager", dynamic=False)
+    calls = []
+
+    def bind(code):  # Dynamo's bytecode for `body` as a function; counts its calls
+        direct = types.FunctionType(code, globals())
+
+        def counted(x):
+            calls.append(x.shape[1])
+            return direct(x)
+        return counted
+
+    guards = GuardSkipping(lambda variant, width: run(width + 1, None) and width + 1, body.__code__, bind)
+
+    def run(width, direct):
+        x = torch.arange(3 * width, dtype=torch.float32).view(3, width)
+        torch._dynamo.maybe_mark_dynamic(x, 1)
+        return (direct or compiled)(x), body(x)
+
+    for width in (4, 5, 7, 9, 12):
+        got, want = guards.call("v", width, lambda direct: run(width, direct))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert "v" in guards.direct and guards.direct_calls == 3 and calls == [7, 9, 12]
+    unwatched = GuardSkipping(lambda variant, width: run(width + 1, None) and width + 1)  # negative control: no code
+    for width in (4, 5, 7):
+        unwatched.call("v", width, lambda direct: run(width, direct))
+    assert "v" in unwatched.settled and not unwatched.direct and unwatched.direct_calls == 0
