@@ -7,7 +7,7 @@
   the process is gone, and a replacement serves the next request. Negative control: on threads (`processes` 0)
   the same cancelled or late work still holds its slot (a thread cannot be stopped) — what the test tells apart.
 - The lane's bound answers 503 `server_busy` with Retry-After, as on threads.
-- Over REST: a client that disconnects while its 10,000-message chat is being prepared frees the lane within a
+- Over REST: a client that disconnects while its 60,000-message chat is being prepared frees the lane within a
   second, where the preparation alone takes several.
 """
 
@@ -134,10 +134,11 @@ def test_negative_control_threads_keep_cancelled_work(tiny_k3):
 
 
 def test_client_gone_while_prepared_frees_the_process(tiny_k3):
-    # 30,000 messages: preparing them takes well over twice the client's 0.5 s timeout on a fast machine too
-    # (10,000 took 0.62 s on an AVX-512 EPYC, too close to the timeout for the ratio below to mean anything)
+    # 60,000 messages: preparing them takes well over twice the time the lane needs to be freed on a fast machine
+    # too (10,000 took 0.62 s on an AVX-512 EPYC; 30,000 took 1.79 s against a lane freed after 0.92 s in a loaded
+    # clean-clone run there: under the 2x ratio below)
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"short message {i}"}
-                for i in range(30_000)]
+                for i in range(60_000)]
 
     async def body():
         async with Mesh(tiny_k3, with_prefill=False) as mesh, \
