@@ -134,44 +134,6 @@ static at::Tensor expert_gemm_sum_cpu(const at::Tensor &h, const at::Tensor &w, 
   return out;
 }
 
-static at::Tensor kda_decode_cpu(at::Tensor &pool, const at::Tensor &idx, const at::Tensor &q, const at::Tensor &k,
-                                 const at::Tensor &v, const at::Tensor &g, const at::Tensor &beta, double scale) {
-  TORCH_CHECK(pool.dim() == 4 && pool.scalar_type() == at::kFloat && pool.is_contiguous(),
-              "kda_decode_: a contiguous fp32 pool [S, H, K, V], got ", pool.sizes(), " ", pool.scalar_type());
-  const int64_t slots = pool.size(0), heads = pool.size(1), k_len = pool.size(2), v_len = pool.size(3);
-  const int64_t n = idx.numel();
-  TORCH_CHECK(v_len % VEC_FLOATS == 0, "kda_decode_: value width ", v_len, " not a multiple of ", VEC_FLOATS);
-  for (const at::Tensor *t : {&q, &k, &g})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->sizes() == at::IntArrayRef({n, heads, k_len}),
-                "kda_decode_: q, k, g fp32 [", n, ", ", heads, ", ", k_len, "], got ", t->sizes());
-  TORCH_CHECK(v.scalar_type() == at::kFloat && v.sizes() == at::IntArrayRef({n, heads, v_len}),
-              "kda_decode_: v fp32 [", n, ", ", heads, ", ", v_len, "], got ", v.sizes());
-  TORCH_CHECK(beta.scalar_type() == at::kFloat && beta.sizes() == at::IntArrayRef({n, heads}),
-              "kda_decode_: beta fp32 [", n, ", ", heads, "], got ", beta.sizes());
-  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 1, "kda_decode_: idx [N] int64, got ", idx.sizes());
-  const at::Tensor idc = idx.contiguous(), qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(),
-                   gc = g.contiguous(), bc = beta.contiguous();
-  const int64_t *slot = idc.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; i++)
-    TORCH_CHECK(slot[i] >= 0 && slot[i] < slots, "kda_decode_: slot ", slot[i], " outside [0, ", slots, ")");
-  at::Tensor o = at::empty({n, heads, v_len}, vc.options());
-  float *pool_data = pool.data_ptr<float>(), *o_data = o.data_ptr<float>();
-  const float *q_data = qc.data_ptr<float>(), *k_data = kc.data_ptr<float>(), *v_data = vc.data_ptr<float>(),
-              *g_data = gc.data_ptr<float>(), *b_data = bc.data_ptr<float>();
-  // (sequence, head) pairs split over threads, a share at least kMinShareFloats / 2 of state.
-  const int64_t grain = std::max<int64_t>(1, kMinShareFloats / 2 / std::max<int64_t>(k_len * v_len, 1));
-  at::parallel_for(0, n * heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(k_len + v_len);
-    for (int64_t a = begin; a < end; a++) {
-      const int64_t s = a / heads, h = a % heads;
-      kda_step_head(pool_data + (slot[s] * heads + h) * k_len * v_len, k_len, v_len, q_data + a * k_len,
-                    k_data + a * k_len, g_data + a * k_len, v_data + a * v_len, b_data[a], (float)scale,
-                    scratch.data(), scratch.data() + k_len, o_data + a * v_len);
-    }
-  });
-  return o;
-}
-
 // Checks a KDA step's operands against pool [S, H, K, V] for `rows` tokens; -> (heads, k_len, v_len).
 static std::array<int64_t, 3> check_kda(const char *op, const at::Tensor &pool, int64_t rows, const at::Tensor &q,
                                         const at::Tensor &k, const at::Tensor &v, const at::Tensor &g,
@@ -195,6 +157,32 @@ static void check_slots(const char *op, const at::Tensor &slots, int64_t pool_sl
   const int64_t *slot = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < slots.numel(); i++)
     TORCH_CHECK(slot[i] >= 0 && slot[i] < pool_slots, op, ": slot ", slot[i], " outside [0, ", pool_slots, ")");
+}
+
+static at::Tensor kda_decode_cpu(at::Tensor &pool, const at::Tensor &idx, const at::Tensor &q, const at::Tensor &k,
+                                 const at::Tensor &v, const at::Tensor &g, const at::Tensor &beta, double scale) {
+  const int64_t n = idx.numel();
+  const auto [heads, k_len, v_len] = check_kda("kda_decode_", pool, n, q, k, v, g, beta);
+  const at::Tensor idc = idx.contiguous(), qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(),
+                   gc = g.contiguous(), bc = beta.contiguous();
+  check_slots("kda_decode_", idc, pool.size(0));
+  const int64_t *slot = idc.data_ptr<int64_t>();
+  at::Tensor o = at::empty({n, heads, v_len}, vc.options());
+  float *pool_data = pool.data_ptr<float>(), *o_data = o.data_ptr<float>();
+  const float *q_data = qc.data_ptr<float>(), *k_data = kc.data_ptr<float>(), *v_data = vc.data_ptr<float>(),
+              *g_data = gc.data_ptr<float>(), *b_data = bc.data_ptr<float>();
+  // (sequence, head) pairs split over threads, a share at least kMinShareFloats / 2 of state.
+  const int64_t grain = std::max<int64_t>(1, kMinShareFloats / 2 / std::max<int64_t>(k_len * v_len, 1));
+  at::parallel_for(0, n * heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(k_len + v_len);
+    for (int64_t a = begin; a < end; a++) {
+      const int64_t s = a / heads, h = a % heads;
+      kda_step_head(pool_data + (slot[s] * heads + h) * k_len * v_len, k_len, v_len, q_data + a * k_len,
+                    k_data + a * k_len, g_data + a * k_len, v_data + a * v_len, b_data[a], (float)scale,
+                    scratch.data(), scratch.data() + k_len, o_data + a * v_len);
+    }
+  });
+  return o;
 }
 
 // Verification: sequence n steps Q = rows / N tokens from pool[in_idx[n]]; the state after its token t goes to
