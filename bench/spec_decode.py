@@ -189,14 +189,17 @@ def verify_cost(folder: str, k: int, steps: int, repeats: int, compilation_confi
             "verify_cpu_ms": 1000 * best["verify", 1], "cpu_ratio": best["verify", 1] / best["plain", 1]}
 
 
-def draft_cost(folder: str, spec_json: str, batch: int, steps: int, prompt_len: int = 128, accepted: int = 2) -> dict:
+def draft_cost(folder: str, spec_json: str, batch: int, steps: int, prompt_len: int = 128, accepted: int = 2,
+               compilation_config: str | None = None) -> dict:
     """The drafter alone (no target step): `batch` requests that observed `prompt_len` positions, then per step one
     `propose` for all of them and each request's `observe` of `accepted + 1` positions (as after a verification
     that accepted `accepted` drafts). Hidden rows are seeded noise in the target's dtype (drafting cost does not
-    depend on their values). -> per step (propose + observes): median wall ms, median process CPU ms (robust on
+    depend on their values); the drafter's step compiles as an engine with `compilation_config` would compile it
+    (its first steps build the graphs: the median leaves them out). -> per step (propose + observes): median wall ms, median process CPU ms (robust on
     a loaded machine: time spent waiting for a core is not counted) and the aten calls of one step."""
     import importlib
 
+    from engine.compilation import CompilationConfig
     from engine.model.loader import load_model
     from engine.spec.config import SpeculativeConfig, factory_path
     from engine.spec.drafter import DraftQuery, DraftTarget
@@ -205,7 +208,8 @@ def draft_cost(folder: str, spec_json: str, batch: int, steps: int, prompt_len: 
     model = load_model(folder)
     module, func = factory_path(config.method).split(":")
     target = DraftTarget(model=model, model_dir=folder, device=model.device, dtype=model.dtype,
-                         max_model_len=prompt_len + (steps + 1) * (accepted + 1) + 64, max_num_seqs=batch)
+                         max_model_len=prompt_len + (steps + 1) * (accepted + 1) + 64, max_num_seqs=batch,
+                         compilation=CompilationConfig.parse(compilation_config))
     drafter = getattr(importlib.import_module(module), func)(config, target)
     gen = torch.Generator().manual_seed(0)
     width = len(drafter.taps) * model.config.hidden_size
@@ -268,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"{r['plain_cpu_ms']:.2f} | {r['verify_cpu_ms']:.2f} | {r['cpu_ratio']:.2f}x |")
         return report(table, args, r)
     if args.draft_cost:
-        rows = [draft_cost(folder, args.speculative_config, b, args.output_len) for b in (1, args.batch)]
+        rows = [draft_cost(folder, args.speculative_config, b, args.output_len, compilation_config=args.compilation_config)
+                for b in (1, args.batch)]
         table = ("| method | batch | draft ms/step (wall) | CPU ms/step | aten calls/step |\n"
                  "| --- | --- | --- | --- | --- |\n") + "\n".join(
             f"| {r['method']} | {r['batch']} | {r['draft_ms_per_step']:.2f} | {r['draft_cpu_ms_per_step']:.2f} | "

@@ -115,5 +115,18 @@ class CompilationConfig:
         return tuple(kept) if kept else (top,)
 
 
+def checked_inductor_options(config: CompilationConfig, device_type: str) -> dict:
+    """`config.inductor_options(device_type)`, each key checked against torch's inductor config: an unknown one
+    raises `EngineConfigError` naming it (imports torch: called when graphs are built, not by command lines)."""
+    import torch._inductor.config
+
+    options = config.inductor_options(device_type)
+    known = torch._inductor.config.get_config_copy()
+    unknown = sorted(k for k in options if k not in known)
+    if unknown:
+        raise EngineConfigError(f"compilation_config.inductor_compile_config: unknown inductor option {unknown[0]!r}")
+    return options
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

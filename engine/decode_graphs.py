@@ -36,12 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.compilation import CompilationConfig
+from engine.compilation import CompilationConfig, checked_inductor_options
 from engine.model.batch import CacheTensors, ForwardBatch
 from engine.model.model import KimiForCausalLM
-from engine.errors import EngineConfigError
 from engine.guard_skipping import GuardSkipping
-from kernels import get_kernel, graph_ops
+from kernels import graph_ops, prepare_compiled_ops
 from kernels.attention.torch_paged import fits_one_tile
 
 logger = logging.getLogger(__name__)
@@ -74,9 +73,7 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.num_runs = 0  # steps run here (tests tell graph steps from eager ones by it)
         if self.compiled:
-            # the ops a traced step reaches through the registry
-            for op in ("moe_experts", "moe_experts_mxfp4", "conv_decode", "kda_decode"):
-                get_kernel(op, self.device)
+            prepare_compiled_ops(self.device)
             self._raise_recompile_limit()
         logger.info("decode graphs: buckets %s, %s%s", list(self.buckets),
                     f"torch.compile({config.backend})" if self.compiled else "eager",
@@ -154,14 +151,7 @@ class DecodeGraphs:
     # -- the step --------------------------------------------------------------------------------------------
 
     def _compiled_forward(self):
-        options = None
-        if self.config.backend == "inductor":
-            options = self.config.inductor_options(self.device.type)
-            known = torch._inductor.config.get_config_copy()
-            unknown = sorted(k for k in options if k not in known)
-            if unknown:
-                raise EngineConfigError(f"compilation_config.inductor_compile_config: unknown inductor option "
-                                        f"{unknown[0]!r}")
+        options = checked_inductor_options(self.config, self.device.type) if self.config.backend == "inductor" else None
         return torch.compile(self._own_forward(), dynamic=False, backend=self.config.backend, options=options)
 
     def _own_forward(self):

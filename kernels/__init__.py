@@ -5,6 +5,6 @@ out; nothing here imports from `engine/` or any service. Every op has a readable
 implementation; faster backends are picked by `kernels.registry.get_kernel`.
 """
 
-from kernels.registry import chosen_backend, get_kernel
+from kernels.registry import chosen_backend, get_kernel, prepare_compiled_ops
 
-__all__ = ["get_kernel", "chosen_backend"]
+__all__ = ["get_kernel", "chosen_backend", "prepare_compiled_ops"]

@@ -167,6 +167,15 @@ def get_kernel(op: str, device: torch.device | str = "cpu") -> Callable:
 
 _latest: dict[tuple[str, str], Callable] = {}  # (op, device type) -> the implementation get_kernel returned last
 
+COMPILED_STEP_OPS = ("moe_experts", "moe_experts_mxfp4", "conv_decode", "kda_decode")  # what traced layers look up
+
+
+def prepare_compiled_ops(device: torch.device | str) -> None:
+    """Resolves every op a compiled step reaches through the registry, before it is traced (tracing can only read
+    the choice made last outside a compiled step)."""
+    for op in COMPILED_STEP_OPS:
+        get_kernel(op, device)
+
 
 def chosen_backend(op: str, device: torch.device | str = "cpu") -> str:
     """Name of the backend `get_kernel` picks for `op` on `device`."""

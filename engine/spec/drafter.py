@@ -56,7 +56,7 @@ class Draft:
 @dataclass(frozen=True)
 class DraftTarget:
     """The target a drafter serves: its model (a `KimiForCausalLM`, for shared embedding / LM head), checkpoint
-    folder, device, dtype and the engine's limits."""
+    folder, device, dtype, the engine's limits and its compilation config (None under `enforce_eager`)."""
 
     model: object  # engine.model.model.KimiForCausalLM (typed loosely: this module imports no engine model code)
     model_dir: str
@@ -64,6 +64,7 @@ class DraftTarget:
     dtype: torch.dtype
     max_model_len: int
     max_num_seqs: int
+    compilation: object = None  # engine.compilation.CompilationConfig the drafter's step compiles by (None: eager)
 
 
 class Drafter(ABC):

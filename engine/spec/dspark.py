@@ -38,7 +38,9 @@ from safetensors.torch import save_file
 from engine.model.config import ConfigError
 from engine.model.init import sample_tensor
 from engine.model.loader import CheckpointError, checkpoint_files
+from engine.compilation import CompilationConfig
 from engine.spec.draft_cache import SlotDrafter, SlotRows
+from engine.spec.draft_graphs import MIN_LENGTH, DraftGraphs
 from engine.spec.draft_sample import DraftSampler
 from engine.spec.drafter import Drafter, DraftQuery
 from engine.spec.dspark_model import IGNORED_PREFIXES, DSparkConfig, DSparkModel, load_dspark_config
@@ -63,7 +65,7 @@ class _Queued:
 
 class DSparkDrafter(SlotDrafter):
     def __init__(self, model: DSparkModel, num_speculative_tokens: int, sample_method: str = "greedy",
-                 max_num_seqs: int = 4, capacity: int = 256):
+                 max_num_seqs: int = 4, capacity: int = 256, compilation: CompilationConfig | None = None):
         self.model, self.k = model, int(num_speculative_tokens)
         self.taps = tuple(model.config.target_layer_ids)
         self.sampler = DraftSampler(sample_method)
@@ -72,6 +74,8 @@ class DSparkDrafter(SlotDrafter):
         weight = model.context_proj.weight
         self.cache = SlotRows((len(model.layers), model.config.mla.cache_dim), weight.dtype, weight.device,
                               max_num_seqs, capacity)
+        self.graphs = DraftGraphs(self, DSparkDrafter._block_drafts, compilation, weight.device, max_num_seqs,
+                                  length_dims=(1, None, None, None))
 
     def observe(self, req_id: str, start: int, token_ids: Sequence[int], hidden: torch.Tensor | None) -> None:
         if req_id in self.queued:
@@ -107,17 +111,37 @@ class DSparkDrafter(SlotDrafter):
         return min(query.num_tokens, self.k) > 0 and p >= 0 and (state is None or state.end <= p)
 
     def _draft(self, queries: list[DraftQuery], steps: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n = len(queries)
+        bucket = self.graphs.bucket(n)
+        pad = (bucket or n) - n  # padding rows: slot 0 with no context rows, mask tokens anchored at 0
         states = [self.requests.get(q.req_id) for q in queries]
-        lens = [0 if s is None else s.end - s.base for s in states]  # a request never observed: no context
-        slots = self.ids(0 if s is None else s.slot for s in states)
-        ctx = self.cache.gather(slots, max(lens))  # [B, S, layers, C]; rows past a request's own: padding
-        anchors = self.ids(len(q.token_ids) - 1 for q in queries)  # [B]
+        lens = [0 if s is None else s.end - s.base for s in states] + [0] * pad  # never observed: no context
+        slots = self.ids([0 if s is None else s.slot for s in states] + [0] * pad)
+        ctx = self.cache.gather(slots, max(max(lens), MIN_LENGTH))  # [B, S, layers, C]; past a row's own: padding
+        anchors = self.ids([len(q.token_ids) - 1 for q in queries] + [0] * pad)  # [B]
         mask = self.model.config.mask_token_id
         block = self.ids(v for q in queries for v in [int(q.token_ids[-1])] + [mask] * (self.k - 1))
-        block = block.reshape(len(queries), self.k)  # [B, N]
-        base = self.model.request_blocks(anchors, block, ctx, self.ids(lens))  # [B, N, V]
-        req_ids = [q.req_id for q in queries]
-        prev, picked, probs = block[:, 0], [], []
+        block = torch.cat([block.reshape(n, self.k), block.new_full((pad, self.k), mask)])  # [B, N]
+        args = (ctx, self.ids(lens), anchors, block)
+        out = self.graphs(*args) if bucket is not None else self._block_drafts(*args)
+        if self.sampler.deterministic:
+            return out[:n, :steps], None
+        return self._picks(out[:n], block[:n, 0], anchors[:n], [q.req_id for q in queries], steps)
+
+    def _block_drafts(self, ctx: torch.Tensor, ctx_lens: torch.Tensor, anchors: torch.Tensor,
+                      block: torch.Tensor) -> torch.Tensor:
+        """The compiled step (engine/spec/draft_graphs.py): ctx [B, S, layers, C], ctx_lens [B], anchors [B],
+        block [B, N] -> greedy: the draft ids [B, N]; sampled: the base logits [B, N, V] (the draws stay eager)."""
+        base = self.model.request_blocks(anchors, block, ctx, ctx_lens)  # [B, N, V]
+        if not self.sampler.deterministic:
+            return base
+        return self._picks(base, block[:, 0], anchors, None, self.k)[0]
+
+    def _picks(self, base: torch.Tensor, first: torch.Tensor, anchors: torch.Tensor, req_ids, steps: int
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Left-to-right picks, each with the Markov bias of the one before (the anchor's token `first` [B] for
+        the first) -> ids [B, steps], probabilities [B, steps, V] or None."""
+        prev, picked, probs = first, [], []
         for i in range(steps):
             prev, prob = self.sampler.pick_rows(base[:, i] + self.model.markov_head(prev), req_ids, anchors + 1 + i)
             picked.append(prev)
@@ -195,13 +219,15 @@ def write_dspark_checkpoint(raw: dict, out_dir: str | Path, seed: int = 0, dtype
     return out
 
 
-def build_dspark_drafter(target_model, drafter_dir: Path, spec_config, max_num_seqs: int = 4) -> DSparkDrafter:
-    """The `dspark` drafter for a loaded target from its own folder (`speculative_config.model`)."""
+def build_dspark_drafter(target_model, drafter_dir: Path, spec_config, max_num_seqs: int = 4,
+                        compilation: CompilationConfig | None = None) -> DSparkDrafter:
+    """The `dspark` drafter for a loaded target from its own folder (`speculative_config.model`); its step is
+    compiled where `compilation` compiles (engine/spec/draft_graphs.py)."""
     return DSparkDrafter(load_dspark(drafter_dir, target_model), spec_config.num_speculative_tokens,
-                         spec_config.draft_sample_method, max_num_seqs)
+                         spec_config.draft_sample_method, max_num_seqs, compilation=compilation)
 
 
 def build(config, target) -> Drafter:
     """The speculative core's factory form (`DRAFTER_FACTORIES`): `config` a `SpeculativeConfig`, `target` a
     `DraftTarget` (its `model` and `model_dir`)."""
-    return build_dspark_drafter(target.model, Path(config.model), config, target.max_num_seqs)
+    return build_dspark_drafter(target.model, Path(config.model), config, target.max_num_seqs, target.compilation)

@@ -33,7 +33,9 @@ from pathlib import Path
 
 import torch
 
+from engine.compilation import CompilationConfig
 from engine.spec.draft_cache import SlotDrafter, SlotRows
+from engine.spec.draft_graphs import MIN_LENGTH, DraftGraphs
 from engine.spec.draft_sample import DraftSampler
 from engine.spec.drafter import FINAL_TAP, Drafter, DraftQuery
 from engine.spec.mtp_model import MTPError, MTPLayer, load_mtp_layers
@@ -71,7 +73,7 @@ class MTPDrafter(SlotDrafter):
     taps = (FINAL_TAP,)
 
     def __init__(self, layer: MTPLayer, num_speculative_tokens: int, sample_method: str = "greedy",
-                 max_num_seqs: int = 4, capacity: int = 256):
+                 max_num_seqs: int = 4, capacity: int = 256, compilation: CompilationConfig | None = None):
         self.layer, self.k = layer, int(num_speculative_tokens)
         self.ring_size = self.k + 1
         self.sampler = DraftSampler(sample_method)
@@ -80,6 +82,8 @@ class MTPDrafter(SlotDrafter):
         p = next(layer.parameters())
         self.cache = SlotRows((layer.config.mla.cache_dim,), p.dtype, p.device, max_num_seqs, capacity,
                               side_shape=(self.ring_size, layer.config.hidden_size))
+        self.graphs = DraftGraphs(self, MTPDrafter._greedy_chain, compilation, p.device, max_num_seqs,
+                                  length_dims=(1, 1, None, None, None))
 
     # -- observe: host bookkeeping now, the rows at the next flush -------------------------------------------
 
@@ -138,7 +142,7 @@ class MTPDrafter(SlotDrafter):
         positions = self.ids(t for q in queued for t in q.positions)
         x = self.layer.fuse_inputs(row_hidden, self.ids(t for q in queued for t in q.next_ids), positions)
         index = [i for q in queued for i in q.index]
-        self.cache.reserve(max(index) + 1 + self.k)  # room for the drafts' temporary rows too
+        self.cache.reserve(max(index) + 1)
         slots = self.ids(q.slot for q in queued for _ in q.index)
         self.cache.write(slots, self.ids(index), self.layer.cache_rows(x, positions))
 
@@ -157,23 +161,41 @@ class MTPDrafter(SlotDrafter):
                 and state.waiting)
 
     def _draft(self, queries: list[DraftQuery], steps: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n = len(queries)
         states = [self.requests[q.req_id] for q in queries]
         lens = [s.num_rows for s in states]
-        longest = max(lens)
-        self.cache.reserve(longest + steps)
-        slots = self.ids(s.slot for s in states)
-        keys = self.cache.gather(slots, longest + steps)  # [B, L + steps, C]; rows past a request's own: padding
-        visible = torch.arange(longest + steps, device=self.device)[None, :] < self.ids(lens)[:, None]
-        visible[:, longest:] = True  # [B, L + steps]: own cache rows and the draft rows (sliced per step)
-        hidden = self.cache.side[slots, self.ids((s.end - 1) % self.ring_size for s in states)]  # [B, D]
-        token = self.ids(int(q.token_ids[-1]) for q in queries)  # [B]
-        position = self.ids(s.end - 1 for s in states)  # [B] position p - 1
-        req_ids = [q.req_id for q in queries]
+        bucket = self.graphs.bucket(n)
+        if not (self.sampler.deterministic and steps == self.k):
+            bucket = None  # the compiled chain: greedy, all k drafts (fewer only near a request's max_tokens)
+        pad = (bucket or n) - n  # padding rows: slot 0 with no cache rows, token 0 at position 0
+        length = max(max(lens), MIN_LENGTH)
+        slots = self.ids([s.slot for s in states] + [0] * pad)
+        keys = self.cache.gather(slots, length)  # [B, L, C]; rows past a request's own: padding
+        visible = torch.arange(length, device=self.device)[None, :] < self.ids(lens + [0] * pad)[:, None]  # [B, L]
+        ring = self.ids([(s.end - 1) % self.ring_size for s in states] + [0] * pad)
+        hidden = self.cache.side[slots, ring]  # [B, D]
+        token = self.ids([int(q.token_ids[-1]) for q in queries] + [0] * pad)  # [B]
+        position = self.ids([s.end - 1 for s in states] + [0] * pad)  # [B] position p - 1
+        if bucket is not None:
+            return self.graphs(keys, visible, hidden, token, position)[:n], None
+        return self._chain(keys, visible, hidden, token, position, [q.req_id for q in queries], steps)
+
+    def _greedy_chain(self, keys: torch.Tensor, visible: torch.Tensor, hidden: torch.Tensor, token: torch.Tensor,
+                      position: torch.Tensor) -> torch.Tensor:
+        """The compiled step (engine/spec/draft_graphs.py): all k greedy drafts -> ids [B, k]."""
+        return self._chain(keys, visible, hidden, token, position, None, self.k)[0]
+
+    def _chain(self, keys: torch.Tensor, visible: torch.Tensor, hidden: torch.Tensor, token: torch.Tensor,
+               position: torch.Tensor, req_ids, steps: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`steps` chained draft steps: keys [B, L, C] (each row's cache), visible [B, L], hidden [B, D] (h at
+        position p - 1), token [B] (token p), position [B] (p - 1) -> ids [B, steps], probabilities
+        [B, steps, V] or None. Each step sees the cache and the steps before it (their rows appended)."""
         picked, probs = [], []
         for j in range(steps):
             x = self.layer.fuse_inputs(hidden, token, position + j)
-            seen = longest + j + 1
-            hidden = self.layer.step(x, position + j, keys[:, :seen], longest + j, visible[:, :seen])  # [B, D]
+            hidden, own = self.layer.step(x, position + j, keys, visible)  # [B, D], [B, C]
+            keys = torch.cat([keys, own[:, None].to(keys.dtype)], dim=1)
+            visible = torch.cat([visible, visible.new_ones(visible.shape[0], 1)], dim=1)
             token, prob = self.sampler.pick_rows(self.layer.logits(hidden), req_ids, position + j + 2)
             picked.append(token)
             probs.append(prob)
@@ -205,8 +227,10 @@ class MTPDrafter(SlotDrafter):
         return self.cache.side[state.slot, self.ids(ring)].clone()
 
 
-def build_mtp_drafter(target_model, target_dir: Path, spec_config, max_num_seqs: int = 4) -> MTPDrafter:
-    """The `mtp` drafter of a loaded target (`KimiForCausalLM`) from its own checkpoint folder."""
+def build_mtp_drafter(target_model, target_dir: Path, spec_config, max_num_seqs: int = 4,
+                      compilation: CompilationConfig | None = None) -> MTPDrafter:
+    """The `mtp` drafter of a loaded target (`KimiForCausalLM`) from its own checkpoint folder; its greedy chain
+    is compiled where `compilation` compiles (engine/spec/draft_graphs.py)."""
     if spec_config.model not in (None, "", str(target_dir)):
         raise MTPError(f"method 'mtp' reads the MTP layers of the served checkpoint; speculative_config.model "
                        f"{spec_config.model!r} must be unset (or the served model's folder)")
@@ -214,10 +238,11 @@ def build_mtp_drafter(target_model, target_dir: Path, spec_config, max_num_seqs:
     if len(layers) != 1:
         raise MTPError(f"{target_dir} has {len(layers)} MTP layers (num_nextn_predict_layers); the mtp drafter "
                        "drafts with exactly one")
-    return MTPDrafter(layers[0], spec_config.num_speculative_tokens, spec_config.draft_sample_method, max_num_seqs)
+    return MTPDrafter(layers[0], spec_config.num_speculative_tokens, spec_config.draft_sample_method, max_num_seqs,
+                      compilation=compilation)
 
 
 def build(config, target) -> Drafter:
     """The speculative core's factory form (`DRAFTER_FACTORIES`): `config` a `SpeculativeConfig`, `target` a
     `DraftTarget` (its `model` and `model_dir`)."""
-    return build_mtp_drafter(target.model, Path(target.model_dir), config, target.max_num_seqs)
+    return build_mtp_drafter(target.model, Path(target.model_dir), config, target.max_num_seqs, target.compilation)

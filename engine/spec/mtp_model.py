@@ -102,14 +102,16 @@ class MTPLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(x)[None], positions[None], ctx_keys[None], visible)[0]
         return self._ffn(x + attn)
 
-    def step(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, at: int,
-             visible: torch.Tensor) -> torch.Tensor:
-        """One row per sequence: x [B, D] at positions [B], each over its own keys [B, S, C]. The rows' own cache
-        rows are stored at `keys[:, at]` first (later steps see them); visible [B, S] -> pre-norm out [B, D]."""
+    def step(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row per sequence: x [B, D] at positions [B], each over its own earlier keys [B, S, C] (visible [B, S])
+        and its own row -> (pre-norm out [B, D], the row's own cache row [B, C] for the steps after it)."""
         normed = self.input_layernorm(x)
-        keys[:, at] = self.self_attn.latent(normed, positions)
+        own = self.self_attn.latent(normed, positions)  # [B, C]
+        keys = torch.cat([keys, own[:, None].to(keys.dtype)], dim=1)  # [B, S + 1, C]
+        visible = torch.cat([visible, visible.new_ones(visible.shape[0], 1)], dim=1)  # [B, S + 1]
         attn = self.self_attn.attend(normed[:, None], positions[:, None], keys, visible[:, None])[:, 0]
-        return self._ffn(x + attn)
+        return self._ffn(x + attn), own
 
     def _ffn(self, y: torch.Tensor) -> torch.Tensor:
         ffn_in = self.post_attention_layernorm(y)

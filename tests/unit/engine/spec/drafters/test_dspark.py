@@ -126,7 +126,7 @@ def test_missing_tensor_is_named_and_shared_weights_are_ignored(k3, dspark_dir, 
 def test_factory_forms(k3, k3_dir, dspark_dir):
     from engine.spec import dspark, mtp
 
-    target = SimpleNamespace(model=k3, model_dir=str(k3_dir), max_num_seqs=2)
+    target = SimpleNamespace(model=k3, model_dir=str(k3_dir), max_num_seqs=2, compilation=None)
     assert isinstance(mtp.build(SimpleNamespace(num_speculative_tokens=2, model=None, draft_sample_method="greedy"),
                                 target), mtp.MTPDrafter)
     built = dspark.build(_spec(dspark_dir, k=2), target)
