@@ -11,6 +11,8 @@ Contract:
   specialised on one. A probe that compiles marks the variant specialised: its guards are always evaluated (the
   step stays correct, only slower), logged once.
 - A variant whose probe returns None (no other width exists in its regime) settles after one clean call.
+- A call on which Dynamo tried to convert the frame and made no bytecode of it (it ran eagerly: its recompile
+  limit, or a failed trace) marks the variant specialised: a direct call would run some other variant's graph.
 - Should Dynamo still find no graph for a settled call (it raises before running anything), the call is run
   again with every guard evaluated and the variant unsettles.
 - Compiles are counted by Dynamo's own counter (`torch._dynamo.utils.counters["stats"]["unique_graphs"]`).
@@ -39,6 +41,11 @@ logger = logging.getLogger(__name__)
 def compiled_graphs() -> int:
     """Graphs Dynamo has compiled in this process so far."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def converted_frames() -> int:
+    """Frames Dynamo has tried to convert in this process so far (a cache miss: compiled, or run eagerly)."""
+    return torch._dynamo.utils.counters["frames"]["total"]
 
 
 _watched: "weakref.WeakValueDictionary[int, GuardSkipping]" = weakref.WeakValueDictionary()  # id(code) -> its own
@@ -90,13 +97,22 @@ class GuardSkipping:
                     raise
                 self.settled.discard(variant)
                 logger.warning("decode graphs: variant %s needed a recompile; its guards are checked again", variant)
-        before, seen = compiled_graphs(), len(self.new_codes)
+        before, seen, frames = compiled_graphs(), len(self.new_codes), converted_frames()
         out = fn(None)
         if compiled_graphs() != before and len(self.new_codes) > seen:
             self._code_of[variant] = self.new_codes[-1]  # this variant's graph, as Dynamo's bytecode runs it
+        elif self.code is not None and converted_frames() != frames and len(self.new_codes) == seen:
+            self._give_up(variant)  # Dynamo ran the call eagerly (e.g. its recompile limit): nothing to call directly
         if variant not in self.specialised and compiled_graphs() == before:
             self._settle(variant, width)
         return out
+
+    def _give_up(self, variant: Hashable) -> None:
+        if variant not in self.specialised:
+            self.specialised.add(variant)
+            self._code_of.pop(variant, None)
+            logger.warning("compiled step: variant %s ran without a graph of its own (Dynamo fell back to eager): "
+                           "its guards stay on", variant)
 
     def _settle(self, variant: Hashable, width: int) -> None:
         before = compiled_graphs()

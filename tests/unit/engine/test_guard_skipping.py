@@ -97,3 +97,26 @@ def test_a_settled_variant_runs_dynamos_bytecode_directly():
     for width in (4, 5, 7):
         unwatched.call("v", width, lambda direct: run(width, direct))
     assert "v" in unwatched.settled and not unwatched.direct and unwatched.direct_calls == 0
+
+
+def test_a_call_dynamo_ran_eagerly_is_never_called_directly():
+    """Past Dynamo's recompile limit a call runs eagerly and makes no bytecode: the variant must not settle onto
+    the bytecode of a graph specialised on another width."""
+    body = types.FunctionType(_body.__code__.replace(), globals())
+    compiled = torch.compile(body, backend="eager", dynamic=False)  # specialised on the width: one graph each
+    guards = GuardSkipping(lambda variant, width: run(width + 1, None) and width + 1, body.__code__,
+                           lambda code: types.FunctionType(code, globals()))
+
+    def run(width, direct):
+        x = torch.arange(3 * width, dtype=torch.float32).view(3, width)
+        return (direct or compiled)(x), body(x)
+
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for width in (4, 5, 6, 6, 7, 8):
+            got, want = guards.call("v", width, lambda direct: run(width, direct))
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert "v" in guards.specialised and not guards.direct and guards.direct_calls == 0
+    # negative control: the last bytecode Dynamo made (width 5's graph) called directly at width 8 is wrong
+    stale = types.FunctionType(guards.new_codes[-1], globals())
+    x = torch.arange(24, dtype=torch.float32).view(3, 8)
+    assert not torch.equal(stale(x), body(x))
