@@ -7,7 +7,11 @@ Contract:
   by `dspark`; `mtp` reads the target's own MTP layers, `ngram` needs none), `prompt_lookup_min` /
   `prompt_lookup_max` (n-gram lengths; vLLM's defaulting: both unset -> 5 and 5, one set -> the other equals it;
   min <= max), `draft_sample_method` (`greedy` | `probabilistic`), `rejection_sample_method` (`standard` |
-  `block`). Any other field, a wrong type or value raises `EngineConfigError` naming the field.
+  `block`), `num_speculative_tokens_per_batch_size` (vLLM's dynamic speculative decoding: a list of
+  `[range_start, range_end, k]`, inclusive batch-size ranges, sorted, non-overlapping, the first starting at 1,
+  k >= 0; `tokens_for_batch(n)` is the k of a batch of n running requests: its range's, a gap or the tail after
+  the last range carries the previous range's k, capped at `num_speculative_tokens`; 0 decodes plain). Any other
+  field, a wrong type or value raises `EngineConfigError` naming the field.
 - `DRAFTER_FACTORIES` maps a method to `"module:function"` of its factory (imported lazily), None while the method
   is not built in this tree: such a method is refused at parse time with a message naming it. A factory is
   `build(config: SpeculativeConfig, target: engine.spec.drafter.DraftTarget) -> Drafter`.
@@ -44,6 +48,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "standard"
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -53,6 +58,10 @@ class SpeculativeConfig:
         for name in ("method", "num_speculative_tokens"):
             if name not in value:
                 raise EngineConfigError(f"speculative_config: {name!r} is required")
+        schedule = value.get("num_speculative_tokens_per_batch_size")
+        if isinstance(schedule, list):
+            value["num_speculative_tokens_per_batch_size"] = tuple(
+                tuple(e) if isinstance(e, list) else e for e in schedule)
         return cls(**value)
 
     def __post_init__(self):
@@ -72,7 +81,18 @@ class SpeculativeConfig:
             raise EngineConfigError("speculative_config: model is not used by method 'ngram' (prompt lookup)")
         _check_choice("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
         _check_choice("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
+        object.__setattr__(self, "num_speculative_tokens_per_batch_size",
+                           _checked_schedule(self.num_speculative_tokens_per_batch_size))
         self._resolve_lookup()
+
+    def tokens_for_batch(self, batch_size: int) -> int:
+        """The drafts a request may verify in a step of `batch_size` running requests (vLLM's dense lookup)."""
+        k = self.num_speculative_tokens
+        schedule = self.num_speculative_tokens_per_batch_size
+        if schedule is None:
+            return k
+        chosen = next((n for start, _, n in reversed(schedule) if start <= batch_size), schedule[0][2])
+        return min(k, chosen)
 
     def _resolve_lookup(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -103,6 +123,34 @@ def factory_path(method: str) -> str:
     if path is None:
         raise EngineConfigError(f"speculative method {method!r} is not built in this kdamesh")
     return path
+
+
+def _checked_schedule(schedule) -> tuple[tuple[int, int, int], ...] | None:
+    """vLLM's rules for `num_speculative_tokens_per_batch_size` (vllm/v1/spec_decode/dynamic/utils.py) -> the
+    entries sorted by range start."""
+    if schedule is None:
+        return None
+    name = "speculative_config: num_speculative_tokens_per_batch_size"
+    if not isinstance(schedule, tuple) or not schedule:
+        raise EngineConfigError(f"{name} must be a non-empty list of [range_start, range_end, "
+                                f"num_speculative_tokens] entries, got {schedule!r}")
+    previous_end = 0
+    for entry in schedule:
+        if not isinstance(entry, tuple) or len(entry) != 3 or not all(_is_int(v) for v in entry):
+            raise EngineConfigError(f"{name}: each entry is [range_start, range_end, num_speculative_tokens] "
+                                    f"(integers), got {list(entry) if isinstance(entry, tuple) else entry!r}")
+        start, end, k = entry
+        if start <= 0 or end < start or k < 0:
+            raise EngineConfigError(f"{name}: entry {list(entry)} needs 1 <= range_start <= range_end and "
+                                    "num_speculative_tokens >= 0")
+    schedule = tuple(sorted(schedule))
+    for start, end, k in schedule:
+        if start <= previous_end:
+            raise EngineConfigError(f"{name}: ranges must not overlap ({[start, end, k]})")
+        previous_end = end
+    if schedule[0][0] != 1:
+        raise EngineConfigError(f"{name}: the first range must start at 1 (every batch size needs a k)")
+    return schedule
 
 
 def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:

@@ -2,8 +2,9 @@
 
 Contract (one `SpecDecoding` per `EngineCore` with a `speculative_config`; every call from the step thread):
 - `propose(running)` before the scheduler runs: every running request with one token left to compute (a decode)
-  gets `req.draft` from the drafter, at most `num_speculative_tokens` tokens and never more than its `max_tokens`
-  and the context limit leave room for. Requests that cannot speculate run plain in the same batch: those with a
+  gets `req.draft` from the drafter, at most `num_speculative_tokens` tokens (with a
+  `num_speculative_tokens_per_batch_size` schedule: the k of the running batch's size, 0 for none) and never
+  more than its `max_tokens` and the context limit leave room for. Requests that cannot speculate run plain in the same batch: those with a
   grammar (structured output: the grammar's mask decides each token from the state after the previous one, so
   verifying k positions at once would need k matcher states; they are few, and correct first).
 - The scheduler makes a verification of it (engine/scheduler.py), the runner computes it in one forward with logits
@@ -45,15 +46,15 @@ class SpecDecoding:
 
     # -- before the step -------------------------------------------------------------------------------------
 
-    def room(self, req: Request) -> int:
-        """Drafts the request may verify now (0: it runs plain)."""
+    def room(self, req: Request, k: int) -> int:
+        """Drafts the request may verify now, at most `k` (0: it runs plain)."""
         if req.grammar is not None or req.num_tokens - req.num_computed_tokens != 1:
             return 0
-        return max(0, min(self.config.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1,
-                          self.max_model_len - req.num_tokens))
+        return max(0, min(k, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens))
 
     def propose(self, running: Sequence[Request]) -> None:
-        asked = [(req, n) for req in running if (n := self.room(req)) > 0]
+        k = self.config.tokens_for_batch(len(running))
+        asked = [(req, n) for req in running if (n := self.room(req, k)) > 0]
         if not asked:
             return
         drafts = self.drafter.propose([DraftQuery(req.request_id, req.token_ids, n) for req, n in asked])

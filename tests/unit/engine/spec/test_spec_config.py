@@ -30,10 +30,34 @@ def test_parse_defaults_like_vllm():
     ('{"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "x"}', "draft_sample_method"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "model": "/x"}', "model"),
     ("not json", "JSON"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[2, 4, 1]]}',
+     "first range must start at 1"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 4, 1], '
+     '[4, 8, 0]]}', "must not overlap"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 4, -1]]}',
+     "num_speculative_tokens_per_batch_size"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 4]]}',
+     "num_speculative_tokens_per_batch_size"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": []}',
+     "num_speculative_tokens_per_batch_size"),
 ])
 def test_bad_configs_name_the_field(value, field):
     with pytest.raises(EngineConfigError, match=field):
         SpeculativeConfig.parse(value)
+
+
+def test_batch_size_schedule_is_vllms_dense_lookup():
+    """vLLM's example: [(1, 16, 3), (32, 128, 2)] maps 17-31 to 3 (a gap carries the previous k), the tail past
+    128 to 2; every k is capped at num_speculative_tokens; unsorted ranges are sorted (as vLLM does)."""
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
+                                 "num_speculative_tokens_per_batch_size": [[32, 128, 2], [1, 16, 3]]})
+    assert [c.tokens_for_batch(n) for n in (1, 16, 17, 31, 32, 128, 129, 4096)] == [3, 3, 3, 3, 2, 2, 2, 2]
+    capped = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
+                                      "num_speculative_tokens_per_batch_size": [[1, 2, 5], [3, 3, 0]]})
+    assert [capped.tokens_for_batch(n) for n in (1, 2, 3, 9)] == [2, 2, 0, 0]
+    assert SpeculativeConfig.parse(capped.to_json()) == capped
+    plain = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
+    assert [plain.tokens_for_batch(n) for n in (1, 64)] == [3, 3]  # negative control: no schedule, always k
 
 
 def test_engine_args_take_k_from_the_config():

@@ -155,3 +155,24 @@ class _Constant(OracleDrafter):
 
     def propose(self, queries):
         return [Draft((self.token,) * q.num_tokens) for q in queries]
+
+
+def test_batch_size_schedule_sets_the_drafts_per_step(model_dir, plain):
+    """vLLM's `num_speculative_tokens_per_batch_size`: a batch of two takes its range's k (0: plain decoding,
+    2: two drafts a step), a single request the first range's 3; the output is plain's in every case."""
+    prompts = random_prompts(2, 5, 30, seed=3)
+    refs = _refs(plain, prompts)
+    want = [r[len(p):] for r, p in zip(refs, prompts)]
+    for schedule, batch, k in (([[1, 1, 3], [2, 4, 0]], 2, 0), ([[1, 1, 0], [2, 4, 2]], 2, 2),
+                               ([[1, 1, 3], [2, 4, 0]], 1, 3), (None, 2, K)):
+        config = {**NGRAM, "num_speculative_tokens_per_batch_size": schedule} if schedule else NGRAM
+        llm = LLM(model_dir, **ENGINE, speculative_config=config)
+        llm.engine.spec.drafter = OracleDrafter(refs, llm.engine.config.vocab_size)
+        assert _ids(llm.generate(prompts[:batch], GREEDY)) == want[:batch]
+        s = llm.engine.stats()
+        if k == 0:
+            assert s.spec_num_drafts == 0
+        else:  # the oracle is always right: every step verifies k drafts (fewer only at each max_tokens' edge)
+            assert s.spec_num_drafts > 0 and s.spec_accepted_per_pos[k - 1] >= s.spec_num_drafts - batch
+            assert k == K or s.spec_accepted_per_pos[k] == 0
+        llm.engine.check_integrity()
