@@ -103,7 +103,7 @@ class StackedExperts(nn.Module):
     def _compiled_bag_tables(self, z: torch.Tensor, ids: torch.Tensor) -> BagLayout | None:
         """Inside a step compiled for CPU with few assignments: the experts' rows as embedding-bag tables, from
         the bound gate/up tensor (kernels/moe/grouped.py: a compiled step cannot find them from w1 and w3)."""
-        if not torch.compiler.is_compiling() or z.device.type != "cpu" or not bags_fit(ids, self.num_experts):
+        if not torch.compiler.is_compiling() or z.device.type != "cpu" or not bags_fit(ids, self.num_experts, z):
             return None
         gate_up = self.gate_up.tensor()  # [E, 2I, D] while w1 and w3 are its halves
         return None if gate_up is None else bag_layout_of_fused(gate_up, self.w2)

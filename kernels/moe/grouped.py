@@ -61,6 +61,10 @@ GATHER_TRAFFIC = 3
 # With input-major expert weights, reading each assignment's expert rows in place (no copy) beats the sorted form
 # while T * k <= this * E (bench/bench_decode_step.py, small-linear: E = 32, top-4 -> up to 8 tokens).
 BAG_MAX_ASSIGNMENTS_PER_EXPERT = 1
+# Through the small-batch kernel (kernels/cpu/expert_gemm.py) the assignments are grouped by expert, up to 8 rows a
+# product, so each chosen expert is read about once while T * k <= 8 * E: a verification or a decode batch takes it
+# instead of running every expert on every token (demo-k3, 4 rows x 4 tokens: 16 x 8 products instead of 16 x 2).
+KERNEL_MAX_ASSIGNMENTS_PER_EXPERT = 8
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -162,7 +166,7 @@ def moe_experts_grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2:
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, act: GatedActivation) -> torch.Tensor:
     T, D = x.shape
     k = topk_ids.shape[1]
-    if bags_fit(topk_ids, w1.shape[0]) and bag_layout(w1, w3, w2) is not None:
+    if bags_fit(topk_ids, w1.shape[0], x) and bag_layout(w1, w3, w2) is not None:
         return moe_experts_bagged(x, w1, w3, w2, topk_weights, topk_ids, act)
     if GATHER_TRAFFIC * T * k <= w1.shape[0]:
         return moe_experts_gathered(x, w1, w3, w2, topk_weights, topk_ids, act)
@@ -250,9 +254,12 @@ def bag_layout_of_fused(gate_up: torch.Tensor, w2: torch.Tensor) -> BagLayout | 
     return BagLayout(gate_up.transpose(1, 2).reshape(E * D, two_i), w2.transpose(1, 2).reshape(E * I, D))
 
 
-def bags_fit(topk_ids: torch.Tensor, num_experts: int) -> bool:
-    """Whether a step's assignments are few enough for the bagged products (from shapes)."""
-    return topk_ids.shape[0] * topk_ids.shape[1] <= BAG_MAX_ASSIGNMENTS_PER_EXPERT * num_experts
+def bags_fit(topk_ids: torch.Tensor, num_experts: int, x: torch.Tensor) -> bool:
+    """Whether a step's assignments are few enough for the bagged products of `x` (from shapes and dtypes: more
+    where the small-batch kernel takes them, grouped by expert)."""
+    kernel = x.device.type == "cpu" and x.dtype == torch.float32 and expert_gemm.small_gemm.available()
+    per_expert = KERNEL_MAX_ASSIGNMENTS_PER_EXPERT if kernel else BAG_MAX_ASSIGNMENTS_PER_EXPERT
+    return topk_ids.shape[0] * topk_ids.shape[1] <= per_expert * num_experts
 
 
 def moe_experts_bagged(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,

@@ -267,6 +267,29 @@ def test_bagged_path_equals_naive(monkeypatch, dtype, tol, T, E, k, kernel):
     assert not torch.allclose(moe_experts_grouped(x, w1, w3, w2, weights, ids, SITU)[0], out[0], atol=10 * tol)
 
 
+@pytest.mark.parametrize("T,path", [(16, "moe_experts_bagged"), (32, "moe_experts_bagged"), (33, "sort_assignments")])
+def test_the_kernel_takes_up_to_eight_assignments_per_expert(monkeypatch, T, path):
+    """fp32 input-major experts go through the small-batch kernel (grouped by expert) while T·k <= 8·E — a
+    verification's or a decode batch's tokens, 4 and 8 an expert here — and past it the sorted form; equal to the
+    oracle either way. Without the kernel, T·k > E takes the sorted form (the negative control)."""
+    from kernels.cpu import small_gemm
+    from kernels.moe import grouped
+
+    called = []
+    for name in ("moe_experts_bagged", "sort_assignments"):
+        real = getattr(grouped, name)
+        monkeypatch.setattr(grouped, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
+    x, w1, w3, w2, weights, ids = _experts(T, 32, 24, 8, 2)
+    w1, w3, w2 = _input_major(w1, w3, w2)
+    out = moe_experts_grouped(x, w1, w3, w2, weights, ids, SITU)
+    assert called == [path if small_gemm.available() else "sort_assignments"]
+    torch.testing.assert_close(out, moe_experts_naive(x, w1, w3, w2, weights, ids, SITU), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(small_gemm, "available", lambda: False)
+    called.clear()
+    moe_experts_grouped(x, w1, w3, w2, weights, ids, SITU)
+    assert called == ["sort_assignments"]
+
+
 @pytest.mark.parametrize("T,compiling", [(40, False), (6, True)], ids=["sorted", "every_expert"])
 def test_input_major_experts_on_the_other_paths(monkeypatch, T, compiling):
     """More assignments than experts (sorted grouped form) and a compiled step (every expert) read input-major
