@@ -33,6 +33,11 @@ import torch
 
 from engine.spec.drafter import Draft, Drafter, DraftQuery
 
+# A request's consecutive observes queue together (one batched pass computes them) until the next `propose`,
+# inspection or rollback, or until this many positions wait: while a batch-size schedule turns speculation off
+# (k = 0) nothing proposes, and the rows of up to this many steps go through the drafter's layers in one pass.
+QUEUE_ROWS = 64
+
 
 class SlotRows:
     def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,

@@ -7,9 +7,10 @@ Contract (beyond the drafter contract; the model and folder format are engine/sp
   a function of that position's tapped target rows alone, so `rollback(n)` truncates to positions < n and equals
   a run that observed only those (rollback to or before the first observed position forgets the request).
 - Storage (engine/spec/draft_cache.py): one preallocated slot per request, every layer's row of position t at
-  `t - base`; buffers grow by doubling, never per step. `observe` only does host bookkeeping and queues its hidden
-  rows; the queued rows of every request go through `context_keys` in one batched pass before the next `propose`
-  or inspection, or when the same request is observed again first.
+  `t - base`; buffers grow by doubling, never per step. `observe` only does host bookkeeping and queues a copy of
+  its hidden rows; a request's consecutive observes queue together, and the queued rows of every request go
+  through `context_keys` in one batched pass before the next `propose`, inspection or rollback, when a request is
+  observed out of sequence, or once `QUEUE_ROWS` of its positions wait (engine/spec/draft_cache.py).
 - `propose`: the anchor is the query's last token at p = `len(token_ids) - 1`; the block of
   `num_speculative_tokens` tokens `[anchor, mask, …]` runs in one non-causal pass over the context observed
   before p (positions the drafter never observed are simply absent), then drafts are picked left to right with
@@ -28,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ from engine.model.config import ConfigError
 from engine.model.init import sample_tensor
 from engine.model.loader import CheckpointError, checkpoint_files
 from engine.compilation import CompilationConfig
-from engine.spec.draft_cache import SlotDrafter, SlotRows
+from engine.spec.draft_cache import QUEUE_ROWS, SlotDrafter, SlotRows
 from engine.spec.draft_graphs import MIN_LENGTH, DraftGraphs
 from engine.spec.draft_sample import DraftSampler
 from engine.spec.drafter import Drafter, DraftQuery
@@ -57,10 +58,15 @@ class _Request:
 
 @dataclass
 class _Queued:
+    """A request's observes since its last flush (contiguous positions), computed at the next flush as one."""
     slot: int
-    hidden: torch.Tensor  # [n, len(taps) * Dt]
-    first: int  # position of hidden row 0
+    first: int  # position of the first row
     index: int  # its row index (first - base)
+    chunks: list[torch.Tensor] = field(default_factory=list)  # the rows' tapped streams [n, len(taps) * Dt], copies
+
+    @property
+    def num_rows(self) -> int:
+        return sum(c.shape[0] for c in self.chunks)
 
 
 class DSparkDrafter(SlotDrafter):
@@ -78,9 +84,11 @@ class DSparkDrafter(SlotDrafter):
                                   length_dims=(1, None, None, None))
 
     def observe(self, req_id: str, start: int, token_ids: Sequence[int], hidden: torch.Tensor | None) -> None:
-        if req_id in self.queued:
-            self.flush()  # its earlier rows first: a flush computes one observe per request
         state = self.requests.get(req_id)
+        queued = self.queued.get(req_id)
+        if queued is not None and (state is None or start != state.end or len(token_ids) == 0):
+            self.flush()  # not a continuation of its queued rows: those first
+            queued = None
         if state is not None and start < state.end:
             self.rollback(req_id, start)
             state = self.requests.get(req_id)
@@ -88,8 +96,12 @@ class DSparkDrafter(SlotDrafter):
             state = self.requests[req_id] = _Request(self.cache.acquire(req_id), base=start, end=start)
         if len(token_ids) == 0:
             return
-        self.queued[req_id] = _Queued(state.slot, hidden, start, start - state.base)
+        if queued is None:
+            queued = self.queued[req_id] = _Queued(state.slot, start, start - state.base)
+        queued.chunks.append(hidden.clone())  # kept past this step (a captured graph reuses its outputs)
         state.end = start + len(token_ids)
+        if state.end - queued.first >= QUEUE_ROWS:
+            self.flush()
 
     @torch.inference_mode()
     def flush(self) -> None:
@@ -97,8 +109,9 @@ class DSparkDrafter(SlotDrafter):
         if not self.queued:
             return
         queued, self.queued = list(self.queued.values()), {}
-        hidden = torch.cat([q.hidden for q in queued]) if len(queued) > 1 else queued[0].hidden  # [N, n*Dt]
-        spans = [range(q.hidden.shape[0]) for q in queued]
+        chunks = [c for q in queued for c in q.chunks]
+        hidden = torch.cat(chunks) if len(chunks) > 1 else chunks[0]  # [N, n*Dt]
+        spans = [range(q.num_rows) for q in queued]
         positions = self.ids(q.first + i for q, span in zip(queued, spans) for i in span)
         index = [q.index + i for q, span in zip(queued, spans) for i in span]
         self.cache.reserve(max(index) + 1)
@@ -152,6 +165,8 @@ class DSparkDrafter(SlotDrafter):
         state = self.requests.get(req_id)
         if state is None or num_tokens >= state.end:
             return
+        if req_id in self.queued:
+            self.flush()  # its queued rows as observed; the rows past num_tokens are then out of range
         if num_tokens <= state.base:
             self.release(req_id)
             return

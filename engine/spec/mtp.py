@@ -11,9 +11,11 @@ Contract (beyond the drafter contract):
   function of (h_t, token t+1), never of drafts.
 - Storage (engine/spec/draft_cache.py): one preallocated slot per request, cache rows at `position - base`, the
   kept hidden rows in a ring of `k + 1` beside them (`position % (k + 1)`); buffers grow by doubling, never per step.
-  `observe` only does host bookkeeping and queues its rows; the queued rows of every request are computed in one
-  batched pass (`fuse_inputs` + `cache_rows` over all of them) before the next `propose` or inspection, or when
-  the same request is observed again first.
+  `observe` only does host bookkeeping and queues a copy of its rows; a request's consecutive observes queue
+  together (computed as one observe of their whole span), and the queued rows of every request are computed in one
+  batched pass (`fuse_inputs` + `cache_rows` over all of them) before the next `propose`, inspection or rollback,
+  when a request is observed out of sequence, or once `QUEUE_ROWS` of its positions wait
+  (engine/spec/draft_cache.py).
 - `propose`: the query's last token is at position p = `len(token_ids) - 1`; the drafter must have observed up to
   p - 1 (else it proposes nothing for that query). Step 1 reads (h_{p-1}, token p) at position p - 1; step j + 1
   reads (the MTP output of step j, draft j) at position p - 1 + j, each attending the cache plus the steps
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 
 from engine.compilation import CompilationConfig
-from engine.spec.draft_cache import SlotDrafter, SlotRows
+from engine.spec.draft_cache import QUEUE_ROWS, SlotDrafter, SlotRows
 from engine.spec.draft_graphs import MIN_LENGTH, DraftGraphs
 from engine.spec.draft_sample import DraftSampler
 from engine.spec.drafter import FINAL_TAP, Drafter, DraftQuery
@@ -57,16 +59,25 @@ class _Request:
 
 @dataclass
 class _Queued:
-    """Rows one `observe` asks for, computed at the next flush with every other request's."""
+    """A request's observes since its last flush (contiguous positions), computed at the next flush as one."""
     slot: int
-    hidden: torch.Tensor  # [n, D] the observed positions' hidden rows
-    ring_first: int | None  # position whose held hidden starts the rows (the waiting one), or None
-    sources: list[int] = field(default_factory=list)  # rows of `hidden` feeding cache rows (after ring_first's)
-    next_ids: list[int] = field(default_factory=list)  # token t + 1 of each cache row
-    positions: list[int] = field(default_factory=list)  # position t of each cache row
-    index: list[int] = field(default_factory=list)  # its cache index (t - base)
-    ring: list[int] = field(default_factory=list)  # rows of `hidden` kept in the ring (the last k + 1)
-    ring_positions: list[int] = field(default_factory=list)
+    base: int  # the request's position of cache row 0
+    start: int  # position of the first observed token
+    waiting: bool  # the request's held hidden (position start - 1) pairs with the first token
+    ids: list[int] = field(default_factory=list)  # the observed tokens
+    chunks: list[torch.Tensor] = field(default_factory=list)  # their hidden rows [n, D], copies
+
+    def plan(self, ring_size: int) -> dict[str, list[int]]:
+        """Row lists of the whole span as one observe: `sources` (rows of the span's hidden feeding cache rows,
+        after the held one's), `next_ids` (token t + 1 of each cache row), `positions` (t), `index` (t - base),
+        `ring` (rows kept in the ring: the last k + 1) and `ring_positions`."""
+        n, start = len(self.ids), self.start
+        first = start - 1 if self.waiting else start
+        positions = list(range(first, start + n - 1))
+        kept = min(n, ring_size)
+        return {"sources": list(range(n - 1)), "next_ids": self.ids if self.waiting else self.ids[1:],
+                "positions": positions, "index": [t - self.base for t in positions],
+                "ring": list(range(n - kept, n)), "ring_positions": list(range(start + n - kept, start + n))}
 
 
 class MTPDrafter(SlotDrafter):
@@ -88,9 +99,11 @@ class MTPDrafter(SlotDrafter):
     # -- observe: host bookkeeping now, the rows at the next flush -------------------------------------------
 
     def observe(self, req_id: str, start: int, token_ids: Sequence[int], hidden: torch.Tensor | None) -> None:
-        if req_id in self.queued:
-            self.flush()  # its earlier rows first: a flush computes one observe per request
         state = self.requests.get(req_id)
+        queued = self.queued.get(req_id)
+        if queued is not None and (state is None or start != state.end or not token_ids):
+            self.flush()  # not a continuation of its queued rows: those first
+            queued = None
         if state is not None and start < state.end:
             self.rollback(req_id, start)
             state = self.requests.get(req_id)
@@ -100,21 +113,16 @@ class MTPDrafter(SlotDrafter):
         n = len(token_ids)
         if n == 0:
             return
-        ids = list(token_ids)
         waiting = state.waiting  # the waiting hidden pairs with this call's first token
-        q = _Queued(state.slot, hidden, ring_first=start - 1 if waiting else None)
-        first = start - 1 if waiting else start
-        q.sources = list(range(n - 1))
-        q.next_ids = ids if waiting else ids[1:]
-        q.positions = list(range(first, start + n - 1))
-        q.index = [t - state.base for t in q.positions]
-        kept = min(n, self.ring_size)
-        q.ring = list(range(n - kept, n))
-        q.ring_positions = list(range(start + n - kept, start + n))
-        self.queued[req_id] = q
-        state.num_rows += len(q.positions)
+        if queued is None:
+            queued = self.queued[req_id] = _Queued(state.slot, state.base, start, waiting)
+        queued.ids.extend(int(t) for t in token_ids)
+        queued.chunks.append(hidden.clone())  # kept past this step (a captured graph reuses its outputs)
+        state.num_rows += n - 1 + waiting  # cache rows of positions (start - 1 if waiting else start) .. end - 2
         state.end = start + n
         state.held_from = max(state.held_from, state.end - self.ring_size)
+        if len(queued.ids) >= QUEUE_ROWS:
+            self.flush()
 
     @torch.inference_mode()
     def flush(self) -> None:
@@ -122,34 +130,35 @@ class MTPDrafter(SlotDrafter):
         if not self.queued:
             return
         queued, self.queued = list(self.queued.values()), {}
-        hidden = torch.cat([q.hidden for q in queued]) if len(queued) > 1 else queued[0].hidden  # [N, D]
-        hidden = hidden.to(self.cache.dtype)
-        offsets = list(itertools.accumulate((q.hidden.shape[0] for q in queued), initial=0))
+        plans = [q.plan(self.ring_size) for q in queued]
+        chunks = [c for q in queued for c in q.chunks]
+        hidden = (torch.cat(chunks) if len(chunks) > 1 else chunks[0]).to(self.cache.dtype)  # [N, D]
+        offsets = list(itertools.accumulate((len(q.ids) for q in queued), initial=0))
         sources, waiting_rows, waiting_slots, waiting_ring = [], [], [], []
-        for q, at in zip(queued, offsets):
-            if q.ring_first is not None:
+        for q, plan, at in zip(queued, plans, offsets):
+            if q.waiting:
                 waiting_rows.append(len(sources))
                 waiting_slots.append(q.slot)
-                waiting_ring.append(q.ring_first % self.ring_size)
+                waiting_ring.append((q.start - 1) % self.ring_size)
                 sources.append(at)  # placeholder: replaced by the held hidden
-            sources.extend(at + i for i in q.sources)
+            sources.extend(at + i for i in plan["sources"])
         row_hidden = hidden.index_select(0, self.ids(sources))  # [R, D]
         if waiting_rows:  # read before this flush's ring writes (k + 1 new rows wrap onto it)
             row_hidden[self.ids(waiting_rows)] = self.cache.side[self.ids(waiting_slots), self.ids(waiting_ring)]
-        self._store_ring(queued, hidden, offsets)
+        self._store_ring(queued, plans, hidden, offsets)
         if not sources:
             return
-        positions = self.ids(t for q in queued for t in q.positions)
-        x = self.layer.fuse_inputs(row_hidden, self.ids(t for q in queued for t in q.next_ids), positions)
-        index = [i for q in queued for i in q.index]
+        positions = self.ids(t for plan in plans for t in plan["positions"])
+        x = self.layer.fuse_inputs(row_hidden, self.ids(t for plan in plans for t in plan["next_ids"]), positions)
+        index = [i for plan in plans for i in plan["index"]]
         self.cache.reserve(max(index) + 1)
-        slots = self.ids(q.slot for q in queued for _ in q.index)
+        slots = self.ids(q.slot for q, plan in zip(queued, plans) for _ in plan["index"])
         self.cache.write(slots, self.ids(index), self.layer.cache_rows(x, positions))
 
-    def _store_ring(self, queued: list[_Queued], hidden: torch.Tensor, offsets: list[int]) -> None:
-        rows = self.ids(at + i for q, at in zip(queued, offsets) for i in q.ring)
-        slots = self.ids(q.slot for q in queued for _ in q.ring)
-        ring = self.ids(t % self.ring_size for q in queued for t in q.ring_positions)
+    def _store_ring(self, queued: list[_Queued], plans: list[dict], hidden: torch.Tensor, offsets: list[int]) -> None:
+        rows = self.ids(at + i for plan, at in zip(plans, offsets) for i in plan["ring"])
+        slots = self.ids(q.slot for q, plan in zip(queued, plans) for _ in plan["ring"])
+        ring = self.ids(t % self.ring_size for plan in plans for t in plan["ring_positions"])
         self.cache.side.index_put_((slots, ring), hidden.index_select(0, rows))
 
     # -- propose: all queries in one batched pass per draft step ---------------------------------------------
@@ -207,6 +216,8 @@ class MTPDrafter(SlotDrafter):
         state = self.requests.get(req_id)
         if state is None or num_tokens >= state.end:
             return
+        if req_id in self.queued:
+            self.flush()  # its queued rows as observed, then forgotten by the bookkeeping below
         if num_tokens <= state.base or num_tokens <= state.held_from:
             self.release(req_id)  # nothing usable stays: the next observe starts afresh
             return

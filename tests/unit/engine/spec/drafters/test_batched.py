@@ -183,3 +183,49 @@ def test_sampled_pick_depends_on_request_and_position_only():
     flat = torch.zeros(64)  # uniform logits: the draw is the key's alone
     draws = {sampler.pick(flat, "a", p)[0] for p in range(20)}
     assert len(draws) > 5  # negative control: positions give different draws
+
+
+def _rows(drafter, kind, req_id):
+    if kind == "dspark":
+        return (drafter.context_rows(req_id),)
+    return drafter.cached_rows(req_id), drafter.held_hidden(req_id)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dspark"])
+def test_queued_observes_equal_observes_computed_each_step(kind, k3, k3_dir, dspark_dir, sequences, monkeypatch):
+    """Observes that queue over many steps (nothing proposes, as under a batch-size schedule's k = 0) give the
+    rows (within fp32 rounding: one product over more rows) and the drafts of observes computed every step; a
+    request's queue computes itself at QUEUE_ROWS positions. Negative control: one position observed with other
+    hidden rows gives other rows."""
+    from engine.spec import dspark, mtp
+
+    each_step, queued, other = (_build(kind, k3, k3_dir, dspark_dir) for _ in range(3))
+    flushes = []
+    real_flush = queued.flush
+    queued.flush = lambda: flushes.append(len(queued.queued)) or real_flush()
+    for i, (ids, taps) in enumerate(sequences):
+        rows = taps[kind]
+        changed = rows.clone()
+        changed[3] += 1.0
+        for d, h in ((each_step, rows), (queued, rows), (other, changed)):
+            d.observe(f"r{i}", 0, ids[:2], h[:2])
+            for t in range(2, LENGTHS[i]):  # one position a step, as decoding plain
+                d.observe(f"r{i}", t, ids[t: t + 1], h[t: t + 1])
+                if d is each_step:
+                    d.flush()
+    assert flushes == [] and len(queued.queued) == len(sequences)  # every request's rows still queued
+    for i in range(len(sequences)):
+        got, want, changed = (_rows(d, kind, f"r{i}") for d in (queued, each_step, other))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)  # products over more rows: rounding
+        assert not torch.allclose(changed[0], want[0], rtol=1e-5, atol=1e-5)  # the cache rows of position 3 on
+    assert queued.propose(_queries(sequences)) == each_step.propose(_queries(sequences))
+    monkeypatch.setattr(dspark if kind == "dspark" else mtp, "QUEUE_ROWS", 4)
+    capped = _build(kind, k3, k3_dir, dspark_dir)
+    ids, taps = sequences[1]
+    capped.observe("r", 0, ids[:1], taps[kind][:1])
+    for t in range(1, LENGTHS[1]):
+        capped.observe("r", t, ids[t: t + 1], taps[kind][t: t + 1])
+        waiting = capped.queued.get("r")
+        assert waiting is None or len(waiting.chunks) < 4  # computed once 4 positions waited
+    assert (capped.requests["r"].num_rows if kind == "mtp" else capped.requests["r"].end) > 0
