@@ -36,10 +36,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine.compilation import CompilationConfig
 from engine.model.config import ConfigError
+from engine.model.fused import lay_out_for_gemv
 from engine.model.init import sample_tensor
 from engine.model.loader import CheckpointError, checkpoint_files
-from engine.compilation import CompilationConfig
 from engine.spec.draft_cache import QUEUE_ROWS, SlotDrafter, SlotRows
 from engine.spec.draft_graphs import MIN_LENGTH, DraftGraphs
 from engine.spec.draft_sample import DraftSampler
@@ -218,7 +219,10 @@ def load_dspark(folder: str | Path, target) -> DSparkModel:
             with safe_open(str(path), framework="pt") as f:
                 params[name].copy_(f.get_tensor(name))
     logger.info("loaded DSpark drafter from %s (%d layers, taps %s)", folder, config.num_layers, config.target_layer_ids)
-    return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    if torch.device(target.device).type == "cpu":
+        lay_out_for_gemv(model)  # as the loader lays out a CPU target: input-major where one-row products stream
+    return model
 
 
 def write_dspark_checkpoint(raw: dict, out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:

@@ -14,9 +14,9 @@ Contract:
   logits `shared_head.head(shared_head.norm(out))` predict the token at t + 2. `out` (pre-norm) is the hidden the
   next chained draft step reads in place of `h`. Attention is causal over the layer's own latent cache
   (`self_attn.latent(...)` of each earlier row), engine/spec/latent_attention.py. `block(x, positions, ctx_keys)`
-  runs the rows of one sequence (training); `step(x, positions, keys, at, visible)` runs one row for each of B
-  sequences at once (drafting), each over its own keys `[B, S, C]` under a mask, after storing the rows' own cache
-  rows at `keys[:, at]`.
+  runs the rows of one sequence (training); `step(x, positions, keys, visible)` runs one row for each of B
+  sequences at once (drafting), each over its own earlier keys `[B, S, C]` under a mask and its own row, and
+  returns the rows' own cache rows beside the output (the next chained step appends them to its keys).
 - `forward_train(hidden [T, D], token_ids [T]) -> logits [T - 1, V]` (fp32) is the full-sequence form for
   distillation: row t uses `hidden[t]` and `token_ids[t + 1]` and predicts `token_ids[t + 2]` (the last row's target
   lies past the sequence). Differentiable (pure torch on CPU; the routed-expert kernel of the device in use must
@@ -40,6 +40,7 @@ from torch import nn
 
 from engine.model.common import GatedMLP, RMSNorm, _linear, gated_activation
 from engine.model.config import LayerSpec, ModelConfig
+from engine.model.fused import bind_fused_weights, lay_out_for_gemv
 from engine.model.init import materialize, sample_tensor
 from engine.model.loader import (FP32_PARAM_SUFFIXES, LoadConfig, checkpoint_files, checkpoint_layout, copy_tensors,
                                  official_tensors, read_header, validate)
@@ -129,26 +130,34 @@ class MTPLayer(nn.Module):
 
 
 def build_mtp_layers(config: ModelConfig, embed_tokens: nn.Module, dtype: torch.dtype, device: torch.device | str,
-                     experts_format: str = "dense") -> list[MTPLayer]:
-    """Uninitialised layers in `dtype` (fp32 where the target keeps fp32)."""
+                     experts_format: str = "dense", gemv_layout: bool = False) -> list[MTPLayer]:
+    """Uninitialised layers in `dtype` (fp32 where the target keeps fp32); `gemv_layout`: laid out and bound as
+    the loader lays out a CPU target before filling it (input-major products, fused gate/up: engine/model/fused.py)."""
     layers = []
     for spec in config.mtp_layers:
         with torch.device("meta"):
             layer = MTPLayer(config, spec, embed_tokens, experts_format)
         materialize(layer, device, lambda name, declared: declared if not declared.is_floating_point else
                     torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)  # no fp32 layer first
+        if gemv_layout:
+            lay_out_for_gemv(layer)
+            bind_fused_weights(layer)  # loading fills the bound tensors through their views
         layers.append(layer.eval().requires_grad_(False))
     return layers
 
 
-def load_mtp_layers(target, target_dir: str | Path) -> list[MTPLayer]:
-    """The MTP layers of `target` (a loaded `KimiForCausalLM`) from its checkpoint folder."""
+def load_mtp_layers(target, target_dir: str | Path, gemv_layout: bool | None = None) -> list[MTPLayer]:
+    """The MTP layers of `target` (a loaded `KimiForCausalLM`) from its checkpoint folder; `gemv_layout` (default:
+    on a CPU target) lays them out for serving (`build_mtp_layers`; training wants unbound ones, whose gradients
+    reach each weight)."""
     config = target.config
     if not config.mtp_layers:
         raise MTPError(f"{target_dir}: config.json declares no MTP layers (num_nextn_predict_layers is 0); "
                        "method 'mtp' needs a checkpoint with them")
     header = read_header(checkpoint_files(Path(target_dir)))
-    layers = build_mtp_layers(config, target.model.embed_tokens, target.dtype, target.device, target.experts_format)
+    layers = build_mtp_layers(config, target.model.embed_tokens, target.dtype, target.device, target.experts_format,
+                              gemv_layout=torch.device(target.device).type == "cpu" if gemv_layout is None
+                              else gemv_layout)
     for layer, prefix in zip(layers, config.mtp_weight_prefixes):
         mine = {n: v for n, v in header.items() if n.startswith(prefix) and not n.endswith(UNUSED_SUFFIXES)}
         plan = validate(mine, checkpoint_layout(layer), layer.config)

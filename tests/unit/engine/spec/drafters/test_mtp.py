@@ -14,7 +14,7 @@ from engine.model.loader import CheckpointError, load_model
 from engine.spec.capture import forward_with_taps
 from engine.spec.drafter import FINAL_TAP, DraftQuery
 from engine.spec.mtp import MTPDrafter, build_mtp_drafter
-from engine.spec.mtp_model import MTPError
+from engine.spec.mtp_model import MTPError, load_mtp_layers
 from tests.unit.engine.spec.drafters.conftest import SEED, one_sequence, tokens
 from tests.unit.engine.spec.drafters.naive import naive_mtp_logits
 
@@ -150,8 +150,9 @@ def test_taps_and_type(drafter):
 
 
 def test_forward_train_trains(k3, k3_dir, seq):
+    """The training form (unbound weights, as trainer/distill.py builds them): every weight gets a gradient."""
     ids, hidden = seq
-    layer = build_mtp_drafter(k3, k3_dir, _spec()).layer.requires_grad_(True)
+    layer = load_mtp_layers(k3, k3_dir, gemv_layout=False)[0].requires_grad_(True)
     logits = layer.forward_train(hidden.clone(), torch.tensor(ids))[:-1]  # the last row's target is past the end
     torch.nn.functional.cross_entropy(logits, torch.tensor(ids[2:])).backward()
     no_grad = [n for n, p in layer.named_parameters() if p.grad is None]
