@@ -83,6 +83,8 @@ class DSparkDrafter(SlotDrafter):
                               max_num_seqs, capacity)
         self.graphs = DraftGraphs(self, DSparkDrafter._block_drafts, compilation, weight.device, max_num_seqs,
                                   length_dims=(1, None, None, None))
+        self.context_graphs = DraftGraphs(self, DSparkDrafter._context_rows, compilation, weight.device,
+                                          max_num_seqs, length_dims=(0, 0))  # the queued rows' count is dynamic
 
     def observe(self, req_id: str, start: int, token_ids: Sequence[int], hidden: torch.Tensor | None) -> None:
         state = self.requests.get(req_id)
@@ -116,8 +118,19 @@ class DSparkDrafter(SlotDrafter):
         positions = self.ids(q.first + i for q, span in zip(queued, spans) for i in span)
         index = [q.index + i for q, span in zip(queued, spans) for i in span]
         self.cache.reserve(max(index) + 1)
-        rows = torch.stack(self.model.context_keys(hidden, positions), dim=1)  # [N, layers, C]
+        n = hidden.shape[0]
+        if self.context_graphs.compiled:  # at least MIN_LENGTH rows: the last one repeated, its copies dropped
+            extra = max(MIN_LENGTH - n, 0)
+            rows = self.context_graphs(torch.cat([hidden, hidden[-1:].expand(extra, -1)]),
+                                       torch.cat([positions, positions[-1:].expand(extra)]))[:n]
+        else:
+            rows = self._context_rows(hidden, positions)
         self.cache.write(self.ids(q.slot for q, span in zip(queued, spans) for _ in span), self.ids(index), rows)
+
+    def _context_rows(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Tapped rows [N, len(taps) * Dt] at positions [N] -> every layer's cache row [N, layers, C] (compiled
+        where the drafter's block is: engine/spec/draft_graphs.py)."""
+        return torch.stack(self.model.context_keys(hidden, positions), dim=1)
 
     def _can_draft(self, query: DraftQuery) -> bool:
         state = self.requests.get(query.req_id)

@@ -83,6 +83,13 @@ def test_compiled_drafts_equal_eager_as_contexts_grow(kind, k3, k3_dir, dspark_d
     assert drafter.graphs.num_calls == STEPS
     assert graphs_after[STEPS - 1] == graphs_after[1]  # longer contexts after the first calls built nothing
     assert drafter.graphs.guards.direct_calls >= STEPS - 2  # settled: Dynamo's bytecode called directly
+    if kind == "dspark":  # its context rows are compiled too (a dynamic row count): the eager rows within rounding
+        eager_rows = _build(kind, k3, k3_dir, dspark_dir, None)
+        _run(eager_rows, kind, sequences)
+        assert drafter.context_graphs.num_calls == STEPS  # one flush a proposal
+        for i in range(len(sequences)):
+            torch.testing.assert_close(drafter.context_rows(f"r{i}"), eager_rows.context_rows(f"r{i}"),
+                                       rtol=1e-5, atol=1e-5)
     # negative control: noise in a request's own rows changes its compiled drafts
     slot = drafter.cache.slot_of["r1"]
     drafter.cache.buffer[slot, :4] = torch.randn(drafter.cache.buffer[slot, :4].shape,
