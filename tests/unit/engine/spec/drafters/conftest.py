@@ -46,3 +46,22 @@ def one_sequence(model, tokens: list[int], block_size: int = 16) -> tuple[Forwar
 
 def tokens(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 7900, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def tapped_sequences(model, dspark_dir, lengths: list[int], seed: int) -> list[tuple[list[int], dict]]:
+    """Per request i: `lengths[i]` seeded token ids and their tapped target rows, by drafter kind: "mtp" (the final
+    hidden state) and "dspark" (the drafter folder's target layers)."""
+    from engine.spec.capture import forward_with_taps
+    from engine.spec.drafter import FINAL_TAP
+    from engine.spec.dspark import load_dspark
+
+    dspark_taps = tuple(load_dspark(dspark_dir, model).config.target_layer_ids)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = tokens(n, seed=seed + i)
+        taps = {}
+        for name, tap in (("mtp", (FINAL_TAP,)), ("dspark", dspark_taps)):
+            batch, cache = one_sequence(model, ids)
+            taps[name] = forward_with_taps(model, batch, cache, tap)[1]
+        out.append((ids, taps))
+    return out

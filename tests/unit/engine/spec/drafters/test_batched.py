@@ -10,13 +10,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.spec.capture import forward_with_taps
 from engine.spec.draft_cache import SlotRows
 from engine.spec.draft_sample import DraftSampler, _splitmix, exponential_race
-from engine.spec.drafter import FINAL_TAP, DraftQuery
+from engine.spec.drafter import DraftQuery
 from engine.spec.dspark import build_dspark_drafter
 from engine.spec.mtp import build_mtp_drafter
-from tests.unit.engine.spec.drafters.conftest import one_sequence, tokens
+from tests.unit.engine.spec.drafters.conftest import tapped_sequences
 
 K = 3
 LENGTHS = (9, 17, 5)  # observed positions of the batch's requests (different cache lengths: padding in the batch)
@@ -33,19 +32,7 @@ def _build(kind, k3, k3_dir, dspark_dir, method="greedy"):
 @pytest.fixture(scope="module")
 def sequences(k3, dspark_dir):
     """Per request: token ids and the tapped hidden rows of (FINAL_TAP,) and of DSpark's taps."""
-    from engine.spec.dspark import load_dspark
-
-    dspark_taps = tuple(load_dspark(dspark_dir, k3).config.target_layer_ids)
-    out = []
-    for i, n in enumerate(LENGTHS):
-        ids = tokens(n + 1, seed=20 + i)
-        batch, cache = one_sequence(k3, ids)
-        taps = {}
-        for name, tap in (("mtp", (FINAL_TAP,)), ("dspark", dspark_taps)):
-            batch, cache = one_sequence(k3, ids)
-            taps[name] = forward_with_taps(k3, batch, cache, tap)[1]
-        out.append((ids, taps))
-    return out
+    return tapped_sequences(k3, dspark_dir, [n + 1 for n in LENGTHS], seed=20)
 
 
 def _observed(kind, k3, k3_dir, dspark_dir, sequences, method="greedy"):

@@ -18,11 +18,10 @@ import torch
 
 from engine.compilation import CompilationConfig
 from engine.guard_skipping import compiled_graphs
-from engine.spec.capture import forward_with_taps
-from engine.spec.drafter import FINAL_TAP, DraftQuery
-from engine.spec.dspark import build_dspark_drafter, load_dspark
+from engine.spec.drafter import DraftQuery
+from engine.spec.dspark import build_dspark_drafter
 from engine.spec.mtp import build_mtp_drafter
-from tests.unit.engine.spec.drafters.conftest import one_sequence, tokens
+from tests.unit.engine.spec.drafters.conftest import tapped_sequences
 
 K = 3
 LENGTHS = (9, 17, 5)  # observed positions of each request before the first proposal
@@ -42,16 +41,7 @@ def _build(kind, k3, k3_dir, dspark_dir, compilation, method="greedy"):
 @pytest.fixture(scope="module")
 def sequences(k3, dspark_dir):
     """Per request: token ids and the tapped rows of (FINAL_TAP,) and of DSpark's taps, long enough for STEPS."""
-    dspark_taps = tuple(load_dspark(dspark_dir, k3).config.target_layer_ids)
-    out = []
-    for i, n in enumerate(LENGTHS):
-        ids = tokens(n + 1 + STEPS * (ACCEPTED + 1), seed=40 + i)
-        taps = {}
-        for name, tap in (("mtp", (FINAL_TAP,)), ("dspark", dspark_taps)):
-            batch, cache = one_sequence(k3, ids)
-            taps[name] = forward_with_taps(k3, batch, cache, tap)[1]
-        out.append((ids, taps))
-    return out
+    return tapped_sequences(k3, dspark_dir, [n + 1 + STEPS * (ACCEPTED + 1) for n in LENGTHS], seed=40)
 
 
 def _run(drafter, kind, sequences, on_step=None) -> list:
