@@ -14,8 +14,9 @@ for the plain and the speculative run):
   per occurrence, so the output falls into short loops that prompt lookup predicts (repetitive by construction:
   the random model is not made to copy, its own output is). The table's speed-up is what accepted drafts buy.
 Greedy, EOS ignored, every run checks that the speculative outputs equal the plain ones token for token. Batch 1: the
-wall time of one request's `--output-len` tokens (prefill included, the same for both), as tokens/s per user. Batch
-N: N such requests at once, output tokens/s. Each side runs once untimed (the warm-up: a compiled engine builds
+wall time of `--solo-requests` requests (default 1) run one after another, `--output-len` tokens each (prefill
+included, the same for both), as tokens/s per user; `decode-phase ratio` leaves out each side's time to the first
+token (the same requests with one output token, timed alone). Batch N: N such requests at once, output tokens/s. Each side runs once untimed (the warm-up: a compiled engine builds
 its graphs there), then `--repeats` times in turn, best time kept; acceptance is
 that of the last speculative run (deterministic: greedy). `CPU-time ratio` is the same ratio of the process's CPU
 time (with one torch thread: robust on a loaded machine, where wall time includes waiting for a core). Each row
@@ -67,13 +68,14 @@ WORKLOADS = {
 TEXT_WORKLOADS = ("code", "chat")  # prompts from the model's own tokenizer (bench/spec_prompts.py)
 
 
-def _run(llm, prompts, output_len: int, sampling: dict) -> tuple[float, float, list[list[int]]]:
-    """-> (wall seconds, process CPU seconds, output ids)."""
+def _run(llm, prompts, output_len: int, sampling: dict, one_at_a_time: bool = False
+         ) -> tuple[float, float, list[list[int]]]:
+    """-> (wall seconds, process CPU seconds, output ids); `one_at_a_time`: each prompt alone (batch 1)."""
     from engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0, **{"ignore_eos": True, **sampling})
     start, start_cpu = time.perf_counter(), time.process_time()
-    outs = llm.generate(prompts, params)
+    outs = [o for p in prompts for o in llm.generate([p], params)] if one_at_a_time else llm.generate(prompts, params)
     return time.perf_counter() - start, time.process_time() - start_cpu, [o.outputs[0].token_ids for o in outs]
 
 
@@ -114,31 +116,40 @@ class DraftClock:
         return 1000 * self.seconds / max(self.proposals, 1)
 
 
-def _measure(plain, spec, workload: str, batch: int, output_len: int, repeats: int) -> dict | None:
+def _measure(plain, spec, workload: str, batch: int, output_len: int, repeats: int, solo: int = 1) -> dict | None:
     """One row: plain and speculative in turn on the same prompts and sampling, `repeats` times each, best time of
-    each (a shared machine's noise only ever slows a run down); None when the outputs differ."""
-    sampling, prompts = WORKLOADS[workload], _workload_prompts(workload, batch, plain.engine.args.model)
+    each (a shared machine's noise only ever slows a run down); None when the outputs differ. Batch 1 runs `solo`
+    prompts one after another, and times their first tokens alone too (the prefill: `decode_speedup` leaves it
+    out)."""
+    alone = batch == 1
+    sampling = WORKLOADS[workload]
+    prompts = _workload_prompts(workload, solo if alone else batch, plain.engine.args.model)
     # warm-up: one whole untimed run each, so a compiled engine builds every graph the timed runs use (a 4-token,
     # one-prompt warm-up left the verification graphs' build to the first timed runs)
-    _run(plain, prompts, output_len, sampling), _run(spec, prompts, output_len, sampling)
-    t_plain = t_spec = cpu_plain = cpu_spec = float("inf")
+    _run(plain, prompts, output_len, sampling, alone), _run(spec, prompts, output_len, sampling, alone)
+    t_plain = t_spec = cpu_plain = cpu_spec = first_plain = first_spec = float("inf")
     clock, draft_ms = DraftClock(spec), 0.0
     for _ in range(repeats):
-        t, cpu, ids_plain = _run(plain, prompts, output_len, sampling)
+        t, cpu, ids_plain = _run(plain, prompts, output_len, sampling, alone)
         t_plain, cpu_plain = min(t_plain, t), min(cpu_plain, cpu)
         before = spec.engine.stats()
         clock.reset()
-        t, cpu, ids_spec = _run(spec, prompts, output_len, sampling)
+        t, cpu, ids_spec = _run(spec, prompts, output_len, sampling, alone)
         draft_ms = clock.ms_per_step if t < t_spec else draft_ms
         t_spec, cpu_spec, after = min(t_spec, t), min(cpu_spec, cpu), spec.engine.stats()
         if ids_plain != ids_spec:
             return None
+        if alone:
+            first_plain = min(first_plain, _run(plain, prompts, 1, sampling, alone)[0])
+            first_spec = min(first_spec, _run(spec, prompts, 1, sampling, alone)[0])
     drafts = after.spec_num_drafts - before.spec_num_drafts
     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
     per_pos = [(a - b) / max(drafts, 1) for a, b in zip(after.spec_accepted_per_pos, before.spec_accepted_per_pos)]
     tokens = sum(len(ids) for ids in ids_plain)  # = batch * output_len unless the workload lets requests stop
     return {"workload": workload, "batch": batch, "plain_tok_s": tokens / t_plain, "spec_tok_s": tokens / t_spec,
-            "speedup": t_plain / t_spec, "cpu_speedup": cpu_plain / cpu_spec, "draft_ms_per_step": draft_ms, "mean_acceptance_length": 1 + accepted / max(drafts, 1),
+            "speedup": t_plain / t_spec, "cpu_speedup": cpu_plain / cpu_spec, "draft_ms_per_step": draft_ms,
+            "decode_speedup": (t_plain - first_plain) / (t_spec - first_spec) if alone else None,
+            "requests": len(prompts), "mean_acceptance_length": 1 + accepted / max(drafts, 1),
             "acceptance_per_pos": per_pos, "distinct_output_tokens": len({t for ids in ids_plain for t in ids})}
 
 
@@ -252,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculative-config", default=DEFAULT_SPEC)
     p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
     p.add_argument("--repeats", type=int, default=3, help="runs of each side per row (best time)")
+    p.add_argument("--solo-requests", type=int, default=1,
+                   help="batch 1: this many prompts, one after another (per-user tok/s over all of them)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--verify-cost", action="store_true", help="a (k+1)-position verify step vs a plain step")
@@ -286,16 +299,18 @@ def main(argv: list[str] | None = None) -> int:
     default = [w for w in WORKLOADS if w not in TEXT_WORKLOADS]  # "all": the workloads any model can run
     for workload in default if args.workload == "all" else [args.workload]:
         for batch in (1, args.batch):
-            row = _measure(plain, spec, workload, batch, args.output_len, args.repeats)
+            row = _measure(plain, spec, workload, batch, args.output_len, args.repeats, args.solo_requests)
             if row is None:
                 print(f"{workload}, batch {batch}: speculative output differs from plain", file=sys.stderr)
                 return 1
             rows.append(row)
-    table = ["| workload | batch | plain tok/s | speculative tok/s | ratio | CPU-time ratio | draft ms/step | "
-             "mean acceptance length | per position | distinct output tokens |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    table = ["| workload | batch | plain tok/s | speculative tok/s | ratio | CPU-time ratio | decode-phase ratio | "
+             "draft ms/step | mean acceptance length | per position | distinct output tokens |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     table += [f"| {r['workload']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['cpu_speedup']:.2f}x | {r['draft_ms_per_step']:.2f} | "
+              f"{r['speedup']:.2f}x | {r['cpu_speedup']:.2f}x | "
+              f"{'-' if r['decode_speedup'] is None else format(r['decode_speedup'], '.2f') + 'x'} | "
+              f"{r['draft_ms_per_step']:.2f} | "
               f"{r['mean_acceptance_length']:.2f} | "
               f"{', '.join(f'{x:.2f}' for x in r['acceptance_per_pos'])} | {r['distinct_output_tokens']} |"
               for r in rows]

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from bench.spec_decode import draft_cost, verify_cost
+from bench.spec_decode import draft_cost, main, verify_cost
 from engine.model.checkpoint import make_checkpoint
 
 MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
@@ -34,3 +34,12 @@ def test_verify_cost_reports_both_steps(tiny_k3):
     r = verify_cost(tiny_k3, k=2, steps=3, repeats=1)
     assert r["k"] == 2 and r["plain_ms"] > 0 and r["verify_ms"] > 0
     assert r["ratio"] == pytest.approx(r["verify_ms"] / r["plain_ms"])
+
+
+def test_batch_one_runs_its_requests_alone_and_times_the_decode_phase(tiny_k3, tmp_path):
+    out = tmp_path / "rows.json"
+    assert main(["--model", tiny_k3, "--workload", "loop", "--batch", "2", "--output-len", "4", "--repeats", "1",
+                 "--solo-requests", "3", "--out", str(out)]) == 0
+    solo, batched = json.loads(out.read_text())["rows"]
+    assert solo["batch"] == 1 and solo["requests"] == 3 and solo["decode_speedup"] > 0
+    assert batched["batch"] == 2 and batched["requests"] == 2 and batched["decode_speedup"] is None
