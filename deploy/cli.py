@@ -1,7 +1,8 @@
 """The `kdamesh` command line.
 
 Subcommands: `make-checkpoint` (a generated checkpoint in the official layout), `train-demo OUT_DIR` (trains the
-demo K3 model, trainer/; `python -m bench.demo_eval DIR` measures it), `up` (the whole mesh on localhost,
+demo K3 model, trainer/; `python -m bench.demo_eval DIR` measures it), `distill-demo FOLDER` (its drafters again,
+flags from `DistillConfig`), `up` (the whole mesh on localhost,
 deploy/launcher.py), `serve MODEL [flags]` (the same mesh, a drop-in for `vllm serve MODEL`: its flags and `up`'s
 come from `LaunchConfig`, deploy/flags.py), `serve --role cache|prefill|decode|gateway` (one service, deploy/serve.py: each
 role parses its own flags, `kdamesh serve --role R --help` lists them) and `bench serve` (servebench/: `vllm bench
@@ -59,6 +60,23 @@ def _train_demo(args: argparse.Namespace) -> int:
     given = {name: getattr(args, name) for name in TRAIN_FLAGS if getattr(args, name) is not None}
     train(TrainConfig(out_dir=args.out_dir, tiny=args.tiny, **given), command=["kdamesh", *sys.argv[1:]])
     print(args.out_dir)
+    return 0
+
+
+def _distill_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from trainer.config import DistillConfig
+    from trainer.train import redistill
+
+    given = {f.name: getattr(args, f.name) for f in distill_fields() if getattr(args, f.name) is not None}
+    try:
+        config = DistillConfig(**given)
+    except ValueError as exc:
+        raise SystemExit(f"kdamesh distill-demo: {exc}") from None
+    torch.set_num_threads(args.threads)
+    redistill(args.folder, config, command=["kdamesh", *sys.argv[1:]])
+    print(args.folder)
     return 0
 
 
@@ -132,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_checkpoint(sub)
     _add_train_demo(sub)
+    _add_distill_demo(sub)
     _add_up(sub)
     sub.add_parser("plan", help="MODEL_DIR [-tp N ...]: per-rank memory, the concurrency that fits, handoff cost",
                    add_help=False).set_defaults(func=_plan)  # its flags: deploy/plan_cli.py
@@ -178,6 +197,25 @@ def _add_train_demo(sub) -> None:
                         help="default: trainer/config.py TrainConfig")
     td.add_argument("--tiny", action="store_true", help="the 4-layer width-64 test configuration")
     td.set_defaults(func=_train_demo)
+
+
+def distill_fields():
+    import dataclasses
+
+    from trainer.config import DistillConfig
+
+    return dataclasses.fields(DistillConfig)
+
+
+def _add_distill_demo(sub) -> None:
+    dd = sub.add_parser("distill-demo", help="distil the drafters (MTP, DSpark) of a trained demo folder again; "
+                                             "the target is unchanged")
+    dd.add_argument("folder")
+    for f in distill_fields():
+        dd.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None,
+                        help=f"default {f.default} (trainer/config.py DistillConfig)")
+    dd.add_argument("--threads", type=int, default=2, help="torch threads")
+    dd.set_defaults(func=_distill_demo)
 
 
 def _add_up(sub) -> None:

@@ -50,10 +50,25 @@ class DistillConfig:
     lr: float = 2e-3
     code_fraction: float = 0.5  # windows of training code (the rest chat): drafters serve code completion too
     seed: int = 0
+    # The target's own greedy continuations as the data (trainer/generated.py); 0 and 0: the corpus windows instead
+    generated_chat: int = 0  # training-seed conversations the target answers
+    generated_code: int = 0  # training stdlib file heads the target continues
+    generated_tokens: int = 128  # the most tokens a continuation takes (it stops earlier where the target stops)
+    generated_batch: int = 64  # prompts generated together
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "anchors"):
+        for name in ("steps", "batch_size", "seq_len", "anchors", "generated_tokens", "generated_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"distill {name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.code_fraction <= 1.0:
             raise ValueError(f"distill code_fraction must be in [0, 1], got {self.code_fraction}")
+        if min(self.generated_chat, self.generated_code) < 0:
+            raise ValueError("distill generated_chat and generated_code must be >= 0")
+        if self.generated and ((self.code_fraction > 0 and not self.generated_code)
+                               or (self.code_fraction < 1 and not self.generated_chat)):
+            raise ValueError(f"distill code_fraction {self.code_fraction} draws from a generated kind of none: "
+                             f"generated_chat={self.generated_chat}, generated_code={self.generated_code}")
+
+    @property
+    def generated(self) -> bool:
+        return bool(self.generated_chat or self.generated_code)

@@ -1,20 +1,23 @@
 """Distils the two drafters of the demo model from the trained target: K3's MTP layer and a DSpark drafter.
 
 Contract:
-- `distill(out_dir, config, tiktoken_path)` reads the trained target from OUT_DIR (the engine's loader, fp32
-  compute over the shipped bf16 weights, so the drafters learn the target that is served) and its token streams
-  (`OUT_DIR/.train/data.pt`), then trains each drafter for `DistillConfig` steps or seconds on the target's own
-  outputs: teacher forward (`trainer.forward.train_forward` with the drafter's taps) on chat and code windows
-  (`DistillConfig.code_fraction`), loss the KL
-  divergence from the target's next-token distribution at the position the draft predicts
-  (MTP row t -> the target at t + 1; DSpark block at anchor p, draft i -> the target at p + i).
+- `distill(out_dir, config, tiny, data_path)` reads the trained target from OUT_DIR (the engine's loader, fp32
+  compute over the shipped bf16 weights, so the drafters learn the target that is served) and its data: with
+  `DistillConfig.generated`, the target's own greedy continuations of training prompts (trainer/generated.py), else
+  the corpus token streams (`OUT_DIR/.train/data.pt`). It trains each drafter for `DistillConfig` steps or seconds:
+  teacher forward (`trainer.forward.train_forward` with the drafter's taps) on chat and code windows
+  (`DistillConfig.code_fraction`), loss the KL divergence from the target's next-token distribution at the position
+  the draft predicts (MTP row t -> the target at t + 1; DSpark block at anchor p, draft i -> the target at p + i),
+  on generated data only where serving drafts: MTP rows whose input token the target generated, DSpark anchors whose
+  next token it generated.
 - The MTP layer (`engine.spec.mtp_model.MTPLayer`, the target's embedding frozen) is written into the target's own
   safetensors under `language_model.model.layers.{num_hidden_layers}.*` with `num_nextn_predict_layers: 1` in
   config.json (the released layout; the target loader sets it aside). The DSpark drafter
   (`engine.spec.dspark_model.DSparkModel`, the target's embedding and LM head frozen) is written as its own
   `k3_dspark` folder `OUT_DIR/dspark` (config from `engine.model.presets.demo_k3_dspark_config`).
-- Returns a summary per drafter (steps, seconds, last loss, top-1 agreement with the target on held-out windows)
-  that `trainer.train` records in training_run.json; losses go to `distill_log.txt`.
+- Returns a summary per drafter (steps, seconds, last loss; on held-out windows — of held-out pieces with generated
+  data — the top-1 agreement with the target and the mean count of a block's leading drafts it agrees on) that
+  `trainer.train` records in training_run.json; losses go to `distill_log.txt`.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from engine.model.presets import demo_k3_dspark_config
 from engine.spec.drafter import FINAL_TAP
 from engine.spec.dspark_model import DSparkConfig, DSparkModel
 from engine.spec.mtp_model import build_mtp_layers
-from trainer.config import DistillConfig
+from trainer.config import DistillConfig, TrainConfig
 from trainer.forward import train_forward
+from trainer.generated import generated_streams
 
 DISTILL_LOG = "distill_log.txt"
 DSPARK_DIR = "dspark"
@@ -47,28 +51,46 @@ class Teacher:
     ids: torch.Tensor  # [B, T]
     logits: torch.Tensor  # [B, T, V] fp32
     taps: dict[int, torch.Tensor]  # tap id -> [B, T, D]
+    generated: torch.Tensor  # [B, T] bool: tokens the target generated (all True on corpus windows)
 
 
-def windows(data: dict, config: DistillConfig, step: int) -> torch.Tensor:
-    """[B, T] windows for `step` (seeded by it): each a chat window from a conversation start or, with probability
-    `config.code_fraction`, a window of the training code at a random offset."""
+HELDOUT_SHARE = 20  # generated data: the last 1/20 of each kind's pieces are held out for the agreement
+
+
+def _piece_starts(data: dict, kind: str, heldout: bool) -> torch.Tensor | None:
+    """Offsets windows of `kind` may start at (None: anywhere); generated pieces split into training / held out."""
+    starts = data.get(f"{kind}_starts")
+    if starts is None or f"{kind}_generated" not in data or starts.numel() < 2:
+        return starts
+    cut = starts.numel() - max(1, starts.numel() // HELDOUT_SHARE)
+    return starts[cut:] if heldout else starts[:cut]
+
+
+def windows(data: dict, config: DistillConfig, step: int, heldout: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, T], generated [B, T] bool) for `step` (seeded by it): each row a chat window from a piece start or,
+    with probability `config.code_fraction`, a code window (from a piece start where the data has pieces, at a
+    random offset otherwise). `generated` marks the target's own tokens (all True where the data has no mask)."""
     gen = torch.Generator().manual_seed(config.seed * 7_000_003 + step)
-    chat, starts, code = data["chat"], data["chat_starts"], data["code"]
-    rows = []
+    rows, masks = [], []
     for _ in range(config.batch_size):
-        if float(torch.rand((), generator=gen)) < config.code_fraction:
-            at = int(torch.randint(code.numel() - config.seq_len, (), generator=gen))
-            rows.append(code[at: at + config.seq_len])
+        kind = "code" if float(torch.rand((), generator=gen)) < config.code_fraction else "chat"
+        stream, starts = data[kind], _piece_starts(data, kind, heldout)
+        if starts is None:
+            at = int(torch.randint(stream.numel() - config.seq_len, (), generator=gen))
         else:
             at = int(starts[torch.randint(starts.numel(), (), generator=gen)])
-            rows.append(chat[at: at + config.seq_len])
-    return torch.stack(rows)
+        rows.append(stream[at: at + config.seq_len])
+        mask = data.get(f"{kind}_generated")
+        masks.append(mask[at: at + config.seq_len] if mask is not None else torch.ones(config.seq_len, dtype=bool))
+    return torch.stack(rows), torch.stack(masks)
 
 
 @torch.no_grad()
-def teacher(target, ids: torch.Tensor, taps: tuple[int, ...]) -> Teacher:
+def teacher(target, window: tuple[torch.Tensor, torch.Tensor], taps: tuple[int, ...]) -> Teacher:
+    ids, generated = window
     out = train_forward(target, ids, taps)
-    return Teacher(ids, out.logits, out.taps)
+    return Teacher(ids, out.logits, out.taps, generated)
 
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
@@ -79,28 +101,39 @@ def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor) ->
 
 
 def mtp_outputs(layer, t: Teacher, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(student [B, T-1, V], teacher [B, T-1, V]): MTP row r predicts token r + 2, which the target predicts at r + 1
-    (`anchors` unused: every row trains)."""
+    """(student [R, 1, V], teacher [R, 1, V]) over the rows that train: MTP row r (the target's hidden at r, token
+    r + 1) predicts token r + 2, which the target predicts at r + 1; a row trains where token r + 1 is the target's
+    own, as every token an MTP step reads in serving is (`anchors` unused)."""
     student = torch.stack([layer.forward_train(t.taps[FINAL_TAP][b], t.ids[b]) for b in range(t.ids.shape[0])])
-    return student, t.logits[:, 1:]
+    rows = t.generated[:, 1:]  # [B, T-1]
+    rows = rows if rows.any() else torch.ones_like(rows)  # windows of prompts only: every row, as on the corpus
+    return student[rows][:, None], t.logits[:, 1:][rows][:, None]
 
 
 def dspark_outputs(model: DSparkModel, t: Teacher, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(student [B, A, N, V], teacher [B, A, N, V]): draft i of the block at anchor p predicts token p + 1 + i, which
-    the target predicts at p + i."""
+    """(student [B, A, N, V], teacher [B, A, N, V]): draft i of the block at anchor p (row b's `anchors[b]`)
+    predicts token p + 1 + i, which the target predicts at p + i."""
     layers = model.config.target_layer_ids
     n = model.config.block_size
     students, teachers = [], []
     for b in range(t.ids.shape[0]):
         hidden = torch.cat([t.taps[i][b] for i in layers], dim=-1)  # [T, n_taps * D]
-        students.append(model.forward_train(hidden, t.ids[b], anchors))
-        teachers.append(t.logits[b][anchors[:, None] + torch.arange(n)])  # [A, N, V]
+        students.append(model.forward_train(hidden, t.ids[b], anchors[b]))
+        teachers.append(t.logits[b][anchors[b][:, None] + torch.arange(n)])  # [A, N, V]
     return torch.stack(students), torch.stack(teachers)
 
 
-def _anchors(config: DistillConfig, block: int, step: int) -> torch.Tensor:
+def _anchors(config: DistillConfig, block: int, step: int, generated: torch.Tensor) -> torch.Tensor:
+    """[B, A] block anchors p in [1, T - block) per row, drawn among those whose next token the target generated
+    (where drafting starts in serving); a row with none draws among all."""
     gen = torch.Generator().manual_seed(config.seed * 9_000_011 + step)
-    return torch.randint(1, config.seq_len - block, (config.anchors,), generator=gen)
+    positions = torch.arange(1, config.seq_len - block)  # [P]
+    rows = []
+    for mask in generated:
+        allowed = positions[mask[positions + 1]]
+        allowed = allowed if allowed.numel() else positions
+        rows.append(allowed[torch.randint(allowed.numel(), (config.anchors,), generator=gen)])
+    return torch.stack(rows)
 
 
 def _fit(name: str, module: torch.nn.Module, outputs, target, data: dict, config: DistillConfig, taps, block: int,
@@ -114,28 +147,31 @@ def _fit(name: str, module: torch.nn.Module, outputs, target, data: dict, config
         for group in optimizer.param_groups:
             group["lr"] = config.lr * min(1.0, (step + 1) / 10) * (1.0 - 0.9 * min(1.0, progress))
         t = teacher(target, windows(data, config, step), taps)
-        loss = kl_to_teacher(*outputs(module, t, _anchors(config, block, step)))
+        loss = kl_to_teacher(*outputs(module, t, _anchors(config, block, step, t.generated)))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         step += 1
         log(f"{name} {step} {loss.item():.4f} {time.monotonic() - t0:.1f}")
-    agreement = _agreement(module, outputs, target, data, config, taps, block)
-    return {"steps": step, "seconds": round(time.monotonic() - t0, 1), "last_kl": round(loss.item(), 4),
-            "top1_agreement_heldout": agreement}
+    return {"steps": step, "seconds": round(time.monotonic() - t0, 1), "last_kl": round(loss.item(), 4)
+            } | _agreement(module, outputs, target, data, config, taps, block)
 
 
 @torch.no_grad()
-def _agreement(module, outputs, target, data: dict, config: DistillConfig, taps, block: int) -> float:
-    """Share of draft positions whose argmax equals the target's, on windows of steps the training never drew."""
-    hits = total = 0
+def _agreement(module, outputs, target, data: dict, config: DistillConfig, taps, block: int) -> dict:
+    """On windows of steps the training never drew (of held-out pieces, with generated data): the share of draft
+    positions whose argmax equals the target's, and the mean count of a block's leading drafts that do (what
+    greedy verification accepts of it)."""
+    hits = total = leading = blocks = 0
     for step in range(10**6, 10**6 + 4):
-        t = teacher(target, windows(data, config, step), taps)
-        student, expected = outputs(module, t, _anchors(config, block, step))
-        hits += int((student.argmax(-1) == expected.argmax(-1)).sum())
-        total += expected.shape[:-1].numel()
-    return round(hits / total, 4)
+        t = teacher(target, windows(data, config, step, heldout=True), taps)
+        student, expected = outputs(module, t, _anchors(config, block, step, t.generated))
+        match = student.argmax(-1) == expected.argmax(-1)  # [..., N]
+        hits, total = hits + int(match.sum()), total + match.numel()
+        leading += int(match.int().cumprod(-1).sum())
+        blocks += match[..., 0].numel()
+    return {"top1_agreement_heldout": round(hits / total, 4), "leading_drafts_heldout": round(leading / blocks, 4)}
 
 
 def _mtp_layer(target, raw: dict, seed: int):
@@ -175,10 +211,21 @@ def write_dspark(out: Path, model: DSparkModel, raw: dict) -> None:
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def distill(out: Path, config: DistillConfig, tiny: bool, data_path: Path) -> dict:
-    """Both drafters of the target in `out` (see the module docstring); -> summary per drafter."""
+def distillation_data(out: Path, config: DistillConfig, data_path: Path | None, code_bytes: int) -> dict:
+    """The target's own continuations (`config.generated`, trainer/generated.py) or the corpus at `data_path`."""
+    if config.generated:
+        return generated_streams(out, config, code_bytes)
+    if data_path is None:
+        raise ValueError("distilling from the corpus needs its token streams (the run's .train/data.pt)")
+    return torch.load(data_path)
+
+
+def distill(out: Path, config: DistillConfig, tiny: bool, data_path: Path | None,
+            code_bytes: int = TrainConfig.code_bytes, data: dict | None = None) -> dict:
+    """Both drafters of the target in `out` (see the module docstring); -> summary per drafter. `data`: already
+    built distillation data (`distillation_data`)."""
+    data = data if data is not None else distillation_data(out, config, data_path, code_bytes)
     target = load_model(out, LoadConfig(dtype="float32")).requires_grad_(False)
-    data = torch.load(data_path)
     raw = json.loads((out / "config.json").read_text())
     log_file = open(out / DISTILL_LOG, "w", encoding="utf-8")
 

@@ -12,6 +12,9 @@ Contract:
   is refused.
 - Then the drafters are distilled from the written target (`trainer.distill`: the MTP layer joins the target's
   safetensors, the DSpark drafter goes to OUT_DIR/dspark); not resumable within, it reruns whole.
+- `redistill(folder, drafters, command)` (`kdamesh distill-demo FOLDER`): distils the drafters of an already trained
+  folder again (the target unchanged, bit for bit) and records them in its `training_run.json` (`drafters`,
+  `distill_config`, `distill_command`); with `DistillConfig.generated` no corpus is needed.
 - Output: OUT_DIR holds the checkpoint (`engine.model.checkpoint.write_checkpoint`: config.json, bf16 safetensors,
   tokenizer, generation_config.json), `heldout_files.txt`, `training_log.txt` (one line per logged step) and
   `training_run.json` (command, Python and torch versions, steps, tokens seen, wall time). A progress bar goes to
@@ -195,3 +198,17 @@ def train(config: TrainConfig, command: list[str] | None = None, drafters: Disti
            "distill_config": dataclasses.asdict(drafters) if drafters else None}
     (out / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n", encoding="utf-8")
     return out
+
+
+def redistill(folder: Path, drafters: DistillConfig, command: list[str] | None = None) -> Path:
+    """Distils the drafters of the trained `folder` again (see the module docstring); -> folder."""
+    folder = Path(folder)
+    run = json.loads((folder / RUN_FILE).read_text())
+    config = run["config"]
+    data_path = folder / WORK_DIR / "data.pt"
+    summary = distill(folder, drafters, config["tiny"], data_path if data_path.is_file() else None,
+                      code_bytes=config["code_bytes"])
+    run |= {"drafters": summary, "distill_config": dataclasses.asdict(drafters),
+            "distill_command": " ".join(command or sys.argv)}
+    (folder / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n", encoding="utf-8")
+    return folder
