@@ -11,10 +11,12 @@ Contract (beyond the drafter contract; the model and folder format are engine/sp
   its hidden rows; a request's consecutive observes queue together, and the queued rows of every request go
   through `context_keys` in one batched pass before the next `propose`, inspection or rollback, when a request is
   observed out of sequence, or once `QUEUE_ROWS` of its positions wait (engine/spec/draft_cache.py).
-- `propose`: the anchor is the query's last token at p = `len(token_ids) - 1`; the block of
-  `num_speculative_tokens` tokens `[anchor, mask, …]` runs in one non-causal pass over the context observed
-  before p (positions the drafter never observed are simply absent), then drafts are picked left to right with
-  the Markov bias of the previous pick (`draft_sample_method`); the first `num_tokens` are proposed. A request
+- `propose`: the anchor is the query's last token at p = `len(token_ids) - 1`; the block `[anchor, mask, …]` of
+  the drafter's trained `block_size` tokens (`num_speculative_tokens` where that is more; vLLM runs k tokens,
+  which for k below the trained width changes every position's attention in the non-causal block) runs in one
+  non-causal pass over the context observed before p (positions the drafter never observed are simply absent),
+  then k drafts are picked left to right with the Markov bias of the previous pick (`draft_sample_method`); the
+  first `num_tokens` are proposed. A request
   whose observed positions reach p or beyond (inconsistent with its tokens) gets no drafts. All queries run
   together: one pass of the layers over `[B, N]` blocks, each attending its own request's rows (a length mask over
   the longest), one Markov pick per draft position over the batch; the host reads back only the `[B, k]` draft
@@ -74,6 +76,7 @@ class DSparkDrafter(SlotDrafter):
     def __init__(self, model: DSparkModel, num_speculative_tokens: int, sample_method: str = "greedy",
                  max_num_seqs: int = 4, capacity: int = 256, compilation: CompilationConfig | None = None):
         self.model, self.k = model, int(num_speculative_tokens)
+        self.width = max(self.k, model.config.block_size)  # the block runs at the width it was trained at
         self.taps = tuple(model.config.target_layer_ids)
         self.sampler = DraftSampler(sample_method)
         self.requests: dict[str, _Request] = {}
@@ -147,8 +150,8 @@ class DSparkDrafter(SlotDrafter):
         ctx = self.cache.gather(slots, max(max(lens), MIN_LENGTH))  # [B, S, layers, C]; past a row's own: padding
         anchors = self.ids([len(q.token_ids) - 1 for q in queries] + [0] * pad)  # [B]
         mask = self.model.config.mask_token_id
-        block = self.ids(v for q in queries for v in [int(q.token_ids[-1])] + [mask] * (self.k - 1))
-        block = torch.cat([block.reshape(n, self.k), block.new_full((pad, self.k), mask)])  # [B, N]
+        block = self.ids(v for q in queries for v in [int(q.token_ids[-1])] + [mask] * (self.width - 1))
+        block = torch.cat([block.reshape(n, self.width), block.new_full((pad, self.width), mask)])  # [B, N]
         args = (ctx, self.ids(lens), anchors, block)
         out = self.graphs(*args) if bucket is not None else self._block_drafts(*args)
         if self.sampler.deterministic:

@@ -141,3 +141,20 @@ def test_forward_train_trains(k3, dspark_dir, seq):
     targets = torch.tensor(ids)[anchors[:, None] + 1 + torch.arange(4)]
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_fewer_drafts_than_the_trained_block_run_the_whole_block(k3, dspark_dir, seq):
+    ids, hidden = seq
+    full, short = (build_dspark_drafter(k3, dspark_dir, _spec(dspark_dir, k, "probabilistic")) for k in (4, 2))
+    assert short.model.config.block_size == 4 and short.width == 4
+    for d in (full, short):
+        d.observe("r", 0, ids[:12], hidden[:12])
+    want, got = full.propose([DraftQuery("r", ids[:13], 4)])[0], short.propose([DraftQuery("r", ids[:13], 2)])[0]
+    assert got.tokens == want.tokens[:2]
+    torch.testing.assert_close(got.probs, want.probs[:2], rtol=1e-5, atol=1e-6)
+    # negative control: a block of only k tokens (vLLM's width) attends differently, so its logits differ
+    ctx = short.cache.gather(short.ids([short.requests["r"].slot]), 12)
+    anchor, mask = short.ids([12]), short.model.config.mask_token_id
+    wide = short.model.request_blocks(anchor, short.ids([[ids[12], mask, mask, mask]]), ctx, short.ids([12]))
+    narrow = short.model.request_blocks(anchor, short.ids([[ids[12], mask]]), ctx, short.ids([12]))
+    assert not torch.allclose(wide[:, :2], narrow, atol=1e-4)
