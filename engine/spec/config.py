@@ -3,7 +3,8 @@
 Contract:
 - `SpeculativeConfig.parse(value)` takes a JSON object string, a dict or a `SpeculativeConfig` (None stays None)
   and returns the frozen, validated config. Fields (vLLM's names and defaults): `method` (`ngram` | `mtp` |
-  `dspark`, required), `num_speculative_tokens` (k >= 1, required), `model` (the drafter checkpoint folder: required
+  `dspark`, required), `num_speculative_tokens` (k >= 1, required; for `dspark` vLLM's default, the drafter's
+  trained `block_size` read from `model`'s config.json), `model` (the drafter checkpoint folder: required
   by `dspark`; `mtp` reads the target's own MTP layers, `ngram` needs none), `prompt_lookup_min` /
   `prompt_lookup_max` (n-gram lengths; vLLM's defaulting: both unset -> 5 and 5, one set -> the other equals it;
   min <= max), `draft_sample_method` (`greedy` | `probabilistic`), `rejection_sample_method` (`standard` |
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from engine.errors import EngineConfigError
 from engine.json_config import json_fields
@@ -55,6 +57,8 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         value = json_fields(value, "speculative_config", cls)
+        if value.get("method") == "dspark" and "num_speculative_tokens" not in value and value.get("model"):
+            value["num_speculative_tokens"] = _trained_block_size(value["model"])
         for name in ("method", "num_speculative_tokens"):
             if name not in value:
                 raise EngineConfigError(f"speculative_config: {name!r} is required")
@@ -115,6 +119,21 @@ class SpeculativeConfig:
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)
                            if getattr(self, f.name) != f.default or f.name in ("method", "num_speculative_tokens")})
+
+
+def _trained_block_size(folder: str) -> int:
+    """vLLM's default k for DSpark: the drafter's trained `block_size` (or `dspark_block_size`) from its config."""
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise EngineConfigError(f"speculative_config: num_speculative_tokens is not given and the DSpark drafter's "
+                                f"block_size cannot be read from {path}: {exc}") from None
+    size = raw.get("block_size") or raw.get("dspark_block_size")
+    if not _is_int(size) or size < 1:
+        raise EngineConfigError(f"speculative_config: num_speculative_tokens is not given and {path} has no "
+                                f"block_size to default it to")
+    return size
 
 
 def factory_path(method: str) -> str:

@@ -116,3 +116,16 @@ def _latest(tokens, min_n, max_n, k):
             if tokens[j: j + n] == tokens[total - n:]:
                 return tuple(tokens[j + n: min(total, j + n + k)])
     return ()
+
+
+def test_dspark_defaults_k_to_the_drafters_trained_block_like_vllm(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "k3_dspark", "block_size": 4}')
+    c = SpeculativeConfig.parse({"method": "dspark", "model": str(tmp_path)})
+    assert c.num_speculative_tokens == 4
+    assert SpeculativeConfig.parse({"method": "dspark", "model": str(tmp_path),
+                                    "num_speculative_tokens": 2}).num_speculative_tokens == 2
+    (tmp_path / "config.json").write_text('{"model_type": "k3_dspark"}')  # negative control: nothing to default to
+    with pytest.raises(EngineConfigError, match="num_speculative_tokens is not given"):
+        SpeculativeConfig.parse({"method": "dspark", "model": str(tmp_path)})
+    with pytest.raises(EngineConfigError, match="cannot be read"):
+        SpeculativeConfig.parse({"method": "dspark", "model": str(tmp_path / "missing")})
