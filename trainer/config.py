@@ -43,16 +43,16 @@ class DistillConfig:
     """The drafters' distillation (trainer/distill.py): per drafter, at most `steps` steps or `time_budget_s`."""
 
     steps: int = 10_000
-    time_budget_s: float = 300.0
+    time_budget_s: float = 900.0
     batch_size: int = 4
     seq_len: int = 256
     anchors: int = 16  # DSpark blocks per window
     lr: float = 2e-3
-    code_fraction: float = 0.5  # windows of training code (the rest chat): drafters serve code completion too
+    code_fraction: float = 0.3  # windows of code (the rest chat): drafters serve code completion too
     seed: int = 0
     # The target's own greedy continuations as the data (trainer/generated.py); 0 and 0: the corpus windows instead
-    generated_chat: int = 0  # training-seed conversations the target answers
-    generated_code: int = 0  # training stdlib file heads the target continues
+    generated_chat: int = 2_500  # training-seed conversations the target answers
+    generated_code: int = 300  # training stdlib file heads the target continues
     generated_tokens: int = 128  # the most tokens a continuation takes (it stops earlier where the target stops)
     generated_batch: int = 64  # prompts generated together
 

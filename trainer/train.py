@@ -189,7 +189,8 @@ def train(config: TrainConfig, command: list[str] | None = None, drafters: Disti
         steps, elapsed = _train_steps(model, optimizer, data, config, out, start, elapsed)
     write_checkpoint(model, raw, out, torch.bfloat16, seed=config.seed, tiktoken_path=data.tiktoken_path)
     shutil.copyfile(out / WORK_DIR / corpus.HELDOUT_FILE, out / corpus.HELDOUT_FILE)
-    summary = distill(out, drafters, config.tiny, out / WORK_DIR / "data.pt") if drafters else None
+    summary = (distill(out, drafters, config.tiny, out / WORK_DIR / "data.pt", code_bytes=config.code_bytes)
+               if drafters else None)
     run = {"command": command or sys.argv, "python": platform.python_version(), "torch": torch.__version__,
            "config": dataclasses.asdict(config), "parameters": count_parameters(model),
            "steps": steps,

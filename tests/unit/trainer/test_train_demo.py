@@ -40,7 +40,8 @@ def _config(out: Path) -> TrainConfig:
                        log_every=1, save_every_s=0.0, threads=1)
 
 
-DRAFTERS = DistillConfig(steps=3, batch_size=2, seq_len=64, anchors=4)
+DRAFTERS = DistillConfig(steps=3, batch_size=2, seq_len=64, anchors=4, code_fraction=0.5, generated_chat=0,
+                         generated_code=0)  # the corpus windows (the generated data: GENERATED below)
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +180,9 @@ def test_generated_data_trains_where_serving_drafts(generated):
 
 def test_a_generated_kind_the_mix_draws_from_must_be_asked_for():
     with pytest.raises(ValueError, match="generated_code=0"):
-        DistillConfig(generated_chat=4, code_fraction=0.5)
-    assert DistillConfig(generated_chat=4, code_fraction=0.0).generated
+        DistillConfig(generated_chat=4, generated_code=0, code_fraction=0.5)
+    assert DistillConfig(generated_chat=4, generated_code=0, code_fraction=0.0).generated
+    assert not DistillConfig(generated_chat=0, generated_code=0).generated
 
 
 def test_redistilling_keeps_the_target_and_records_the_run(trained, tmp_path, monkeypatch):
