@@ -254,7 +254,7 @@ def draft_cost(folder: str, spec_json: str, batch: int, steps: int, prompt_len: 
             "draft_cpu_ms_per_step": 1000 * statistics.median(cpu), "aten_calls_per_step": ops.count}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small-linear")
     p.add_argument("--model", default=None)
@@ -271,7 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-cost", action="store_true", help="the drafter's own time per step at batch 1 and --batch")
     p.add_argument("--compilation-config", default=None,
                    help="the engines' --compilation-config JSON (default: the engine's, eager on CPU)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine.llm import LLM
 
