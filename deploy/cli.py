@@ -64,8 +64,6 @@ def _train_demo(args: argparse.Namespace) -> int:
 
 
 def _distill_demo(args: argparse.Namespace) -> int:
-    import torch
-
     from trainer.config import DistillConfig
     from trainer.train import redistill
 
@@ -74,9 +72,8 @@ def _distill_demo(args: argparse.Namespace) -> int:
         config = DistillConfig(**given)
     except ValueError as exc:
         raise SystemExit(f"kdamesh distill-demo: {exc}") from None
-    torch.set_num_threads(args.threads)
-    redistill(args.folder, config, command=["kdamesh", *sys.argv[1:]])
-    print(args.folder)
+    redistill(args.out_dir, config, command=["kdamesh", *sys.argv[1:]])
+    print(args.out_dir)
     return 0
 
 
@@ -210,11 +207,10 @@ def distill_fields():
 def _add_distill_demo(sub) -> None:
     dd = sub.add_parser("distill-demo", help="distil the drafters (MTP, DSpark) of a trained demo folder again; "
                                              "the target is unchanged")
-    dd.add_argument("folder")
+    dd.add_argument("out_dir", metavar="FOLDER", help="a trained demo folder (train-demo's OUT_DIR)")
     for f in distill_fields():
         dd.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None,
                         help=f"default {f.default} (trainer/config.py DistillConfig)")
-    dd.add_argument("--threads", type=int, default=2, help="torch threads")
     dd.set_defaults(func=_distill_demo)
 
 

@@ -55,9 +55,11 @@ class DistillConfig:
     generated_code: int = 300  # training stdlib file heads the target continues
     generated_tokens: int = 128  # the most tokens a continuation takes (it stops earlier where the target stops)
     generated_batch: int = 64  # prompts generated together
+    threads: int = 2  # torch threads while distilling (set for the call, restored after)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "anchors", "generated_tokens", "generated_batch"):
+        for name in ("steps", "batch_size", "seq_len", "anchors", "generated_tokens", "generated_batch",
+                     "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"distill {name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.code_fraction <= 1.0:

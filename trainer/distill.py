@@ -222,8 +222,18 @@ def distillation_data(out: Path, config: DistillConfig, data_path: Path | None, 
 
 def distill(out: Path, config: DistillConfig, tiny: bool, data_path: Path | None,
             code_bytes: int = TrainConfig.code_bytes, data: dict | None = None) -> dict:
-    """Both drafters of the target in `out` (see the module docstring); -> summary per drafter. `data`: already
-    built distillation data (`distillation_data`)."""
+    """Both drafters of the target in `out` (see the module docstring), on `config.threads` torch threads; ->
+    summary per drafter. `data`: already built distillation data (`distillation_data`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        return _distill(out, config, tiny, data_path, code_bytes, data)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _distill(out: Path, config: DistillConfig, tiny: bool, data_path: Path | None, code_bytes: int,
+             data: dict | None) -> dict:
     data = data if data is not None else distillation_data(out, config, data_path, code_bytes)
     target = load_model(out, LoadConfig(dtype="float32")).requires_grad_(False)
     raw = json.loads((out / "config.json").read_text())

@@ -14,7 +14,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "telemetry/options.py": {"?"},  # the generator: parser.add_argument(*flag.names, ...)
     "deploy/mesh_plan.py": {"model"},  # `serve MODEL`: the positional stands for `--model`
     # the top-level command line: the role switch, make-checkpoint (a generated checkpoint's preset, seed, dtype)
-    # and train-demo (its TrainConfig fields, "?")
+    # and train-demo / distill-demo (their TrainConfig / DistillConfig fields, "?"; OUT_DIR the trained folder)
     "deploy/cli.py": {"--role", "--preset", "out_dir", "--seed", "--dtype", "--max-shard-mb", "--experts-format", "?",
                       "--tiny"},
     "deploy/plan_cli.py": ANY,  # `kdamesh plan`: a sizing calculator, no service

@@ -41,7 +41,7 @@ def _config(out: Path) -> TrainConfig:
 
 
 DRAFTERS = DistillConfig(steps=3, batch_size=2, seq_len=64, anchors=4, code_fraction=0.5, generated_chat=0,
-                         generated_code=0)  # the corpus windows (the generated data: GENERATED below)
+                         generated_code=0, threads=1)  # the corpus windows (the generated data: GENERATED below)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_the_distilled_drafters_load_in_their_formats(trained):
 
 
 GENERATED = DistillConfig(steps=2, batch_size=2, seq_len=64, anchors=4, code_fraction=0.5, generated_chat=4,
-                          generated_code=2, generated_tokens=8, generated_batch=3)
+                          generated_code=2, generated_tokens=8, generated_batch=3, threads=1)
 
 
 @pytest.fixture(scope="module")
