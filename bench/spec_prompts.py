@@ -4,13 +4,12 @@
   the demo model held out of training (`heldout_files.txt` in its folder, paths relative to the running
   interpreter's stdlib), cycled to `n` prompts.
 - `chat_prompts(folder, n)`: free text — `n` synthetic chat conversations of a seed the training never used
-  (`trainer.chat_data`, the demo model's own task generator), rendered by the gateway's K3 renderer up to the
-  assistant's turn.
+  (`trainer.generated.chat_prompts`: the demo model's own task generator, rendered by the gateway's K3 renderer
+  up to the assistant's turn).
 """
 
 from __future__ import annotations
 
-import random
 import sysconfig
 from pathlib import Path
 
@@ -36,14 +35,6 @@ def code_prompts(folder: str, n: int) -> list[list[int]]:
 
 
 def chat_prompts(folder: str, n: int) -> list[list[int]]:
-    from gateway.chat.k3 import K3Renderer
-    from trainer.chat_data import make_example, prompt_messages
+    from trainer.generated import chat_prompts as seeded_chat_prompts
 
-    renderer = K3Renderer(_tokenizer(folder))
-    rng = random.Random(UNSEEN_CHAT_SEED)
-    prompts = []
-    for _ in range(n):
-        example = make_example(rng)
-        prompts.append(renderer.render(prompt_messages(example), example.tools,
-                                       chat_template_kwargs=example.template_kwargs).token_ids)
-    return prompts
+    return seeded_chat_prompts(_tokenizer(folder), n, UNSEEN_CHAT_SEED)
