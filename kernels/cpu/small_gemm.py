@@ -22,23 +22,23 @@ Contract:
   source changed). No compiler, neither AVX-512F nor AVX2+FMA, a failed build or `KDAMESH_SMALL_GEMM=0` in the
   environment: not available, with one log line that says why, and every product stays on MKL/oneDNN.
 
-How and why: the kernel runs a product as axpys over the input-major weight, so no output needs a horizontal sum
-and short rows (demo-k3's 64-256 inputs) cost nothing extra, and m rows read the weight once (MKL runs a 2-8-row
-fp32 product at 1.5-3x its one-row time: it streams the weight once per row). Two orders (kernels/cpu/small_gemm.c):
-- the outputs of all rows at most 4,096 floats (`STREAM_MAX_FLOATS`, 16 KB in L1) and computed whole by one thread:
-  one weight row at a time, the weight read in memory order — one stream the hardware prefetcher follows, where
-  eight interleaved weight rows of 1-8 KB each are too short for it to learn. AMD EPYC, AVX-512, one thread, cold
-  weights (`python -m bench.bench_gemv_layout`): `[1, 768] x [768, 256]` 45-52 us against 83 in the eight-row
-  order and MKL's 66, `[1, 1536] x [1536, 768]` 186-216 vs 237-256 and 297-313, `[4, 768] x [768, 768]` 128-134
-  vs 168-172 and MKL's 239-253, demo-k3's `[4, 256] x [256, 1104]` 77-79 vs MKL's 125-127;
-- wider outputs: eight weight rows (inputs) at a time, each a contiguous run of up to 8,192 outputs, multiplied
-  into every row of x while those outputs stay in L1/L2 (2x faster than streaming for `[1, 768] x [768, 4880]`;
-  `[4, 768] x [768, 4880]` 1.06 ms against MKL's 1.95 on an AVX2 EPYC).
-Both are the same multiply-adds in the same order (so a row's result never depends on its batch). With the streamed
-order every one-row product the kernel takes beats MKL's GEMV, at one thread and at two, with AVX-512 or (built
-with `-mno-avx512f` on the same CPU) AVX2: the compiled batch-1 step of small-linear 12.97 -> 10.63 ms at one
-thread and 10.99 -> 9.28 at two, demo-k3 4.81 -> 3.15 and 3.90 -> 3.01 (AVX2 build; docs/benchmarks.md, wave 3
-session 10).
+How and why: the kernel reads the input-major weight a weight row at a time, multiplying each weight vector into
+every row of x, so no output needs a horizontal sum, short rows (demo-k3's 64-256 inputs) cost nothing extra, and m
+rows read the weight once (MKL runs a 2-8-row fp32 product at 1.5-3x its one-row time: it streams the weight once
+per row). Two orders (kernels/cpu/small_gemm.c):
+- narrow outputs (under 1,024 a row, all rows' at most 4,096 floats, `STREAM_MAX_FLOATS`: 16 KB in L1) computed
+  whole by one thread: one weight row at a time, the weight read in memory order — one stream the hardware
+  prefetcher follows. AMD EPYC, AVX-512, one thread, cold weights (`python -m bench.bench_gemv_layout`):
+  `[1, 768] x [768, 256]` 45-52 us against MKL's 66, `[4, 768] x [768, 768]` 128-134 vs MKL's 239-253;
+- the rest: register tiles of m rows x 1-4 vectors of outputs, eight weight rows per pass (the tile loaded and
+  stored once per eight): the tile's multiply-adds are independent chains, so the FMA latency hides (the eight-row
+  axpys this replaced ran each row's multiply-adds as one dependent chain). AMD EPYC, AVX2 (wave 3, session 14):
+  demo-k3's LM head `[5, 256] x [256, 8192]` 1.02 ms vs 1.59 in axpys (one row 0.54 vs 0.57), `[1, 256] x
+  [256, 1104]` 90 us vs 126 streamed, `[4, 768] x [768, 4880]` 1.31 ms vs 1.79.
+Both are the same multiply-adds in the same order (so a row's result never depends on its batch, and the two orders
+give the same bits). With the streamed order every one-row product the kernel takes beat MKL's GEMV, at one thread
+and at two, with AVX-512 or AVX2: the compiled batch-1 step of small-linear 12.97 -> 10.63 ms at one thread and
+10.99 -> 9.28 at two, demo-k3 4.81 -> 3.15 and 3.90 -> 3.01 (AVX2 build; docs/benchmarks.md, wave 3 session 10).
 """
 
 from __future__ import annotations

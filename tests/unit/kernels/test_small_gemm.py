@@ -43,9 +43,11 @@ def kernel_here() -> bool:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("out_features,in_features",  # tails; rows x outputs <= 4096 streamed (1024: through the
-                         # padded buffer of 2+ rows), others in blocks; the last: MKL
-                         [(512, 768), (515, 521), (257, 1030), (1024, 384), (2053, 64), (4099, 64), (256, 64)])
+@pytest.mark.parametrize("out_features,in_features",  # tails; under 1,024 outputs and rows x outputs <= 4096
+                         # streamed (2+ rows through the padded buffer), others in register tiles (1110: a one-vector
+                         # tile and scalars after the last whole tile); the last: MKL
+                         [(512, 768), (515, 521), (257, 1030), (1024, 384), (1110, 256), (2053, 64), (4099, 64),
+                          (256, 64)])
 def test_equals_f_linear_and_a_row_does_not_depend_on_its_batch(rows, out_features, in_features):
     if not kernel_here():
         return
