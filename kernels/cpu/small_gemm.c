@@ -37,50 +37,51 @@ typedef __m256 vec_t;
 #error "small_gemm needs AVX-512F, or AVX2 and FMA"
 #endif
 
-#define TILE_K_ROWS 8 /* weight rows per pass of a register tile: its outputs are loaded and stored once per 8 */
 
 /* out[m, n0:n1] = x[m, :] @ wt[:, n0:n1] for MM rows, (n1 - n0) a multiple of P * VEC_FLOATS: register tiles of
- * MM x P vectors, TILE_K_ROWS weight rows per pass (see the file's comment). AMD EPYC (AVX2), one thread, cold
- * weights, against the eight-row axpys it replaced: [5, 256] x [256, 8192] 1.02 ms vs 1.59, [1, 256] x [256, 1104]
- * 90 us vs 126 (streamed), [4, 768] x [768, 4880] 1.31 ms vs 1.79. */
-#define TILE_KERNEL(MM, P)                                                                                       \
-  static void tile_##MM##_##P(const float *__restrict x, const float *__restrict wt, size_t k_len, size_t n_out,  \
-                              float *__restrict out, size_t n0, size_t n1) {                                      \
-    for (size_t kb = 0; kb < k_len; kb += TILE_K_ROWS) {                                                         \
-      const size_t ke = kb + TILE_K_ROWS < k_len ? kb + TILE_K_ROWS : k_len;                                     \
-      for (size_t j = n0; j < n1; j += P * VEC_FLOATS) {                                                         \
-        vec_t acc[MM][P];                                                                                        \
-        for (int m = 0; m < MM; m++)                                                                             \
-          for (int p = 0; p < P; p++)                                                                            \
-            acc[m][p] = kb == 0 ? vec_zero() : vec_load(out + m * n_out + j + p * VEC_FLOATS);                   \
-        for (size_t k = kb; k < ke; k++) {                                                                       \
-          vec_t wv[P];                                                                                           \
-          for (int p = 0; p < P; p++) wv[p] = vec_load(wt + k * n_out + j + p * VEC_FLOATS);                     \
-          for (int m = 0; m < MM; m++) {                                                                         \
-            const vec_t xb = vec_broadcast(x + m * k_len + k);                                                   \
-            for (int p = 0; p < P; p++) acc[m][p] = vec_fmadd(wv[p], xb, acc[m][p]);                             \
-          }                                                                                                      \
-        }                                                                                                        \
-        for (int m = 0; m < MM; m++)                                                                             \
-          for (int p = 0; p < P; p++) vec_store(out + m * n_out + j + p * VEC_FLOATS, acc[m][p]);                \
-      }                                                                                                          \
-    }                                                                                                            \
+ * MM x P vectors, K_ROWS weight rows per pass (the tile loaded and stored once a pass; see the file's comment).
+ * AMD EPYC (AVX2), one thread, cold weights, against the eight-row axpys it replaced: [5, 256] x [256, 8192]
+ * 1.02 ms vs 1.59, [1, 256] x [256, 1104] 90 us vs 126 (streamed), [4, 768] x [768, 4880] 1.31 ms vs 1.79. */
+#define TILE_KERNEL(MM, P, K_ROWS)                                                                                   \
+  static void tile_##MM##_##P(const float *__restrict x, const float *__restrict wt, size_t k_len, size_t n_out,     \
+                              float *__restrict out, size_t n0, size_t n1) {                                         \
+    for (size_t kb = 0; kb < k_len; kb += K_ROWS) {                                                                  \
+      const size_t ke = kb + K_ROWS < k_len ? kb + K_ROWS : k_len;                                                   \
+      for (size_t j = n0; j < n1; j += P * VEC_FLOATS) {                                                             \
+        vec_t acc[MM][P];                                                                                            \
+        for (int m = 0; m < MM; m++)                                                                                 \
+          for (int p = 0; p < P; p++)                                                                                \
+            acc[m][p] = kb == 0 ? vec_zero() : vec_load(out + m * n_out + j + p * VEC_FLOATS);                       \
+        for (size_t k = kb; k < ke; k++) {                                                                           \
+          vec_t wv[P];                                                                                               \
+          for (int p = 0; p < P; p++) wv[p] = vec_load(wt + k * n_out + j + p * VEC_FLOATS);                         \
+          for (int m = 0; m < MM; m++) {                                                                             \
+            const vec_t xb = vec_broadcast(x + m * k_len + k);                                                       \
+            for (int p = 0; p < P; p++) acc[m][p] = vec_fmadd(wv[p], xb, acc[m][p]);                                 \
+          }                                                                                                          \
+        }                                                                                                            \
+        for (int m = 0; m < MM; m++)                                                                                 \
+          for (int p = 0; p < P; p++) vec_store(out + m * n_out + j + p * VEC_FLOATS, acc[m][p]);                    \
+      }                                                                                                              \
+    }                                                                                                                \
   }
-/* P per row count: MM x P accumulators + P weight vectors + a broadcast within AVX2's 16 registers. */
-TILE_KERNEL(1, 4)
-TILE_KERNEL(2, 4)
-TILE_KERNEL(3, 3)
-TILE_KERNEL(4, 2)
-TILE_KERNEL(5, 2)
-TILE_KERNEL(6, 2)
-TILE_KERNEL(7, 1)
-TILE_KERNEL(8, 1)
-TILE_KERNEL(1, 1)
-TILE_KERNEL(2, 1)
-TILE_KERNEL(3, 1)
-TILE_KERNEL(4, 1)
-TILE_KERNEL(5, 1)
-TILE_KERNEL(6, 1)
+/* P per row count: MM x P accumulators + P weight vectors + a broadcast within AVX2's 16 registers. Eight weight
+ * rows a pass; sixteen for the one-vector tiles of 7 and 8 rows, which hold fewer chains per weight load
+ * ([8, 256] x [256, 8192] 1.71 ms at sixteen against 1.92 at eight and 2.36 in axpys). */
+TILE_KERNEL(1, 4, 8)
+TILE_KERNEL(2, 4, 8)
+TILE_KERNEL(3, 3, 8)
+TILE_KERNEL(4, 2, 8)
+TILE_KERNEL(5, 2, 8)
+TILE_KERNEL(6, 2, 8)
+TILE_KERNEL(7, 1, 16)
+TILE_KERNEL(8, 1, 16)
+TILE_KERNEL(1, 1, 8)
+TILE_KERNEL(2, 1, 8)
+TILE_KERNEL(3, 1, 8)
+TILE_KERNEL(4, 1, 8)
+TILE_KERNEL(5, 1, 8)
+TILE_KERNEL(6, 1, 8)
 
 #define STREAM_MAX_FLOATS 4096 /* rows x outputs of a streamed product: its outputs stay in L1 */
 #define STREAM_ROW_PAD 16      /* floats between rows of a multi-row stream's outputs (see stream_MM) */
