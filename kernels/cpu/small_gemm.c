@@ -2,9 +2,9 @@
  *
  * wt is the weight input-major, [k_len, n_out] contiguous (a linear's `weight.t()`), x [m, k_len] and
  * out [m, n_out] contiguous. Two orders, both reading the weight once for all m rows:
- * - tile_MM_P (wide outputs): a tile of MM rows x P vectors of outputs held in registers while TILE_K_ROWS
- *   weight rows k..k+7 go through it (each weight vector loaded once, multiplied into every row), then stored; the
- *   next eight rows add to it. The MM x P multiply-adds of a weight row are independent chains, so the FMA latency
+ * - tile_MM_P (wide outputs): a tile of MM rows x P vectors of outputs held in registers while eight weight rows
+ *   (sixteen for 7-8 rows) go through it (each weight vector loaded once, multiplied into every row), then stored;
+ *   the next rows add to it. The MM x P multiply-adds of a weight row are independent chains, so the FMA latency
  *   is hidden (the axpy order this replaced ran each row's eight multiply-adds as one dependent chain and paid it).
  * - stream_MM (narrow outputs, see STREAM_MAX_FLOATS): one weight row at a time, in memory order.
  * Every output is the same sequence of fused multiply-adds, k = 0, 1, 2, ... in order, whatever the order or the
@@ -36,7 +36,6 @@ typedef __m256 vec_t;
 #else
 #error "small_gemm needs AVX-512F, or AVX2 and FMA"
 #endif
-
 
 /* out[m, n0:n1] = x[m, :] @ wt[:, n0:n1] for MM rows, (n1 - n0) a multiple of P * VEC_FLOATS: register tiles of
  * MM x P vectors, K_ROWS weight rows per pass (the tile loaded and stored once a pass; see the file's comment).
@@ -91,12 +90,12 @@ TILE_KERNEL(6, 1, 8)
  * weight is read in memory order, one stream the hardware prefetcher follows (eight interleaved rows of a narrow
  * weight are too short for it to learn); the outputs stay in L1. Two or more rows accumulate in a local buffer
  * whose rows are STREAM_ROW_PAD floats apart, copied out at the end: rows of out a multiple of 4 KB apart (1,024
- * outputs) alias in the load/store unit, and [4, 768] x [768, 1024] ran 464 us in place against 137 for one row. The same multiply-adds in the same order as
- * tile_MM_P, so the result is bitwise the same. Keep the form: the broadcasts held in an array and the inner loop
- * over rows keep gcc -O3 from running the nest column-first (written as a plain k/j nest, the one-row build ran
- * [1, 768] x [768, 256] in 84 us instead of 52, as slow as the eight-row order of then). Outputs of 1,024 or more per row take the tiles even when they
- * fit (STREAM_MIN_TILED_COLUMNS): [1, 256] x [256, 1536] 106 us tiled vs 165 streamed; 256 outputs stream faster
- * (4 x 256 in 44 us vs 56). */
+ * outputs) alias in the load/store unit, and [4, 768] x [768, 1024] ran 464 us in place against 137 for one row.
+ * The same multiply-adds in the same order as tile_MM_P, so the result is bitwise the same. Keep the form: the
+ * broadcasts held in an array and the inner loop over rows keep gcc -O3 from running the nest column-first (written
+ * as a plain k/j nest, the one-row build ran [1, 768] x [768, 256] in 84 us instead of 52). Outputs of 1,024 or
+ * more a row take the tiles even when they fit (STREAM_MIN_TILED_COLUMNS): [1, 256] x [256, 1536] 106 us tiled vs
+ * 165 streamed; 256 outputs stream faster (4 x 256 in 44 us vs 56). */
 #define STREAM_KERNEL(MM)                                                                                        \
   static void stream_##MM(const float *__restrict x, const float *__restrict wt, size_t k_len, size_t n_out,     \
                           float *__restrict out, size_t n0, size_t n1) {                                         \

@@ -30,9 +30,10 @@ per row). Two orders (kernels/cpu/small_gemm.c):
   whole by one thread: one weight row at a time, the weight read in memory order — one stream the hardware
   prefetcher follows. AMD EPYC, AVX-512, one thread, cold weights (`python -m bench.bench_gemv_layout`):
   `[1, 768] x [768, 256]` 45-52 us against MKL's 66, `[4, 768] x [768, 768]` 128-134 vs MKL's 239-253;
-- the rest: register tiles of m rows x 1-4 vectors of outputs, eight weight rows per pass (the tile loaded and
-  stored once per eight): the tile's multiply-adds are independent chains, so the FMA latency hides (the eight-row
-  axpys this replaced ran each row's multiply-adds as one dependent chain). AMD EPYC, AVX2 (wave 3, session 14):
+- the rest: register tiles of m rows x 1-4 vectors of outputs, eight weight rows a pass (sixteen at 7-8 rows; the
+  tile loaded and stored once a pass): the tile's multiply-adds are independent chains, so the FMA latency hides
+  (the eight-row axpys this replaced ran each row's multiply-adds as one dependent chain). AMD EPYC, AVX2 (wave 3,
+  session 14):
   demo-k3's LM head `[5, 256] x [256, 8192]` 1.02 ms vs 1.59 in axpys (one row 0.54 vs 0.57), `[1, 256] x
   [256, 1104]` 90 us vs 126 streamed, `[4, 768] x [768, 4880]` 1.31 ms vs 1.79.
 Both are the same multiply-adds in the same order (so a row's result never depends on its batch, and the two orders
