@@ -132,10 +132,16 @@ STREAM_KERNEL(8)
 typedef void (*product_fn)(const float *, const float *, size_t, size_t, float *, size_t, size_t);
 static const product_fn STREAM[9] = {0, stream_1, stream_2, stream_3, stream_4, stream_5, stream_6, stream_7,
                                      stream_8};
-static const product_fn TILE[9] = {0, tile_1_4, tile_2_4, tile_3_3, tile_4_2, tile_5_2, tile_6_2, tile_7_1, tile_8_1};
-static const size_t TILE_VECTORS[9] = {0, 4, 4, 3, 2, 2, 2, 1, 1};
-static const product_fn TILE_ONE_VECTOR[9] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1, tile_7_1,
-                                              tile_8_1};
+/* Per row count: its widest tile, that tile's width in vectors, and its one-vector tile for what is left. */
+typedef struct {
+  product_fn wide;
+  size_t vectors;
+  product_fn one_vector;
+} tiles_t;
+static const tiles_t TILES[9] = {
+    {0, 0, 0},
+    {tile_1_4, 4, tile_1_1}, {tile_2_4, 4, tile_2_1}, {tile_3_3, 3, tile_3_1}, {tile_4_2, 2, tile_4_1},
+    {tile_5_2, 2, tile_5_1}, {tile_6_2, 2, tile_6_1}, {tile_7_1, 1, tile_7_1}, {tile_8_1, 1, tile_8_1}};
 
 /* Output columns [n_begin, n_end) of out [m_rows, n_out] = x [m_rows, k_len] @ wt [k_len, n_out], 1 <= m_rows <= 8;
  * n_begin a multiple of VEC_FLOATS. Whole rows of narrow outputs stream the weight (stream_MM), else register
@@ -147,10 +153,11 @@ void small_gemm(const float *x, size_t m_rows, const float *wt, size_t n_out, si
   if (n_begin == 0 && n_end == n_out && m_rows * n_out <= STREAM_MAX_FLOATS && n_out < STREAM_MIN_TILED_COLUMNS) {
     STREAM[m_rows](x, wt, k_len, n_out, out, 0, vec_end);
   } else {
-    const size_t panel = TILE_VECTORS[m_rows] * VEC_FLOATS;
+    const tiles_t *tiles = &TILES[m_rows];
+    const size_t panel = tiles->vectors * VEC_FLOATS;
     const size_t panel_end = n_begin + (vec_end - n_begin) / panel * panel;
-    TILE[m_rows](x, wt, k_len, n_out, out, n_begin, panel_end);
-    if (panel_end < vec_end) TILE_ONE_VECTOR[m_rows](x, wt, k_len, n_out, out, panel_end, vec_end);
+    tiles->wide(x, wt, k_len, n_out, out, n_begin, panel_end);
+    if (panel_end < vec_end) tiles->one_vector(x, wt, k_len, n_out, out, panel_end, vec_end);
   }
   for (size_t n = vec_end; n < n_end; n++)
     for (size_t m = 0; m < m_rows; m++) {
