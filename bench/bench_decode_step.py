@@ -11,18 +11,22 @@ reported as `compile s`) the modes' timed windows of `--steps` engine steps are 
 the best window of each is kept (the machine is shared: best-of is the least disturbed). Reported per step: wall
 milliseconds, CPU milliseconds of this process (`time.process_time`, less sensitive to other load), output tokens/s
 (batch / wall), and aten ops dispatched in one step (a dispatch-mode count: what a GPU would launch, before
-fusion). The ratio column is each mode's tokens/s over eager's in the same run.
+fusion). The ratio column is each mode's tokens/s over eager's in the same run. A mode `<backend>-fp32` loads
+without exact bf16 weight copies (`KDAMESH_COMPACT_WEIGHTS=0`): the small-batch kernel reads the fp32 weights, as
+it did before such copies existed (A/B of the copies on a bf16 checkpoint such as demo-k3).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
 import torch
 
 from bench.common import op_counter, report
+from kernels.cpu.small_gemm import COMPACT_ENV
 
 DEMO = Path(__file__).resolve().parents[1] / "deploy" / "models" / "demo-k3"
 PROMPT_LEN = 64
@@ -39,8 +43,12 @@ def model_dir(name: str) -> Path:
 def open_engine(path: Path, mode: str, batch: int):
     from engine import LLM, SamplingParams
 
-    config = None if mode == "eager" else {"level": 3, "backend": mode, "cudagraph_capture_sizes": [batch]}
-    llm = LLM(str(path), kv_cache_memory="512MiB", max_num_seqs=max(batch, 1), enforce_eager=mode == "eager",
+    backend, _, variant = mode.partition("-")
+    config = None if backend == "eager" else {"level": 3, "backend": backend, "cudagraph_capture_sizes": [batch]}
+    if variant not in ("", "fp32"):
+        raise SystemExit(f"--modes: unknown variant {mode!r} (a backend, or a backend followed by -fp32)")
+    os.environ[COMPACT_ENV] = "0" if variant == "fp32" else "1"  # read as the weights load
+    llm = LLM(str(path), kv_cache_memory="512MiB", max_num_seqs=max(batch, 1), enforce_eager=backend == "eager",
               compilation_config=config)
     params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
     for i in range(batch):

@@ -1,7 +1,9 @@
 """Dense projections `x @ W^T`: oneDNN with prepacked weights on CPU, column-sliced MKL as the fallback.
 
-Contract: `linear(x, weight) -> x @ weight^T` ([..., in] x [out, in] -> [..., out], no bias), equal to
-`torch.nn.functional.linear(x, weight)` within the dtype's rounding (tests/unit/kernels/test_linear.py).
+Contract: `linear(x, weight, compact=None) -> x @ weight^T` ([..., in] x [out, in] -> [..., out], no bias), equal
+to `torch.nn.functional.linear(x, weight)` within the dtype's rounding (tests/unit/kernels/test_linear.py).
+`compact`, where given, is `weight`'s bf16 copy, equal to it value for value (`small_gemm.compact_copy`): the
+small-batch kernel reads it instead, bitwise the same result from half the bytes; every other path reads `weight`.
 
 - First, eager or compiled: kernels/cpu/small_gemm.py where it `runs` (fp32, 1..8 rows, an input-major weight,
   an AVX-512 or AVX2+FMA CPU where its C source built; one row only at two or more threads and a large weight): it
@@ -51,7 +53,9 @@ _packed: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}  # id(weight
 _lock = threading.Lock()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, compact: torch.Tensor | None = None) -> torch.Tensor:
+    if compact is not None and small_gemm.runs(x, compact) and not (torch.is_grad_enabled() and weight.requires_grad):
+        return small_gemm.linear(x, compact)  # the weight's exact bf16 copy: half the bytes
     if small_gemm.runs(x, weight):
         return small_gemm.linear(x, weight)
     if torch.compiler.is_compiling():  # one product: the compiler picks its kernel (and packs frozen weights)

@@ -33,10 +33,15 @@ FUSED_GATE_UP_MAX = 1024
 
 
 class Linear(nn.Linear):
-    """A bias-free `nn.Linear` (same parameter name and layout) whose product runs through `kernels.linear`."""
+    """A bias-free `nn.Linear` (same parameter name and layout) whose product runs through `kernels.linear`;
+    `compact_weight`, where the loader set one, is the weight's exact bf16 copy the small-batch kernel reads."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.compact_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.compact_weight)
 
 
 def _linear(in_features: int, out_features: int, shard_dim: int | None = None) -> nn.Linear:

@@ -99,11 +99,12 @@ class FusedLinear:
         self.width = sum(self.sizes)  # output columns before the padding
         self.group = ParamGroup([(lin, "weight") for part in self.parts for lin in part], dim=0,
                                 pad_multiple=FUSED_ROWS_MULTIPLE)
+        self.compact: torch.Tensor | None = None  # the fused tensor's exact bf16 copy (`attach_compact_weights`)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         weight = self.group.tensor()  # [sum(sizes) + padding, in]
         if weight is not None:
-            out = linear(x, weight)  # [..., width + padding]
+            out = linear(x, weight, self.compact)  # [..., width + padding]
             return list(out[..., : self.width].split(self.sizes, dim=-1))
         return [part[0](x) if len(part) == 1 else torch.cat([lin(x) for lin in part], dim=-1)
                 for part in self.parts]
@@ -184,6 +185,33 @@ def lay_out_for_gemv(model: nn.Module, keep_row_major: tuple[str, ...] = ROW_MAJ
             stacked = getattr(module, attribute)
             if stacked.is_contiguous() and stacked.shape[-2] > 1:
                 stacked.data = stacked.data.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def attach_compact_weights(model: nn.Module) -> int:
+    """Gives each product the small-batch kernel reads (a bound `FusedLinear`'s fused tensor, a `compact_weight`-
+    holding linear outside a bound group, stacked routed experts' `attach_compact`) an exact bf16 copy of its fp32 weight where every value is a bf16 value
+    (`small_gemm.compact_copy`: a bf16 checkpoint upcast to fp32), which the kernel reads instead — bitwise the same
+    products from half the bytes; returns the bytes added. Call once the weights hold their loaded values; a weight
+    written afterwards (rebinding, loading again) must call it again."""
+    added = 0
+    fused_members: set[int] = set()
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, FusedLinear) and (weight := value.group.tensor()) is not None:
+                fused_members.update(id(p) for p in value.group.params)
+                value.compact = small_gemm.compact_copy(weight)
+                added += _nbytes(value.compact)
+    for module in model.modules():
+        if hasattr(module, "compact_weight") and id(module.weight) not in fused_members:
+            module.compact_weight = small_gemm.compact_copy(module.weight)
+            added += _nbytes(module.compact_weight)
+        if callable(getattr(module, "attach_compact", None)):  # stacked routed experts (engine/model/moe.py)
+            added += module.attach_compact()
+    return added
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
 def bind_fused_weights(model: nn.Module) -> None:

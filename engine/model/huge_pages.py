@@ -5,8 +5,9 @@ Contract:
   fused groups' tensors, other tensor attributes of its modules) of at least `MIN_STORAGE_BYTES` into one private
   anonymous mapping advised `MADV_HUGEPAGE`, and re-points every tensor that viewed it (same shape, strides and
   offset, so views stay views of one another and fused groups stay bound); returns the bytes placed. Values are
-  unchanged (copies); nothing placed is ever resized. Call once a model is loaded and before anything keeps a
-  weight's address (compiled steps, prepacked kernels).
+  unchanged (copies); nothing placed is ever resized. Storages already in such a mapping stay where they are, so
+  a second call places only what was added since (the loader's exact bf16 copies, engine/model/fused.py). Call
+  before anything keeps a weight's address (compiled steps, prepacked kernels).
 - Where huge pages cannot be had (not Linux, THP `never`, no `madvise`), or with `KDAMESH_HUGE_PAGES=0` in the
   environment, it places nothing and says so once; the model is untouched.
 
@@ -24,6 +25,7 @@ import logging
 import mmap
 import os
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -36,6 +38,7 @@ MIN_STORAGE_BYTES = 64 << 10  # smaller storages (norms, biases) stay where they
 ALIGN = 64  # each placed storage starts on a cache line
 DISABLE_ENV = "KDAMESH_HUGE_PAGES"
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_ARENAS: set[int] = set()  # storage addresses of the live mappings made here (placed storages)
 
 
 def huge_pages_unavailable() -> str | None:
@@ -63,7 +66,8 @@ def place_on_huge_pages(model: nn.Module) -> int:
         return 0
     by_storage: dict[int, list] = {}  # storage address -> [(tensor, hold)] of every tensor viewing it
     for tensor, hold in _holders(model):
-        if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() >= MIN_STORAGE_BYTES:
+        if (tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() >= MIN_STORAGE_BYTES
+                and tensor.untyped_storage().data_ptr() not in _ARENAS):
             by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append((tensor, hold))
     if not by_storage:
         return 0
@@ -101,7 +105,10 @@ def _huge_page_bytes(nbytes: int) -> torch.Tensor:
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mapping.madvise(mmap.MADV_HUGEPAGE)
     start = -ctypes.addressof(ctypes.c_char.from_buffer(mapping)) % HUGE_PAGE
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
+    arena = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
+    _ARENAS.add(arena.untyped_storage().data_ptr())
+    weakref.finalize(arena.untyped_storage(), _ARENAS.discard, arena.untyped_storage().data_ptr())
+    return arena
 
 
 def _same_view(tensor: torch.Tensor, arena: torch.Tensor, offset: int) -> torch.Tensor:
@@ -114,8 +121,9 @@ def _same_view(tensor: torch.Tensor, arena: torch.Tensor, offset: int) -> torch.
 
 def _holders(model: nn.Module):
     """(tensor, hold) for every tensor the model's modules hold — parameters, buffers, tensor attributes and fused
-    groups' tensors; `hold(new)` makes the holder hold `new` instead (a parameter keeps its identity)."""
-    from engine.model.fused import param_groups
+    groups' tensors and fused products' exact bf16 copies; `hold(new)` makes the holder hold `new` instead (a
+    parameter keeps its identity)."""
+    from engine.model.fused import FusedLinear, param_groups
 
     for module in model.modules():
         for param in module._parameters.values():
@@ -127,6 +135,9 @@ def _holders(model: nn.Module):
         for name, value in vars(module).items():
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                 yield value, lambda new, module=module, name=name: setattr(module, name, new)
+        for value in vars(module).values():  # a fused product's exact bf16 copy (engine/model/fused.py)
+            if isinstance(value, FusedLinear) and value.compact is not None:
+                yield value.compact, lambda new, fused=value: setattr(fused, "compact", new)
     for group in param_groups(model):
         if group._fused is not None:
             yield group._fused, lambda new, group=group: setattr(group, "_fused", new)

@@ -48,7 +48,7 @@ from torch import nn
 from tqdm import tqdm
 
 from engine.model.config import ModelConfig, load_model_config
-from engine.model.fused import bind_fused_weights, lay_out_for_gemv
+from engine.model.fused import attach_compact_weights, bind_fused_weights, lay_out_for_gemv
 from engine.model.huge_pages import place_on_huge_pages
 from engine.model.init import materialize
 from engine.model.model import KimiForCausalLM
@@ -207,6 +207,11 @@ def load_model(model_dir: str | Path, load_config: LoadConfig = LoadConfig(),
                                                                         config.num_hidden_layers)))
         source = _file_source(load_config, files, header, model, owner)
     copy_tensors(model, plan, source, load_config)
+    if load_config.device == "cpu":
+        compact = attach_compact_weights(model)  # exact bf16 copies for the small-batch kernel (bf16 checkpoints)
+        if compact:
+            logger.info("%d MiB of exact bf16 weight copies for one-to-eight-row products", compact >> 20)
+            place_on_huge_pages(model)  # the copies only: what is placed stays
     return model
 
 

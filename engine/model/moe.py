@@ -34,6 +34,8 @@ from engine.parallel.config import ParallelError
 from kernels import get_kernel
 from kernels.moe.grouped import BagLayout, bag_layout_of_fused, bags_fit, moe_experts_bags
 from kernels.casting import fp32
+from kernels.cpu import expert_gemm
+from kernels.cpu.small_gemm import exact_bf16
 from kernels.moe.mxfp4 import GROUP, MXFP4Weight
 from kernels.moe.router import route
 
@@ -67,6 +69,9 @@ class StackedExperts(nn.Module):
             self.gate_up = ParamGroup([(self, "w1"), (self, "w3")], dim=1)  # bound: halves of [E, 2I, D]
             names = ["w1", "w3", "w2"]
             self.gemv_input_major = ("w1", "w3", "w2")  # CPU serving lays these out input-major (fused.py)
+            # exact bf16 copies of the bound gate/up tensor and w2 for the kernel (`attach_compact_weights`)
+            self.compact_gate_up: torch.Tensor | None = None
+            self.compact_w2: torch.Tensor | None = None
         if split_intermediate:
             self.tp_dims = {n: 1 if n.startswith("w2") else 0 for n in names}
 
@@ -106,7 +111,19 @@ class StackedExperts(nn.Module):
         if not torch.compiler.is_compiling() or z.device.type != "cpu" or not bags_fit(ids, self.num_experts, z):
             return None
         gate_up = self.gate_up.tensor()  # [E, 2I, D] while w1 and w3 are its halves
-        return None if gate_up is None else bag_layout_of_fused(gate_up, self.w2)
+        if gate_up is None:
+            return None
+        if self.compact_gate_up is not None and expert_gemm.runs(z, self.compact_gate_up.transpose(1, 2)):
+            return bag_layout_of_fused(self.compact_gate_up, self.compact_w2)  # the kernel reads half the bytes
+        return bag_layout_of_fused(gate_up, self.w2)
+
+    def attach_compact(self) -> int:
+        """Exact bf16 copies of the bound gate/up tensor and w2 where both are bf16 values (see
+        `engine.model.fused.attach_compact_weights`); returns the bytes added."""
+        gate_up = None if self.packed else self.gate_up.tensor()
+        pair = (None, None) if gate_up is None else (exact_bf16(gate_up), exact_bf16(self.w2))
+        self.compact_gate_up, self.compact_w2 = pair if None not in pair else (None, None)
+        return 0 if self.compact_gate_up is None else 2 * (gate_up.numel() + self.w2.numel())
 
 
 class MoEGate(nn.Module):

@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 
 from engine.compilation import CompilationConfig
 from engine.model.config import ConfigError
-from engine.model.fused import lay_out_for_gemv
+from engine.model.fused import attach_compact_weights, lay_out_for_gemv
 from engine.model.init import sample_tensor
 from engine.model.loader import CheckpointError, checkpoint_files
 from engine.spec.draft_cache import QUEUE_ROWS, SlotDrafter, SlotRows
@@ -238,6 +238,7 @@ def load_dspark(folder: str | Path, target) -> DSparkModel:
     model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
     if torch.device(target.device).type == "cpu":
         lay_out_for_gemv(model)  # as the loader lays out a CPU target: input-major where one-row products stream
+        attach_compact_weights(model)  # and exact bf16 copies where the checkpoint is bf16
     return model
 
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from engine.model.common import GatedMLP, RMSNorm, _linear, gated_activation
 from engine.model.config import LayerSpec, ModelConfig
-from engine.model.fused import bind_fused_weights, lay_out_for_gemv
+from engine.model.fused import attach_compact_weights, bind_fused_weights, lay_out_for_gemv
 from engine.model.init import materialize, sample_tensor
 from engine.model.loader import (FP32_PARAM_SUFFIXES, LoadConfig, checkpoint_files, checkpoint_layout, copy_tensors,
                                  official_tensors, read_header, validate)
@@ -162,6 +162,8 @@ def load_mtp_layers(target, target_dir: str | Path, gemv_layout: bool | None = N
         mine = {n: v for n, v in header.items() if n.startswith(prefix) and not n.endswith(UNUSED_SUFFIXES)}
         plan = validate(mine, checkpoint_layout(layer), layer.config)
         copy_tensors(layer, plan, SafetensorsSource(mine), LoadConfig(progress=False))
+        if gemv_layout is not False and torch.device(target.device).type == "cpu":
+            attach_compact_weights(layer)  # exact bf16 copies for the small-batch kernel, as the loader's
     logger.info("loaded %d MTP layer(s) from %s", len(layers), target_dir)
     return layers
 

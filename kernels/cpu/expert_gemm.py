@@ -2,8 +2,9 @@
 
 Contract:
 - `runs(x, experts)`: whether `products`/`products_sum` can take a batch — the kernel `available` (built, see
-  kernels/cpu/small_gemm.py), fp32 CPU tensors, experts `[E, K, N]` contiguous (each expert input-major: the
-  layout `bag_layout` views decode's experts in, kernels/moe/grouped.py), no autograd.
+  kernels/cpu/small_gemm.py), fp32 CPU inputs, experts `[E, K, N]` contiguous (each expert input-major: the
+  layout `bag_layout` views decode's experts in, kernels/moe/grouped.py) in fp32 or bf16 (an exact bf16 copy,
+  widened as the kernel loads it: `StackedExperts.compact_*`, engine/model/moe.py), no autograd.
 - `products(x, experts, ids)`: x [T, K], ids [T, c] int64 in [0, E) -> [T, c, N], (t, j) = x[t] @ experts[ids[t, j]].
 - `products_sum(h, experts, ids)`: h [T, c, K] -> [T, N], t = Σ_j h[t, j] @ experts[ids[t, j]] (choices added in
   order). Both equal the embedding-bag form within fp32 rounding, and a token's result does not depend on the
@@ -25,7 +26,7 @@ from kernels.cpu import small_gemm
 
 def runs(x: torch.Tensor, experts: torch.Tensor) -> bool:
     """Whether the kernel takes this batch (see the module docstring)."""
-    if not (x.device.type == "cpu" and x.dtype == torch.float32 and experts.dtype == torch.float32
+    if not (x.device.type == "cpu" and x.dtype == torch.float32 and experts.dtype in small_gemm.WEIGHT_DTYPES
             and experts.dim() == 3 and experts.is_contiguous()):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or experts.requires_grad):

@@ -61,6 +61,8 @@ MAX_ROWS = 8
 MIN_WEIGHT_ELEMS = 1 << 15  # smaller weights stay on MKL (demo-k3's [1, 64] x [64, 256], 2^14: 10.5 vs 6.9 us)
 MIN_MULTI_ROW_ELEMS = 1 << 16  # 2..8 rows: smaller weights stay on MKL (demo-k3's 2^15 ones tie it at 4 and 8 rows)
 DISABLE_ENV = "KDAMESH_SMALL_GEMM"
+COMPACT_ENV = "KDAMESH_COMPACT_WEIGHTS"  # "0": no bf16 copies (`compact_copy`), every product reads the fp32 weight
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)  # bf16 weights are widened exactly to fp32 as the kernel loads them
 
 
 @cache
@@ -123,7 +125,7 @@ def input_major(weight: torch.Tensor) -> bool:
 def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` takes this kernel (see the module docstring)."""
     if not (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dim() == 2 and input_major(weight)
-            and takes(weight.shape[0], weight.shape[1], weight.dtype, weight.device.type)
+            and weight.dtype in WEIGHT_DTYPES and weight.device.type == "cpu" and weight.numel() >= MIN_WEIGHT_ELEMS
             and x.shape[-1] == weight.shape[1]):
         return False
     rows = x.numel() // weight.shape[1]
@@ -144,6 +146,27 @@ _LIBRARY.define("kda_decode_(Tensor(a!) pool, Tensor idx, Tensor q, Tensor k, Te
                 "float scale) -> Tensor")  # kernels/kda/cpu_step.py
 _LIBRARY.define("kda_verify_(Tensor(a!) pool, Tensor in_idx, Tensor out_slots, Tensor q, Tensor k, Tensor v, "
                 "Tensor g, Tensor beta, float scale) -> Tensor")
+
+
+def compact_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """An input-major bf16 copy of an fp32 weight the kernel takes, where every value is exactly a bf16 value (a
+    bf16 checkpoint upcast to fp32): the kernel widens it back as it loads, so products with the copy are bitwise
+    those with the weight, from half the bytes. None where the weight is not such a weight or the kernel is not
+    available, or with `KDAMESH_COMPACT_WEIGHTS=0` in the environment."""
+    if not (weight.dim() == 2 and input_major(weight)
+            and takes(weight.shape[0], weight.shape[1], weight.dtype, weight.device.type)):
+        return None
+    return exact_bf16(weight)
+
+
+def exact_bf16(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 copy of an fp32 CPU tensor with its shape and strides, where every value is exactly a bf16 value and
+    the kernel is available (and `KDAMESH_COMPACT_WEIGHTS` is not "0"), else None (see `compact_copy`)."""
+    if (os.environ.get(COMPACT_ENV, "1") == "0" or tensor.dtype != torch.float32 or tensor.device.type != "cpu"
+            or not available()):
+        return None
+    copy = torch.empty_strided(tensor.shape, tensor.stride(), dtype=torch.bfloat16).copy_(tensor.detach())
+    return copy if torch.equal(copy.float(), tensor) else None
 
 
 @torch.library.register_fake("kdamesh_cpu::small_gemm")

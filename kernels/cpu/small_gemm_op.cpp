@@ -2,9 +2,9 @@
 // the schemas and check dtypes, layouts and shapes; this file checks again whatever would make the kernel read out
 // of bounds.
 // - `kdamesh_cpu::small_gemm(Tensor x, Tensor w) -> Tensor`: x [rows, in] fp32 (made contiguous), w [out, in] fp32
-//   stored input-major (`w.t()` contiguous) -> [rows, out], 1..8 rows.
+//   or bf16 (widened exactly in the kernel) stored input-major (`w.t()` contiguous) -> [rows, out], 1..8 rows.
 // - `kdamesh_cpu::expert_gemm(Tensor x, Tensor w, Tensor ids) -> Tensor`: x [T, K], w [E, K, N] (each expert
-//   input-major), ids [T, c] int64 in [0, E) -> [T, c, N], row (t, j) = x[t] @ w[ids[t, j]].
+//   input-major; fp32 or bf16), ids [T, c] int64 in [0, E) -> [T, c, N], row (t, j) = x[t] @ w[ids[t, j]].
 // - `kdamesh_cpu::expert_gemm_sum(Tensor h, Tensor w, Tensor ids) -> Tensor`: h [T, c, K], w [E, K, N], ids [T, c]
 //   -> [T, N], row t = sum over j of h[t, j] @ w[ids[t, j]], the choices added in order j = 0, 1, ...
 // - `kdamesh_cpu::kda_decode_(Tensor(a!) pool, Tensor idx, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta,
@@ -28,31 +28,57 @@
 static constexpr int64_t kMinShareFloats = 1 << 17;  // 512 KB of weight per thread's share, at least
 static constexpr int64_t kColumnUnit = 16;           // threads split the outputs in 64-byte runs of a row of out
 
+// The kernel for the weight's element type (small_gemm.c): fp32, or bf16 widened exactly as it is loaded.
+static inline void product(const float *x, size_t m, const float *wt, size_t n_out, size_t k_len, float *out,
+                           size_t n_begin, size_t n_end) {
+  small_gemm_f32(x, m, wt, n_out, k_len, out, n_begin, n_end);
+}
+static inline void product(const float *x, size_t m, const uint16_t *wt, size_t n_out, size_t k_len, float *out,
+                           size_t n_begin, size_t n_end) {
+  small_gemm_bf16(x, m, wt, n_out, k_len, out, n_begin, n_end);
+}
+
+static bool is_weight_type(const at::Tensor &w) {
+  return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16;
+}
+
+// Calls fn with the weight's data as `const float *` or `const uint16_t *` (bf16's bits).
+template <typename Fn>
+static void with_weight_data(const at::Tensor &w, Fn fn) {
+  if (w.scalar_type() == at::kBFloat16)
+    fn(reinterpret_cast<const uint16_t *>(w.data_ptr<at::BFloat16>()));
+  else
+    fn(w.data_ptr<float>());
+}
+
 static at::Tensor small_gemm_cpu(const at::Tensor &x, const at::Tensor &w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_gemm: shapes ", x.sizes(), " x ",
               w.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.t().is_contiguous(),
-              "small_gemm: fp32 and an input-major weight (w.t() contiguous), got strides ", w.strides());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && is_weight_type(w) && w.t().is_contiguous(),
+              "small_gemm: fp32 x, an fp32 or bf16 input-major weight (w.t() contiguous), got ", w.scalar_type(),
+              " strides ", w.strides());
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "small_gemm: 1..8 rows, got ", x.size(0));
   at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({xc.size(0), w.size(0)}, xc.options());
-  const float *x_data = xc.data_ptr<float>(), *wt_data = w.data_ptr<float>();
+  const float *x_data = xc.data_ptr<float>();
   float *out_data = out.data_ptr<float>();
   const int64_t rows = xc.size(0), n_out = w.size(0), k_len = w.size(1);
   // Output columns split over torch's threads in kColumnUnit runs, each share at least kMinShareFloats of weight,
   // so a small product runs on the calling thread alone (a fork costs more than it saves).
   const int64_t units = (n_out + kColumnUnit - 1) / kColumnUnit;
   const int64_t grain = std::max<int64_t>(1, kMinShareFloats / (kColumnUnit * std::max<int64_t>(k_len, 1)));
-  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
-    small_gemm(x_data, rows, wt_data, n_out, k_len, out_data, begin * kColumnUnit,
-               std::min(end * kColumnUnit, n_out));
+  with_weight_data(w, [&](const auto *wt_data) {
+    at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+      product(x_data, rows, wt_data, n_out, k_len, out_data, begin * kColumnUnit, std::min(end * kColumnUnit, n_out));
+    });
   });
   return out;
 }
 
 static void check_experts(const at::Tensor &x, const at::Tensor &w, const at::Tensor &ids, int64_t rows) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.dim() == 3 && w.is_contiguous(),
-              "expert_gemm: fp32 and contiguous experts [E, K, N], got ", w.sizes(), " strides ", w.strides());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && is_weight_type(w) && w.dim() == 3 && w.is_contiguous(),
+              "expert_gemm: fp32 x and contiguous fp32 or bf16 experts [E, K, N], got ", w.scalar_type(), " ",
+              w.sizes(), " strides ", w.strides());
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 2 && ids.size(0) == rows, "expert_gemm: ids [T, c] ",
               "int64 for ", rows, " rows, got ", ids.sizes());
   const at::Tensor idc = ids.contiguous();
@@ -81,8 +107,8 @@ static std::vector<std::vector<int64_t>> expert_groups(const int64_t *ids, int64
 // rows_of(a) -> the input row of assignment a; writes assignment a's product to products + a * n_out. Groups split
 // over threads, a share at least kMinShareFloats of weight. A row's result is the same sequence of multiply-adds
 // whatever its group (small_gemm.c), so grouping never changes a value.
-template <typename RowOf>
-static void grouped_products(const float *w_data, const int64_t *ids, int64_t n_assign, int64_t k_len,
+template <typename WT, typename RowOf>
+static void grouped_products(const WT *w_data, const int64_t *ids, int64_t n_assign, int64_t k_len,
                              int64_t n_out, RowOf rows_of, float *products) {
   const auto groups = expert_groups(ids, n_assign);
   const int64_t grain = std::max<int64_t>(1, kMinShareFloats / std::max<int64_t>(k_len * n_out, 1));
@@ -92,7 +118,7 @@ static void grouped_products(const float *w_data, const int64_t *ids, int64_t n_
       const auto &group = groups[g];
       const int64_t m = group.size();
       for (int64_t r = 0; r < m; r++) std::copy_n(rows_of(group[r]), k_len, x_rows.data() + r * k_len);
-      small_gemm(x_rows.data(), m, w_data + ids[group[0]] * k_len * n_out, n_out, k_len, out_rows.data(), 0,
+      product(x_rows.data(), m, w_data + ids[group[0]] * k_len * n_out, n_out, k_len, out_rows.data(), 0,
                  n_out);
       for (int64_t r = 0; r < m; r++) std::copy_n(out_rows.data() + r * n_out, n_out, products + group[r] * n_out);
     }
@@ -107,8 +133,10 @@ static at::Tensor expert_gemm_cpu(const at::Tensor &x, const at::Tensor &w, cons
   const int64_t rows = xc.size(0), choices = idc.size(1), k_len = w.size(1), n_out = w.size(2);
   at::Tensor out = at::empty({rows, choices, n_out}, xc.options());
   const float *x_data = xc.data_ptr<float>();
-  grouped_products(w.data_ptr<float>(), idc.data_ptr<int64_t>(), rows * choices, k_len, n_out,
-                   [&](int64_t a) { return x_data + (a / choices) * k_len; }, out.data_ptr<float>());
+  with_weight_data(w, [&](const auto *w_data) {
+    grouped_products(w_data, idc.data_ptr<int64_t>(), rows * choices, k_len, n_out,
+                     [&](int64_t a) { return x_data + (a / choices) * k_len; }, out.data_ptr<float>());
+  });
   return out;
 }
 
@@ -121,8 +149,10 @@ static at::Tensor expert_gemm_sum_cpu(const at::Tensor &h, const at::Tensor &w, 
   at::Tensor products = at::empty({rows, choices, n_out}, hc.options());
   const float *h_data = hc.data_ptr<float>();
   float *p_data = products.data_ptr<float>();
-  grouped_products(w.data_ptr<float>(), idc.data_ptr<int64_t>(), rows * choices, k_len, n_out,
-                   [&](int64_t a) { return h_data + a * k_len; }, p_data);
+  with_weight_data(w, [&](const auto *w_data) {
+    grouped_products(w_data, idc.data_ptr<int64_t>(), rows * choices, k_len, n_out,
+                     [&](int64_t a) { return h_data + a * k_len; }, p_data);
+  });
   at::Tensor out = at::empty({rows, n_out}, hc.options());
   float *out_data = out.data_ptr<float>();
   for (int64_t t = 0; t < rows; t++) {  // a token's choices added in order j = 0, 1, ...

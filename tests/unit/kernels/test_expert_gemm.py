@@ -75,3 +75,18 @@ def test_a_compiled_graph_calls_the_operators_without_a_break():
     got, calls = compiled_calls(step, x, ids)
     torch.testing.assert_close(got, step(x, ids))
     assert {"kdamesh_cpu.expert_gemm", "kdamesh_cpu.expert_gemm_sum"} <= calls, calls
+
+
+def test_exact_bf16_experts_give_the_fp32_experts_bits():
+    if not kernel_here():
+        return
+    from kernels.cpu.small_gemm import exact_bf16
+
+    x, experts, ids = _experts(5, 2, 8, 256, 128, seed=11)
+    experts = experts.bfloat16().float()  # a bf16 checkpoint's experts, upcast
+    compact = exact_bf16(experts)
+    assert compact is not None and compact.dtype == torch.bfloat16 and expert_gemm.runs(x, compact)
+    assert torch.equal(expert_gemm.products(x, compact, ids), expert_gemm.products(x, experts, ids))
+    h = torch.randn(5, 2, 256, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(expert_gemm.products_sum(h, compact, ids), expert_gemm.products_sum(h, experts, ids))
+    assert exact_bf16(experts + 2.0 ** -20) is None  # negative control: values off the bf16 grid get no copy

@@ -169,3 +169,42 @@ def test_threads_split_the_outputs_and_change_no_bit():
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(alone, F.linear(x, weight), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 8])
+@pytest.mark.parametrize("out_features,in_features", [(512, 768), (515, 521), (1110, 256), (4099, 64)])
+def test_an_exact_bf16_copy_gives_the_fp32_weights_bits(rows, out_features, in_features):
+    """A weight whose values are bf16 values (a bf16 checkpoint upcast) and its bf16 copy give bitwise the same
+    products, streamed or tiled, whole or split over threads; a weight that is not gets no copy."""
+    if not kernel_here():
+        return
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    weight = input_major(torch.randn(out_features, in_features, generator=gen).bfloat16().float())
+    x = torch.randn(rows, in_features, generator=gen)
+    compact = small_gemm.compact_copy(weight)
+    assert compact is not None and compact.dtype == torch.bfloat16 and small_gemm.input_major(compact)
+    assert torch.equal(small_gemm.linear(x, compact), small_gemm.linear(x, weight))
+    assert torch.equal(linear(x, weight, compact), small_gemm.linear(x, weight))
+    changed = compact.clone()
+    changed[0, 0] = changed[0, 0] * 2 + 1  # negative control: the copy is what the kernel reads
+    assert not torch.equal(linear(x, weight, changed), linear(x, weight))
+    inexact = weight.clone()
+    inexact[-1, -1] += 2.0 ** -20  # one value off the bf16 grid: no copy
+    assert small_gemm.compact_copy(inexact) is None
+
+
+def test_a_copy_is_not_used_where_the_weight_learns_or_the_switch_is_off(monkeypatch):
+    if not kernel_here():
+        return
+    weight = input_major(torch.randn(512, 512).bfloat16().float())
+    compact = small_gemm.compact_copy(weight)
+    changed = compact.clone()
+    changed[0, 0] += 1.0
+    x = torch.randn(2, 512)
+    with torch.enable_grad():  # a weight that learns: its gradient must flow, so the fp32 weight is multiplied
+        learning = weight.clone().requires_grad_()
+        out = linear(x, learning, changed)
+        torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4, rtol=1e-5)
+        assert out.requires_grad
+    monkeypatch.setenv(small_gemm.COMPACT_ENV, "0")
+    assert small_gemm.compact_copy(weight) is None
