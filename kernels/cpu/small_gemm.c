@@ -66,9 +66,9 @@ static inline float bf16_to_float(uint16_t bits) {
  * MM x P vectors, K_ROWS weight rows per pass (the tile loaded and stored once a pass; see the file's comment).
  * AMD EPYC (AVX2), one thread, cold weights, against the eight-row axpys it replaced: [5, 256] x [256, 8192]
  * 1.02 ms vs 1.59, [1, 256] x [256, 1104] 90 us vs 126 (streamed), [4, 768] x [768, 4880] 1.31 ms vs 1.79. */
-#define TILE_KERNEL(W, MM, P, K_ROWS)                                                                                \
-  static void tile_##W##_##MM##_##P(const float *__restrict x, const weight_##W *__restrict wt, size_t k_len,        \
-                                    size_t n_out, float *__restrict out, size_t n0, size_t n1) {                     \
+#define TILE_KERNEL(NAME, W, MM, P, K_ROWS)                                                                           \
+  static void NAME(const float *__restrict x, const weight_##W *__restrict wt, size_t k_len, size_t n_out,           \
+                   float *__restrict out, size_t n0, size_t n1) {                                                    \
     for (size_t kb = 0; kb < k_len; kb += K_ROWS) {                                                                  \
       const size_t ke = kb + K_ROWS < k_len ? kb + K_ROWS : k_len;                                                   \
       for (size_t j = n0; j < n1; j += P * VEC_FLOATS) {                                                             \
@@ -89,24 +89,56 @@ static inline float bf16_to_float(uint16_t bits) {
       }                                                                                                              \
     }                                                                                                                \
   }
-/* P per row count: MM x P accumulators + P weight vectors + a broadcast within AVX2's 16 registers. Eight weight
- * rows a pass; sixteen for the one-vector tiles of 7 and 8 rows, which hold fewer chains per weight load
- * ([8, 256] x [256, 8192] 1.71 ms at sixteen against 1.92 at eight and 2.36 in axpys). */
+/* The wide tile's width in vectors (WIDE_P_MM) per row count, its weight rows a pass (WIDE_K: eight, sixteen for
+ * one-vector tiles) and the most rows a streamed product has (STREAM_MAX_ROWS).
+ * - AVX2 (16 registers): MM x P accumulators + P weight vectors + a broadcast within 16; sixteen weight rows a pass
+ *   for the one-vector tiles of 7 and 8 rows, which hold fewer chains per weight load ([8, 256] x [256, 8192]
+ *   1.71 ms at sixteen against 1.92 at eight and 2.36 in axpys); narrow products of 2-8 rows stream.
+ * - AVX-512 (32 registers; AMD EPYC Zen 4, one thread, wave 3 session 15): four vectors up to 6 rows, three at 7-8
+ *   (24 accumulators), and only one-row products stream: a multi-row stream loads and stores its outputs for every
+ *   multiply-add, and with weights in cache that bound it ([5, 256] x [256, 512] bf16 41 us streamed vs 15 tiled,
+ *   [5, 768] x [768, 256] 44 vs 22); the LM head [8, 256] x [256, 8192] 641 -> 536 us. demo-k3's 5-row
+ *   verification step 4.33 -> 3.60 ms. Thirty-two weight rows a pass ran faster with weights in cache but up to
+ *   2x slower from memory (the prefetcher loses 32 interleaved rows), so eight. */
+#if defined(__AVX512F__)
+#define WIDE_P_1 4
+#define WIDE_P_2 4
+#define WIDE_P_3 4
+#define WIDE_P_4 4
+#define WIDE_P_5 4
+#define WIDE_P_6 4
+#define WIDE_P_7 3
+#define WIDE_P_8 3
+#define STREAM_MAX_ROWS 1
+#else
+#define WIDE_P_1 4
+#define WIDE_P_2 4
+#define WIDE_P_3 3
+#define WIDE_P_4 2
+#define WIDE_P_5 2
+#define WIDE_P_6 2
+#define WIDE_P_7 1
+#define WIDE_P_8 1
+#define STREAM_MAX_ROWS 8
+#endif
+#define WIDE_K(MM) (WIDE_P_##MM == 1 ? 16 : 8)
 #define TILE_KERNELS(W)                                                                                              \
-  TILE_KERNEL(W, 1, 4, 8)                                                                                            \
-  TILE_KERNEL(W, 2, 4, 8)                                                                                            \
-  TILE_KERNEL(W, 3, 3, 8)                                                                                            \
-  TILE_KERNEL(W, 4, 2, 8)                                                                                            \
-  TILE_KERNEL(W, 5, 2, 8)                                                                                            \
-  TILE_KERNEL(W, 6, 2, 8)                                                                                            \
-  TILE_KERNEL(W, 7, 1, 16)                                                                                           \
-  TILE_KERNEL(W, 8, 1, 16)                                                                                           \
-  TILE_KERNEL(W, 1, 1, 8)                                                                                            \
-  TILE_KERNEL(W, 2, 1, 8)                                                                                            \
-  TILE_KERNEL(W, 3, 1, 8)                                                                                            \
-  TILE_KERNEL(W, 4, 1, 8)                                                                                            \
-  TILE_KERNEL(W, 5, 1, 8)                                                                                            \
-  TILE_KERNEL(W, 6, 1, 8)
+  TILE_KERNEL(wide_##W##_1, W, 1, WIDE_P_1, WIDE_K(1))                                                               \
+  TILE_KERNEL(wide_##W##_2, W, 2, WIDE_P_2, WIDE_K(2))                                                               \
+  TILE_KERNEL(wide_##W##_3, W, 3, WIDE_P_3, WIDE_K(3))                                                               \
+  TILE_KERNEL(wide_##W##_4, W, 4, WIDE_P_4, WIDE_K(4))                                                               \
+  TILE_KERNEL(wide_##W##_5, W, 5, WIDE_P_5, WIDE_K(5))                                                               \
+  TILE_KERNEL(wide_##W##_6, W, 6, WIDE_P_6, WIDE_K(6))                                                               \
+  TILE_KERNEL(wide_##W##_7, W, 7, WIDE_P_7, WIDE_K(7))                                                               \
+  TILE_KERNEL(wide_##W##_8, W, 8, WIDE_P_8, WIDE_K(8))                                                               \
+  TILE_KERNEL(one_vector_##W##_1, W, 1, 1, 8)                                                                        \
+  TILE_KERNEL(one_vector_##W##_2, W, 2, 1, 8)                                                                        \
+  TILE_KERNEL(one_vector_##W##_3, W, 3, 1, 8)                                                                        \
+  TILE_KERNEL(one_vector_##W##_4, W, 4, 1, 8)                                                                        \
+  TILE_KERNEL(one_vector_##W##_5, W, 5, 1, 8)                                                                        \
+  TILE_KERNEL(one_vector_##W##_6, W, 6, 1, 8)                                                                        \
+  TILE_KERNEL(one_vector_##W##_7, W, 7, 1, 16)                                                                       \
+  TILE_KERNEL(one_vector_##W##_8, W, 8, 1, 16)
 
 #define STREAM_MAX_FLOATS 4096 /* rows x outputs of a streamed product: its outputs stay in L1 */
 #define STREAM_ROW_PAD 16      /* floats between rows of a multi-row stream's outputs (see stream_MM) */
@@ -163,10 +195,10 @@ static inline float bf16_to_float(uint16_t bits) {
                                             stream_##W##_5, stream_##W##_6, stream_##W##_7, stream_##W##_8};    \
   static const tiles_##W TILES_##W[9] = {                                                                        \
       {0, 0, 0},                                                                                                 \
-      {tile_##W##_1_4, 4, tile_##W##_1_1}, {tile_##W##_2_4, 4, tile_##W##_2_1},                                  \
-      {tile_##W##_3_3, 3, tile_##W##_3_1}, {tile_##W##_4_2, 2, tile_##W##_4_1},                                  \
-      {tile_##W##_5_2, 2, tile_##W##_5_1}, {tile_##W##_6_2, 2, tile_##W##_6_1},                                  \
-      {tile_##W##_7_1, 1, tile_##W##_7_1}, {tile_##W##_8_1, 1, tile_##W##_8_1}};
+      {wide_##W##_1, WIDE_P_1, one_vector_##W##_1}, {wide_##W##_2, WIDE_P_2, one_vector_##W##_2},                \
+      {wide_##W##_3, WIDE_P_3, one_vector_##W##_3}, {wide_##W##_4, WIDE_P_4, one_vector_##W##_4},                \
+      {wide_##W##_5, WIDE_P_5, one_vector_##W##_5}, {wide_##W##_6, WIDE_P_6, one_vector_##W##_6},                \
+      {wide_##W##_7, WIDE_P_7, one_vector_##W##_7}, {wide_##W##_8, WIDE_P_8, one_vector_##W##_8}};
 
 /* Output columns [n_begin, n_end) of out [m_rows, n_out] = x [m_rows, k_len] @ wt [k_len, n_out], 1 <= m_rows <= 8;
  * n_begin a multiple of VEC_FLOATS. Whole rows of narrow outputs stream the weight (stream_MM), else register
@@ -176,7 +208,7 @@ static inline float bf16_to_float(uint16_t bits) {
   void small_gemm_##W(const float *x, size_t m_rows, const weight_##W *wt, size_t n_out, size_t k_len,           \
                       float *out, size_t n_begin, size_t n_end) {                                                \
     const size_t vec_end = n_begin + (n_end - n_begin) / VEC_FLOATS * VEC_FLOATS;                                \
-    if (n_begin == 0 && n_end == n_out && m_rows * n_out <= STREAM_MAX_FLOATS &&                                 \
+    if (n_begin == 0 && n_end == n_out && m_rows <= STREAM_MAX_ROWS && m_rows * n_out <= STREAM_MAX_FLOATS &&     \
         n_out < STREAM_MIN_TILED_COLUMNS) {                                                                      \
       STREAM_##W[m_rows](x, wt, k_len, n_out, out, 0, vec_end);                                                  \
     } else {                                                                                                     \
