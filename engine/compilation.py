@@ -21,9 +21,9 @@ Contract:
   - `inductor_compile_config` (vLLM's name; a JSON object of `torch._inductor.config` options, default `{}`):
     passed to `torch.compile(options=...)` over the defaults `inductor_options` gives — on CPU `cpp_wrapper: true`
     (the generated step calls its kernels from C++, not from a Python wrapper: demo-k3's step 6.0 -> 4.4 CPU ms),
-    `freezing: true` (the weights are the graph's constants instead of inputs to every call: 4.4 -> 4.1 ms on
-    demo-k3, 13.5 -> 12.5 on small-linear; a weight changed after the build is not seen — kdamesh changes no
-    weights at run time) and `cpp.weight_prepack: false`.
+    `freezing: true` (the weights are the graph's constants instead of inputs to every call — set while Dynamo
+    traces as well, `compiled_with_options`, or it freezes nothing: demo-k3's batch-1 step 1.51 -> 1.40 ms; a weight
+    changed after the build is not seen — kdamesh changes no weights at run time) and `cpp.weight_prepack: false`.
     Keys are checked against torch's inductor config when the graphs are built (`DecodeGraphs`): an unknown key
     raises `EngineConfigError` naming it.
 - `EngineArgs.enforce_eager` overrides all of it: no compilation, no capture (a test can tell by
@@ -126,6 +126,26 @@ def checked_inductor_options(config: CompilationConfig, device_type: str) -> dic
     if unknown:
         raise EngineConfigError(f"compilation_config.inductor_compile_config: unknown inductor option {unknown[0]!r}")
     return options
+
+
+def compiled_with_options(fn, backend: str, options: dict | None, **compile_kwargs):
+    """`torch.compile(fn, backend=..., options=options, ...)` whose calls run with inductor's `freezing` option
+    set while Dynamo traces too: Dynamo decides at trace time whether a module's parameters become graph attributes,
+    which inductor can freeze into constants, from the global `torch._inductor.config.freezing`, and
+    `options` reach only inductor's own compile — so `freezing: true` alone froze nothing, and every weight stayed an
+    input of every call (demo-k3's step: 189 tensors handed over per call; frozen, its batch-1 step 1.51 -> 1.40 ms,
+    wave 3 session 15). (Imports torch: called when graphs are built.)"""
+    import torch
+    import torch._inductor.config
+
+    compiled = torch.compile(fn, backend=backend, options=options, **compile_kwargs)
+    freezing = bool((options or {}).get("freezing", False))
+
+    def call(*args, **kwargs):
+        with torch._inductor.config.patch(freezing=freezing):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def _is_int(value) -> bool:

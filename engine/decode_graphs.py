@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.compilation import CompilationConfig, checked_inductor_options
+from engine.compilation import CompilationConfig, checked_inductor_options, compiled_with_options
 from engine.model.batch import CacheTensors, ForwardBatch
 from engine.model.model import KimiForCausalLM
 from engine.guard_skipping import GuardSkipping
@@ -152,7 +152,7 @@ class DecodeGraphs:
 
     def _compiled_forward(self):
         options = checked_inductor_options(self.config, self.device.type) if self.config.backend == "inductor" else None
-        return torch.compile(self._own_forward(), dynamic=False, backend=self.config.backend, options=options)
+        return compiled_with_options(self._own_forward(), self.config.backend, options, dynamic=False)
 
     def _own_forward(self):
         """`_forward` bound to this instance over a copy of its code object: Dynamo caches graphs (and counts its

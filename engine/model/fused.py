@@ -22,6 +22,10 @@ Contract:
   stacked `[E, out, in]` weights a module names in its `gemv_input_major` attribute (the routed experts: the decode
   MoE then reads a chosen expert's rows in place, kernels/moe/grouped.py `moe_experts_bagged`); a group of such
   members binds into an input-major fused tensor, so its members stay views of it.
+- `attach_compact_weights(model)`: once the weights hold their values, each product the small-batch kernel reads
+  (a bound `FusedLinear`, a `Linear` outside one, stacked routed experts) gets an exact bf16 copy of its fp32 weight
+  where every value is a bf16 value (a bf16 checkpoint on CPU), which the kernel reads instead: bitwise the same
+  products from half the bytes (kernels/cpu/small_gemm.py `compact_copy`); an fp32 checkpoint gets none.
 - `bind_fused_weights(model)` binds every `ParamGroup` / `FusedLinear` reachable as a module attribute. The loader
   calls it once the parameters have their final device and dtype, before any weights are read.
 """

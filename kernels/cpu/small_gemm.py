@@ -2,8 +2,8 @@
 
 Contract:
 - `runs(x, weight)`: whether `linear(x, weight)` can take this kernel — a CPU with AVX-512F, or AVX2 and FMA,
-  where the C source (kernels/cpu/small_gemm.c) built, fp32 `x` with 1..`MAX_ROWS` rows, a 2-D fp32 weight
-  `[out, in]` stored input-major (`weight.t()` contiguous: the layout the loader gives decode's weights, see
+  where the C source (kernels/cpu/small_gemm.c) built, fp32 `x` with 1..`MAX_ROWS` rows, a 2-D fp32 or bf16 weight
+  (bf16: widened exactly to fp32 as the kernel loads it) `[out, in]` stored input-major (`weight.t()` contiguous: the layout the loader gives decode's weights, see
   `lay_out_for_gemv` in engine/model/fused.py) that it `takes` (fp32 on CPU, at least `MIN_WEIGHT_ELEMS`
   elements), no autograd; one row always, 2..8 rows for a weight of at least `MIN_MULTI_ROW_ELEMS` (smaller ones
   MKL runs as fast). `takes` is also what the loader asks to store such weights input-major. The output columns
@@ -13,6 +13,10 @@ Contract:
   rounding. A row's result does not depend on how many rows share the call (bitwise: each output is the same
   sequence of fused multiply-adds, in input order). It calls the operator `torch.ops.kdamesh_cpu.small_gemm`,
   eagerly and from a compiled step alike (opaque to inductor, shape-checked by its fake).
+- `compact_copy(weight)` / `exact_bf16(tensor)`: a bf16 copy of an fp32 weight whose every value is a bf16 value
+  (a bf16 checkpoint upcast), else None; the kernel's products with the copy are bitwise those with the weight, from
+  half the bytes (engine/model/fused.py `attach_compact_weights` gives them to the model's products at load;
+  `KDAMESH_COMPACT_WEIGHTS=0`: none).
 - `available()`: built and loaded, once per process. kernels/cpu/small_gemm_op.cpp (which includes the C kernels
   and registers `torch.ops.kdamesh_cpu.small_gemm`, the routed experts' operators of kernels/cpu/expert_gemm.py and
   the KDA decode step of kernels/kda/cpu_step.py, kernels/cpu/kda_step.c)
