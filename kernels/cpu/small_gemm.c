@@ -3,12 +3,15 @@
  * wt is the weight input-major, [k_len, n_out] contiguous (a linear's `weight.t()`), x [m, k_len] and
  * out [m, n_out] contiguous. The weight is fp32 (small_gemm_f32) or bf16 (small_gemm_bf16): a bf16 weight is
  * widened to fp32 as it is loaded, exactly (its 16 bits become the float's high half), so the bf16 form of a weight
- * whose values are bf16 gives bitwise the fp32 form's result while reading half the bytes. Two orders, both reading the weight once for all m rows:
- * - tile_MM_P (wide outputs): a tile of MM rows x P vectors of outputs held in registers while eight weight rows
- *   (sixteen for 7-8 rows) go through it (each weight vector loaded once, multiplied into every row), then stored;
- *   the next rows add to it. The MM x P multiply-adds of a weight row are independent chains, so the FMA latency
- *   is hidden (the axpy order this replaced ran each row's eight multiply-adds as one dependent chain and paid it).
- * - stream_MM (narrow outputs, see STREAM_MAX_FLOATS): one weight row at a time, in memory order.
+ * whose values are bf16 gives bitwise the fp32 form's result while reading half the bytes. Two orders, both
+ * reading the weight once for all m rows:
+ * - wide_W_MM (wide outputs; on AVX-512 every product of 2+ rows): a tile of MM rows x WIDE_P_MM vectors of outputs
+ *   held in registers while eight weight rows (sixteen for one-vector tiles) go through it (each weight vector
+ *   loaded once, multiplied into every row), then stored; the next rows add to it. The MM x P multiply-adds of a
+ *   weight row are independent chains, so the FMA latency is hidden (the axpy order this replaced ran each row's
+ *   eight multiply-adds as one dependent chain and paid it).
+ * - stream_W_MM (narrow outputs, see STREAM_MAX_FLOATS and STREAM_MAX_ROWS): one weight row at a time, in memory
+ *   order.
  * Every output is the same sequence of fused multiply-adds, k = 0, 1, 2, ... in order, whatever the order or the
  * number of rows, so a row's result does not depend on the rows beside it. Built at first use by
  * kernels/cpu/small_gemm.py with -O3 -march=native (included by small_gemm_op.cpp, which registers it as torch
@@ -97,9 +100,10 @@ static inline float bf16_to_float(uint16_t bits) {
  * - AVX-512 (32 registers; AMD EPYC Zen 4, one thread, wave 3 session 15): four vectors up to 6 rows, three at 7-8
  *   (24 accumulators), and only one-row products stream: a multi-row stream loads and stores its outputs for every
  *   multiply-add, and with weights in cache that bound it ([5, 256] x [256, 512] bf16 41 us streamed vs 15 tiled,
- *   [5, 768] x [768, 256] 44 vs 22); the LM head [8, 256] x [256, 8192] 641 -> 536 us. demo-k3's 5-row
- *   verification step 4.33 -> 3.60 ms. Thirty-two weight rows a pass ran faster with weights in cache but up to
- *   2x slower from memory (the prefetcher loses 32 interleaved rows), so eight. */
+ *   [5, 768] x [768, 256] 44 vs 22); the LM head [8, 256] x [256, 8192] 641 -> 522 us. demo-k3's 5-row
+ *   verification step 4.33 -> 3.60 ms (from memory some fp32 ones of 3-5 rows run slower tiled: [5, 256] x
+ *   [256, 512] 36 -> 53 us; small-k3's verification did not move). Thirty-two weight rows a pass ran faster with
+ *   weights in cache but up to 2x slower from memory (the prefetcher loses 32 interleaved rows), so eight. */
 #if defined(__AVX512F__)
 #define WIDE_P_1 4
 #define WIDE_P_2 4
@@ -141,7 +145,7 @@ static inline float bf16_to_float(uint16_t bits) {
   TILE_KERNEL(one_vector_##W##_8, W, 8, 1, 16)
 
 #define STREAM_MAX_FLOATS 4096 /* rows x outputs of a streamed product: its outputs stay in L1 */
-#define STREAM_ROW_PAD 16      /* floats between rows of a multi-row stream's outputs (see stream_MM) */
+#define STREAM_ROW_PAD 16      /* floats between rows of a multi-row stream's outputs (see stream_W_MM) */
 #define STREAM_MIN_TILED_COLUMNS 1024 /* outputs per row from which the tiles run instead, fitting or not */
 
 /* out[m, n0:n1] = x[m, :] @ wt[:, n0:n1] for MM rows, one weight row at a time: with n0 = 0 and n1 = n_out the
@@ -149,7 +153,7 @@ static inline float bf16_to_float(uint16_t bits) {
  * weight are too short for it to learn); the outputs stay in L1. Two or more rows accumulate in a local buffer
  * whose rows are STREAM_ROW_PAD floats apart, copied out at the end: rows of out a multiple of 4 KB apart (1,024
  * outputs) alias in the load/store unit, and [4, 768] x [768, 1024] ran 464 us in place against 137 for one row.
- * The same multiply-adds in the same order as tile_MM_P, so the result is bitwise the same. Keep the form: the
+ * The same multiply-adds in the same order as the tiles, so the result is bitwise the same. Keep the form: the
  * broadcasts held in an array and the inner loop over rows keep gcc -O3 from running the nest column-first (written
  * as a plain k/j nest, the one-row build ran [1, 768] x [768, 256] in 84 us instead of 52). Outputs of 1,024 or
  * more a row take the tiles even when they fit (STREAM_MIN_TILED_COLUMNS): [1, 256] x [256, 1536] 106 us tiled vs
@@ -201,7 +205,7 @@ static inline float bf16_to_float(uint16_t bits) {
       {wide_##W##_7, WIDE_P_7, one_vector_##W##_7}, {wide_##W##_8, WIDE_P_8, one_vector_##W##_8}};
 
 /* Output columns [n_begin, n_end) of out [m_rows, n_out] = x [m_rows, k_len] @ wt [k_len, n_out], 1 <= m_rows <= 8;
- * n_begin a multiple of VEC_FLOATS. Whole rows of narrow outputs stream the weight (stream_MM), else register
+ * n_begin a multiple of VEC_FLOATS. Whole rows of narrow outputs stream the weight (stream_W_MM), else register
  * tiles of P vectors, then of one vector for what is left of whole vectors. Columns past the last whole vector are
  * scalar, in the same k order. */
 #define SMALL_GEMM(W)                                                                                            \
