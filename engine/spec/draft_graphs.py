@@ -51,8 +51,8 @@ class DraftGraphs:
             return
         prepare_compiled_ops(device)
         self._code = fn.__code__.replace()  # Dynamo caches graphs per code object: one per drafter
-        self._step = compiled_with_options(self._bind(self._code), "inductor", checked_inductor_options(compilation, "cpu"),
-                                           dynamic=False)
+        options = checked_inductor_options(compilation, "cpu")
+        self._step = compiled_with_options(self._bind(self._code), "inductor", options, dynamic=False)
         self.guards = GuardSkipping(self._probe, self._code, self._bind)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 3 * len(self.buckets))
         logger.info("draft graphs: %s compiled, buckets %s", fn.__qualname__, list(self.buckets))

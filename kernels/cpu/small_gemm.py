@@ -2,11 +2,12 @@
 
 Contract:
 - `runs(x, weight)`: whether `linear(x, weight)` can take this kernel — a CPU with AVX-512F, or AVX2 and FMA,
-  where the C source (kernels/cpu/small_gemm.c) built, fp32 `x` with 1..`MAX_ROWS` rows, a 2-D fp32 or bf16 weight
-  (bf16: widened exactly to fp32 as the kernel loads it) `[out, in]` stored input-major (`weight.t()` contiguous: the layout the loader gives decode's weights, see
-  `lay_out_for_gemv` in engine/model/fused.py) that it `takes` (fp32 on CPU, at least `MIN_WEIGHT_ELEMS`
-  elements), no autograd; one row always, 2..8 rows for a weight of at least `MIN_MULTI_ROW_ELEMS` (smaller ones
-  MKL runs as fast). `takes` is also what the loader asks to store such weights input-major. The output columns
+  where the C source (kernels/cpu/small_gemm.c) built, fp32 `x` with 1..`MAX_ROWS` rows, a 2-D fp32 or bf16
+  weight (bf16: widened exactly to fp32 as the kernel loads it) `[out, in]` stored input-major (`weight.t()`
+  contiguous: the layout the loader gives decode's weights, see `lay_out_for_gemv` in engine/model/fused.py) of
+  at least `MIN_WEIGHT_ELEMS` elements, no autograd; one row always, 2..8 rows for a weight of at least
+  `MIN_MULTI_ROW_ELEMS` (smaller ones MKL runs as fast). `takes` (the same size rule, fp32 only) is what the
+  loader asks to store such weights input-major. The output columns
   are split over torch's threads (`at::parallel_for`, shares of at least 512 KB of weight: a small product stays
   on the calling thread).
 - `linear(x, weight)` -> `x @ weight^T` (`[..., in] x [out, in] -> [..., out]`), equal to `F.linear` within fp32
