@@ -195,8 +195,9 @@ def attach_compact_weights(model: nn.Module) -> int:
     """Gives each product the small-batch kernel reads (a bound `FusedLinear`'s fused tensor, a `compact_weight`-
     holding linear outside a bound group, stacked routed experts' `attach_compact`) an exact bf16 copy of its fp32
     weight where every value is a bf16 value (`small_gemm.compact_copy`: a bf16 checkpoint upcast to fp32), which
-    the kernel reads instead — bitwise the same products from half the bytes; returns the bytes added. Call once the weights hold their loaded values; a weight
-    written afterwards (rebinding, loading again) must call it again."""
+    the kernel reads instead — bitwise the same products from half the bytes; returns the bytes added. Call once
+    the weights hold their loaded values; a weight written afterwards (rebinding, loading again) must call it
+    again."""
     added = 0
     fused_members: set[int] = set()
     for module in model.modules():
