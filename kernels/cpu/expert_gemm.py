@@ -4,7 +4,8 @@ Contract:
 - `runs(x, experts)`: whether `products`/`products_sum` can take a batch — the kernel `available` (built, see
   kernels/cpu/small_gemm.py), fp32 CPU inputs, experts `[E, K, N]` contiguous (each expert input-major: the
   layout `bag_layout` views decode's experts in, kernels/moe/grouped.py) in fp32 or bf16 (an exact bf16 copy,
-  widened as the kernel loads it: `StackedExperts.compact_*`, engine/model/moe.py), no autograd.
+  widened as the kernel loads it: `StackedExperts.compact_gate_up` and `compact_w2`, engine/model/moe.py), no
+  autograd.
 - `products(x, experts, ids)`: x [T, K], ids [T, c] int64 in [0, E) -> [T, c, N], (t, j) = x[t] @ experts[ids[t, j]].
 - `products_sum(h, experts, ids)`: h [T, c, K] -> [T, N], t = Σ_j h[t, j] @ experts[ids[t, j]] (choices added in
   order). Both equal the embedding-bag form within fp32 rounding, and a token's result does not depend on the
