@@ -144,14 +144,17 @@ def product_rows(model: nn.Module) -> dict[int, int]:
     return rows
 
 
+def fused_linears(model: nn.Module):
+    """Every `FusedLinear` held as an attribute of a module of `model`."""
+    for module in model.modules():
+        yield from (value for value in vars(module).values() if isinstance(value, FusedLinear))
+
+
 def param_groups(model: nn.Module):
     """Every `ParamGroup` held as an attribute of a module of `model` (a `FusedLinear`'s own group included)."""
+    yield from (fused.group for fused in fused_linears(model))
     for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, FusedLinear):
-                yield value.group
-            elif isinstance(value, ParamGroup):
-                yield value
+        yield from (value for value in vars(module).values() if isinstance(value, ParamGroup))
 
 
 def embedding_weights(model: nn.Module) -> set[int]:
@@ -200,12 +203,11 @@ def attach_compact_weights(model: nn.Module) -> int:
     again."""
     added = 0
     fused_members: set[int] = set()
-    for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, FusedLinear) and (weight := value.group.tensor()) is not None:
-                fused_members.update(id(p) for p in value.group.params)
-                value.compact = small_gemm.compact_copy(weight)
-                added += _nbytes(value.compact)
+    for fused in fused_linears(model):
+        if (weight := fused.group.tensor()) is not None:
+            fused_members.update(id(p) for p in fused.group.params)
+            fused.compact = small_gemm.compact_copy(weight)
+            added += _nbytes(fused.compact)
     for module in model.modules():
         if hasattr(module, "compact_weight") and id(module.weight) not in fused_members:
             module.compact_weight = small_gemm.compact_copy(module.weight)

@@ -123,7 +123,7 @@ def _holders(model: nn.Module):
     """(tensor, hold) for every tensor the model's modules hold — parameters, buffers, tensor attributes and fused
     groups' tensors and fused products' exact bf16 copies; `hold(new)` makes the holder hold `new` instead (a
     parameter keeps its identity)."""
-    from engine.model.fused import FusedLinear, param_groups
+    from engine.model.fused import fused_linears, param_groups
 
     for module in model.modules():
         for param in module._parameters.values():
@@ -135,9 +135,9 @@ def _holders(model: nn.Module):
         for name, value in vars(module).items():
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                 yield value, lambda new, module=module, name=name: setattr(module, name, new)
-        for value in vars(module).values():  # a fused product's exact bf16 copy (engine/model/fused.py)
-            if isinstance(value, FusedLinear) and value.compact is not None:
-                yield value.compact, lambda new, fused=value: setattr(fused, "compact", new)
+    for fused in fused_linears(model):  # a fused product's exact bf16 copy (engine/model/fused.py)
+        if fused.compact is not None:
+            yield fused.compact, lambda new, fused=fused: setattr(fused, "compact", new)
     for group in param_groups(model):
         if group._fused is not None:
             yield group._fused, lambda new, group=group: setattr(group, "_fused", new)
