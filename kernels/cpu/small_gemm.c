@@ -82,6 +82,9 @@ static inline float bf16_to_float(uint16_t bits) {
         for (size_t k = kb; k < ke; k++) {                                                                           \
           vec_t wv[P];                                                                                               \
           for (int p = 0; p < P; p++) wv[p] = vec_load_##W(wt + k * n_out + j + p * VEC_FLOATS);                     \
+          if (PREFETCH_AHEAD(W, MM) && k + K_ROWS < k_len)                                                            \
+            for (int p = 0; p < P; p++) _mm_prefetch((const char *)(wt + (k + K_ROWS) * n_out + j + p * VEC_FLOATS), \
+                                                     _MM_HINT_T1);                                                    \
           for (int m = 0; m < MM; m++) {                                                                             \
             const vec_t xb = vec_broadcast(x + m * k_len + k);                                                       \
             for (int p = 0; p < P; p++) acc[m][p] = vec_fmadd(wv[p], xb, acc[m][p]);                                 \
@@ -92,6 +95,18 @@ static inline float bf16_to_float(uint16_t bits) {
       }                                                                                                              \
     }                                                                                                                \
   }
+/* Whether a tile prefetches, into L2, the weight rows its next pass reads (the same columns K_ROWS rows on): on
+ * AVX-512 for every tile but fp32 one-row ones. Intel Xeon (AVX-512, AMX machine of wave 3 session 16), one thread,
+ * weights from memory: the multi-row products had run at 70-80% of one row's bandwidth (the multiply-adds hold back
+ * the loads that would have kept enough misses in flight) and now run at one row's: [4, 256] x [256, 768] fp32
+ * 79 -> 54 us, [5, 256] x [256, 512] bf16 44 -> 24, [4, 768] x [768, 8192] fp32 1.98 -> 1.72 ms; one-row bf16
+ * 333 -> 283 us ([1, 256] x [256, 8192]); one-row fp32 3-6% slower with it, so without; in cache unchanged within
+ * noise. AVX2 builds are unmeasured with it, so without. */
+#if defined(__AVX512F__)
+#define PREFETCH_AHEAD(W, MM) (MM > 1 || sizeof(weight_##W) == 2)
+#else
+#define PREFETCH_AHEAD(W, MM) 0
+#endif
 /* The wide tile's width in vectors (WIDE_P_MM) per row count, its weight rows a pass (WIDE_K: eight, sixteen for
  * one-vector tiles) and the most rows a streamed product has (STREAM_MAX_ROWS).
  * - AVX2 (16 registers): MM x P accumulators + P weight vectors + a broadcast within 16; sixteen weight rows a pass
