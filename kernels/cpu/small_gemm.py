@@ -8,7 +8,7 @@ Contract:
   at least `MIN_WEIGHT_ELEMS` elements, no autograd; one row always, 2..8 rows for a weight of at least
   `MIN_MULTI_ROW_ELEMS` (smaller ones MKL runs as fast). `takes` (the same size rule, fp32 only) is what the
   loader asks to store such weights input-major. The output columns
-  are split over torch's threads (`at::parallel_for`, shares of at least 512 KB of weight: a small product stays
+  are split over torch's threads (`at::parallel_for`, shares of at least 2^14 weight elements: a small product stays
   on the calling thread).
 - `linear(x, weight)` -> `x @ weight^T` (`[..., in] x [out, in] -> [..., out]`), equal to `F.linear` within fp32
   rounding. A row's result does not depend on how many rows share the call (bitwise: each output is the same

@@ -25,7 +25,10 @@
 #include "small_gemm.c"
 #include "kda_step.c"
 
-static constexpr int64_t kMinShareFloats = 1 << 17;  // 512 KB of weight per thread's share, at least
+// Weight elements per thread's share, at least (64 KB of fp32, 32 KB of bf16). 2^17 ran most of demo-k3's products
+// on one thread at two; 2^14 took its compiled batch-1 step at two threads from 1.81 / 1.86 ms to 1.78 / 1.68
+// (2^12: 1.72 / 1.72; Intel Xeon, wave 3 session 16). One thread never forks, whatever the share.
+static constexpr int64_t kMinShareFloats = 1 << 14;
 static constexpr int64_t kColumnUnit = 16;           // threads split the outputs in 64-byte runs of a row of out
 
 // The kernel for the weight's element type (small_gemm.c): fp32, or bf16 widened exactly as it is loaded.
@@ -64,7 +67,7 @@ static at::Tensor small_gemm_cpu(const at::Tensor &x, const at::Tensor &w) {
   float *out_data = out.data_ptr<float>();
   const int64_t rows = xc.size(0), n_out = w.size(0), k_len = w.size(1);
   // Output columns split over torch's threads in kColumnUnit runs, each share at least kMinShareFloats of weight,
-  // so a small product runs on the calling thread alone (a fork costs more than it saves).
+  // so a small product runs on the calling thread alone (a fork would cost more than it saves).
   const int64_t units = (n_out + kColumnUnit - 1) / kColumnUnit;
   const int64_t grain = std::max<int64_t>(1, kMinShareFloats / (kColumnUnit * std::max<int64_t>(k_len, 1)));
   with_weight_data(w, [&](const auto *wt_data) {
